@@ -1,0 +1,171 @@
+//! The event record, v1: one built event as a builder emits it and as files store it. The
+//! fragments follow the record header verbatim as they arrived from the sources (their own
+//! headers, payloads and CRC trailers included), so a file can be checked down to each byte that
+//! entered the system. Specified in `docs/file-format.md`, section "Event record".
+
+use crate::bytes::{put_u16, put_u32, put_u64, u16_at, u32_at, u64_at};
+use crate::wire::TRAILER_SIZE;
+
+pub const EVENT_MARKER: u32 = 0xEE45_56EE;
+pub const EVENT_VERSION: u16 = 1;
+pub const EVENT_HEADER_SIZE: usize = 48;
+
+/// Event record flags.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EventFlags(pub u32);
+
+impl EventFlags {
+    /// At least one expected source is missing; the missing list names them.
+    pub const INCOMPLETE: u32 = 1 << 0;
+    /// The fragments disagree on the trigger type.
+    pub const TRIGGER_MISMATCH: u32 = 1 << 1;
+    /// Some fragment carries non-zero front-end status flags.
+    pub const FRONT_END_STATUS: u32 = 1 << 2;
+    /// Built again after the builder that first had it failed (request mode).
+    pub const REBUILT: u32 = 1 << 3;
+
+    pub fn has(self, f: u32) -> bool {
+        self.0 & f != 0
+    }
+
+    /// Names of the set flags, for humans and JSON.
+    pub fn names(self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        for (bit, name) in [
+            (Self::INCOMPLETE, "incomplete"),
+            (Self::TRIGGER_MISMATCH, "trigger_mismatch"),
+            (Self::FRONT_END_STATUS, "front_end_status"),
+            (Self::REBUILT, "rebuilt"),
+        ] {
+            if self.0 & bit != 0 {
+                v.push(name);
+            }
+        }
+        v
+    }
+}
+
+/// The header of an event record.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EventRecordHeader {
+    pub flags: EventFlags,
+    pub event_id: u64,
+    pub timestamp: u64,
+    pub trigger_type: u16,
+    pub builder_id: u16,
+    pub fragment_count: u32,
+    /// Header plus fragments, in bytes.
+    pub record_size: u32,
+    /// Source IDs expected but absent, ascending.
+    pub missing: Vec<u32>,
+    /// See [`EventRecordHeader::checksum_over`].
+    pub checksum: u32,
+}
+
+/// An event record that fails its own checks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EventError {
+    #[error("bad event marker")]
+    BadMarker,
+    #[error("unsupported event record version {0}")]
+    BadVersion(u16),
+    #[error("header size does not match the missing-source count")]
+    BadHeaderSize,
+    #[error("record size smaller than its header or larger than the maximum")]
+    BadRecordSize,
+    #[error("event checksum mismatch")]
+    BadChecksum,
+}
+
+impl EventRecordHeader {
+    pub fn header_size(&self) -> usize {
+        EVENT_HEADER_SIZE + 4 * self.missing.len()
+    }
+
+    /// Writes the header with a zero checksum field; see [`Self::seal`].
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.resize(start + self.header_size(), 0);
+        let b = &mut out[start..];
+        put_u32(b, 0, EVENT_MARKER);
+        put_u16(b, 4, EVENT_VERSION);
+        put_u16(b, 6, self.header_size() as u16);
+        put_u32(b, 8, self.record_size);
+        put_u32(b, 12, self.flags.0);
+        put_u64(b, 16, self.event_id);
+        put_u64(b, 24, self.timestamp);
+        put_u16(b, 32, self.trigger_type);
+        put_u16(b, 34, self.builder_id);
+        put_u32(b, 36, self.fragment_count);
+        put_u32(b, 40, self.missing.len() as u32);
+        put_u32(b, 44, 0);
+        for (i, m) in self.missing.iter().enumerate() {
+            put_u32(b, EVENT_HEADER_SIZE + 4 * i, *m);
+        }
+    }
+
+    /// The event checksum: CRC32C over the header bytes (checksum field zero) followed by the
+    /// 4-byte trailer CRC of every fragment in order. Each fragment's own CRC covers its bytes,
+    /// so this covers the whole record without reading the payloads a second time.
+    pub fn checksum_over<'a>(header: &[u8], fragments: impl IntoIterator<Item = &'a [u8]>) -> u32 {
+        let mut h = [0u8; 256];
+        let n = header.len().min(EVENT_HEADER_SIZE);
+        h[..n].copy_from_slice(&header[..n]);
+        h[44..48].fill(0);
+        let mut crc = crc32c::crc32c(&h[..n]);
+        crc = crc32c::crc32c_append(crc, &header[n..]);
+        for f in fragments {
+            if f.len() >= TRAILER_SIZE {
+                crc = crc32c::crc32c_append(crc, &f[f.len() - TRAILER_SIZE..f.len() - 4]);
+            }
+        }
+        crc
+    }
+
+    /// Stores `checksum` into an encoded header.
+    pub fn seal(header: &mut [u8], checksum: u32) {
+        put_u32(header, 44, checksum);
+    }
+
+    /// Parses the header at the start of `b` if it is all there (`Ok(None)`: need more bytes).
+    /// Returns the header and the record size.
+    pub fn decode_prefix(b: &[u8], max_record: usize) -> Result<Option<(EventRecordHeader, usize)>, EventError> {
+        if b.len() < EVENT_HEADER_SIZE {
+            if b.len() >= 4 && u32_at(b, 0) != EVENT_MARKER {
+                return Err(EventError::BadMarker);
+            }
+            return Ok(None);
+        }
+        if u32_at(b, 0) != EVENT_MARKER {
+            return Err(EventError::BadMarker);
+        }
+        let v = u16_at(b, 4);
+        if v != EVENT_VERSION {
+            return Err(EventError::BadVersion(v));
+        }
+        let hs = u16_at(b, 6) as usize;
+        let missing_n = u32_at(b, 40) as usize;
+        if missing_n > 16_000 || hs != EVENT_HEADER_SIZE + 4 * missing_n {
+            return Err(EventError::BadHeaderSize);
+        }
+        let rs = u32_at(b, 8) as usize;
+        if rs < hs || rs > max_record {
+            return Err(EventError::BadRecordSize);
+        }
+        if b.len() < hs {
+            return Ok(None);
+        }
+        let h = EventRecordHeader {
+            record_size: rs as u32,
+            flags: EventFlags(u32_at(b, 12)),
+            event_id: u64_at(b, 16),
+            timestamp: u64_at(b, 24),
+            trigger_type: u16_at(b, 32),
+            builder_id: u16_at(b, 34),
+            fragment_count: u32_at(b, 36),
+            missing: (0..missing_n).map(|i| u32_at(b, EVENT_HEADER_SIZE + 4 * i)).collect(),
+            checksum: u32_at(b, 44),
+        };
+        Ok(Some((h, rs)))
+    }
+}

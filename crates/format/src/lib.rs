@@ -1,0 +1,19 @@
+//! Tessera's formats, byte by byte, with no I/O: the fragment wire format that sources speak
+//! (`wire`), the readout-unit-to-builder link (`link`), the event record that builders emit and
+//! files store (`event`), the file container (`file`), and the verifiable payload patterns
+//! (`pattern`). Everything here works on byte slices, so it can be fuzzed, shared with Python and
+//! used by any transport. The normative description is `docs/wire-format.md` and
+//! `docs/file-format.md`; the test vectors in `tests/vectors.rs` pin both.
+
+pub mod bytes;
+pub mod event;
+pub mod file;
+pub mod link;
+pub mod pattern;
+pub mod shuffle;
+pub mod wire;
+
+pub use event::{EventFlags, EventRecordHeader};
+pub use wire::{
+    Decoded, FragmentHeader, FragmentView, Hello, RejectReason, StreamDecoder, StreamEnd,
+};

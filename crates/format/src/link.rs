@@ -1,0 +1,299 @@
+//! The links between Tessera's own roles, v1: readout unit → builder unit carries super-fragments;
+//! builder unit → recorder carries event records (`crate::event`). Both links open with a
+//! [`PeerHello`] and close cleanly with a [`PeerEnd`] that carries counts for the accounting
+//! balance. Specified in `docs/wire-format.md`, section "Builder links".
+//!
+//! The peer is another Tessera role, yet nothing here trusts it: every size is checked against the
+//! input and the configured maximum, and a malformed message is an error, never a panic.
+
+use crate::bytes::{pad4, put_u16, put_u32, put_u64, u16_at, u32_at, u64_at};
+use crate::event::{EventRecordHeader, EVENT_MARKER};
+use crate::wire::{FragmentHeader, FRAGMENT_HEADER_SIZE, MAX_HEADER_SIZE, START_MARKER, TRAILER_SIZE};
+
+pub const LINK_VERSION: u16 = 1;
+pub const PEER_HELLO_MAGIC: u32 = 0xEE22_BBEE;
+pub const SUPER_FRAGMENT_MARKER: u32 = 0xEE53_46EE;
+pub const PEER_END_MARKER: u32 = 0xEE0E_0EEE;
+pub const PEER_HELLO_SIZE: usize = 16;
+pub const PEER_END_SIZE: usize = 32;
+pub const SUPER_FRAGMENT_HEADER_SIZE: usize = 32;
+
+/// Which role opened a link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum PeerRole {
+    ReadoutUnit = 1,
+    BuilderUnit = 2,
+}
+
+impl PeerRole {
+    fn from_u16(v: u16) -> Option<PeerRole> {
+        match v {
+            1 => Some(PeerRole::ReadoutUnit),
+            2 => Some(PeerRole::BuilderUnit),
+            _ => None,
+        }
+    }
+}
+
+/// First message on a link between roles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerHello {
+    pub role: PeerRole,
+    pub id: u32,
+}
+
+impl PeerHello {
+    pub fn encode(&self) -> [u8; PEER_HELLO_SIZE] {
+        let mut b = [0u8; PEER_HELLO_SIZE];
+        put_u32(&mut b, 0, PEER_HELLO_MAGIC);
+        put_u16(&mut b, 4, LINK_VERSION);
+        put_u16(&mut b, 6, PEER_HELLO_SIZE as u16);
+        put_u16(&mut b, 8, self.role as u16);
+        put_u32(&mut b, 12, self.id);
+        b
+    }
+}
+
+/// Last message on a link closed cleanly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerEnd {
+    pub role: PeerRole,
+    pub id: u32,
+    /// Super-fragments (readout unit) or event records (builder unit) sent on this link.
+    pub units: u64,
+    /// Fragments inside them.
+    pub fragments: u64,
+}
+
+impl PeerEnd {
+    pub fn encode(&self) -> [u8; PEER_END_SIZE] {
+        let mut b = [0u8; PEER_END_SIZE];
+        put_u32(&mut b, 0, PEER_END_MARKER);
+        put_u16(&mut b, 4, LINK_VERSION);
+        put_u16(&mut b, 6, PEER_END_SIZE as u16);
+        put_u16(&mut b, 8, self.role as u16);
+        put_u32(&mut b, 12, self.id);
+        put_u64(&mut b, 16, self.units);
+        put_u64(&mut b, 24, self.fragments);
+        b
+    }
+}
+
+/// Header of the super-fragment a readout unit sends for one event: its links' fragments for
+/// that event, verbatim, and the list of its sources that did not deliver one.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SuperFragmentHeader {
+    pub readout_unit: u32,
+    pub event_id: u64,
+    pub fragment_count: u32,
+    /// Header plus fragments, in bytes.
+    pub total_size: u32,
+    pub missing: Vec<u32>,
+}
+
+impl SuperFragmentHeader {
+    pub fn header_size(&self) -> usize {
+        SUPER_FRAGMENT_HEADER_SIZE + 4 * self.missing.len()
+    }
+
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.resize(start + self.header_size(), 0);
+        let b = &mut out[start..];
+        put_u32(b, 0, SUPER_FRAGMENT_MARKER);
+        put_u16(b, 4, LINK_VERSION);
+        put_u16(b, 6, self.header_size() as u16);
+        put_u32(b, 8, self.readout_unit);
+        put_u32(b, 12, self.fragment_count);
+        put_u64(b, 16, self.event_id);
+        put_u32(b, 24, self.total_size);
+        put_u32(b, 28, self.missing.len() as u32);
+        for (i, m) in self.missing.iter().enumerate() {
+            put_u32(b, 32 + 4 * i, *m);
+        }
+    }
+}
+
+/// What a link decoder found at the start of its input.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LinkItem {
+    Hello(PeerHello),
+    /// A super-fragment of `consumed` bytes; its fragments start at its header size.
+    SuperFragment(SuperFragmentHeader),
+    /// An event record of `consumed` bytes.
+    Event(EventRecordHeader),
+    End(PeerEnd),
+    NeedMore(usize),
+    Idle,
+}
+
+/// A link message that breaks the protocol; the connection cannot continue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LinkError {
+    /// A message starts with an unknown marker.
+    #[error("unknown message marker {0:#010x}")]
+    BadMarker(u32),
+    /// Unsupported link protocol version.
+    #[error("unsupported link version {0}")]
+    BadVersion(u16),
+    /// A size field contradicts the message or exceeds the configured maximum.
+    #[error("bad size in {0}")]
+    BadSize(&'static str),
+    /// The hello names an unknown role.
+    #[error("unknown peer role {0}")]
+    BadRole(u16),
+    /// The stream ended inside a message.
+    #[error("link closed inside a message")]
+    Truncated,
+    /// An event record failed its own checks.
+    #[error("bad event record: {0}")]
+    Event(#[from] crate::event::EventError),
+}
+
+/// Decodes messages on a role-to-role link. `max_message` bounds a super-fragment or event record.
+pub fn decode_link(b: &[u8], max_message: usize) -> Result<(LinkItem, usize), LinkError> {
+    if b.is_empty() {
+        return Ok((LinkItem::Idle, 0));
+    }
+    if b.len() < 8 {
+        return Ok((LinkItem::NeedMore(8), 0));
+    }
+    let marker = u32_at(b, 0);
+    let version = u16_at(b, 4);
+    if version != LINK_VERSION {
+        return Err(LinkError::BadVersion(version));
+    }
+    let size = u16_at(b, 6) as usize;
+    match marker {
+        PEER_HELLO_MAGIC => {
+            if size != PEER_HELLO_SIZE {
+                return Err(LinkError::BadSize("peer hello"));
+            }
+            if b.len() < size {
+                return Ok((LinkItem::NeedMore(size), 0));
+            }
+            let role = PeerRole::from_u16(u16_at(b, 8)).ok_or(LinkError::BadRole(u16_at(b, 8)))?;
+            Ok((LinkItem::Hello(PeerHello { role, id: u32_at(b, 12) }), size))
+        }
+        PEER_END_MARKER => {
+            if size != PEER_END_SIZE {
+                return Err(LinkError::BadSize("peer end"));
+            }
+            if b.len() < size {
+                return Ok((LinkItem::NeedMore(size), 0));
+            }
+            let role = PeerRole::from_u16(u16_at(b, 8)).ok_or(LinkError::BadRole(u16_at(b, 8)))?;
+            let end = PeerEnd { role, id: u32_at(b, 12), units: u64_at(b, 16), fragments: u64_at(b, 24) };
+            Ok((LinkItem::End(end), size))
+        }
+        SUPER_FRAGMENT_MARKER => {
+            if b.len() < SUPER_FRAGMENT_HEADER_SIZE {
+                return Ok((LinkItem::NeedMore(SUPER_FRAGMENT_HEADER_SIZE), 0));
+            }
+            let missing_n = u32_at(b, 28) as usize;
+            let total = u32_at(b, 24) as usize;
+            if missing_n > (u16::MAX as usize) || size != SUPER_FRAGMENT_HEADER_SIZE + 4 * missing_n {
+                return Err(LinkError::BadSize("super-fragment header"));
+            }
+            if total < size || total > max_message {
+                return Err(LinkError::BadSize("super-fragment"));
+            }
+            if b.len() < total {
+                return Ok((LinkItem::NeedMore(total), 0));
+            }
+            let missing = (0..missing_n).map(|i| u32_at(b, 32 + 4 * i)).collect();
+            let h = SuperFragmentHeader {
+                readout_unit: u32_at(b, 8),
+                fragment_count: u32_at(b, 12),
+                event_id: u64_at(b, 16),
+                total_size: total as u32,
+                missing,
+            };
+            Ok((LinkItem::SuperFragment(h), total))
+        }
+        EVENT_MARKER => {
+            let (h, total) = match EventRecordHeader::decode_prefix(b, max_message)? {
+                Some(x) => x,
+                None => return Ok((LinkItem::NeedMore(needed_event(b)), 0)),
+            };
+            if b.len() < total {
+                return Ok((LinkItem::NeedMore(total), 0));
+            }
+            Ok((LinkItem::Event(h), total))
+        }
+        m => Err(LinkError::BadMarker(m)),
+    }
+}
+
+fn needed_event(b: &[u8]) -> usize {
+    if b.len() >= 8 {
+        (u16_at(b, 6) as usize).max(crate::event::EVENT_HEADER_SIZE)
+    } else {
+        crate::event::EVENT_HEADER_SIZE
+    }
+}
+
+/// Walks the fragments packed back to back in a super-fragment or event record body, checking
+/// only framing (markers and sizes); CRCs were checked where the fragments entered the system.
+pub struct Fragments<'a> {
+    body: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Fragments<'a> {
+    pub fn new(body: &'a [u8]) -> Self {
+        Fragments { body, pos: 0 }
+    }
+}
+
+/// A fragment inside a body: its header and byte range relative to the body.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackedFragment {
+    pub header: FragmentHeader,
+    pub start: usize,
+    pub len: usize,
+    pub header_size: usize,
+}
+
+impl PackedFragment {
+    /// The payload's byte range relative to the body.
+    pub fn payload_range(&self) -> std::ops::Range<usize> {
+        let s = self.start + self.header_size;
+        s..s + self.header.payload_size as usize
+    }
+}
+
+impl<'a> Iterator for Fragments<'a> {
+    type Item = Result<PackedFragment, LinkError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let b = &self.body[self.pos..];
+        if b.is_empty() {
+            return None;
+        }
+        let r = (|| {
+            if b.len() < FRAGMENT_HEADER_SIZE || u32_at(b, 0) != START_MARKER {
+                return Err(LinkError::BadSize("packed fragment header"));
+            }
+            let hs = b[5] as usize;
+            if !(FRAGMENT_HEADER_SIZE..=MAX_HEADER_SIZE).contains(&hs) {
+                return Err(LinkError::BadSize("packed fragment header size"));
+            }
+            let h = FragmentHeader::read(b);
+            let len = hs
+                .checked_add(pad4(h.payload_size as usize))
+                .and_then(|x| x.checked_add(TRAILER_SIZE))
+                .ok_or(LinkError::BadSize("packed fragment"))?;
+            if len > b.len() {
+                return Err(LinkError::BadSize("packed fragment"));
+            }
+            Ok(PackedFragment { header: h, start: self.pos, len, header_size: hs })
+        })();
+        match &r {
+            Ok(f) => self.pos += f.len,
+            Err(_) => self.pos = self.body.len(),
+        }
+        Some(r)
+    }
+}
