@@ -1,0 +1,650 @@
+//! The topology file: which sources, readout units, builders and recorder a run has, and how each
+//! behaves. Every key is declared here once, with its default in the `Default` impl next to it and
+//! a doc comment that `docs/configuration.md` repeats. Loading checks the whole topology and names
+//! the file, the key and the reason for anything wrong.
+
+mod size;
+
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+pub use size::ByteSize;
+use tessera_format::pattern::Pattern;
+
+/// A configuration that cannot be used, with where and why.
+#[derive(Debug, thiserror::Error)]
+#[error("{file}: {key}: {reason}")]
+pub struct ConfigError {
+    /// The file the configuration came from (`<built-in demo>` for the demo).
+    pub file: String,
+    /// The key, as a dotted TOML path (`readout[1].sources`), or `-` for the whole file.
+    pub key: String,
+    pub reason: String,
+}
+
+/// The whole topology.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Topology {
+    pub run: RunSection,
+    pub sources: SourcesSection,
+    /// Readout units. Empty: two units share the sources.
+    #[serde(rename = "readout")]
+    pub readout_units: Vec<ReadoutSection>,
+    /// Builder units. Empty: two builders.
+    #[serde(rename = "builder")]
+    pub builders: Vec<BuilderSection>,
+    pub assignment: AssignmentSection,
+    pub recorder: RecorderSection,
+    /// Error injection into emulated sources.
+    #[serde(rename = "inject")]
+    pub injections: Vec<Injection>,
+}
+
+/// `[run]`: the run as a whole.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunSection {
+    /// Run number. Absent: one more than the highest run found in the output directory.
+    pub number: Option<u64>,
+    /// Directory for data files, sidecars, quarantine dumps and the run manifest.
+    pub output: PathBuf,
+    /// Stop after this many triggers (0: no limit).
+    pub events: u64,
+    /// Stop after this many seconds (0: no limit). With neither limit the run goes until Ctrl-C.
+    pub duration_s: f64,
+    /// Largest payload a fragment may carry; larger ones are rejected as `oversize`.
+    pub max_fragment_size: ByteSize,
+    /// How often the live status line is refreshed, in milliseconds.
+    pub status_interval_ms: u64,
+    /// How long a stop may take to drain everything in flight before what is left is reported
+    /// as still buffered, in milliseconds.
+    pub drain_timeout_ms: u64,
+}
+
+impl Default for RunSection {
+    fn default() -> Self {
+        RunSection {
+            number: None,
+            output: PathBuf::from("./data"),
+            events: 0,
+            duration_s: 0.0,
+            max_fragment_size: ByteSize(1 << 20),
+            status_interval_ms: 1000,
+            drain_timeout_ms: 30_000,
+        }
+    }
+}
+
+/// How triggers are spaced in time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TriggerMode {
+    /// As fast as back-pressure allows.
+    Unlimited,
+    /// Every 1/rate seconds.
+    Periodic,
+    /// Exponential gaps with mean 1/rate, from `seed`: every source sees the same triggers.
+    Poisson,
+}
+
+/// `[sources]`: the emulated front-ends, and the IDs of external ones.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SourcesSection {
+    /// Number of emulated sources.
+    pub count: u32,
+    /// Source ID of the first emulated source; the others follow consecutively.
+    pub first_id: u32,
+    /// IDs of external sources: programs that connect to their readout unit and speak the wire
+    /// format themselves.
+    pub external: Vec<u32>,
+    /// Mean payload size of a fragment.
+    pub fragment_size: ByteSize,
+    /// Standard deviation of the payload size (0: every fragment has `fragment_size`); sizes are
+    /// drawn from a normal distribution clamped to [0, max_fragment_size].
+    pub size_spread: ByteSize,
+    pub trigger: TriggerMode,
+    /// Trigger rate for `periodic` and `poisson`, in Hz.
+    pub rate_hz: f64,
+    /// Seed shared by all sources: trigger times, trigger types and sizes derive from it.
+    pub seed: u64,
+    /// Payload pattern: `counter` (incompressible) or `adc` (12-bit samples, compressible).
+    pub pattern: String,
+    /// Number of distinct trigger types (1..=65535), drawn per event from the seed.
+    pub trigger_types: u16,
+    /// Threads driving the emulated sources (0: one per source up to 4).
+    pub threads: u32,
+    /// Bytes a source batches into one write when it is behind its trigger schedule.
+    pub batch: ByteSize,
+}
+
+impl Default for SourcesSection {
+    fn default() -> Self {
+        SourcesSection {
+            count: 8,
+            first_id: 0,
+            external: Vec::new(),
+            fragment_size: ByteSize(4096),
+            size_spread: ByteSize(0),
+            trigger: TriggerMode::Unlimited,
+            rate_hz: 1000.0,
+            seed: 1,
+            pattern: "counter".into(),
+            trigger_types: 4,
+            threads: 0,
+            batch: ByteSize(256 << 10),
+        }
+    }
+}
+
+/// A list of source IDs: `[0, 1, 2]` or `"0-20,30"`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SourceList {
+    #[default]
+    Auto,
+    Ids(Vec<u32>),
+    Ranges(String),
+}
+
+impl SourceList {
+    fn resolve(&self) -> Result<Option<Vec<u32>>, String> {
+        match self {
+            SourceList::Auto => Ok(None),
+            SourceList::Ids(v) => Ok(Some(v.clone())),
+            SourceList::Ranges(s) => {
+                let mut v = Vec::new();
+                for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                    let parse = |x: &str| x.trim().parse::<u32>().map_err(|_| format!("`{part}` is not an ID or a range like 0-20"));
+                    match part.split_once('-') {
+                        Some((a, b)) => {
+                            let (a, b) = (parse(a)?, parse(b)?);
+                            if a > b {
+                                return Err(format!("range `{part}` runs backwards"));
+                            }
+                            v.extend(a..=b);
+                        }
+                        None => v.push(parse(part)?),
+                    }
+                }
+                Ok(Some(v))
+            }
+        }
+    }
+}
+
+/// `[[readout]]`: one readout unit.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReadoutSection {
+    /// Unique readout unit ID.
+    pub id: u32,
+    /// Address its sources connect to (port 0: any free port, for runs in one process).
+    pub listen: String,
+    /// Source IDs this unit reads. Absent: the sources are split evenly over the units.
+    pub sources: SourceList,
+    /// Memory for buffered fragments, split evenly over its links. A link whose share is full
+    /// stops being read (TCP holds its source) and the unit reports BUSY.
+    pub buffer: ByteSize,
+    /// Size of the blocks a link reads into; raised to hold two maximum-size fragments.
+    pub read_chunk: ByteSize,
+    /// How long an event may wait for its last link before it is sent as incomplete, in ms.
+    pub event_timeout_ms: u64,
+    /// Write rejected fragments to `quarantine/ru<ID>.dump` under the output directory.
+    pub quarantine: bool,
+    /// Stop dumping (but keep counting) once a dump reaches this size.
+    pub quarantine_limit: ByteSize,
+}
+
+impl Default for ReadoutSection {
+    fn default() -> Self {
+        ReadoutSection {
+            id: 0,
+            listen: "127.0.0.1:0".into(),
+            sources: SourceList::Auto,
+            buffer: ByteSize(64 << 20),
+            read_chunk: ByteSize(256 << 10),
+            event_timeout_ms: 2000,
+            quarantine: true,
+            quarantine_limit: ByteSize(16 << 20),
+        }
+    }
+}
+
+/// `[[builder]]`: one builder unit.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BuilderSection {
+    /// Unique builder ID (0..65535).
+    pub id: u32,
+    /// Address readout units connect to.
+    pub listen: String,
+    /// Memory for super-fragments being assembled, split evenly over its readout-unit links.
+    pub buffer: ByteSize,
+    /// Size of the blocks a link reads into; raised to hold two maximum-size super-fragments.
+    pub read_chunk: ByteSize,
+    /// How long an event may wait for its last readout unit, in ms. Must exceed the readout
+    /// units' own timeout, so that a unit's late partial super-fragment still arrives in time.
+    pub event_timeout_ms: u64,
+}
+
+impl Default for BuilderSection {
+    fn default() -> Self {
+        BuilderSection {
+            id: 0,
+            listen: "127.0.0.1:0".into(),
+            buffer: ByteSize(128 << 20),
+            read_chunk: ByteSize(1 << 20),
+            event_timeout_ms: 5000,
+        }
+    }
+}
+
+/// `[assignment]`: which builder gets which event, computed alike by every readout unit.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AssignmentSection {
+    /// Blocks of this many consecutive event IDs go round-robin over the builders.
+    pub block: u64,
+}
+
+impl Default for AssignmentSection {
+    fn default() -> Self {
+        AssignmentSection { block: 1 }
+    }
+}
+
+impl AssignmentSection {
+    /// Index (into the builder list) of the builder that builds `event_id`.
+    pub fn builder_for(&self, event_id: u64, builders: usize) -> usize {
+        ((event_id / self.block.max(1)) % builders as u64) as usize
+    }
+}
+
+/// Compression codec names accepted in `[recorder] compression`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Compression {
+    None,
+    Lz4,
+    Zstd,
+}
+
+/// `[recorder]`: writes built events to files.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RecorderSection {
+    /// Address builders connect to.
+    pub listen: String,
+    /// Turn recording off: events are received, counted and dropped (for measurements).
+    pub enabled: bool,
+    /// Start a new file once the current one reaches this size.
+    pub max_file_size: ByteSize,
+    /// Raw bytes of event records per block (the unit of compression).
+    pub block_size: ByteSize,
+    pub compression: Compression,
+    /// zstd level (1..=22).
+    pub zstd_level: i32,
+    /// Byte-shuffle blocks (2-byte elements) before compressing.
+    pub shuffle: bool,
+    /// Limit the write rate, in bytes per second (0: no limit): rehearses a slow disk.
+    pub throttle: ByteSize,
+    /// fsync each file before it takes its final name.
+    pub fsync: bool,
+    /// Bound on event bytes queued between the recorder's links and its writer.
+    pub queue: ByteSize,
+}
+
+impl Default for RecorderSection {
+    fn default() -> Self {
+        RecorderSection {
+            listen: "127.0.0.1:0".into(),
+            enabled: true,
+            max_file_size: ByteSize(1 << 30),
+            block_size: ByteSize(1 << 20),
+            compression: Compression::None,
+            zstd_level: 1,
+            shuffle: true,
+            throttle: ByteSize(0),
+            fsync: true,
+            queue: ByteSize(64 << 20),
+        }
+    }
+}
+
+/// An error an emulated source injects on purpose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InjectKind {
+    /// Flip a payload byte after the CRC was computed.
+    BadCrc,
+    /// Corrupt the start marker.
+    BadMarker,
+    /// Send only the first half of the fragment.
+    Truncate,
+    /// Send the fragment twice.
+    Duplicate,
+    /// Send nothing for this event.
+    Skip,
+    /// Send this event after the next one.
+    Swap,
+    /// Close the connection abruptly before this event.
+    Disconnect,
+    /// Set the front-end error status flag.
+    StatusError,
+}
+
+/// `[[inject]]`: one kind of error on one source, at chosen events.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Injection {
+    pub source: u32,
+    pub kind: InjectKind,
+    /// Event IDs at which to inject.
+    #[serde(default)]
+    pub at: Vec<u64>,
+    /// Also inject at every event ID that is a multiple of this (0: off).
+    #[serde(default)]
+    pub every: u64,
+}
+
+impl Injection {
+    pub fn applies(&self, event_id: u64) -> bool {
+        (self.every > 0 && event_id % self.every == 0 && event_id > 0) || self.at.contains(&event_id)
+    }
+}
+
+/// A checked topology with everything derived that the roles need.
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    pub topology: Topology,
+    /// Where the configuration came from, for messages.
+    pub origin: String,
+    /// The configuration as text, as used (the digest is taken over it).
+    pub text: String,
+    /// SHA-256 of `text`.
+    pub digest: [u8; 32],
+    pub pattern: Pattern,
+    /// Source IDs read by each readout unit, in `topology.readout_units` order.
+    pub ru_sources: Vec<Vec<u32>>,
+    /// The readout unit index of every source.
+    pub source_ru: BTreeMap<u32, usize>,
+}
+
+impl Resolved {
+    pub fn emulated_sources(&self) -> impl Iterator<Item = u32> + '_ {
+        let s = &self.topology.sources;
+        s.first_id..s.first_id + s.count
+    }
+
+    pub fn all_sources(&self) -> Vec<u32> {
+        self.source_ru.keys().copied().collect()
+    }
+}
+
+impl Topology {
+    /// Reads and checks a topology file.
+    pub fn load(path: &Path) -> Result<Resolved, ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError { file: file.clone(), key: "-".into(), reason: format!("cannot read: {e}") })?;
+        Self::parse(&text, &file)
+    }
+
+    /// Parses and checks topology text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Resolved, ConfigError> {
+        let de = toml::Deserializer::new(text);
+        let topo: Topology = serde_path_to_error::deserialize(de).map_err(|e| {
+            let key = e.path().to_string();
+            let inner = e.into_inner();
+            let reason = inner.message().to_string();
+            let at = inner
+                .span()
+                .map(|s| {
+                    let line = text[..s.start.min(text.len())].matches('\n').count() + 1;
+                    format!(" (line {line})")
+                })
+                .unwrap_or_default();
+            ConfigError { file: origin.into(), key: if key == "." { "-".into() } else { key }, reason: format!("{reason}{at}") }
+        })?;
+        topo.resolve(origin, text.to_string())
+    }
+
+    /// The built-in demo: 8 sources, 2 readout units, 2 builders, 1 recorder, output under ./data.
+    pub fn demo() -> Resolved {
+        let mut t = Topology::default();
+        t.sources.fragment_size = ByteSize(4096);
+        t.sources.size_spread = ByteSize(1024);
+        t.sources.trigger = TriggerMode::Periodic;
+        t.sources.rate_hz = 5000.0;
+        t.run.events = 50_000;
+        let text = toml::to_string(&t).expect("demo serialises");
+        t.resolve("<built-in demo>", text).expect("the demo topology is valid")
+    }
+
+    /// Checks everything and derives the source placement. Takes defaults for absent sections.
+    pub fn resolve(mut self, origin: &str, text: String) -> Result<Resolved, ConfigError> {
+        let err = |key: &str, reason: String| ConfigError { file: origin.into(), key: key.into(), reason };
+        if self.readout_units.is_empty() {
+            self.readout_units = (0..2).map(|id| ReadoutSection { id, ..Default::default() }).collect();
+        }
+        if self.builders.is_empty() {
+            self.builders = (0..2).map(|id| BuilderSection { id, ..Default::default() }).collect();
+        }
+        let s = &self.sources;
+        let pattern = Pattern::from_name(&s.pattern).ok_or_else(|| err("sources.pattern", format!("`{}` is not a pattern (counter, adc)", s.pattern)))?;
+        if s.count == 0 && s.external.is_empty() {
+            return Err(err("sources.count", "no sources: set count > 0 or list external sources".into()));
+        }
+        if s.first_id.checked_add(s.count).is_none() {
+            return Err(err("sources.first_id", "first_id + count overflows a 32-bit source ID".into()));
+        }
+        if s.trigger != TriggerMode::Unlimited && !(s.rate_hz > 0.0 && s.rate_hz.is_finite()) {
+            return Err(err("sources.rate_hz", format!("must be a positive rate for trigger = {:?}, got {}", s.trigger, s.rate_hz)));
+        }
+        if s.trigger_types == 0 {
+            return Err(err("sources.trigger_types", "must be at least 1".into()));
+        }
+        let max = self.run.max_fragment_size.0;
+        if max == 0 || max > (1 << 30) {
+            return Err(err("run.max_fragment_size", "must be between 1 byte and 1 GiB".into()));
+        }
+        if s.fragment_size.0 > max {
+            return Err(err("sources.fragment_size", format!("{} exceeds run.max_fragment_size ({})", s.fragment_size, self.run.max_fragment_size)));
+        }
+        if !(self.run.duration_s >= 0.0 && self.run.duration_s.is_finite()) {
+            return Err(err("run.duration_s", "must be a non-negative number of seconds".into()));
+        }
+        if s.batch.0 == 0 {
+            return Err(err("sources.batch", "must be at least 1 byte".into()));
+        }
+        // Every source belongs to exactly one readout unit.
+        let emulated: BTreeSet<u32> = (s.first_id..s.first_id + s.count).collect();
+        let mut declared = emulated.clone();
+        for (i, x) in s.external.iter().enumerate() {
+            if !declared.insert(*x) {
+                return Err(err(&format!("sources.external[{i}]"), format!("source {x} is declared twice (emulated sources are {}..{})", s.first_id, s.first_id + s.count)));
+            }
+        }
+        let mut ids = BTreeSet::new();
+        for (i, ru) in self.readout_units.iter().enumerate() {
+            if !ids.insert(ru.id) {
+                return Err(err(&format!("readout[{i}].id"), format!("readout unit ID {} is used twice", ru.id)));
+            }
+        }
+        let explicit: Vec<Option<Vec<u32>>> = self
+            .readout_units
+            .iter()
+            .enumerate()
+            .map(|(i, ru)| ru.sources.resolve().map_err(|r| err(&format!("readout[{i}].sources"), r)))
+            .collect::<Result<_, _>>()?;
+        let mut source_ru = BTreeMap::new();
+        let mut ru_sources = vec![Vec::new(); self.readout_units.len()];
+        for (i, list) in explicit.iter().enumerate() {
+            if let Some(list) = list {
+                for x in list {
+                    if !declared.contains(x) {
+                        return Err(err(&format!("readout[{i}].sources"), format!("source {x} is neither emulated ({}..{}) nor listed in sources.external", s.first_id, s.first_id + s.count)));
+                    }
+                    if let Some(prev) = source_ru.insert(*x, i) {
+                        return Err(err(&format!("readout[{i}].sources"), format!("source {x} is already read by readout[{prev}]")));
+                    }
+                    ru_sources[i].push(*x);
+                }
+            }
+        }
+        let auto: Vec<usize> = explicit.iter().enumerate().filter(|(_, l)| l.is_none()).map(|(i, _)| i).collect();
+        let unplaced: Vec<u32> = declared.iter().copied().filter(|x| !source_ru.contains_key(x)).collect();
+        if !unplaced.is_empty() {
+            if auto.is_empty() {
+                return Err(err("readout", format!("sources {} are read by no readout unit", short_list(&unplaced))));
+            }
+            // Contiguous shares, the first units taking one more when it does not divide evenly.
+            let per = unplaced.len() / auto.len();
+            let extra = unplaced.len() % auto.len();
+            let mut it = unplaced.into_iter();
+            for (k, &i) in auto.iter().enumerate() {
+                let n = per + usize::from(k < extra);
+                for x in it.by_ref().take(n) {
+                    source_ru.insert(x, i);
+                    ru_sources[i].push(x);
+                }
+            }
+        }
+        let chunk_floor = 2 * (tessera_format::wire::MAX_HEADER_SIZE + max as usize + 16);
+        for (i, ru) in self.readout_units.iter_mut().enumerate() {
+            if ru_sources[i].is_empty() {
+                return Err(err(&format!("readout[{i}].sources"), format!("readout unit {} reads no source", ru.id)));
+            }
+            ru.read_chunk = ByteSize(ru.read_chunk.0.max(chunk_floor as u64));
+            let per_link = ru.buffer.0 / ru_sources[i].len() as u64;
+            if per_link < 2 * ru.read_chunk.0 {
+                return Err(err(
+                    &format!("readout[{i}].buffer"),
+                    format!(
+                        "{} over {} links leaves {} per link; each link needs at least two read chunks ({} each, from read_chunk and run.max_fragment_size): raise buffer to {} or more",
+                        ru.buffer, ru_sources[i].len(), ByteSize(per_link), ru.read_chunk, ByteSize(2 * ru.read_chunk.0 * ru_sources[i].len() as u64)
+                    ),
+                ));
+            }
+            if ru.event_timeout_ms == 0 {
+                return Err(err(&format!("readout[{i}].event_timeout_ms"), "must be at least 1 ms".into()));
+            }
+        }
+        let mut bids = BTreeSet::new();
+        let max_ru_timeout = self.readout_units.iter().map(|r| r.event_timeout_ms).max().unwrap_or(0);
+        let max_ru_sources = ru_sources.iter().map(Vec::len).max().unwrap_or(0);
+        let sf_floor = 2 * (64 + 4 * max_ru_sources + max_ru_sources * (tessera_format::wire::MAX_HEADER_SIZE + max as usize + 16));
+        let n_rus = self.readout_units.len() as u64;
+        for (i, bu) in self.builders.iter_mut().enumerate() {
+            if bu.id > u16::MAX as u32 {
+                return Err(err(&format!("builder[{i}].id"), format!("{} does not fit the 16-bit builder ID of the event record", bu.id)));
+            }
+            if !bids.insert(bu.id) {
+                return Err(err(&format!("builder[{i}].id"), format!("builder ID {} is used twice", bu.id)));
+            }
+            if bu.event_timeout_ms <= max_ru_timeout {
+                return Err(err(
+                    &format!("builder[{i}].event_timeout_ms"),
+                    format!("{} ms must exceed the readout units' event_timeout_ms ({max_ru_timeout} ms), or partial super-fragments arrive after the builder gave up", bu.event_timeout_ms),
+                ));
+            }
+            bu.read_chunk = ByteSize(bu.read_chunk.0.max(sf_floor as u64));
+            let per_link = bu.buffer.0 / n_rus;
+            if per_link < 2 * bu.read_chunk.0 {
+                return Err(err(
+                    &format!("builder[{i}].buffer"),
+                    format!("{} over {} readout-unit links leaves {} per link; each needs two read chunks of {}: raise buffer to {} or more", bu.buffer, n_rus, ByteSize(per_link), bu.read_chunk, ByteSize(2 * bu.read_chunk.0 * n_rus)),
+                ));
+            }
+        }
+        if self.assignment.block == 0 {
+            return Err(err("assignment.block", "must be at least 1".into()));
+        }
+        let r = &self.recorder;
+        if !(1..=22).contains(&r.zstd_level) {
+            return Err(err("recorder.zstd_level", format!("{} is outside 1..=22", r.zstd_level)));
+        }
+        if r.block_size.0 < 4096 || r.block_size.0 > (256 << 20) {
+            return Err(err("recorder.block_size", "must be between 4 KiB and 256 MiB".into()));
+        }
+        if r.max_file_size.0 < r.block_size.0 {
+            return Err(err("recorder.max_file_size", format!("{} is smaller than one block ({})", r.max_file_size, r.block_size)));
+        }
+        if r.queue.0 < sf_floor as u64 {
+            return Err(err("recorder.queue", format!("{} cannot hold one maximum-size event ({})", r.queue, ByteSize(sf_floor as u64 / 2))));
+        }
+        for (i, inj) in self.injections.iter().enumerate() {
+            if !emulated.contains(&inj.source) {
+                return Err(err(&format!("inject[{i}].source"), format!("{} is not an emulated source", inj.source)));
+            }
+            if inj.at.is_empty() && inj.every == 0 {
+                return Err(err(&format!("inject[{i}]"), "give `at` (event IDs) or `every`".into()));
+            }
+            if inj.kind == InjectKind::Disconnect && (inj.every != 0 || inj.at.len() != 1) {
+                return Err(err(&format!("inject[{i}].at"), "disconnect takes exactly one event ID in `at` and no `every`".into()));
+            }
+        }
+        use sha2::Digest;
+        let digest: [u8; 32] = sha2::Sha256::digest(text.as_bytes()).into();
+        Ok(Resolved { topology: self, origin: origin.into(), text, digest, pattern, ru_sources, source_ru })
+    }
+}
+
+fn short_list(v: &[u32]) -> String {
+    if v.len() <= 8 {
+        format!("{v:?}")
+    } else {
+        format!("{:?} and {} more", &v[..8], v.len() - 8)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<Resolved, ConfigError> {
+        Topology::parse(s, "t.toml")
+    }
+
+    #[test]
+    fn demo_is_valid_and_splits_sources() {
+        let d = Topology::demo();
+        assert_eq!(d.ru_sources, vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
+        assert_eq!(d.topology.builders.len(), 2);
+    }
+
+    #[test]
+    fn ranges_and_external() {
+        let r = parse(
+            "[sources]\ncount = 4\nexternal = [100]\n[[readout]]\nid = 0\nsources = \"0-3\"\n[[readout]]\nid = 1\nsources = [100]\n",
+        )
+        .unwrap();
+        assert_eq!(r.ru_sources, vec![vec![0, 1, 2, 3], vec![100]]);
+    }
+
+    #[test]
+    fn errors_name_key() {
+        let e = parse("[sources]\ncount = \"x\"\n").unwrap_err();
+        assert_eq!(e.key, "sources.count");
+        let e = parse("[sources]\nbogus = 1\n").unwrap_err();
+        assert!(e.reason.contains("bogus"), "{e}");
+        let e = parse("[[readout]]\nid = 0\nsources = \"0-3\"\n").unwrap_err();
+        assert!(e.reason.contains("read by no readout unit"), "{e}");
+        let e = parse("[[readout]]\nid=0\n[[readout]]\nid=0\n").unwrap_err();
+        assert_eq!(e.key, "readout[1].id");
+        let e = parse("[run]\nmax_fragment_size = \"12 parsecs\"\n").unwrap_err();
+        assert_eq!(e.key, "run.max_fragment_size");
+        let e = parse("[[readout]]\nid=0\nbuffer = \"1 MiB\"\n").unwrap_err();
+        assert_eq!(e.key, "readout[0].buffer");
+        assert!(e.to_string().starts_with("t.toml: readout[0].buffer: "), "{e}");
+    }
+
+    #[test]
+    fn builder_for_blocks() {
+        let a = AssignmentSection { block: 3 };
+        let got: Vec<usize> = (0..9).map(|e| a.builder_for(e, 2)).collect();
+        assert_eq!(got, vec![0, 0, 0, 1, 1, 1, 0, 0, 0]);
+    }
+}
