@@ -1,0 +1,122 @@
+//! A read chunk: one allocation that a link reads into, whose filled part is handed out as
+//! shared, immutable slices (fragments, super-fragments) without copying. The chunk's bytes are
+//! charged to a [`Budget`] for as long as any slice of it lives, so the budget bounds the real
+//! memory, not an estimate of it.
+
+use crate::budget::Budget;
+use std::ops::Deref;
+use std::sync::Arc;
+
+/// One budgeted allocation. Only the [`crate::ChunkReader`] that made it writes to it, and only
+/// past `filled`; everything before `filled` is immutable from then on.
+pub struct Chunk {
+    /// From `Box::into_raw`; freed in `Drop`. A raw pointer rather than a `Box` because the one
+    /// writer and many readers touch disjoint parts of it at once.
+    ptr: *mut u8,
+    cap: usize,
+    budget: Option<Arc<Budget>>,
+}
+
+// SAFETY: the bytes handed out through `ChunkSlice` are never written again (the writer only
+// writes the region past every slice ever handed out, see `ChunkReader`), so shared access from
+// many threads is read-only.
+unsafe impl Sync for Chunk {}
+unsafe impl Send for Chunk {}
+
+impl Chunk {
+    /// A chunk of `size` bytes charged to `budget` (already taken by the caller).
+    pub(crate) fn new(size: usize, budget: Option<Arc<Budget>>) -> Arc<Chunk> {
+        Self::from_box(vec![0u8; size].into_boxed_slice(), budget)
+    }
+
+    /// A chunk holding a copy of `bytes`, charged to nothing: for tests and small messages.
+    pub fn from_vec(bytes: Vec<u8>) -> Arc<Chunk> {
+        Self::from_box(bytes.into_boxed_slice(), None)
+    }
+
+    fn from_box(b: Box<[u8]>, budget: Option<Arc<Budget>>) -> Arc<Chunk> {
+        let cap = b.len();
+        let ptr = Box::into_raw(b) as *mut u8;
+        Arc::new(Chunk { ptr, cap, budget })
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    fn base(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// The unfilled region `[from, capacity)`, for the one writer.
+    ///
+    /// # Safety
+    /// No slice covering any byte at or past `from` may exist or be created while the returned
+    /// borrow lives, and only one such borrow may exist at a time.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn tail_mut(&self, from: usize) -> &mut [u8] {
+        std::slice::from_raw_parts_mut(self.base().add(from), self.capacity() - from)
+    }
+
+    /// Bytes `[start, start+len)`, which must lie in the filled region.
+    ///
+    /// # Safety
+    /// The region must be filled and never written again.
+    pub(crate) unsafe fn bytes(&self, start: usize, len: usize) -> &[u8] {
+        std::slice::from_raw_parts(self.base().add(start), len)
+    }
+}
+
+impl Drop for Chunk {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`cap` came from `Box::into_raw` of a boxed slice of exactly `cap` bytes,
+        // and no slice outlives the last `Arc<Chunk>`.
+        unsafe { drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.cap))) };
+        if let Some(b) = &self.budget {
+            b.give(self.capacity() as u64);
+        }
+    }
+}
+
+/// A shared, immutable view of bytes inside a chunk. Cloning it is a reference-count increment.
+#[derive(Clone)]
+pub struct ChunkSlice {
+    chunk: Arc<Chunk>,
+    start: usize,
+    len: usize,
+}
+
+impl ChunkSlice {
+    /// # Safety
+    /// `[start, start+len)` must be filled and frozen (see [`Chunk`]).
+    pub(crate) unsafe fn new(chunk: Arc<Chunk>, start: usize, len: usize) -> ChunkSlice {
+        debug_assert!(start + len <= chunk.capacity());
+        ChunkSlice { chunk, start, len }
+    }
+
+    /// A slice owning a copy of `bytes`, outside any budget.
+    pub fn copy_from(bytes: &[u8]) -> ChunkSlice {
+        let len = bytes.len();
+        ChunkSlice { chunk: Chunk::from_vec(bytes.to_vec()), start: 0, len }
+    }
+
+    /// A sub-slice `[off, off+len)` of this slice.
+    pub fn slice(&self, off: usize, len: usize) -> ChunkSlice {
+        assert!(off + len <= self.len, "sub-slice out of range");
+        ChunkSlice { chunk: self.chunk.clone(), start: self.start + off, len }
+    }
+}
+
+impl Deref for ChunkSlice {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: constructed only over filled, frozen bytes.
+        unsafe { self.chunk.bytes(self.start, self.len) }
+    }
+}
+
+impl std::fmt::Debug for ChunkSlice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ChunkSlice({} bytes)", self.len)
+    }
+}

@@ -1,0 +1,69 @@
+//! Socket helpers shared by every role.
+
+use std::io::{self, IoSlice, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+/// Writes every byte of `bufs`, retrying short writes (std's `write_all_vectored` is unstable).
+pub fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        match w.write_vectored(bufs) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "peer stopped accepting data")),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Sets up a data-path socket. Nagle is off: every role coalesces its own writes (whole batches
+/// of fragments per write), so the kernel's coalescing would only add delay to the last segment.
+/// A read timeout lets blocked readers notice a stop and check their timers.
+pub fn tune(stream: &TcpStream, read_timeout: Option<Duration>) -> io::Result<()> {
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(read_timeout)?;
+    Ok(())
+}
+
+/// Connects to `addr`, retrying refused connections until `patience` runs out: the peer role may
+/// still be starting (on another host, or a restarted daemon).
+pub fn connect_retry(addr: &str, patience: Duration) -> io::Result<TcpStream> {
+    let t0 = Instant::now();
+    let addrs: Vec<SocketAddr> = addr.to_socket_addrs()?.collect();
+    loop {
+        let mut last = None;
+        for a in &addrs {
+            match TcpStream::connect_timeout(a, Duration::from_secs(2)) {
+                Ok(s) => return Ok(s),
+                Err(e) => last = Some(e),
+            }
+        }
+        let e = last.unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{addr} resolves to nothing")));
+        if t0.elapsed() >= patience {
+            return Err(io::Error::new(e.kind(), format!("connecting to {addr}: {e}")));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Reads exactly `buf.len()` bytes, riding over read timeouts (for handshakes).
+pub fn read_exact_patient(r: &mut TcpStream, buf: &mut [u8], patience: Duration) -> io::Result<()> {
+    use std::io::Read;
+    let t0 = Instant::now();
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed during handshake")),
+            Ok(n) => got += n,
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted) => {
+                if t0.elapsed() > patience {
+                    return Err(io::Error::new(io::ErrorKind::TimedOut, "peer sent no handshake in time"));
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,12 @@
+//! Plumbing every role's data path shares: memory that is bounded by a budget and released when
+//! the last slice of it is dropped ([`budget`], [`chunk`]), a reader that fills such chunks from a
+//! socket and hands out zero-copy slices of whole messages ([`reader`]), vectored writes ([`io`]).
+
+pub mod budget;
+pub mod chunk;
+pub mod io;
+pub mod reader;
+
+pub use budget::Budget;
+pub use chunk::{Chunk, ChunkSlice};
+pub use reader::ChunkReader;

