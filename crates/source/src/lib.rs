@@ -1,0 +1,269 @@
+//! Emulated front-end sources. Each source opens one TCP connection to its readout unit, says
+//! hello, and sends one fragment per trigger. All sources derive the same triggers (event IDs,
+//! times, trigger types) from the shared seed, like boards fed by one trigger system.
+//!
+//! Sources are driven by a few threads, each serving several sources in lock step (a front-end
+//! crate): per batch of due triggers, every source's fragments are encoded straight into that
+//! source's send buffer and written with one call. A write that blocks is TCP back-pressure from
+//! the readout unit; the time blocked is the source's held (dead) time.
+
+pub mod schedule;
+
+use parking_lot::Mutex;
+use std::io::Write;
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tessera_config::{InjectKind, Injection, SourcesSection};
+use tessera_format::pattern::Pattern;
+use tessera_format::wire::{self, encode_fragment_with, FragmentHeader, Hello, StreamEnd};
+
+pub use schedule::{payload_size, trigger_type, TriggerSchedule};
+
+/// Live counters of one source.
+#[derive(Debug, Default)]
+pub struct SourceStats {
+    pub id: u32,
+    /// Fragments put on the wire, bad ones included.
+    pub fragments: AtomicU64,
+    pub bytes: AtomicU64,
+    /// Nanoseconds spent blocked in writes (back-pressure from the readout unit).
+    pub held_ns: AtomicU64,
+    /// Highest event ID sent so far + 1.
+    pub next_event: AtomicU64,
+    pub finished: AtomicBool,
+    /// Set when the connection closed early (injected, or the peer went away).
+    pub disconnected: AtomicBool,
+    pub error: Mutex<Option<String>>,
+}
+
+/// What a group of emulated sources needs to run.
+#[derive(Clone, Debug)]
+pub struct SourcePlan {
+    pub settings: SourcesSection,
+    pub pattern: Pattern,
+    pub max_payload: usize,
+    /// (source ID, readout unit address).
+    pub sources: Vec<(u32, String)>,
+    pub injections: Vec<Injection>,
+    /// Stop after this many triggers (0: no limit).
+    pub events: u64,
+}
+
+/// Handles to running source threads and their counters.
+pub struct RunningSources {
+    pub stats: Vec<Arc<SourceStats>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl RunningSources {
+    pub fn join(self) {
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+
+    pub fn all_finished(&self) -> bool {
+        self.stats.iter().all(|s| s.finished.load(Ordering::Relaxed))
+    }
+}
+
+struct Link {
+    stats: Arc<SourceStats>,
+    stream: Option<TcpStream>,
+    buf: Vec<u8>,
+    injections: Vec<Injection>,
+    /// An event held back by a `swap` injection, sent after the next one.
+    swapped: Option<u64>,
+}
+
+/// Connects every source and starts the driver threads. `stop` ends the run: sources finish the
+/// batch in hand, send end-of-stream and close.
+pub fn start(plan: SourcePlan, stop: Arc<AtomicBool>) -> std::io::Result<RunningSources> {
+    let mut links = Vec::new();
+    for (id, addr) in &plan.sources {
+        let stream = tessera_net::io::connect_retry(addr, Duration::from_secs(10))?;
+        stream.set_nodelay(true)?;
+        let mut s = stream;
+        s.write_all(&Hello::new(*id).encode())?;
+        let stats = Arc::new(SourceStats { id: *id, ..Default::default() });
+        let injections = plan.injections.iter().filter(|i| i.source == *id).cloned().collect();
+        links.push(Link { stats, stream: Some(s), buf: Vec::new(), injections, swapped: None });
+    }
+    let stats = links.iter().map(|l| l.stats.clone()).collect();
+    let threads_wanted = match plan.settings.threads {
+        0 => links.len().clamp(1, 4),
+        n => (n as usize).min(links.len()).max(1),
+    };
+    let mut groups: Vec<Vec<Link>> = (0..threads_wanted).map(|_| Vec::new()).collect();
+    for (i, l) in links.into_iter().enumerate() {
+        groups[i % threads_wanted].push(l);
+    }
+    let plan = Arc::new(plan);
+    let t0 = Instant::now();
+    let threads = groups
+        .into_iter()
+        .enumerate()
+        .map(|(k, group)| {
+            let plan = plan.clone();
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name(format!("source-drv-{k}"))
+                .spawn(move || drive(&plan, group, &stop, t0))
+                .expect("spawn source thread")
+        })
+        .collect();
+    Ok(RunningSources { stats, threads })
+}
+
+fn drive(plan: &SourcePlan, mut links: Vec<Link>, stop: &AtomicBool, t0: Instant) {
+    let s = &plan.settings;
+    let mut sched = TriggerSchedule::new(s.trigger, s.rate_hz, s.seed);
+    let mean_wire = wire::fragment_wire_size(s.fragment_size.0 as usize);
+    // Unlimited: batch as many triggers as fill `batch` bytes. Paced: whatever is due, capped.
+    let batch_events = ((s.batch.0 as usize) / mean_wire.max(1)).clamp(1, 4096) as u64;
+    let mut next_event = 0u64;
+    let mut pending: Option<(u64, u64)> = None; // (event, time) peeked from the schedule
+    loop {
+        if stop.load(Ordering::Relaxed) || (plan.events > 0 && next_event >= plan.events) {
+            break;
+        }
+        if links.iter().all(|l| l.stream.is_none()) {
+            break;
+        }
+        let mut due: Vec<(u64, u64)> = Vec::with_capacity(batch_events as usize);
+        let now = t0.elapsed().as_nanos() as u64;
+        while (due.len() as u64) < batch_events && (plan.events == 0 || next_event < plan.events) {
+            let (ev, t) = pending.take().unwrap_or_else(|| sched.next());
+            if s.trigger != tessera_config::TriggerMode::Unlimited && t > now {
+                pending = Some((ev, t));
+                break;
+            }
+            due.push((ev, t));
+            next_event = ev + 1;
+        }
+        if due.is_empty() {
+            let (_, t) = pending.expect("a trigger in the future");
+            let wait = Duration::from_nanos(t.saturating_sub(now)).min(Duration::from_millis(20));
+            std::thread::sleep(wait);
+            continue;
+        }
+        for link in links.iter_mut() {
+            if link.stream.is_none() {
+                continue;
+            }
+            for &(ev, t) in &due {
+                emit(plan, link, ev, t);
+                if link.stream.is_none() {
+                    break;
+                }
+            }
+            flush(link);
+            link.stats.next_event.store(next_event, Ordering::Relaxed);
+        }
+    }
+    for link in links.iter_mut() {
+        if let Some(ev) = link.swapped.take() {
+            encode(plan, link, ev, 0, 0, None);
+        }
+        if link.stream.is_some() {
+            let n = link.stats.fragments.load(Ordering::Relaxed);
+            link.buf.extend_from_slice(&StreamEnd { source_id: link.stats.id, fragments_sent: n }.encode());
+            flush(link);
+            if let Some(st) = link.stream.take() {
+                let _ = st.shutdown(std::net::Shutdown::Write);
+                // Wait for the readout unit to close its side, so that the end-of-stream is read
+                // before the connection can be reset.
+                let _ = st.set_read_timeout(Some(Duration::from_secs(10)));
+                let _ = std::io::Read::read(&mut &st, &mut [0u8; 16]);
+            }
+        }
+        link.stats.finished.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Appends the fragment(s) of one trigger to the link's buffer, applying its injections.
+fn emit(plan: &SourcePlan, link: &mut Link, ev: u64, t: u64) {
+    let kind = link.injections.iter().find(|i| i.applies(ev)).map(|i| i.kind);
+    match kind {
+        Some(InjectKind::Disconnect) => {
+            // Whatever was encoded before this trigger still goes out, then the link drops
+            // without an end-of-stream: the readout unit sees an early disconnect.
+            flush(link);
+            if let Some(st) = link.stream.take() {
+                let _ = st.shutdown(std::net::Shutdown::Both);
+            }
+            link.stats.disconnected.store(true, Ordering::Relaxed);
+            return;
+        }
+        Some(InjectKind::Skip) => return,
+        Some(InjectKind::Swap) if link.swapped.is_none() => {
+            link.swapped = Some(ev);
+            return;
+        }
+        _ => {}
+    }
+    encode(plan, link, ev, t, 0, kind);
+    if kind == Some(InjectKind::Duplicate) {
+        encode(plan, link, ev, t, 0, None);
+    }
+    if let Some(held) = link.swapped.take() {
+        if held != ev {
+            encode(plan, link, held, t, 0, None);
+        } else {
+            link.swapped = Some(held);
+        }
+    }
+}
+
+fn encode(plan: &SourcePlan, link: &mut Link, ev: u64, t: u64, status: u16, inject: Option<InjectKind>) {
+    let s = &plan.settings;
+    let id = link.stats.id;
+    let size = payload_size(s.seed, id, ev, s.fragment_size.0, s.size_spread.0, plan.max_payload as u64);
+    let status = if inject == Some(InjectKind::StatusError) { status | wire::status::FRONT_END_ERROR } else { status };
+    let h = FragmentHeader {
+        status,
+        source_id: id,
+        trigger_type: trigger_type(s.seed, ev, s.trigger_types),
+        event_id: ev,
+        timestamp: t,
+        payload_size: size as u32,
+    };
+    let start = link.buf.len();
+    let pattern = plan.pattern;
+    encode_fragment_with(&mut link.buf, &h, |p| pattern.fill(id, ev, p));
+    let end = link.buf.len();
+    match inject {
+        Some(InjectKind::BadCrc) => link.buf[end - 8] ^= 0xFF,
+        Some(InjectKind::BadMarker) => link.buf[start] = 0x00,
+        Some(InjectKind::Truncate) => link.buf.truncate(start + (end - start) / 2),
+        _ => {}
+    }
+    link.stats.fragments.fetch_add(1, Ordering::Relaxed);
+}
+
+fn flush(link: &mut Link) {
+    if link.buf.is_empty() {
+        return;
+    }
+    if let Some(st) = link.stream.as_mut() {
+        let t = Instant::now();
+        let r = st.write_all(&link.buf);
+        link.stats.held_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        match r {
+            Ok(()) => {
+                link.stats.bytes.fetch_add(link.buf.len() as u64, Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::warn!(source = link.stats.id, error = %e, "source connection failed");
+                *link.stats.error.lock() = Some(e.to_string());
+                link.stats.disconnected.store(true, Ordering::Relaxed);
+                link.stream = None;
+            }
+        }
+    }
+    link.buf.clear();
+}
