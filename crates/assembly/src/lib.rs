@@ -152,7 +152,11 @@ impl<T> Assembler<T> {
         let n = self.contributors;
         let p = self.pending.entry(event_id).or_insert_with(|| {
             self.order.push_back((event_id, now_ns));
-            Pending { parts: (0..n).map(|_| None).collect(), have: 0, first_seen_ns: now_ns }
+            Pending {
+                parts: (0..n).map(|_| None).collect(),
+                have: 0,
+                first_seen_ns: now_ns,
+            }
         });
         if p.parts[c].is_some() {
             self.stats.duplicates += 1;
@@ -170,11 +174,18 @@ impl<T> Assembler<T> {
 
     fn ready(&self, event_id: u64) -> bool {
         let p = &self.pending[&event_id];
-        p.have == self.contributors || p.parts.iter().zip(&self.closed).all(|(x, &closed)| x.is_some() || closed)
+        p.have == self.contributors
+            || p.parts
+                .iter()
+                .zip(&self.closed)
+                .all(|(x, &closed)| x.is_some() || closed)
     }
 
     fn depart(&mut self, event_id: u64, timed_out: bool) -> Assembled<T> {
-        let p = self.pending.remove(&event_id).expect("departing event is pending");
+        let p = self
+            .pending
+            .remove(&event_id)
+            .expect("departing event is pending");
         self.held_items -= p.have;
         let mut bits = Bits::new(self.contributors);
         let mut missing = Vec::new();
@@ -200,7 +211,13 @@ impl<T> Assembler<T> {
                 self.done.remove(&old);
             }
         }
-        Assembled { event_id, parts: p.parts, missing, timed_out, first_seen_ns: p.first_seen_ns }
+        Assembled {
+            event_id,
+            parts: p.parts,
+            missing,
+            timed_out,
+            first_seen_ns: p.first_seen_ns,
+        }
     }
 
     /// Events whose first item is older than the timeout, oldest first.
@@ -223,7 +240,10 @@ impl<T> Assembler<T> {
 
     /// When the oldest pending event will time out, if any.
     pub fn next_deadline(&self) -> Option<u64> {
-        self.order.iter().find(|(ev, t)| self.pending.get(ev).is_some_and(|p| p.first_seen_ns == *t)).map(|(_, t)| t + self.timeout_ns)
+        self.order
+            .iter()
+            .find(|(ev, t)| self.pending.get(ev).is_some_and(|p| p.first_seen_ns == *t))
+            .map(|(_, t)| t + self.timeout_ns)
     }
 
     /// Contributor `c` will deliver nothing more: events that waited only for it are ready now.
@@ -233,7 +253,12 @@ impl<T> Assembler<T> {
         }
         self.closed[c] = true;
         self.open -= 1;
-        let mut ids: Vec<u64> = self.pending.keys().copied().filter(|ev| self.ready(*ev)).collect();
+        let mut ids: Vec<u64> = self
+            .pending
+            .keys()
+            .copied()
+            .filter(|ev| self.ready(*ev))
+            .collect();
         ids.sort_unstable();
         ids.into_iter().map(|ev| self.depart(ev, false)).collect()
     }
@@ -286,7 +311,10 @@ mod tests {
         a.offer(0, 1, (), 0);
         a.offer(0, 2, (), 0);
         let out = a.close(1);
-        assert_eq!(out.iter().map(|e| e.event_id).collect::<Vec<_>>(), vec![1, 2]);
+        assert_eq!(
+            out.iter().map(|e| e.event_id).collect::<Vec<_>>(),
+            vec![1, 2]
+        );
         assert!(out.iter().all(|e| e.missing == vec![1]));
         match a.offer(0, 3, (), 0) {
             Offer::Ready(e) => assert_eq!(e.missing, vec![1]),

@@ -157,7 +157,11 @@ impl SourceList {
             SourceList::Ranges(s) => {
                 let mut v = Vec::new();
                 for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-                    let parse = |x: &str| x.trim().parse::<u32>().map_err(|_| format!("`{part}` is not an ID or a range like 0-20"));
+                    let parse = |x: &str| {
+                        x.trim()
+                            .parse::<u32>()
+                            .map_err(|_| format!("`{part}` is not an ID or a range like 0-20"))
+                    };
                     match part.split_once('-') {
                         Some((a, b)) => {
                             let (a, b) = (parse(a)?, parse(b)?);
@@ -352,7 +356,8 @@ pub struct Injection {
 
 impl Injection {
     pub fn applies(&self, event_id: u64) -> bool {
-        (self.every > 0 && event_id % self.every == 0 && event_id > 0) || self.at.contains(&event_id)
+        (self.every > 0 && event_id % self.every == 0 && event_id > 0)
+            || self.at.contains(&event_id)
     }
 }
 
@@ -388,7 +393,11 @@ impl Topology {
     /// Reads and checks a topology file.
     pub fn load(path: &Path) -> Result<Resolved, ConfigError> {
         let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError { file: file.clone(), key: "-".into(), reason: format!("cannot read: {e}") })?;
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: file.clone(),
+            key: "-".into(),
+            reason: format!("cannot read: {e}"),
+        })?;
         Self::parse(&text, &file)
     }
 
@@ -406,7 +415,11 @@ impl Topology {
                     format!(" (line {line})")
                 })
                 .unwrap_or_default();
-            ConfigError { file: origin.into(), key: if key == "." { "-".into() } else { key }, reason: format!("{reason}{at}") }
+            ConfigError {
+                file: origin.into(),
+                key: if key == "." { "-".into() } else { key },
+                reason: format!("{reason}{at}"),
+            }
         })?;
         topo.resolve(origin, text.to_string())
     }
@@ -420,41 +433,85 @@ impl Topology {
         t.sources.rate_hz = 5000.0;
         t.run.events = 50_000;
         let text = toml::to_string(&t).expect("demo serialises");
-        t.resolve("<built-in demo>", text).expect("the demo topology is valid")
+        t.resolve("<built-in demo>", text)
+            .expect("the demo topology is valid")
     }
 
     /// Checks everything and derives the source placement. Takes defaults for absent sections.
     pub fn resolve(mut self, origin: &str, text: String) -> Result<Resolved, ConfigError> {
-        let err = |key: &str, reason: String| ConfigError { file: origin.into(), key: key.into(), reason };
+        let err = |key: &str, reason: String| ConfigError {
+            file: origin.into(),
+            key: key.into(),
+            reason,
+        };
         if self.readout_units.is_empty() {
-            self.readout_units = (0..2).map(|id| ReadoutSection { id, ..Default::default() }).collect();
+            self.readout_units = (0..2)
+                .map(|id| ReadoutSection {
+                    id,
+                    ..Default::default()
+                })
+                .collect();
         }
         if self.builders.is_empty() {
-            self.builders = (0..2).map(|id| BuilderSection { id, ..Default::default() }).collect();
+            self.builders = (0..2)
+                .map(|id| BuilderSection {
+                    id,
+                    ..Default::default()
+                })
+                .collect();
         }
         let s = &self.sources;
-        let pattern = Pattern::from_name(&s.pattern).ok_or_else(|| err("sources.pattern", format!("`{}` is not a pattern (counter, adc)", s.pattern)))?;
+        let pattern = Pattern::from_name(&s.pattern).ok_or_else(|| {
+            err(
+                "sources.pattern",
+                format!("`{}` is not a pattern (counter, adc)", s.pattern),
+            )
+        })?;
         if s.count == 0 && s.external.is_empty() {
-            return Err(err("sources.count", "no sources: set count > 0 or list external sources".into()));
+            return Err(err(
+                "sources.count",
+                "no sources: set count > 0 or list external sources".into(),
+            ));
         }
         if s.first_id.checked_add(s.count).is_none() {
-            return Err(err("sources.first_id", "first_id + count overflows a 32-bit source ID".into()));
+            return Err(err(
+                "sources.first_id",
+                "first_id + count overflows a 32-bit source ID".into(),
+            ));
         }
         if s.trigger != TriggerMode::Unlimited && !(s.rate_hz > 0.0 && s.rate_hz.is_finite()) {
-            return Err(err("sources.rate_hz", format!("must be a positive rate for trigger = {:?}, got {}", s.trigger, s.rate_hz)));
+            return Err(err(
+                "sources.rate_hz",
+                format!(
+                    "must be a positive rate for trigger = {:?}, got {}",
+                    s.trigger, s.rate_hz
+                ),
+            ));
         }
         if s.trigger_types == 0 {
             return Err(err("sources.trigger_types", "must be at least 1".into()));
         }
         let max = self.run.max_fragment_size.0;
         if max == 0 || max > (1 << 30) {
-            return Err(err("run.max_fragment_size", "must be between 1 byte and 1 GiB".into()));
+            return Err(err(
+                "run.max_fragment_size",
+                "must be between 1 byte and 1 GiB".into(),
+            ));
         }
         if s.fragment_size.0 > max {
-            return Err(err("sources.fragment_size", format!("{} exceeds run.max_fragment_size ({})", s.fragment_size, self.run.max_fragment_size)));
+            return Err(err(
+                "sources.fragment_size",
+                format!(
+                    "{} exceeds run.max_fragment_size ({})",
+                    s.fragment_size, self.run.max_fragment_size
+                ),
+            ));
         }
         if !(self.run.duration_s >= 0.0 && self.run.duration_s.is_finite()) {
-            return Err(err("run.duration_s", "must be a non-negative number of seconds".into()));
+            return Err(err(
+                "run.duration_s",
+                "must be a non-negative number of seconds".into(),
+            ));
         }
         if s.batch.0 == 0 {
             return Err(err("sources.batch", "must be at least 1 byte".into()));
@@ -464,20 +521,34 @@ impl Topology {
         let mut declared = emulated.clone();
         for (i, x) in s.external.iter().enumerate() {
             if !declared.insert(*x) {
-                return Err(err(&format!("sources.external[{i}]"), format!("source {x} is declared twice (emulated sources are {}..{})", s.first_id, s.first_id + s.count)));
+                return Err(err(
+                    &format!("sources.external[{i}]"),
+                    format!(
+                        "source {x} is declared twice (emulated sources are {}..{})",
+                        s.first_id,
+                        s.first_id + s.count
+                    ),
+                ));
             }
         }
         let mut ids = BTreeSet::new();
         for (i, ru) in self.readout_units.iter().enumerate() {
             if !ids.insert(ru.id) {
-                return Err(err(&format!("readout[{i}].id"), format!("readout unit ID {} is used twice", ru.id)));
+                return Err(err(
+                    &format!("readout[{i}].id"),
+                    format!("readout unit ID {} is used twice", ru.id),
+                ));
             }
         }
         let explicit: Vec<Option<Vec<u32>>> = self
             .readout_units
             .iter()
             .enumerate()
-            .map(|(i, ru)| ru.sources.resolve().map_err(|r| err(&format!("readout[{i}].sources"), r)))
+            .map(|(i, ru)| {
+                ru.sources
+                    .resolve()
+                    .map_err(|r| err(&format!("readout[{i}].sources"), r))
+            })
             .collect::<Result<_, _>>()?;
         let mut source_ru = BTreeMap::new();
         let mut ru_sources = vec![Vec::new(); self.readout_units.len()];
@@ -488,17 +559,35 @@ impl Topology {
                         return Err(err(&format!("readout[{i}].sources"), format!("source {x} is neither emulated ({}..{}) nor listed in sources.external", s.first_id, s.first_id + s.count)));
                     }
                     if let Some(prev) = source_ru.insert(*x, i) {
-                        return Err(err(&format!("readout[{i}].sources"), format!("source {x} is already read by readout[{prev}]")));
+                        return Err(err(
+                            &format!("readout[{i}].sources"),
+                            format!("source {x} is already read by readout[{prev}]"),
+                        ));
                     }
                     ru_sources[i].push(*x);
                 }
             }
         }
-        let auto: Vec<usize> = explicit.iter().enumerate().filter(|(_, l)| l.is_none()).map(|(i, _)| i).collect();
-        let unplaced: Vec<u32> = declared.iter().copied().filter(|x| !source_ru.contains_key(x)).collect();
+        let auto: Vec<usize> = explicit
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_none())
+            .map(|(i, _)| i)
+            .collect();
+        let unplaced: Vec<u32> = declared
+            .iter()
+            .copied()
+            .filter(|x| !source_ru.contains_key(x))
+            .collect();
         if !unplaced.is_empty() {
             if auto.is_empty() {
-                return Err(err("readout", format!("sources {} are read by no readout unit", short_list(&unplaced))));
+                return Err(err(
+                    "readout",
+                    format!(
+                        "sources {} are read by no readout unit",
+                        short_list(&unplaced)
+                    ),
+                ));
             }
             // Contiguous shares, the first units taking one more when it does not divide evenly.
             let per = unplaced.len() / auto.len();
@@ -515,7 +604,10 @@ impl Topology {
         let chunk_floor = 2 * (tessera_format::wire::MAX_HEADER_SIZE + max as usize + 16);
         for (i, ru) in self.readout_units.iter_mut().enumerate() {
             if ru_sources[i].is_empty() {
-                return Err(err(&format!("readout[{i}].sources"), format!("readout unit {} reads no source", ru.id)));
+                return Err(err(
+                    &format!("readout[{i}].sources"),
+                    format!("readout unit {} reads no source", ru.id),
+                ));
             }
             ru.read_chunk = ByteSize(ru.read_chunk.0.max(chunk_floor as u64));
             let per_link = ru.buffer.0 / ru_sources[i].len() as u64;
@@ -529,20 +621,40 @@ impl Topology {
                 ));
             }
             if ru.event_timeout_ms == 0 {
-                return Err(err(&format!("readout[{i}].event_timeout_ms"), "must be at least 1 ms".into()));
+                return Err(err(
+                    &format!("readout[{i}].event_timeout_ms"),
+                    "must be at least 1 ms".into(),
+                ));
             }
         }
         let mut bids = BTreeSet::new();
-        let max_ru_timeout = self.readout_units.iter().map(|r| r.event_timeout_ms).max().unwrap_or(0);
+        let max_ru_timeout = self
+            .readout_units
+            .iter()
+            .map(|r| r.event_timeout_ms)
+            .max()
+            .unwrap_or(0);
         let max_ru_sources = ru_sources.iter().map(Vec::len).max().unwrap_or(0);
-        let sf_floor = 2 * (64 + 4 * max_ru_sources + max_ru_sources * (tessera_format::wire::MAX_HEADER_SIZE + max as usize + 16));
+        let sf_floor = 2
+            * (64
+                + 4 * max_ru_sources
+                + max_ru_sources * (tessera_format::wire::MAX_HEADER_SIZE + max as usize + 16));
         let n_rus = self.readout_units.len() as u64;
         for (i, bu) in self.builders.iter_mut().enumerate() {
             if bu.id > u16::MAX as u32 {
-                return Err(err(&format!("builder[{i}].id"), format!("{} does not fit the 16-bit builder ID of the event record", bu.id)));
+                return Err(err(
+                    &format!("builder[{i}].id"),
+                    format!(
+                        "{} does not fit the 16-bit builder ID of the event record",
+                        bu.id
+                    ),
+                ));
             }
             if !bids.insert(bu.id) {
-                return Err(err(&format!("builder[{i}].id"), format!("builder ID {} is used twice", bu.id)));
+                return Err(err(
+                    &format!("builder[{i}].id"),
+                    format!("builder ID {} is used twice", bu.id),
+                ));
             }
             if bu.event_timeout_ms <= max_ru_timeout {
                 return Err(err(
@@ -564,31 +676,67 @@ impl Topology {
         }
         let r = &self.recorder;
         if !(1..=22).contains(&r.zstd_level) {
-            return Err(err("recorder.zstd_level", format!("{} is outside 1..=22", r.zstd_level)));
+            return Err(err(
+                "recorder.zstd_level",
+                format!("{} is outside 1..=22", r.zstd_level),
+            ));
         }
         if r.block_size.0 < 4096 || r.block_size.0 > (256 << 20) {
-            return Err(err("recorder.block_size", "must be between 4 KiB and 256 MiB".into()));
+            return Err(err(
+                "recorder.block_size",
+                "must be between 4 KiB and 256 MiB".into(),
+            ));
         }
         if r.max_file_size.0 < r.block_size.0 {
-            return Err(err("recorder.max_file_size", format!("{} is smaller than one block ({})", r.max_file_size, r.block_size)));
+            return Err(err(
+                "recorder.max_file_size",
+                format!(
+                    "{} is smaller than one block ({})",
+                    r.max_file_size, r.block_size
+                ),
+            ));
         }
         if r.queue.0 < sf_floor as u64 {
-            return Err(err("recorder.queue", format!("{} cannot hold one maximum-size event ({})", r.queue, ByteSize(sf_floor as u64 / 2))));
+            return Err(err(
+                "recorder.queue",
+                format!(
+                    "{} cannot hold one maximum-size event ({})",
+                    r.queue,
+                    ByteSize(sf_floor as u64 / 2)
+                ),
+            ));
         }
         for (i, inj) in self.injections.iter().enumerate() {
             if !emulated.contains(&inj.source) {
-                return Err(err(&format!("inject[{i}].source"), format!("{} is not an emulated source", inj.source)));
+                return Err(err(
+                    &format!("inject[{i}].source"),
+                    format!("{} is not an emulated source", inj.source),
+                ));
             }
             if inj.at.is_empty() && inj.every == 0 {
-                return Err(err(&format!("inject[{i}]"), "give `at` (event IDs) or `every`".into()));
+                return Err(err(
+                    &format!("inject[{i}]"),
+                    "give `at` (event IDs) or `every`".into(),
+                ));
             }
             if inj.kind == InjectKind::Disconnect && (inj.every != 0 || inj.at.len() != 1) {
-                return Err(err(&format!("inject[{i}].at"), "disconnect takes exactly one event ID in `at` and no `every`".into()));
+                return Err(err(
+                    &format!("inject[{i}].at"),
+                    "disconnect takes exactly one event ID in `at` and no `every`".into(),
+                ));
             }
         }
         use sha2::Digest;
         let digest: [u8; 32] = sha2::Sha256::digest(text.as_bytes()).into();
-        Ok(Resolved { topology: self, origin: origin.into(), text, digest, pattern, ru_sources, source_ru })
+        Ok(Resolved {
+            topology: self,
+            origin: origin.into(),
+            text,
+            digest,
+            pattern,
+            ru_sources,
+            source_ru,
+        })
     }
 }
 
@@ -638,7 +786,10 @@ mod tests {
         assert_eq!(e.key, "run.max_fragment_size");
         let e = parse("[[readout]]\nid=0\nbuffer = \"1 MiB\"\n").unwrap_err();
         assert_eq!(e.key, "readout[0].buffer");
-        assert!(e.to_string().starts_with("t.toml: readout[0].buffer: "), "{e}");
+        assert!(
+            e.to_string().starts_with("t.toml: readout[0].buffer: "),
+            "{e}"
+        );
     }
 
     #[test]

@@ -10,9 +10,13 @@ pub struct ByteSize(pub u64);
 impl ByteSize {
     pub fn parse(s: &str) -> Result<ByteSize, String> {
         let t = s.trim();
-        let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+        let split = t
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(t.len());
         let (num, unit) = t.split_at(split);
-        let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a size (like 4096, \"16 KiB\", \"64MiB\")"))?;
+        let n: f64 = num
+            .parse()
+            .map_err(|_| format!("`{s}` is not a size (like 4096, \"16 KiB\", \"64MiB\")"))?;
         let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
             "" | "b" => 1,
             "k" | "kib" => 1 << 10,
@@ -23,7 +27,11 @@ impl ByteSize {
             "gb" => 1_000_000_000,
             "t" | "tib" => 1 << 40,
             "tb" => 1_000_000_000_000,
-            u => return Err(format!("unknown size unit `{u}` in `{s}` (B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)")),
+            u => {
+                return Err(format!(
+                    "unknown size unit `{u}` in `{s}` (B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)"
+                ))
+            }
         };
         let v = n * mult as f64;
         if !(v.is_finite() && v >= 0.0 && v < u64::MAX as f64) {
@@ -38,7 +46,11 @@ impl fmt::Display for ByteSize {
         let v = self.0;
         for (unit, m) in [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)] {
             if v >= m {
-                return if v % m == 0 { write!(f, "{} {unit}", v / m) } else { write!(f, "{:.1} {unit}", v as f64 / m as f64) };
+                return if v % m == 0 {
+                    write!(f, "{} {unit}", v / m)
+                } else {
+                    write!(f, "{:.1} {unit}", v as f64 / m as f64)
+                };
             }
         }
         write!(f, "{v} B")
@@ -60,7 +72,9 @@ impl<'de> Deserialize<'de> for ByteSize {
                 f.write_str("a size in bytes, or a string like \"16 KiB\"")
             }
             fn visit_i64<E: de::Error>(self, v: i64) -> Result<ByteSize, E> {
-                u64::try_from(v).map(ByteSize).map_err(|_| E::custom("a size cannot be negative"))
+                u64::try_from(v)
+                    .map(ByteSize)
+                    .map_err(|_| E::custom("a size cannot be negative"))
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<ByteSize, E> {
                 Ok(ByteSize(v))

@@ -129,7 +129,10 @@ impl EventRecordHeader {
 
     /// Parses the header at the start of `b` if it is all there (`Ok(None)`: need more bytes).
     /// Returns the header and the record size.
-    pub fn decode_prefix(b: &[u8], max_record: usize) -> Result<Option<(EventRecordHeader, usize)>, EventError> {
+    pub fn decode_prefix(
+        b: &[u8],
+        max_record: usize,
+    ) -> Result<Option<(EventRecordHeader, usize)>, EventError> {
         if b.len() < EVENT_HEADER_SIZE {
             if b.len() >= 4 && u32_at(b, 0) != EVENT_MARKER {
                 return Err(EventError::BadMarker);
@@ -163,7 +166,9 @@ impl EventRecordHeader {
             trigger_type: u16_at(b, 32),
             builder_id: u16_at(b, 34),
             fragment_count: u32_at(b, 36),
-            missing: (0..missing_n).map(|i| u32_at(b, EVENT_HEADER_SIZE + 4 * i)).collect(),
+            missing: (0..missing_n)
+                .map(|i| u32_at(b, EVENT_HEADER_SIZE + 4 * i))
+                .collect(),
             checksum: u32_at(b, 44),
         };
         Ok(Some((h, rs)))

@@ -225,12 +225,18 @@ impl BlockEncoder {
             raw
         };
         // Shuffle without compression gains nothing, so uncompressed blocks are never shuffled.
-        let filter = if codec == Codec::None { Filter::None } else { filter };
+        let filter = if codec == Codec::None {
+            Filter::None
+        } else {
+            filter
+        };
         let stored: &[u8] = match codec {
             Codec::None => raw,
             Codec::Lz4 => {
-                self.out.resize(lz4_flex::block::get_maximum_output_size(input.len()), 0);
-                let n = lz4_flex::block::compress_into(input, &mut self.out).expect("sized by get_maximum_output_size");
+                self.out
+                    .resize(lz4_flex::block::get_maximum_output_size(input.len()), 0);
+                let n = lz4_flex::block::compress_into(input, &mut self.out)
+                    .expect("sized by get_maximum_output_size");
                 &self.out[..n]
             }
             Codec::Zstd => {
@@ -238,8 +244,11 @@ impl BlockEncoder {
                     zstd::bulk::Compressor::new(zstd_level).expect("zstd compressor")
                 });
                 let _ = c.set_compression_level(zstd_level);
-                self.out.resize(zstd::zstd_safe::compress_bound(input.len()), 0);
-                let n = c.compress_to_buffer(input, &mut self.out).expect("sized by compress_bound");
+                self.out
+                    .resize(zstd::zstd_safe::compress_bound(input.len()), 0);
+                let n = c
+                    .compress_to_buffer(input, &mut self.out)
+                    .expect("sized by compress_bound");
                 &self.out[..n]
             }
         };
@@ -257,10 +266,19 @@ impl BlockEncoder {
 }
 
 /// Decodes a block's stored bytes into `out` (cleared first) and checks the raw CRC.
-pub fn decode_block(h: &BlockHeader, stored: &[u8], scratch: &mut Vec<u8>, out: &mut Vec<u8>) -> Result<(), FileError> {
+pub fn decode_block(
+    h: &BlockHeader,
+    stored: &[u8],
+    scratch: &mut Vec<u8>,
+    out: &mut Vec<u8>,
+) -> Result<(), FileError> {
     out.clear();
     let raw = h.raw_size as usize;
-    let target: &mut Vec<u8> = if h.filter == Filter::Shuffle2 { scratch } else { &mut *out };
+    let target: &mut Vec<u8> = if h.filter == Filter::Shuffle2 {
+        scratch
+    } else {
+        &mut *out
+    };
     target.clear();
     target.resize(raw, 0);
     match h.codec {
@@ -271,15 +289,21 @@ pub fn decode_block(h: &BlockHeader, stored: &[u8], scratch: &mut Vec<u8>, out: 
             target.copy_from_slice(stored);
         }
         Codec::Lz4 => {
-            let n = lz4_flex::block::decompress_into(stored, target).map_err(|e| FileError::Decompress(e.to_string()))?;
+            let n = lz4_flex::block::decompress_into(stored, target)
+                .map_err(|e| FileError::Decompress(e.to_string()))?;
             if n != raw {
-                return Err(FileError::Decompress(format!("{n} bytes, header says {raw}")));
+                return Err(FileError::Decompress(format!(
+                    "{n} bytes, header says {raw}"
+                )));
             }
         }
         Codec::Zstd => {
-            let n = zstd::bulk::decompress_to_buffer(stored, target).map_err(|e| FileError::Decompress(e.to_string()))?;
+            let n = zstd::bulk::decompress_to_buffer(stored, target)
+                .map_err(|e| FileError::Decompress(e.to_string()))?;
             if n != raw {
-                return Err(FileError::Decompress(format!("{n} bytes, header says {raw}")));
+                return Err(FileError::Decompress(format!(
+                    "{n} bytes, header says {raw}"
+                )));
             }
         }
     }

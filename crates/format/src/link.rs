@@ -8,7 +8,9 @@
 
 use crate::bytes::{pad4, put_u16, put_u32, put_u64, u16_at, u32_at, u64_at};
 use crate::event::{EventRecordHeader, EVENT_MARKER};
-use crate::wire::{FragmentHeader, FRAGMENT_HEADER_SIZE, MAX_HEADER_SIZE, START_MARKER, TRAILER_SIZE};
+use crate::wire::{
+    FragmentHeader, FRAGMENT_HEADER_SIZE, MAX_HEADER_SIZE, START_MARKER, TRAILER_SIZE,
+};
 
 pub const LINK_VERSION: u16 = 1;
 pub const PEER_HELLO_MAGIC: u32 = 0xEE22_BBEE;
@@ -174,7 +176,13 @@ pub fn decode_link(b: &[u8], max_message: usize) -> Result<(LinkItem, usize), Li
                 return Ok((LinkItem::NeedMore(size), 0));
             }
             let role = PeerRole::from_u16(u16_at(b, 8)).ok_or(LinkError::BadRole(u16_at(b, 8)))?;
-            Ok((LinkItem::Hello(PeerHello { role, id: u32_at(b, 12) }), size))
+            Ok((
+                LinkItem::Hello(PeerHello {
+                    role,
+                    id: u32_at(b, 12),
+                }),
+                size,
+            ))
         }
         PEER_END_MARKER => {
             if size != PEER_END_SIZE {
@@ -184,7 +192,12 @@ pub fn decode_link(b: &[u8], max_message: usize) -> Result<(LinkItem, usize), Li
                 return Ok((LinkItem::NeedMore(size), 0));
             }
             let role = PeerRole::from_u16(u16_at(b, 8)).ok_or(LinkError::BadRole(u16_at(b, 8)))?;
-            let end = PeerEnd { role, id: u32_at(b, 12), units: u64_at(b, 16), fragments: u64_at(b, 24) };
+            let end = PeerEnd {
+                role,
+                id: u32_at(b, 12),
+                units: u64_at(b, 16),
+                fragments: u64_at(b, 24),
+            };
             Ok((LinkItem::End(end), size))
         }
         SUPER_FRAGMENT_MARKER => {
@@ -193,7 +206,8 @@ pub fn decode_link(b: &[u8], max_message: usize) -> Result<(LinkItem, usize), Li
             }
             let missing_n = u32_at(b, 28) as usize;
             let total = u32_at(b, 24) as usize;
-            if missing_n > (u16::MAX as usize) || size != SUPER_FRAGMENT_HEADER_SIZE + 4 * missing_n {
+            if missing_n > (u16::MAX as usize) || size != SUPER_FRAGMENT_HEADER_SIZE + 4 * missing_n
+            {
                 return Err(LinkError::BadSize("super-fragment header"));
             }
             if total < size || total > max_message {
@@ -288,7 +302,12 @@ impl<'a> Iterator for Fragments<'a> {
             if len > b.len() {
                 return Err(LinkError::BadSize("packed fragment"));
             }
-            Ok(PackedFragment { header: h, start: self.pos, len, header_size: hs })
+            Ok(PackedFragment {
+                header: h,
+                start: self.pos,
+                len,
+                header_size: hs,
+            })
         })();
         match &r {
             Ok(f) => self.pos += f.len,

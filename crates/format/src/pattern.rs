@@ -48,7 +48,11 @@ impl Pattern {
             let n = (payload.len() - off).min(buf.len());
             self.fill_at(source, event, off, &mut buf[..n]);
             if buf[..n] != payload[off..off + n] {
-                let k = buf[..n].iter().zip(&payload[off..off + n]).position(|(a, b)| a != b).unwrap_or(0);
+                let k = buf[..n]
+                    .iter()
+                    .zip(&payload[off..off + n])
+                    .position(|(a, b)| a != b)
+                    .unwrap_or(0);
                 return Some(off + k);
             }
             off += n;
@@ -107,7 +111,11 @@ fn fill_adc_from(s: u64, source: u32, first_sample: usize, out: &mut [u8]) {
         x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
         let noise = ((x >> 59) as i32) - 16; // -16..15
         let dt = i as i64 - pulse_at;
-        let pulse = if (0..64).contains(&dt) { amplitude >> (dt / 8) } else { 0 };
+        let pulse = if (0..64).contains(&dt) {
+            amplitude >> (dt / 8)
+        } else {
+            0
+        };
         let v = (pedestal + noise + pulse).clamp(0, 4095) as u16;
         c.copy_from_slice(&v.to_le_bytes());
         i += 1;
@@ -143,6 +151,8 @@ mod tests {
     fn adc_is_twelve_bit() {
         let mut v = vec![0u8; 2048];
         Pattern::Adc.fill(1, 2, &mut v);
-        assert!(v.chunks_exact(2).all(|c| u16::from_le_bytes([c[0], c[1]]) < 4096));
+        assert!(v
+            .chunks_exact(2)
+            .all(|c| u16::from_le_bytes([c[0], c[1]]) < 4096));
     }
 }

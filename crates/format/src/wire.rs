@@ -50,7 +50,11 @@ pub struct Hello {
 
 impl Hello {
     pub fn new(source_id: u32) -> Self {
-        Hello { version: WIRE_VERSION, source_id, flags: 0 }
+        Hello {
+            version: WIRE_VERSION,
+            source_id,
+            flags: 0,
+        }
     }
 
     pub fn encode(&self) -> [u8; HELLO_SIZE] {
@@ -78,7 +82,11 @@ impl Hello {
         if u16_at(b, 6) as usize != HELLO_SIZE {
             return Err(HelloError::BadSize(u16_at(b, 6)));
         }
-        Ok(Hello { version, source_id: u32_at(b, 8), flags: u32_at(b, 12) })
+        Ok(Hello {
+            version,
+            source_id: u32_at(b, 8),
+            flags: u32_at(b, 12),
+        })
     }
 }
 
@@ -179,7 +187,10 @@ pub struct FragmentView<'a> {
 impl<'a> FragmentView<'a> {
     /// Validates a complete fragment at the start of `b` (markers, sizes, both CRCs) with no
     /// limit on its source. Returns the view and the fragment's length.
-    pub fn parse(b: &'a [u8], max_payload: usize) -> Result<(FragmentView<'a>, usize), RejectReason> {
+    pub fn parse(
+        b: &'a [u8],
+        max_payload: usize,
+    ) -> Result<(FragmentView<'a>, usize), RejectReason> {
         let hs = check_header(b, max_payload, None)?;
         let h = FragmentHeader::read(b);
         let total = hs + pad4(h.payload_size as usize) + TRAILER_SIZE;
@@ -187,7 +198,14 @@ impl<'a> FragmentView<'a> {
             return Err(RejectReason::Truncated);
         }
         check_body(&b[..total])?;
-        Ok((FragmentView { header: h, bytes: &b[..total], header_size: hs }, total))
+        Ok((
+            FragmentView {
+                header: h,
+                bytes: &b[..total],
+                header_size: hs,
+            },
+            total,
+        ))
     }
 
     pub fn payload(&self) -> &'a [u8] {
@@ -347,7 +365,10 @@ pub enum Decoded {
     /// A rejected fragment (or stretch of bytes). `evidence` bytes from the start of the input
     /// show it, for the quarantine dump; `consumed` may be smaller when the decoder resynchronises
     /// inside the stretch.
-    Rejected { reason: RejectReason, evidence: usize },
+    Rejected {
+        reason: RejectReason,
+        evidence: usize,
+    },
     /// Bytes skipped while searching for the next start marker after a rejection; already
     /// counted by that rejection.
     Skipped,
@@ -451,12 +472,21 @@ impl StreamDecoder {
 
     fn step(&mut self, b: &[u8]) -> Step {
         if b.is_empty() {
-            return Step { item: Decoded::Idle, consumed: 0 };
+            return Step {
+                item: Decoded::Idle,
+                consumed: 0,
+            };
         }
         match self.state {
-            State::Failed => Step { item: Decoded::Idle, consumed: b.len() },
+            State::Failed => Step {
+                item: Decoded::Idle,
+                consumed: b.len(),
+            },
             State::Ended => Step {
-                item: Decoded::Rejected { reason: RejectReason::DataAfterEnd, evidence: b.len() },
+                item: Decoded::Rejected {
+                    reason: RejectReason::DataAfterEnd,
+                    evidence: b.len(),
+                },
                 consumed: b.len(),
             },
             State::AwaitHello => {
@@ -476,11 +506,17 @@ impl StreamDecoder {
                         }
                         self.state = State::Fragments;
                         self.source = Some(h.source_id);
-                        Step { item: Decoded::Hello(h), consumed: HELLO_SIZE }
+                        Step {
+                            item: Decoded::Hello(h),
+                            consumed: HELLO_SIZE,
+                        }
                     }
                     Err(e) => {
                         self.state = State::Failed;
-                        Step { item: Decoded::BadHello(e), consumed: 0 }
+                        Step {
+                            item: Decoded::BadHello(e),
+                            consumed: 0,
+                        }
                     }
                 }
             }
@@ -504,7 +540,9 @@ impl StreamDecoder {
             // boundary; until they check, the bytes are garbage and the sizes cannot be used.
             let hs = match check_header(b, usize::MAX, None) {
                 Ok(hs) => hs,
-                Err(reason) => return self.reject_or_skip(reason, 1, b.len().min(FRAGMENT_HEADER_SIZE)),
+                Err(reason) => {
+                    return self.reject_or_skip(reason, 1, b.len().min(FRAGMENT_HEADER_SIZE))
+                }
             };
             // A trusted header ends any resynchronisation: what follows is counted afresh.
             self.resyncing = false;
@@ -521,14 +559,23 @@ impl StreamDecoder {
             }
             match check_body(&b[..total]) {
                 Ok(()) if Some(h.source_id) != self.source => Step {
-                    item: Decoded::Rejected { reason: RejectReason::WrongSource, evidence: total },
+                    item: Decoded::Rejected {
+                        reason: RejectReason::WrongSource,
+                        evidence: total,
+                    },
                     consumed: total,
                 },
-                Ok(()) => Step { item: Decoded::Fragment(h), consumed: total },
+                Ok(()) => Step {
+                    item: Decoded::Fragment(h),
+                    consumed: total,
+                },
                 // The framing held (both markers where the header says), so only this fragment
                 // is lost and the next one starts right after it.
                 Err(RejectReason::BadCrc) => Step {
-                    item: Decoded::Rejected { reason: RejectReason::BadCrc, evidence: total },
+                    item: Decoded::Rejected {
+                        reason: RejectReason::BadCrc,
+                        evidence: total,
+                    },
                     consumed: total,
                 },
                 Err(reason) => self.reject_or_skip(reason, 1, total),
@@ -544,8 +591,14 @@ impl StreamDecoder {
             {
                 self.state = State::Ended;
                 self.resyncing = false;
-                let end = StreamEnd { source_id: u32_at(b, 8), fragments_sent: u64_at(b, 16) };
-                return Step { item: Decoded::End(end), consumed: EOS_SIZE };
+                let end = StreamEnd {
+                    source_id: u32_at(b, 8),
+                    fragments_sent: u64_at(b, 16),
+                };
+                return Step {
+                    item: Decoded::End(end),
+                    consumed: EOS_SIZE,
+                };
             }
             self.reject_or_skip(RejectReason::BadEndOfStream, 1, b.len().min(EOS_SIZE))
         } else if self.resyncing {
@@ -553,7 +606,13 @@ impl StreamDecoder {
         } else {
             self.resyncing = true;
             let evidence = find_marker(&b[1..]).map_or(b.len(), |k| k + 1);
-            Step { item: Decoded::Rejected { reason: RejectReason::BadMarker, evidence }, consumed: 1 }
+            Step {
+                item: Decoded::Rejected {
+                    reason: RejectReason::BadMarker,
+                    evidence,
+                },
+                consumed: 1,
+            }
         }
     }
 
@@ -561,26 +620,47 @@ impl StreamDecoder {
     /// rejection, later ones (false markers met while resynchronising) are skipped bytes.
     fn reject_or_skip(&mut self, reason: RejectReason, consumed: usize, evidence: usize) -> Step {
         if self.resyncing {
-            return Step { item: Decoded::Skipped, consumed };
+            return Step {
+                item: Decoded::Skipped,
+                consumed,
+            };
         }
         self.resyncing = true;
-        Step { item: Decoded::Rejected { reason, evidence }, consumed }
+        Step {
+            item: Decoded::Rejected { reason, evidence },
+            consumed,
+        }
     }
 
     fn scan(&mut self, b: &[u8]) -> Step {
         match find_marker(b) {
-            Some(0) => Step { item: Decoded::Skipped, consumed: 1 },
-            Some(k) => Step { item: Decoded::Skipped, consumed: k },
-            None if self.eof => Step { item: Decoded::Skipped, consumed: b.len() },
+            Some(0) => Step {
+                item: Decoded::Skipped,
+                consumed: 1,
+            },
+            Some(k) => Step {
+                item: Decoded::Skipped,
+                consumed: k,
+            },
+            None if self.eof => Step {
+                item: Decoded::Skipped,
+                consumed: b.len(),
+            },
             // Keep three bytes: a marker may straddle the end of the input.
-            None if b.len() > 3 => Step { item: Decoded::Skipped, consumed: b.len() - 3 },
+            None if b.len() > 3 => Step {
+                item: Decoded::Skipped,
+                consumed: b.len() - 3,
+            },
             None => need(4),
         }
     }
 }
 
 fn need(n: usize) -> Step {
-    Step { item: Decoded::NeedMore(n), consumed: 0 }
+    Step {
+        item: Decoded::NeedMore(n),
+        consumed: 0,
+    }
 }
 
 /// Position of the first fragment start or end-of-stream marker in `b`.
@@ -611,7 +691,12 @@ mod tests {
 
     fn frag(source: u32, event: u64, payload: &[u8]) -> Vec<u8> {
         let mut v = Vec::new();
-        let h = FragmentHeader { source_id: source, event_id: event, trigger_type: 1, ..Default::default() };
+        let h = FragmentHeader {
+            source_id: source,
+            event_id: event,
+            trigger_type: 1,
+            ..Default::default()
+        };
         encode_fragment(&mut v, &h, payload);
         v
     }
@@ -635,14 +720,39 @@ mod tests {
         let mut s = Hello::new(7).encode().to_vec();
         s.extend(frag(7, 1, b"abcde"));
         s.extend(frag(7, 2, b""));
-        s.extend(StreamEnd { source_id: 7, fragments_sent: 2 }.encode());
+        s.extend(
+            StreamEnd {
+                source_id: 7,
+                fragments_sent: 2,
+            }
+            .encode(),
+        );
         let mut d = StreamDecoder::new(1 << 20, None);
         let steps = drain(&mut d, &s);
         let items: Vec<_> = steps.iter().map(|s| s.item).collect();
-        assert!(matches!(items[0], Decoded::Hello(Hello { source_id: 7, .. })));
-        assert!(matches!(items[1], Decoded::Fragment(FragmentHeader { event_id: 1, payload_size: 5, .. })));
-        assert!(matches!(items[2], Decoded::Fragment(FragmentHeader { event_id: 2, .. })));
-        assert_eq!(items[3], Decoded::End(StreamEnd { source_id: 7, fragments_sent: 2 }));
+        assert!(matches!(
+            items[0],
+            Decoded::Hello(Hello { source_id: 7, .. })
+        ));
+        assert!(matches!(
+            items[1],
+            Decoded::Fragment(FragmentHeader {
+                event_id: 1,
+                payload_size: 5,
+                ..
+            })
+        ));
+        assert!(matches!(
+            items[2],
+            Decoded::Fragment(FragmentHeader { event_id: 2, .. })
+        ));
+        assert_eq!(
+            items[3],
+            Decoded::End(StreamEnd {
+                source_id: 7,
+                fragments_sent: 2
+            })
+        );
         assert!(d.ended());
     }
 
@@ -655,8 +765,17 @@ mod tests {
         s.extend(frag(1, 2, &[3; 10]));
         let mut d = StreamDecoder::new(1 << 20, None);
         let steps = drain(&mut d, &s);
-        assert_eq!(steps[1].item, Decoded::Rejected { reason: RejectReason::BadCrc, evidence: bad.len() });
-        assert!(matches!(steps[2].item, Decoded::Fragment(FragmentHeader { event_id: 2, .. })));
+        assert_eq!(
+            steps[1].item,
+            Decoded::Rejected {
+                reason: RejectReason::BadCrc,
+                evidence: bad.len()
+            }
+        );
+        assert!(matches!(
+            steps[2].item,
+            Decoded::Fragment(FragmentHeader { event_id: 2, .. })
+        ));
         assert_eq!(d.stats.skipped_bytes, 0);
     }
 
@@ -669,7 +788,10 @@ mod tests {
         s.extend(frag(1, 3, &[7; 200]));
         let mut d = StreamDecoder::new(1 << 20, None);
         let steps = drain(&mut d, &s);
-        let rejected: Vec<_> = steps.iter().filter(|s| matches!(s.item, Decoded::Rejected { .. })).collect();
+        let rejected: Vec<_> = steps
+            .iter()
+            .filter(|s| matches!(s.item, Decoded::Rejected { .. }))
+            .collect();
         assert_eq!(rejected.len(), 1);
         let ids: Vec<u64> = steps
             .iter()
@@ -687,7 +809,13 @@ mod tests {
         let mut s = Hello::new(1).encode().to_vec();
         let whole = frag(1, 1, &[5; 200]);
         s.extend(&whole[..100]);
-        s.extend(StreamEnd { source_id: 1, fragments_sent: 1 }.encode());
+        s.extend(
+            StreamEnd {
+                source_id: 1,
+                fragments_sent: 1,
+            }
+            .encode(),
+        );
         let mut d = StreamDecoder::new(1 << 20, None);
         let _ = drain(&mut d, &s[..HELLO_SIZE]);
         let mut rest = &s[HELLO_SIZE..];
@@ -702,8 +830,17 @@ mod tests {
             seen.push(st.item);
             rest = &rest[st.consumed..];
         }
-        assert!(matches!(seen[0], Decoded::Rejected { reason: RejectReason::Truncated, .. }));
-        assert!(seen.contains(&Decoded::End(StreamEnd { source_id: 1, fragments_sent: 1 })));
+        assert!(matches!(
+            seen[0],
+            Decoded::Rejected {
+                reason: RejectReason::Truncated,
+                ..
+            }
+        ));
+        assert!(seen.contains(&Decoded::End(StreamEnd {
+            source_id: 1,
+            fragments_sent: 1
+        })));
     }
 
     #[test]
@@ -714,9 +851,18 @@ mod tests {
         s.extend(frag(1, 2, &[1; 8]));
         let mut d = StreamDecoder::new(1 << 20, None);
         let steps = drain(&mut d, &s);
-        let rej: Vec<_> = steps.iter().filter(|s| matches!(s.item, Decoded::Rejected { .. })).collect();
+        let rej: Vec<_> = steps
+            .iter()
+            .filter(|s| matches!(s.item, Decoded::Rejected { .. }))
+            .collect();
         assert_eq!(rej.len(), 1);
-        assert_eq!(rej[0].item, Decoded::Rejected { reason: RejectReason::BadMarker, evidence: 37 });
+        assert_eq!(
+            rej[0].item,
+            Decoded::Rejected {
+                reason: RejectReason::BadMarker,
+                evidence: 37
+            }
+        );
         assert_eq!(d.stats.fragments, 2);
         assert_eq!(d.stats.skipped_bytes, 36);
     }
@@ -736,7 +882,10 @@ mod tests {
                 _ => None,
             })
             .collect();
-        assert_eq!(reasons, vec![RejectReason::WrongSource, RejectReason::Oversize]);
+        assert_eq!(
+            reasons,
+            vec![RejectReason::WrongSource, RejectReason::Oversize]
+        );
         assert_eq!(d.stats.fragments, 1);
     }
 
@@ -748,6 +897,9 @@ mod tests {
         let mut d = StreamDecoder::new(32, None);
         let mut h = Hello::new(3).encode();
         h[4] = 9;
-        assert_eq!(d.next(&h).item, Decoded::BadHello(HelloError::UnsupportedVersion(9)));
+        assert_eq!(
+            d.next(&h).item,
+            Decoded::BadHello(HelloError::UnsupportedVersion(9))
+        );
     }
 }

@@ -1,19 +1,23 @@
 //! Property tests: round trips, resynchronisation, and no panic on any input.
 
 use proptest::prelude::*;
-use tessera_format::file::{decode_block, BlockEncoder, BlockHeader, Codec, FileHeader, FileTrailer, Filter};
+use tessera_format::file::{
+    decode_block, BlockEncoder, BlockHeader, Codec, FileHeader, FileTrailer, Filter,
+};
 use tessera_format::link::{decode_link, Fragments};
 use tessera_format::wire::{encode_fragment, FragmentHeader, Hello, StreamEnd};
 use tessera_format::{Decoded, StreamDecoder};
 
 fn header() -> impl Strategy<Value = FragmentHeader> {
-    (any::<u16>(), any::<u16>(), any::<u64>(), any::<u64>()).prop_map(|(status, tt, ev, ts)| FragmentHeader {
-        status,
-        source_id: 5,
-        trigger_type: tt,
-        event_id: ev,
-        timestamp: ts,
-        payload_size: 0,
+    (any::<u16>(), any::<u16>(), any::<u64>(), any::<u64>()).prop_map(|(status, tt, ev, ts)| {
+        FragmentHeader {
+            status,
+            source_id: 5,
+            trigger_type: tt,
+            event_id: ev,
+            timestamp: ts,
+            payload_size: 0,
+        }
     })
 }
 
@@ -39,7 +43,10 @@ fn decode_in_pieces(stream: &[u8], cuts: &[usize], max: usize) -> Vec<(Decoded, 
                 continue;
             }
             item => {
-                assert!(s.consumed > 0 || matches!(item, Decoded::BadHello(_)), "no progress on {item:?}");
+                assert!(
+                    s.consumed > 0 || matches!(item, Decoded::BadHello(_)),
+                    "no progress on {item:?}"
+                );
                 out.push((item, stream[pos..pos + s.consumed].to_vec()));
                 pos += s.consumed;
                 if matches!(item, Decoded::BadHello(_)) {

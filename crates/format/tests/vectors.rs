@@ -27,25 +27,66 @@ fn hello_vector() {
 #[test]
 fn fragment_vector() {
     let mut v = Vec::new();
-    let hd = FragmentHeader { status: 0, source_id: 7, trigger_type: 2, event_id: 42, timestamp: 1000, payload_size: 5 };
+    let hd = FragmentHeader {
+        status: 0,
+        source_id: 7,
+        trigger_type: 2,
+        event_id: 42,
+        timestamp: 1000,
+        payload_size: 5,
+    };
     encode_fragment(&mut v, &hd, &[1, 2, 3, 4, 5]);
     assert_eq!(hex::encode(&v), hex::encode(h(FRAGMENT_SOURCE_7_EVENT_42)));
 }
 
 #[test]
 fn eos_vector() {
-    assert_eq!(StreamEnd { source_id: 7, fragments_sent: 3 }.encode().to_vec(), h(EOS_SOURCE_7));
+    assert_eq!(
+        StreamEnd {
+            source_id: 7,
+            fragments_sent: 3
+        }
+        .encode()
+        .to_vec(),
+        h(EOS_SOURCE_7)
+    );
 }
 
 #[test]
 fn link_vectors() {
-    let hello = PeerHello { role: PeerRole::ReadoutUnit, id: 1 }.encode();
-    assert_eq!(hex::encode(hello), "eebb22ee0100100001000000" .to_string() + "01000000");
-    let end = PeerEnd { role: PeerRole::BuilderUnit, id: 0, units: 2, fragments: 16 }.encode();
-    assert_eq!(hex::encode(end), "ee0e0eee010020000200000000000000".to_string() + "02000000000000001000000000000000");
+    let hello = PeerHello {
+        role: PeerRole::ReadoutUnit,
+        id: 1,
+    }
+    .encode();
+    assert_eq!(
+        hex::encode(hello),
+        "eebb22ee0100100001000000".to_string() + "01000000"
+    );
+    let end = PeerEnd {
+        role: PeerRole::BuilderUnit,
+        id: 0,
+        units: 2,
+        fragments: 16,
+    }
+    .encode();
+    assert_eq!(
+        hex::encode(end),
+        "ee0e0eee010020000200000000000000".to_string() + "02000000000000001000000000000000"
+    );
     let mut sf = Vec::new();
-    SuperFragmentHeader { readout_unit: 1, event_id: 42, fragment_count: 1, total_size: 36 + 64, missing: vec![9] }.encode_into(&mut sf);
-    assert_eq!(hex::encode(sf), "ee4653ee0100240001000000010000002a00000000000000640000000100000009000000");
+    SuperFragmentHeader {
+        readout_unit: 1,
+        event_id: 42,
+        fragment_count: 1,
+        total_size: 36 + 64,
+        missing: vec![9],
+    }
+    .encode_into(&mut sf);
+    assert_eq!(
+        hex::encode(sf),
+        "ee4653ee0100240001000000010000002a00000000000000640000000100000009000000"
+    );
 }
 
 #[test]
@@ -67,12 +108,37 @@ fn event_and_file_vectors() {
         hex::encode(&b),
         "ee5645ee0100340074000000010000002a00000000000000e8030000000000000200010001000000010000000000000009000000"
     );
-    let fh = FileHeader { run_number: 12, file_sequence: 3, codec: Codec::Lz4, filter: Filter::Shuffle2, start_time_ns: 5, config_digest: [0xAB; 32] };
+    let fh = FileHeader {
+        run_number: 12,
+        file_sequence: 3,
+        codec: Codec::Lz4,
+        filter: Filter::Shuffle2,
+        start_time_ns: 5,
+        config_digest: [0xAB; 32],
+    };
     let enc = fh.encode();
     assert_eq!(&enc[..8], b"\x89TSR\r\n\x1a\n");
     assert_eq!(FileHeader::decode(&enc).unwrap(), fh);
-    let bh = BlockHeader { codec: Codec::Lz4, filter: Filter::Shuffle2, stored_size: 10, raw_size: 20, event_count: 2, raw_crc: 0xdeadbeef, first_event_id: 7 };
-    assert_eq!(hex::encode(bh.encode()), "ee4c42ee010100000a0000001400000002000000efbeadde0700000000000000");
-    let t = FileTrailer { events: 1, incomplete_events: 1, fragments: 1, record_bytes: 116, blocks: 1, file_crc: 0x01020304 };
+    let bh = BlockHeader {
+        codec: Codec::Lz4,
+        filter: Filter::Shuffle2,
+        stored_size: 10,
+        raw_size: 20,
+        event_count: 2,
+        raw_crc: 0xdeadbeef,
+        first_event_id: 7,
+    };
+    assert_eq!(
+        hex::encode(bh.encode()),
+        "ee4c42ee010100000a0000001400000002000000efbeadde0700000000000000"
+    );
+    let t = FileTrailer {
+        events: 1,
+        incomplete_events: 1,
+        fragments: 1,
+        record_bytes: 116,
+        blocks: 1,
+        file_crc: 0x01020304,
+    };
     assert_eq!(FileTrailer::decode(&t.encode()).unwrap(), t);
 }

@@ -19,7 +19,13 @@ pub struct Budget {
 
 impl Budget {
     pub fn new(limit: u64) -> Budget {
-        Budget { limit, used: Mutex::new(0), freed: Condvar::new(), busy_ns: AtomicU64::new(0), peak: AtomicU64::new(0) }
+        Budget {
+            limit,
+            used: Mutex::new(0),
+            freed: Condvar::new(),
+            busy_ns: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
+        }
     }
 
     pub fn limit(&self) -> u64 {
@@ -40,12 +46,14 @@ impl Budget {
             let t0 = Instant::now();
             while !fits(*used) {
                 if stop.load(Ordering::Relaxed) {
-                    self.busy_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    self.busy_ns
+                        .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
                     return false;
                 }
                 self.freed.wait_for(&mut used, Duration::from_millis(50));
             }
-            self.busy_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            self.busy_ns
+                .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
         *used += n;
         self.peak.fetch_max(*used, Ordering::Relaxed);

@@ -71,7 +71,11 @@ impl Drop for Chunk {
     fn drop(&mut self) {
         // SAFETY: `ptr`/`cap` came from `Box::into_raw` of a boxed slice of exactly `cap` bytes,
         // and no slice outlives the last `Arc<Chunk>`.
-        unsafe { drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.cap))) };
+        unsafe {
+            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.ptr, self.cap,
+            )))
+        };
         if let Some(b) = &self.budget {
             b.give(self.capacity() as u64);
         }
@@ -97,13 +101,21 @@ impl ChunkSlice {
     /// A slice owning a copy of `bytes`, outside any budget.
     pub fn copy_from(bytes: &[u8]) -> ChunkSlice {
         let len = bytes.len();
-        ChunkSlice { chunk: Chunk::from_vec(bytes.to_vec()), start: 0, len }
+        ChunkSlice {
+            chunk: Chunk::from_vec(bytes.to_vec()),
+            start: 0,
+            len,
+        }
     }
 
     /// A sub-slice `[off, off+len)` of this slice.
     pub fn slice(&self, off: usize, len: usize) -> ChunkSlice {
         assert!(off + len <= self.len, "sub-slice out of range");
-        ChunkSlice { chunk: self.chunk.clone(), start: self.start + off, len }
+        ChunkSlice {
+            chunk: self.chunk.clone(),
+            start: self.start + off,
+            len,
+        }
     }
 }
 

@@ -9,7 +9,12 @@ pub fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> i
     IoSlice::advance_slices(&mut bufs, 0);
     while !bufs.is_empty() {
         match w.write_vectored(bufs) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "peer stopped accepting data")),
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "peer stopped accepting data",
+                ))
+            }
             Ok(n) => IoSlice::advance_slices(&mut bufs, n),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
@@ -40,9 +45,17 @@ pub fn connect_retry(addr: &str, patience: Duration) -> io::Result<TcpStream> {
                 Err(e) => last = Some(e),
             }
         }
-        let e = last.unwrap_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{addr} resolves to nothing")));
+        let e = last.unwrap_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("{addr} resolves to nothing"),
+            )
+        });
         if t0.elapsed() >= patience {
-            return Err(io::Error::new(e.kind(), format!("connecting to {addr}: {e}")));
+            return Err(io::Error::new(
+                e.kind(),
+                format!("connecting to {addr}: {e}"),
+            ));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -55,11 +68,26 @@ pub fn read_exact_patient(r: &mut TcpStream, buf: &mut [u8], patience: Duration)
     let mut got = 0;
     while got < buf.len() {
         match r.read(&mut buf[got..]) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed during handshake")),
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "peer closed during handshake",
+                ))
+            }
             Ok(n) => got += n,
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
+                ) =>
+            {
                 if t0.elapsed() > patience {
-                    return Err(io::Error::new(io::ErrorKind::TimedOut, "peer sent no handshake in time"));
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "peer sent no handshake in time",
+                    ));
                 }
             }
             Err(e) => return Err(e),

@@ -33,7 +33,14 @@ pub struct ChunkReader {
 
 impl ChunkReader {
     pub fn new(budget: Arc<Budget>, chunk_size: usize) -> ChunkReader {
-        ChunkReader { budget, chunk_size, chunk: None, pos: 0, filled: 0, bytes_read: 0 }
+        ChunkReader {
+            budget,
+            chunk_size,
+            chunk: None,
+            pos: 0,
+            filled: 0,
+            bytes_read: 0,
+        }
     }
 
     pub fn budget(&self) -> &Arc<Budget> {
@@ -73,7 +80,11 @@ impl ChunkReader {
         let have = self.filled - self.pos;
         // A fresh chunk when this one cannot take the whole message, or is nearly used up.
         let room = cap - self.filled;
-        if self.chunk.is_none() || cap - self.pos < want || room < (self.chunk_size / 16).max(1).min(want.max(1)) || room == 0 {
+        if self.chunk.is_none()
+            || cap - self.pos < want
+            || room < (self.chunk_size / 16).max(1).min(want.max(1))
+            || room == 0
+        {
             let size = self.chunk_size.max(want);
             if !self.budget.take(size as u64, stop) {
                 return Ok(Fill::Stopped);
@@ -100,7 +111,14 @@ impl ChunkReader {
                     return Ok(Fill::Data(n));
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => return Ok(Fill::Data(0)),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Ok(Fill::Data(0))
+                }
                 Err(e) => return Err(e),
             }
         }

@@ -66,8 +66,18 @@ impl RunningSources {
         }
     }
 
+    /// Counters of sources whose threads have ended.
+    pub fn finished(stats: Vec<Arc<SourceStats>>) -> RunningSources {
+        RunningSources {
+            stats,
+            threads: Vec::new(),
+        }
+    }
+
     pub fn all_finished(&self) -> bool {
-        self.stats.iter().all(|s| s.finished.load(Ordering::Relaxed))
+        self.stats
+            .iter()
+            .all(|s| s.finished.load(Ordering::Relaxed))
     }
 }
 
@@ -89,9 +99,23 @@ pub fn start(plan: SourcePlan, stop: Arc<AtomicBool>) -> std::io::Result<Running
         stream.set_nodelay(true)?;
         let mut s = stream;
         s.write_all(&Hello::new(*id).encode())?;
-        let stats = Arc::new(SourceStats { id: *id, ..Default::default() });
-        let injections = plan.injections.iter().filter(|i| i.source == *id).cloned().collect();
-        links.push(Link { stats, stream: Some(s), buf: Vec::new(), injections, swapped: None });
+        let stats = Arc::new(SourceStats {
+            id: *id,
+            ..Default::default()
+        });
+        let injections = plan
+            .injections
+            .iter()
+            .filter(|i| i.source == *id)
+            .cloned()
+            .collect();
+        links.push(Link {
+            stats,
+            stream: Some(s),
+            buf: Vec::new(),
+            injections,
+            swapped: None,
+        });
     }
     let stats = links.iter().map(|l| l.stats.clone()).collect();
     let threads_wanted = match plan.settings.threads {
@@ -171,7 +195,13 @@ fn drive(plan: &SourcePlan, mut links: Vec<Link>, stop: &AtomicBool, t0: Instant
         }
         if link.stream.is_some() {
             let n = link.stats.fragments.load(Ordering::Relaxed);
-            link.buf.extend_from_slice(&StreamEnd { source_id: link.stats.id, fragments_sent: n }.encode());
+            link.buf.extend_from_slice(
+                &StreamEnd {
+                    source_id: link.stats.id,
+                    fragments_sent: n,
+                }
+                .encode(),
+            );
             flush(link);
             if let Some(st) = link.stream.take() {
                 let _ = st.shutdown(std::net::Shutdown::Write);
@@ -187,7 +217,11 @@ fn drive(plan: &SourcePlan, mut links: Vec<Link>, stop: &AtomicBool, t0: Instant
 
 /// Appends the fragment(s) of one trigger to the link's buffer, applying its injections.
 fn emit(plan: &SourcePlan, link: &mut Link, ev: u64, t: u64) {
-    let kind = link.injections.iter().find(|i| i.applies(ev)).map(|i| i.kind);
+    let kind = link
+        .injections
+        .iter()
+        .find(|i| i.applies(ev))
+        .map(|i| i.kind);
     match kind {
         Some(InjectKind::Disconnect) => {
             // Whatever was encoded before this trigger still goes out, then the link drops
@@ -219,11 +253,29 @@ fn emit(plan: &SourcePlan, link: &mut Link, ev: u64, t: u64) {
     }
 }
 
-fn encode(plan: &SourcePlan, link: &mut Link, ev: u64, t: u64, status: u16, inject: Option<InjectKind>) {
+fn encode(
+    plan: &SourcePlan,
+    link: &mut Link,
+    ev: u64,
+    t: u64,
+    status: u16,
+    inject: Option<InjectKind>,
+) {
     let s = &plan.settings;
     let id = link.stats.id;
-    let size = payload_size(s.seed, id, ev, s.fragment_size.0, s.size_spread.0, plan.max_payload as u64);
-    let status = if inject == Some(InjectKind::StatusError) { status | wire::status::FRONT_END_ERROR } else { status };
+    let size = payload_size(
+        s.seed,
+        id,
+        ev,
+        s.fragment_size.0,
+        s.size_spread.0,
+        plan.max_payload as u64,
+    );
+    let status = if inject == Some(InjectKind::StatusError) {
+        status | wire::status::FRONT_END_ERROR
+    } else {
+        status
+    };
     let h = FragmentHeader {
         status,
         source_id: id,
@@ -252,10 +304,14 @@ fn flush(link: &mut Link) {
     if let Some(st) = link.stream.as_mut() {
         let t = Instant::now();
         let r = st.write_all(&link.buf);
-        link.stats.held_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        link.stats
+            .held_ns
+            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
         match r {
             Ok(()) => {
-                link.stats.bytes.fetch_add(link.buf.len() as u64, Ordering::Relaxed);
+                link.stats
+                    .bytes
+                    .fetch_add(link.buf.len() as u64, Ordering::Relaxed);
             }
             Err(e) => {
                 tracing::warn!(source = link.stats.id, error = %e, "source connection failed");

@@ -29,7 +29,13 @@ pub struct TriggerSchedule {
 impl TriggerSchedule {
     pub fn new(mode: TriggerMode, rate_hz: f64, seed: u64) -> Self {
         let period_ns = if rate_hz > 0.0 { 1e9 / rate_hz } else { 0.0 };
-        TriggerSchedule { mode, period_ns, seed, event: 0, t_ns: 0.0 }
+        TriggerSchedule {
+            mode,
+            period_ns,
+            seed,
+            event: 0,
+            t_ns: 0.0,
+        }
     }
 
     /// The next trigger: (event ID, time in ns). Unlimited triggers all have time 0.
@@ -63,7 +69,9 @@ pub fn payload_size(seed: u64, source: u32, event: u64, mean: u64, spread: u64, 
     let h = splitmix(seed ^ splitmix(event ^ ((source as u64) << 44)));
     let (u1, u2) = (unit(h), unit(splitmix(h)));
     let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
-    (mean as f64 + z * spread as f64).round().clamp(0.0, max as f64) as u64
+    (mean as f64 + z * spread as f64)
+        .round()
+        .clamp(0.0, max as f64) as u64
 }
 
 #[cfg(test)]
@@ -80,14 +88,26 @@ mod tests {
         let mean_gap = last as f64 / 100_000.0;
         assert!((mean_gap - 125_000.0).abs() < 2_500.0, "{mean_gap}");
         // Same seed, same triggers.
-        let a: Vec<_> = (0..10).map({ let mut s = TriggerSchedule::new(TriggerMode::Poisson, 10.0, 7); move |_| s.next() }).collect();
-        let b: Vec<_> = (0..10).map({ let mut s = TriggerSchedule::new(TriggerMode::Poisson, 10.0, 7); move |_| s.next() }).collect();
+        let a: Vec<_> = (0..10)
+            .map({
+                let mut s = TriggerSchedule::new(TriggerMode::Poisson, 10.0, 7);
+                move |_| s.next()
+            })
+            .collect();
+        let b: Vec<_> = (0..10)
+            .map({
+                let mut s = TriggerSchedule::new(TriggerMode::Poisson, 10.0, 7);
+                move |_| s.next()
+            })
+            .collect();
         assert_eq!(a, b);
     }
 
     #[test]
     fn sizes_spread_and_clamp() {
-        let v: Vec<u64> = (0..10_000).map(|e| payload_size(1, 3, e, 1000, 300, 1500)).collect();
+        let v: Vec<u64> = (0..10_000)
+            .map(|e| payload_size(1, 3, e, 1000, 300, 1500))
+            .collect();
         let mean = v.iter().sum::<u64>() as f64 / v.len() as f64;
         assert!((mean - 1000.0).abs() < 20.0, "{mean}");
         assert!(v.iter().all(|&x| x <= 1500));

@@ -1,0 +1,532 @@
+//! The builder unit (CMS BU, CODA EB, ATLAS DCM).
+//!
+//! One reader thread per readout unit takes super-fragments (zero-copy slices of its read
+//! chunks) into the shared [`Assembler`]; a sweeper times events out; one sender writes finished
+//! event records to the recorder, fragments straight from the read chunks. Each event is checked:
+//! every expected source present (else flagged incomplete, naming the missing sources), one event
+//! ID in every fragment, fragment counts and sizes as the super-fragments declare, trigger types
+//! that agree.
+
+mod stats;
+
+use crossbeam_channel::{bounded, Receiver, Sender};
+use parking_lot::Mutex;
+use std::io::IoSlice;
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tessera_assembly::{Assembled, Assembler, Offer};
+use tessera_format::event::{EventFlags, EventRecordHeader};
+use tessera_format::link::{
+    decode_link, Fragments, LinkItem, PeerEnd, PeerHello, PeerRole, SuperFragmentHeader,
+};
+use tessera_net::reader::Fill;
+use tessera_net::{ChunkReader, ChunkSlice};
+
+pub use stats::{BuilderStats, RuLinkStats};
+
+pub struct BuilderConfig {
+    pub id: u16,
+    pub listener: TcpListener,
+    /// Readout unit IDs it expects, and the sources each reads (to name missing sources).
+    pub readout_units: Vec<(u32, Vec<u32>)>,
+    /// Where to send event records; `None`: count them and drop them (building measurements).
+    pub recorder: Option<String>,
+    pub buffer: u64,
+    pub read_chunk: usize,
+    pub event_timeout: Duration,
+    /// Largest super-fragment accepted.
+    pub max_message: usize,
+}
+
+type Part = (SuperFragmentHeader, ChunkSlice);
+
+/// A built event on its way to the recorder.
+struct Built {
+    header: Vec<u8>,
+    fragments: Vec<ChunkSlice>,
+}
+
+struct Shared {
+    id: u16,
+    rus: Vec<(u32, Vec<u32>)>,
+    assembler: Mutex<Assembler<Part>>,
+    to_recorder: Option<Sender<Vec<Built>>>,
+    stats: Arc<BuilderStats>,
+    t0: Instant,
+    stop: Arc<AtomicBool>,
+    abort: Arc<AtomicBool>,
+    max_message: usize,
+    read_chunk: usize,
+}
+
+pub struct BuilderUnit {
+    pub stats: Arc<BuilderStats>,
+    stop: Arc<AtomicBool>,
+    abort: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl BuilderUnit {
+    pub fn start(cfg: BuilderConfig) -> std::io::Result<BuilderUnit> {
+        let n = cfg.readout_units.len();
+        let per_link = (cfg.buffer / n.max(1) as u64).max(2 * cfg.read_chunk as u64);
+        let stats = Arc::new(BuilderStats::new(
+            cfg.id,
+            cfg.readout_units.iter().map(|r| r.0),
+            per_link,
+        ));
+        let stop = Arc::new(AtomicBool::new(false));
+        let abort = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::new();
+        let to_recorder = match &cfg.recorder {
+            Some(addr) => {
+                let s = tessera_net::io::connect_retry(addr, Duration::from_secs(10))?;
+                tessera_net::io::tune(&s, Some(Duration::from_secs(1)))?;
+                let (tx, rx) = bounded::<Vec<Built>>(256);
+                let st = stats.clone();
+                let id = cfg.id;
+                threads.push(spawn(format!("bu{id}-to-rec"), move || {
+                    send_to_recorder(id, s, rx, &st)
+                }));
+                Some(tx)
+            }
+            None => None,
+        };
+        let shared = Arc::new(Shared {
+            id: cfg.id,
+            rus: cfg.readout_units,
+            assembler: Mutex::new(Assembler::new(
+                n,
+                cfg.event_timeout.as_nanos() as u64,
+                1 << 16,
+            )),
+            to_recorder,
+            stats: stats.clone(),
+            t0: Instant::now(),
+            stop: stop.clone(),
+            abort: abort.clone(),
+            max_message: cfg.max_message,
+            read_chunk: cfg.read_chunk,
+        });
+        {
+            let sh = shared.clone();
+            threads.push(spawn(format!("bu{}-sweep", cfg.id), move || sweep(&sh)));
+        }
+        {
+            let sh = shared;
+            let l = cfg.listener;
+            threads.push(spawn(format!("bu{}-accept", cfg.id), move || {
+                accept(&sh, l)
+            }));
+        }
+        Ok(BuilderUnit {
+            stats,
+            stop,
+            abort,
+            threads,
+        })
+    }
+
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    pub fn abort(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.abort.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.threads.iter().all(|t| t.is_finished())
+    }
+
+    pub fn join(self) {
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(f)
+        .expect("spawn thread")
+}
+
+impl Shared {
+    fn now_ns(&self) -> u64 {
+        self.t0.elapsed().as_nanos() as u64
+    }
+
+    fn publish_held(&self, a: &Assembler<Part>) {
+        self.stats
+            .pending_events
+            .store(a.pending_events() as u64, Ordering::Relaxed);
+    }
+
+    fn close_link(&self, slot: usize) {
+        let ready = {
+            let mut a = self.assembler.lock();
+            let r = a.close(slot);
+            self.publish_held(&a);
+            r
+        };
+        self.finish(ready);
+    }
+
+    /// Checks and encodes departed events, and passes them on.
+    fn finish(&self, ready: Vec<Assembled<Part>>) {
+        if ready.is_empty() {
+            return;
+        }
+        let mut out = Vec::with_capacity(ready.len());
+        for ev in ready {
+            out.push(self.build(ev));
+        }
+        if let Some(tx) = &self.to_recorder {
+            let _ = tx.send(out);
+        }
+    }
+
+    fn build(&self, ev: Assembled<Part>) -> Built {
+        let st = &self.stats;
+        let mut flags = 0u32;
+        let mut missing: Vec<u32> = Vec::new();
+        let mut fragments: Vec<ChunkSlice> = Vec::new();
+        let mut trigger: Option<u16> = None;
+        let mut timestamp = 0u64;
+        for (slot, part) in ev.parts.into_iter().enumerate() {
+            let Some((h, sf)) = part else {
+                missing.extend_from_slice(&self.rus[slot].1);
+                continue;
+            };
+            st.held_fragments
+                .fetch_sub(h.fragment_count as u64, Ordering::Relaxed);
+            missing.extend_from_slice(&h.missing);
+            let body = sf.slice(h.header_size(), sf.len() - h.header_size());
+            let mut found = Vec::with_capacity(h.fragment_count as usize);
+            let mut bad = false;
+            for f in Fragments::new(&body) {
+                match f {
+                    Ok(f) if f.header.event_id == ev.event_id => found.push(f),
+                    _ => {
+                        bad = true;
+                        break;
+                    }
+                }
+            }
+            if bad || found.len() != h.fragment_count as usize {
+                // The super-fragment contradicts itself: none of its fragments can be trusted.
+                st.malformed_fragments
+                    .fetch_add(h.fragment_count as u64, Ordering::Relaxed);
+                missing.extend_from_slice(&self.rus[slot].1);
+                continue;
+            }
+            for f in found {
+                match trigger {
+                    None => {
+                        trigger = Some(f.header.trigger_type);
+                        timestamp = f.header.timestamp;
+                    }
+                    Some(t) if t != f.header.trigger_type => flags |= EventFlags::TRIGGER_MISMATCH,
+                    _ => {}
+                }
+                if f.header.status != 0 {
+                    flags |= EventFlags::FRONT_END_STATUS;
+                }
+                fragments.push(body.slice(f.start, f.len));
+            }
+        }
+        missing.sort_unstable();
+        missing.dedup();
+        if !missing.is_empty() {
+            flags |= EventFlags::INCOMPLETE;
+            let mut m = st.missing_by_source.lock();
+            for s in &missing {
+                *m.entry(*s).or_default() += 1;
+            }
+        }
+        let body: usize = fragments.iter().map(|f| f.len()).sum();
+        let mut h = EventRecordHeader {
+            flags: EventFlags(flags),
+            event_id: ev.event_id,
+            timestamp,
+            trigger_type: trigger.unwrap_or(0),
+            builder_id: self.id,
+            fragment_count: fragments.len() as u32,
+            record_size: 0,
+            missing,
+            checksum: 0,
+        };
+        h.record_size = (h.header_size() + body) as u32;
+        let mut header = Vec::with_capacity(h.header_size());
+        h.encode_into(&mut header);
+        let crc = EventRecordHeader::checksum_over(&header, fragments.iter().map(|f| &f[..]));
+        EventRecordHeader::seal(&mut header, crc);
+        let nf = fragments.len() as u64;
+        if flags & EventFlags::INCOMPLETE != 0 {
+            st.events_incomplete.fetch_add(1, Ordering::Relaxed);
+            st.fragments_in_incomplete.fetch_add(nf, Ordering::Relaxed);
+        } else {
+            st.events_complete.fetch_add(1, Ordering::Relaxed);
+            st.fragments_in_complete.fetch_add(nf, Ordering::Relaxed);
+        }
+        st.bytes_built
+            .fetch_add(h.record_size as u64, Ordering::Relaxed);
+        st.last_event.store(ev.event_id, Ordering::Relaxed);
+        if self.to_recorder.is_some() {
+            st.queued_fragments.fetch_add(nf, Ordering::Relaxed);
+        }
+        Built { header, fragments }
+    }
+}
+
+fn accept(sh: &Arc<Shared>, listener: TcpListener) {
+    let _ = listener.set_nonblocking(true);
+    let mut readers = Vec::new();
+    loop {
+        let waiting: Vec<usize> = sh
+            .stats
+            .links
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| !l.connected.load(Ordering::Relaxed))
+            .map(|(i, _)| i)
+            .collect();
+        if waiting.is_empty() {
+            break;
+        }
+        if sh.stop.load(Ordering::Relaxed) {
+            for slot in waiting {
+                sh.close_link(slot);
+            }
+            break;
+        }
+        match listener.accept() {
+            Ok((mut stream, peer)) => {
+                let _ = stream.set_nonblocking(false);
+                match handshake(sh, &mut stream) {
+                    Ok(slot) => {
+                        let sh2 = sh.clone();
+                        readers.push(spawn(
+                            format!("bu{}-ru{}", sh.id, sh.rus[slot].0),
+                            move || read_link(&sh2, slot, stream),
+                        ));
+                    }
+                    Err(why) => {
+                        tracing::warn!(builder = sh.id, %peer, %why, "refused a readout unit connection");
+                        sh.stats.refused_connections.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+    for r in readers {
+        let _ = r.join();
+    }
+}
+
+fn handshake(sh: &Shared, stream: &mut TcpStream) -> Result<usize, String> {
+    tessera_net::io::tune(stream, Some(Duration::from_millis(100))).map_err(|e| e.to_string())?;
+    let mut b = [0u8; tessera_format::link::PEER_HELLO_SIZE];
+    tessera_net::io::read_exact_patient(stream, &mut b, Duration::from_secs(5))
+        .map_err(|e| e.to_string())?;
+    let hello = match decode_link(&b, 0) {
+        Ok((LinkItem::Hello(h), _)) => h,
+        Ok(_) => return Err("first message is not a hello".into()),
+        Err(e) => return Err(e.to_string()),
+    };
+    if hello.role != PeerRole::ReadoutUnit {
+        return Err(format!("peer is a {:?}, not a readout unit", hello.role));
+    }
+    let slot = sh
+        .rus
+        .iter()
+        .position(|r| r.0 == hello.id)
+        .ok_or_else(|| format!("readout unit {} is not in this topology", hello.id))?;
+    if sh.stats.links[slot].connected.swap(true, Ordering::AcqRel) {
+        return Err(format!("readout unit {} is already connected", hello.id));
+    }
+    Ok(slot)
+}
+
+fn read_link(sh: &Shared, slot: usize, mut stream: TcpStream) {
+    let link = &sh.stats.links[slot];
+    let mut reader = ChunkReader::new(link.budget.clone(), sh.read_chunk.max(2 * sh.max_message));
+    let mut want = 0usize;
+    let mut got: Vec<(u64, Part)> = Vec::new();
+    let mut done = false;
+    loop {
+        loop {
+            match decode_link(reader.window(), sh.max_message) {
+                Ok((LinkItem::SuperFragment(h), n)) => {
+                    let sf = reader.take(n);
+                    link.super_fragments.fetch_add(1, Ordering::Relaxed);
+                    link.fragments
+                        .fetch_add(h.fragment_count as u64, Ordering::Relaxed);
+                    got.push((h.event_id, (h, sf)));
+                }
+                Ok((LinkItem::End(end), n)) => {
+                    reader.skip(n);
+                    link.declared_fragments
+                        .store(end.fragments, Ordering::Relaxed);
+                    done = true;
+                    break;
+                }
+                Ok((LinkItem::NeedMore(n), _)) => {
+                    want = n;
+                    break;
+                }
+                Ok((LinkItem::Idle, _)) => {
+                    want = 0;
+                    break;
+                }
+                Ok((other, _)) => {
+                    *link.error.lock() = Some(format!("unexpected message {other:?}"));
+                    done = true;
+                    break;
+                }
+                Err(e) => {
+                    tracing::error!(builder = sh.id, readout_unit = sh.rus[slot].0, error = %e, "readout unit link broke the protocol; closing it");
+                    *link.error.lock() = Some(e.to_string());
+                    done = true;
+                    break;
+                }
+            }
+        }
+        if !got.is_empty() {
+            offer(sh, slot, &mut got);
+        }
+        if done {
+            break;
+        }
+        match reader.fill(&mut stream, want, &sh.abort) {
+            Ok(Fill::Data(_)) => {}
+            Ok(Fill::Eof) => {
+                if !reader.window().is_empty() {
+                    *link.error.lock() = Some("link closed inside a super-fragment".into());
+                }
+                break;
+            }
+            Ok(Fill::Stopped) => break,
+            Err(e) => {
+                *link.error.lock() = Some(e.to_string());
+                break;
+            }
+        }
+        if sh.abort.load(Ordering::Relaxed) {
+            break;
+        }
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    sh.close_link(slot);
+}
+
+fn offer(sh: &Shared, slot: usize, got: &mut Vec<(u64, Part)>) {
+    let now = sh.now_ns();
+    let mut ready = Vec::new();
+    let st = &sh.stats;
+    {
+        let mut a = sh.assembler.lock();
+        for (ev, part) in got.drain(..) {
+            let nf = part.0.fragment_count as u64;
+            st.held_fragments.fetch_add(nf, Ordering::Relaxed);
+            match a.offer(slot, ev, part, now) {
+                Offer::Held => {}
+                Offer::Ready(e) => ready.push(e),
+                Offer::Duplicate(_) => {
+                    st.held_fragments.fetch_sub(nf, Ordering::Relaxed);
+                    st.duplicate_fragments.fetch_add(nf, Ordering::Relaxed);
+                }
+                Offer::Late(_) | Offer::Closed(_) => {
+                    st.held_fragments.fetch_sub(nf, Ordering::Relaxed);
+                    st.late_fragments.fetch_add(nf, Ordering::Relaxed);
+                }
+            }
+        }
+        sh.publish_held(&a);
+    }
+    sh.finish(ready);
+}
+
+fn sweep(sh: &Shared) {
+    loop {
+        let (ready, all_closed) = {
+            let mut a = sh.assembler.lock();
+            let mut r = a.expire(sh.now_ns());
+            let closed = a.all_closed();
+            if closed {
+                r.extend(a.flush());
+            }
+            sh.publish_held(&a);
+            (r, closed)
+        };
+        sh.finish(ready);
+        if all_closed {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn send_to_recorder(id: u16, mut stream: TcpStream, rx: Receiver<Vec<Built>>, st: &BuilderStats) {
+    let hello = PeerHello {
+        role: PeerRole::BuilderUnit,
+        id: id as u32,
+    }
+    .encode();
+    let mut ok =
+        tessera_net::io::write_all_vectored(&mut stream, &mut [IoSlice::new(&hello)]).is_ok();
+    let (mut units, mut frags) = (0u64, 0u64);
+    while let Ok(first) = rx.recv() {
+        let mut batch = first;
+        while batch.len() < 512 {
+            match rx.try_recv() {
+                Ok(more) => batch.extend(more),
+                Err(_) => break,
+            }
+        }
+        let nf: u64 = batch.iter().map(|b| b.fragments.len() as u64).sum();
+        if ok {
+            let mut io: Vec<IoSlice> = Vec::with_capacity(batch.len() * 10);
+            for b in &batch {
+                io.push(IoSlice::new(&b.header));
+                io.extend(b.fragments.iter().map(|f| IoSlice::new(f)));
+            }
+            if let Err(e) = tessera_net::io::write_all_vectored(&mut stream, &mut io) {
+                tracing::error!(builder = id, error = %e, "recorder link failed; events are dropped and counted");
+                *st.recorder_error.lock() = Some(e.to_string());
+                ok = false;
+            }
+        }
+        if ok {
+            units += batch.len() as u64;
+            frags += nf;
+        } else {
+            st.recorder_lost.fetch_add(nf, Ordering::Relaxed);
+        }
+        st.queued_fragments.fetch_sub(nf, Ordering::Relaxed);
+    }
+    if ok {
+        let end = PeerEnd {
+            role: PeerRole::BuilderUnit,
+            id: id as u32,
+            units,
+            fragments: frags,
+        }
+        .encode();
+        let _ = tessera_net::io::write_all_vectored(&mut stream, &mut [IoSlice::new(&end)]);
+        let _ = stream.shutdown(std::net::Shutdown::Write);
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
+        let _ = std::io::Read::read(&mut stream, &mut [0u8; 64]);
+    }
+}

@@ -1,0 +1,167 @@
+//! The `tessera` command. Thin on purpose: it parses arguments and calls the crates that do the
+//! work (`tessera-run`, `tessera-verify`, `tessera-bench`).
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+#[derive(Parser)]
+#[command(
+    name = "tessera",
+    version,
+    about = "Event building over TCP/IP: sources, readout units, builders, recorder"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a topology (no CONFIG: the built-in demo: 8 sources, 2 readout units, 2 builders).
+    Run {
+        /// Topology file (TOML); see docs/configuration.md.
+        config: Option<PathBuf>,
+        /// Stop after this many triggers (overrides run.events).
+        #[arg(long)]
+        events: Option<u64>,
+        /// Stop after this many seconds (overrides run.duration_s).
+        #[arg(long)]
+        duration: Option<f64>,
+        /// Output directory (overrides run.output).
+        #[arg(long)]
+        output: Option<PathBuf>,
+        /// Print the run report as JSON on stdout instead of the summary.
+        #[arg(long)]
+        json: bool,
+        /// No live status line.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Check recorded files: checksums, counts, every fragment present or flagged, payloads.
+    Verify {
+        /// Files or directories (every *.tsr inside).
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show the events of a file.
+    Dump {
+        file: PathBuf,
+        /// Events to show (0: all).
+        #[arg(long, default_value_t = 20)]
+        events: u64,
+        /// Start at this event ID.
+        #[arg(long)]
+        from: Option<u64>,
+        /// Payload bytes to show in hex per fragment.
+        #[arg(long, default_value_t = 32)]
+        hex: usize,
+    },
+    /// Measure building throughput against a raw-TCP relay baseline on the same hops.
+    Bench(tessera_bench::BenchArgs),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TESSERA_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match real_main() {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn real_main() -> Result<ExitCode> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Run {
+            config,
+            events,
+            duration,
+            output,
+            json,
+            quiet,
+        } => {
+            let resolved = match &config {
+                Some(p) => tessera_config::Topology::load(p)?,
+                None => tessera_config::Topology::demo(),
+            };
+            let stop = Arc::new(AtomicBool::new(false));
+            {
+                let stop = stop.clone();
+                // The first Ctrl-C drains; a second one exits at once.
+                ctrlc::set_handler(move || {
+                    if stop.swap(true, Ordering::Relaxed) {
+                        std::process::exit(130);
+                    }
+                    eprintln!("\nstopping: draining what is in flight (Ctrl-C again to abort)");
+                })
+                .context("installing the Ctrl-C handler")?;
+            }
+            let opts = tessera_run::Options {
+                events,
+                duration_s: duration,
+                output,
+                status: if quiet {
+                    tessera_run::StatusMode::Off
+                } else {
+                    tessera_run::StatusMode::Auto
+                },
+                stop,
+                ..Default::default()
+            };
+            if !json && !quiet {
+                eprintln!("tessera: running {}", resolved.origin);
+            }
+            let report = tessera_run::run(&resolved, &opts)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", report.summary());
+            }
+            Ok(if report.ok() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
+        Cmd::Verify { paths, json } => {
+            let rep = tessera_verify::verify_paths(&paths)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rep)?);
+            } else {
+                print!("{}", rep.summary());
+            }
+            Ok(if rep.ok() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
+        Cmd::Dump {
+            file,
+            events,
+            from,
+            hex,
+        } => {
+            tessera_verify::dump(&file, events, from, hex, &mut std::io::stdout().lock())?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench(args) => {
+            tessera_bench::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}

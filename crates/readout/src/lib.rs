@@ -1,0 +1,572 @@
+//! The readout unit (CMS RU, ATLAS ROS, COMET front-end PC).
+//!
+//! Threads, and why:
+//! - an accept thread takes its sources' connections and checks each hello;
+//! - one reader thread per link, blocking on its own socket (the CODA lesson: one `select()` loop
+//!   serialising 20 links collapsed); each reads large chunks from the link's own memory budget,
+//!   validates every fragment, and offers the good ones to the shared [`Assembler`] in one lock
+//!   per read;
+//! - a sweeper that sends events out as incomplete once they waited past the timeout;
+//! - one sender per builder, writing each event's super-fragment with vectored writes straight
+//!   from the read chunks (no copy of fragment data inside the unit).
+//!
+//! A link whose budget is full stops reading, so TCP holds its source: the unit is BUSY, never
+//! growing. Every fragment read is accounted: accepted (then forwarded), or rejected by reason.
+
+mod quarantine;
+mod stats;
+
+use crossbeam_channel::{bounded, Receiver, Sender};
+use parking_lot::Mutex;
+use std::io::IoSlice;
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tessera_assembly::{Assembled, Assembler, Offer};
+use tessera_config::AssignmentSection;
+use tessera_format::link::{PeerEnd, PeerHello, PeerRole, SuperFragmentHeader};
+use tessera_format::wire::{Hello, HELLO_SIZE};
+use tessera_format::{Decoded, StreamDecoder};
+use tessera_net::reader::Fill;
+use tessera_net::{ChunkReader, ChunkSlice};
+
+pub use stats::{LinkState, LinkStats, ReadoutStats, Rejection};
+
+/// Everything a readout unit needs to start.
+pub struct ReadoutConfig {
+    pub id: u32,
+    /// Bound by the caller, so its address is known before anything connects.
+    pub listener: TcpListener,
+    /// The source IDs it reads, one link each.
+    pub sources: Vec<u32>,
+    /// Builder addresses, in builder order (the assignment indexes this list).
+    pub builders: Vec<String>,
+    pub assignment: AssignmentSection,
+    /// Total buffer memory, split evenly over the links.
+    pub buffer: u64,
+    pub read_chunk: usize,
+    pub event_timeout: Duration,
+    pub max_payload: usize,
+    /// Dump file for rejected fragments and its size limit.
+    pub quarantine: Option<(PathBuf, u64)>,
+}
+
+/// One event's fragments from this unit, on its way to its builder.
+struct SuperFragment {
+    event_id: u64,
+    fragments: Vec<ChunkSlice>,
+    missing: Vec<u32>,
+}
+
+struct Shared {
+    id: u32,
+    sources: Vec<u32>,
+    assembler: Mutex<Assembler<ChunkSlice>>,
+    to_builders: Vec<Sender<Vec<SuperFragment>>>,
+    assignment: AssignmentSection,
+    stats: Arc<ReadoutStats>,
+    t0: Instant,
+    /// Raised when the run stops: no new connections; links that never connected are closed.
+    stop: Arc<AtomicBool>,
+    /// Raised when the drain deadline passed: readers give up on their links.
+    abort: Arc<AtomicBool>,
+    quarantine: Option<quarantine::Quarantine>,
+    max_payload: usize,
+    read_chunk: usize,
+}
+
+impl Shared {
+    fn now_ns(&self) -> u64 {
+        self.t0.elapsed().as_nanos() as u64
+    }
+
+    /// Sends departed events to their builders. Called without the assembler lock held, so a
+    /// full builder queue holds only the caller (its link stops reading: back-pressure).
+    fn dispatch(&self, ready: Vec<Assembled<ChunkSlice>>) {
+        if ready.is_empty() {
+            return;
+        }
+        let n = self.to_builders.len();
+        let mut per_builder: Vec<Vec<SuperFragment>> = (0..n).map(|_| Vec::new()).collect();
+        for ev in ready {
+            let missing: Vec<u32> = ev.missing.iter().map(|&i| self.sources[i]).collect();
+            if !missing.is_empty() {
+                self.stats
+                    .incomplete_super_fragments
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            let fragments: Vec<ChunkSlice> = ev.parts.into_iter().flatten().collect();
+            self.stats
+                .queued_fragments
+                .fetch_add(fragments.len() as u64, Ordering::Relaxed);
+            per_builder[self.assignment.builder_for(ev.event_id, n)].push(SuperFragment {
+                event_id: ev.event_id,
+                fragments,
+                missing,
+            });
+        }
+        for (b, batch) in per_builder.into_iter().enumerate() {
+            if !batch.is_empty() {
+                // The receiver only goes away after every sender is dropped, so this cannot fail
+                // while `self` holds a sender.
+                let _ = self.to_builders[b].send(batch);
+            }
+        }
+    }
+
+    fn publish_held(&self, a: &Assembler<ChunkSlice>) {
+        self.stats
+            .held_fragments
+            .store(a.held_items() as u64, Ordering::Relaxed);
+        self.stats
+            .pending_events
+            .store(a.pending_events() as u64, Ordering::Relaxed);
+    }
+
+    fn close_link(&self, slot: usize) {
+        let ready = {
+            let mut a = self.assembler.lock();
+            let r = a.close(slot);
+            self.publish_held(&a);
+            r
+        };
+        self.dispatch(ready);
+    }
+}
+
+/// A running readout unit.
+pub struct ReadoutUnit {
+    pub stats: Arc<ReadoutStats>,
+    stop: Arc<AtomicBool>,
+    abort: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl ReadoutUnit {
+    /// Starts the unit: connects to every builder, then accepts its sources.
+    pub fn start(cfg: ReadoutConfig) -> std::io::Result<ReadoutUnit> {
+        let links = cfg.sources.len();
+        let per_link = (cfg.buffer / links.max(1) as u64).max(2 * cfg.read_chunk as u64);
+        let stats = Arc::new(ReadoutStats::new(cfg.id, &cfg.sources, per_link));
+        let stop = Arc::new(AtomicBool::new(false));
+        let abort = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::new();
+        let mut to_builders = Vec::new();
+        let mut builder_streams = Vec::new();
+        for addr in &cfg.builders {
+            let s = tessera_net::io::connect_retry(addr, Duration::from_secs(10))?;
+            tessera_net::io::tune(&s, Some(Duration::from_secs(1)))?;
+            builder_streams.push(s);
+        }
+        let mut receivers = Vec::new();
+        for _ in &cfg.builders {
+            // Bounded in batches; the bytes behind them are bounded by the link budgets.
+            let (tx, rx) = bounded::<Vec<SuperFragment>>(256);
+            to_builders.push(tx);
+            receivers.push(rx);
+        }
+        let quarantine = cfg
+            .quarantine
+            .as_ref()
+            .map(|(p, limit)| quarantine::Quarantine::new(p.clone(), *limit));
+        let shared = Arc::new(Shared {
+            id: cfg.id,
+            sources: cfg.sources.clone(),
+            assembler: Mutex::new(Assembler::new(
+                links,
+                cfg.event_timeout.as_nanos() as u64,
+                1 << 16,
+            )),
+            to_builders,
+            assignment: cfg.assignment.clone(),
+            stats: stats.clone(),
+            t0: Instant::now(),
+            stop: stop.clone(),
+            abort: abort.clone(),
+            quarantine,
+            max_payload: cfg.max_payload,
+            read_chunk: cfg.read_chunk,
+        });
+        for (b, (stream, rx)) in builder_streams.into_iter().zip(receivers).enumerate() {
+            let st = stats.clone();
+            let id = cfg.id;
+            threads.push(spawn(format!("ru{id}-to-bu{b}"), move || {
+                send_to_builder(id, b, stream, rx, &st)
+            }));
+        }
+        {
+            let sh = shared.clone();
+            threads.push(spawn(format!("ru{}-sweep", cfg.id), move || sweep(&sh)));
+        }
+        {
+            let sh = shared.clone();
+            let listener = cfg.listener;
+            threads.push(spawn(format!("ru{}-accept", cfg.id), move || {
+                accept(&sh, listener)
+            }));
+        }
+        Ok(ReadoutUnit {
+            stats,
+            stop,
+            abort,
+            threads,
+        })
+    }
+
+    /// No more connections; links that never connected count as closed. Connected links drain.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    /// Gives up on links still open (after the drain deadline): what they hold is sent on.
+    pub fn abort(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.abort.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.threads.iter().all(|t| t.is_finished())
+    }
+
+    pub fn join(self) {
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(f)
+        .expect("spawn thread")
+}
+
+fn accept(sh: &Arc<Shared>, listener: TcpListener) {
+    let _ = listener.set_nonblocking(true);
+    let mut readers = Vec::new();
+    loop {
+        let waiting = sh
+            .stats
+            .links
+            .iter()
+            .filter(|l| l.state() == LinkState::Waiting)
+            .count();
+        if waiting == 0 {
+            break;
+        }
+        if sh.stop.load(Ordering::Relaxed) {
+            for (slot, l) in sh.stats.links.iter().enumerate() {
+                if l.state() == LinkState::Waiting {
+                    l.set_state(LinkState::NeverConnected);
+                    sh.close_link(slot);
+                }
+            }
+            break;
+        }
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nonblocking(false);
+                match handshake(sh, stream) {
+                    Ok((slot, stream)) => {
+                        let sh2 = sh.clone();
+                        readers.push(spawn(
+                            format!("ru{}-link{}", sh.id, sh.sources[slot]),
+                            move || read_link(&sh2, slot, stream),
+                        ));
+                    }
+                    Err(why) => {
+                        tracing::warn!(readout_unit = sh.id, %peer, %why, "refused a source connection");
+                        sh.stats.refused_connections.fetch_add(1, Ordering::Relaxed);
+                        *sh.stats.last_refusal.lock() = Some(format!("{peer}: {why}"));
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => {
+                tracing::warn!(readout_unit = sh.id, error = %e, "accept failed");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+    for r in readers {
+        let _ = r.join();
+    }
+}
+
+/// Reads and checks the hello; returns the link slot for the source.
+fn handshake(sh: &Shared, mut stream: TcpStream) -> Result<(usize, TcpStream), String> {
+    tessera_net::io::tune(&stream, Some(Duration::from_millis(100))).map_err(|e| e.to_string())?;
+    let mut h = [0u8; HELLO_SIZE];
+    tessera_net::io::read_exact_patient(&mut stream, &mut h, Duration::from_secs(5))
+        .map_err(|e| e.to_string())?;
+    let hello = Hello::decode(&h).map_err(|e| e.to_string())?;
+    let slot = sh
+        .sources
+        .iter()
+        .position(|&s| s == hello.source_id)
+        .ok_or_else(|| {
+            format!(
+                "source {} is not one of this unit's sources {:?}",
+                hello.source_id, sh.sources
+            )
+        })?;
+    let link = &sh.stats.links[slot];
+    if !link.claim() {
+        return Err(format!(
+            "source {} is already connected or finished",
+            hello.source_id
+        ));
+    }
+    Ok((slot, stream))
+}
+
+fn read_link(sh: &Shared, slot: usize, mut stream: TcpStream) {
+    let link = &sh.stats.links[slot];
+    let source = sh.sources[slot];
+    let mut dec = StreamDecoder::after_hello(sh.max_payload, source);
+    let chunk = sh.read_chunk.max(dec.max_message() * 2);
+    let mut reader = ChunkReader::new(link.budget.clone(), chunk);
+    let mut want = 0usize;
+    let mut good: Vec<(u64, ChunkSlice)> = Vec::new();
+    let mut ended = false;
+    let mut eof = false;
+    loop {
+        // Parse everything the window holds.
+        loop {
+            let w = reader.window();
+            let step = dec.next(w);
+            match step.item {
+                Decoded::Fragment(h) => {
+                    link.last_event.store(h.event_id, Ordering::Relaxed);
+                    good.push((h.event_id, reader.take(step.consumed)));
+                }
+                Decoded::Rejected { reason, evidence } => {
+                    let ev = &w[..evidence.min(w.len())];
+                    if let Some(q) = &sh.quarantine {
+                        q.dump(source, reason.label(), ev);
+                    }
+                    link.reject(Rejection::Wire(reason));
+                    reader.skip(step.consumed);
+                }
+                Decoded::Skipped => {
+                    link.skipped_bytes
+                        .fetch_add(step.consumed as u64, Ordering::Relaxed);
+                    reader.skip(step.consumed);
+                }
+                Decoded::End(end) => {
+                    link.eos_fragments
+                        .store(end.fragments_sent, Ordering::Relaxed);
+                    reader.skip(step.consumed);
+                    ended = true;
+                }
+                Decoded::NeedMore(n) => {
+                    want = n;
+                    break;
+                }
+                Decoded::Idle => {
+                    want = 0;
+                    break;
+                }
+                Decoded::Hello(_) | Decoded::BadHello(_) => {
+                    unreachable!("hello was read by the handshake")
+                }
+            }
+            if ended {
+                break;
+            }
+        }
+        if !good.is_empty() {
+            offer(sh, slot, &mut good);
+        }
+        if ended || eof {
+            break;
+        }
+        if sh.abort.load(Ordering::Relaxed) {
+            link.set_state(LinkState::Aborted);
+            break;
+        }
+        match reader.fill(&mut stream, want, &sh.abort) {
+            Ok(Fill::Data(_)) => {}
+            Ok(Fill::Eof) => {
+                dec.finish();
+                eof = true;
+            }
+            Ok(Fill::Stopped) => {
+                link.set_state(LinkState::Aborted);
+                break;
+            }
+            Err(e) => {
+                tracing::warn!(readout_unit = sh.id, source, error = %e, "link read failed");
+                dec.finish();
+                eof = true;
+            }
+        }
+    }
+    if ended {
+        link.set_state(LinkState::Ended);
+        // Bytes after the end-of-stream are a protocol error; read what is there so that they
+        // are counted rather than silently lost.
+        let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+        let mut tail = [0u8; 4096];
+        if let Ok(n) = std::io::Read::read(&mut stream, &mut tail) {
+            if n > 0 {
+                link.reject(Rejection::Wire(tessera_format::RejectReason::DataAfterEnd));
+            }
+        }
+    } else if link.state() != LinkState::Aborted {
+        link.set_state(LinkState::Disconnected);
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    sh.close_link(slot);
+}
+
+/// Offers a read's worth of good fragments under one lock, then dispatches what became ready.
+fn offer(sh: &Shared, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
+    let link = &sh.stats.links[slot];
+    let now = sh.now_ns();
+    let mut ready = Vec::new();
+    let mut rejected = Vec::new();
+    let n = good.len() as u64;
+    {
+        let mut a = sh.assembler.lock();
+        for (ev, frag) in good.drain(..) {
+            match a.offer(slot, ev, frag, now) {
+                Offer::Held => {}
+                Offer::Ready(e) => ready.push(e),
+                Offer::Duplicate(f) => rejected.push((Rejection::Duplicate, f)),
+                Offer::Late(f) => rejected.push((Rejection::Late, f)),
+                // A link offers only until it closes itself, so this cannot happen; counted
+                // rather than trusted.
+                Offer::Closed(f) => rejected.push((Rejection::Late, f)),
+            }
+        }
+        sh.publish_held(&a);
+    }
+    link.fragments.fetch_add(n, Ordering::Relaxed);
+    for (why, f) in rejected {
+        if let Some(q) = &sh.quarantine {
+            q.dump(sh.sources[slot], why.label(), &f);
+        }
+        link.reject(why);
+    }
+    sh.dispatch(ready);
+}
+
+fn sweep(sh: &Shared) {
+    loop {
+        let (ready, all_closed) = {
+            let mut a = sh.assembler.lock();
+            let mut r = a.expire(sh.now_ns());
+            let closed = a.all_closed();
+            if closed {
+                r.extend(a.flush());
+            }
+            sh.publish_held(&a);
+            (r, closed)
+        };
+        sh.dispatch(ready);
+        if all_closed {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Dropping `sh` (with the last readers) drops the builder senders: the sender threads then
+    // finish their queues and close their links.
+}
+
+fn send_to_builder(
+    id: u32,
+    b: usize,
+    mut stream: TcpStream,
+    rx: Receiver<Vec<SuperFragment>>,
+    st: &ReadoutStats,
+) {
+    let mut ok = tessera_net::io::write_all_vectored(
+        &mut stream,
+        &mut [IoSlice::new(
+            &PeerHello {
+                role: PeerRole::ReadoutUnit,
+                id,
+            }
+            .encode(),
+        )],
+    )
+    .is_ok();
+    let mut headers: Vec<u8> = Vec::new();
+    let mut units = 0u64;
+    let mut fragments = 0u64;
+    // Several batches per write when they are queued: fewer system calls under load.
+    while let Ok(first) = rx.recv() {
+        let mut batch = first;
+        while batch.len() < 512 {
+            match rx.try_recv() {
+                Ok(more) => batch.extend(more),
+                Err(_) => break,
+            }
+        }
+        let nfrag: u64 = batch.iter().map(|s| s.fragments.len() as u64).sum();
+        if ok {
+            headers.clear();
+            let mut offsets = Vec::with_capacity(batch.len());
+            for sf in &batch {
+                let start = headers.len();
+                let body: usize = sf.fragments.iter().map(|f| f.len()).sum();
+                let h = SuperFragmentHeader {
+                    readout_unit: id,
+                    event_id: sf.event_id,
+                    fragment_count: sf.fragments.len() as u32,
+                    total_size: 0,
+                    missing: sf.missing.clone(),
+                };
+                let total = h.header_size() + body;
+                SuperFragmentHeader {
+                    total_size: total as u32,
+                    ..h
+                }
+                .encode_into(&mut headers);
+                offsets.push((start, headers.len()));
+            }
+            let mut io: Vec<IoSlice> = Vec::with_capacity(batch.len() * 9);
+            for (sf, &(s, e)) in batch.iter().zip(&offsets) {
+                io.push(IoSlice::new(&headers[s..e]));
+                io.extend(sf.fragments.iter().map(|f| IoSlice::new(f)));
+            }
+            if let Err(e) = tessera_net::io::write_all_vectored(&mut stream, &mut io) {
+                tracing::error!(readout_unit = id, builder = b, error = %e, "builder link failed; its events are dropped and counted");
+                *st.builder_error.lock() = Some(format!("builder {b}: {e}"));
+                ok = false;
+            }
+        }
+        if ok {
+            units += batch.len() as u64;
+            fragments += nfrag;
+            st.super_fragments
+                .fetch_add(batch.len() as u64, Ordering::Relaxed);
+            st.fragments_forwarded.fetch_add(nfrag, Ordering::Relaxed);
+        } else {
+            st.builder_lost.fetch_add(nfrag, Ordering::Relaxed);
+        }
+        st.queued_fragments.fetch_sub(nfrag, Ordering::Relaxed);
+    }
+    if ok {
+        let end = PeerEnd {
+            role: PeerRole::ReadoutUnit,
+            id,
+            units,
+            fragments,
+        }
+        .encode();
+        let _ = tessera_net::io::write_all_vectored(&mut stream, &mut [IoSlice::new(&end)]);
+        let _ = stream.shutdown(std::net::Shutdown::Write);
+        // Wait for the builder to close: it has then read everything.
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+        let _ = std::io::Read::read(&mut stream, &mut [0u8; 64]);
+    }
+}

@@ -1,0 +1,220 @@
+//! The readout unit's live counters: what the status line, the run summary and the accounting
+//! balance read.
+
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+use tessera_format::RejectReason;
+use tessera_net::Budget;
+
+/// Why the readout unit refused a fragment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rejection {
+    /// It failed a wire-format check.
+    Wire(RejectReason),
+    /// Its source already delivered this event ID.
+    Duplicate,
+    /// Its event had already been sent on (timed out without it).
+    Late,
+}
+
+impl Rejection {
+    pub const COUNT: usize = RejectReason::ALL.len() + 2;
+
+    pub fn index(self) -> usize {
+        match self {
+            Rejection::Wire(r) => RejectReason::ALL
+                .iter()
+                .position(|x| *x == r)
+                .expect("listed"),
+            Rejection::Duplicate => RejectReason::ALL.len(),
+            Rejection::Late => RejectReason::ALL.len() + 1,
+        }
+    }
+
+    pub fn from_index(i: usize) -> Rejection {
+        match i {
+            i if i < RejectReason::ALL.len() => Rejection::Wire(RejectReason::ALL[i]),
+            i if i == RejectReason::ALL.len() => Rejection::Duplicate,
+            _ => Rejection::Late,
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Rejection::Wire(r) => r.label(),
+            Rejection::Duplicate => "duplicate_event_id",
+            Rejection::Late => "late",
+        }
+    }
+}
+
+/// Where a link is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkState {
+    Waiting = 0,
+    Connected = 1,
+    /// Closed after an end-of-stream message.
+    Ended = 2,
+    /// Closed without one.
+    Disconnected = 3,
+    /// Still open when the drain deadline passed.
+    Aborted = 4,
+    /// The run stopped before the source connected.
+    NeverConnected = 5,
+}
+
+impl LinkState {
+    fn from_u8(v: u8) -> LinkState {
+        match v {
+            0 => LinkState::Waiting,
+            1 => LinkState::Connected,
+            2 => LinkState::Ended,
+            3 => LinkState::Disconnected,
+            4 => LinkState::Aborted,
+            _ => LinkState::NeverConnected,
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            LinkState::Waiting => "waiting",
+            LinkState::Connected => "connected",
+            LinkState::Ended => "ended",
+            LinkState::Disconnected => "disconnected",
+            LinkState::Aborted => "aborted",
+            LinkState::NeverConnected => "never_connected",
+        }
+    }
+}
+
+/// One link (one source).
+#[derive(Debug)]
+pub struct LinkStats {
+    pub source_id: u32,
+    state: AtomicU8,
+    /// Fragments that passed the wire checks (some may then be refused as duplicate or late).
+    pub fragments: AtomicU64,
+    pub rejected: [AtomicU64; Rejection::COUNT],
+    /// Bytes skipped while resynchronising after a rejection.
+    pub skipped_bytes: AtomicU64,
+    /// The count the source declared in its end-of-stream message (u64::MAX: none yet).
+    pub eos_fragments: AtomicU64,
+    /// Event ID of the last good fragment, for the alignment view.
+    pub last_event: AtomicU64,
+    /// This link's share of the buffer; its `busy_ns` is the time the link stopped reading.
+    pub budget: Arc<Budget>,
+}
+
+impl LinkStats {
+    pub fn state(&self) -> LinkState {
+        LinkState::from_u8(self.state.load(Ordering::Relaxed))
+    }
+
+    pub fn set_state(&self, s: LinkState) {
+        self.state.store(s as u8, Ordering::Relaxed);
+    }
+
+    /// Marks a waiting link connected; false if it was not waiting.
+    pub fn claim(&self) -> bool {
+        self.state
+            .compare_exchange(
+                LinkState::Waiting as u8,
+                LinkState::Connected as u8,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            )
+            .is_ok()
+    }
+
+    pub fn reject(&self, why: Rejection) {
+        self.rejected[why.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn rejected_total(&self) -> u64 {
+        self.rejected
+            .iter()
+            .map(|x| x.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Fragments read from this link in all: good or rejected at the wire.
+    pub fn received(&self) -> u64 {
+        let wire: u64 = RejectReason::ALL
+            .iter()
+            .map(|r| self.rejected[Rejection::Wire(*r).index()].load(Ordering::Relaxed))
+            .sum();
+        self.fragments.load(Ordering::Relaxed) + wire
+    }
+}
+
+/// The whole unit.
+#[derive(Debug)]
+pub struct ReadoutStats {
+    pub id: u32,
+    pub links: Vec<LinkStats>,
+    pub super_fragments: AtomicU64,
+    pub incomplete_super_fragments: AtomicU64,
+    pub fragments_forwarded: AtomicU64,
+    /// Fragments in events the assembler still holds.
+    pub held_fragments: AtomicU64,
+    pub pending_events: AtomicU64,
+    /// Fragments of departed events not yet written to their builder.
+    pub queued_fragments: AtomicU64,
+    /// Fragments dropped because their builder's link failed.
+    pub builder_lost: AtomicU64,
+    pub builder_error: Mutex<Option<String>>,
+    pub refused_connections: AtomicU64,
+    pub last_refusal: Mutex<Option<String>>,
+}
+
+impl ReadoutStats {
+    pub fn new(id: u32, sources: &[u32], per_link_budget: u64) -> ReadoutStats {
+        ReadoutStats {
+            id,
+            links: sources
+                .iter()
+                .map(|&s| LinkStats {
+                    source_id: s,
+                    state: AtomicU8::new(LinkState::Waiting as u8),
+                    fragments: AtomicU64::new(0),
+                    rejected: Default::default(),
+                    skipped_bytes: AtomicU64::new(0),
+                    eos_fragments: AtomicU64::new(u64::MAX),
+                    last_event: AtomicU64::new(0),
+                    budget: Arc::new(Budget::new(per_link_budget)),
+                })
+                .collect(),
+            super_fragments: AtomicU64::new(0),
+            incomplete_super_fragments: AtomicU64::new(0),
+            fragments_forwarded: AtomicU64::new(0),
+            held_fragments: AtomicU64::new(0),
+            pending_events: AtomicU64::new(0),
+            queued_fragments: AtomicU64::new(0),
+            builder_lost: AtomicU64::new(0),
+            builder_error: Mutex::new(None),
+            refused_connections: AtomicU64::new(0),
+            last_refusal: Mutex::new(None),
+        }
+    }
+
+    /// Buffer bytes in use over all links, and the total bound.
+    pub fn buffer_use(&self) -> (u64, u64) {
+        self.links.iter().fold((0, 0), |(u, l), x| {
+            (u + x.budget.used(), l + x.budget.limit())
+        })
+    }
+
+    /// Nanoseconds links spent unable to read for lack of memory, summed over links.
+    pub fn busy_ns(&self) -> u64 {
+        self.links
+            .iter()
+            .map(|l| l.budget.busy_ns.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Whether any link is out of memory right now (the unit is BUSY).
+    pub fn busy(&self) -> bool {
+        self.links.iter().any(|l| l.budget.would_block(1))
+    }
+}

@@ -1,0 +1,342 @@
+//! Writes the files: blocks, rotation, trailer, durable close, sidecar.
+
+use std::fs::File;
+use std::io::{self, IoSlice, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tessera_config::{Compression, RecorderSection};
+use tessera_format::file::{
+    BlockEncoder, BlockHeader, Codec, FileHeader, FileTrailer, Filter, FILE_HEADER_SIZE,
+};
+use tessera_net::ChunkSlice;
+
+use crate::{FileInfo, RecorderStats};
+
+pub struct FileSettings {
+    pub dir: PathBuf,
+    pub run_number: u64,
+    pub config_digest: [u8; 32],
+    pub pattern: String,
+    pub sources: Vec<u32>,
+    pub pattern_sources: Vec<u32>,
+    pub section: RecorderSection,
+}
+
+struct Open {
+    file: File,
+    part: PathBuf,
+    name: String,
+    sequence: u32,
+    crc: u32,
+    size: u64,
+    trailer: FileTrailer,
+    first: Option<u64>,
+    last: Option<u64>,
+    start_ns: u64,
+}
+
+/// The block being filled.
+#[derive(Default)]
+struct Block {
+    records: Vec<ChunkSlice>,
+    raw: usize,
+    events: u32,
+    fragments: u64,
+    incomplete: u64,
+    first: Option<u64>,
+}
+
+pub struct FileWriter {
+    s: FileSettings,
+    codec: Codec,
+    filter: Filter,
+    open: Option<Open>,
+    block: Block,
+    next_sequence: u32,
+    enc: BlockEncoder,
+    raw_buf: Vec<u8>,
+    throttle_t0: Option<Instant>,
+    throttle_bytes: u64,
+}
+
+fn unix_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// `run000012_0003.tsr`
+pub fn file_name(run: u64, seq: u32) -> String {
+    format!("run{run:06}_{seq:04}.tsr")
+}
+
+impl FileWriter {
+    pub fn new(s: FileSettings) -> FileWriter {
+        let codec = match s.section.compression {
+            Compression::None => Codec::None,
+            Compression::Lz4 => Codec::Lz4,
+            Compression::Zstd => Codec::Zstd,
+        };
+        let filter = if s.section.shuffle && codec != Codec::None {
+            Filter::Shuffle2
+        } else {
+            Filter::None
+        };
+        FileWriter {
+            s,
+            codec,
+            filter,
+            open: None,
+            block: Block::default(),
+            next_sequence: 1,
+            enc: BlockEncoder::default(),
+            raw_buf: Vec::new(),
+            throttle_t0: None,
+            throttle_bytes: 0,
+        }
+    }
+
+    /// Adds one event record.
+    pub fn append(
+        &mut self,
+        rec: ChunkSlice,
+        fragments: u32,
+        incomplete: bool,
+        st: &RecorderStats,
+    ) -> io::Result<()> {
+        let id = tessera_format::bytes::u64_at(&rec, 16);
+        if self.block.raw > 0 && self.block.raw + rec.len() > self.s.section.block_size.0 as usize {
+            self.flush_block(st)?;
+        }
+        let b = &mut self.block;
+        b.first.get_or_insert(id);
+        b.raw += rec.len();
+        b.events += 1;
+        b.fragments += fragments as u64;
+        b.incomplete += incomplete as u64;
+        b.records.push(rec);
+        if self.block.raw >= self.s.section.block_size.0 as usize {
+            self.flush_block(st)?;
+        }
+        Ok(())
+    }
+
+    fn flush_block(&mut self, st: &RecorderStats) -> io::Result<()> {
+        if self.block.events == 0 {
+            return Ok(());
+        }
+        let block = std::mem::take(&mut self.block);
+        let first = block.first.unwrap_or(0);
+        let last = block
+            .records
+            .last()
+            .map(|r| tessera_format::bytes::u64_at(r, 16));
+        let t = Instant::now();
+        let codec = self.codec;
+        let filter = self.filter;
+        let level = self.s.section.zstd_level;
+        let written;
+        {
+            // Compressed blocks need the records contiguous; uncompressed ones go out as they are.
+            let raw_buf = &mut self.raw_buf;
+            let enc = &mut self.enc;
+            if self.open.is_none() {
+                Self::open_now(
+                    &mut self.open,
+                    &self.s,
+                    codec,
+                    filter,
+                    &mut self.next_sequence,
+                )?;
+            }
+            let o = self.open.as_mut().expect("opened above");
+            if codec == Codec::None {
+                let mut raw_crc = 0u32;
+                for r in &block.records {
+                    raw_crc = crc32c::crc32c_append(raw_crc, r);
+                }
+                let h = BlockHeader {
+                    codec,
+                    filter: Filter::None,
+                    stored_size: block.raw as u32,
+                    raw_size: block.raw as u32,
+                    event_count: block.events,
+                    raw_crc,
+                    first_event_id: first,
+                };
+                let hb = h.encode();
+                let mut io: Vec<IoSlice> = Vec::with_capacity(block.records.len() + 1);
+                io.push(IoSlice::new(&hb));
+                io.extend(block.records.iter().map(|r| IoSlice::new(r)));
+                tessera_net::io::write_all_vectored(&mut o.file, &mut io)?;
+                o.crc =
+                    crc32c::crc32c_combine(crc32c::crc32c_append(o.crc, &hb), raw_crc, block.raw);
+                written = hb.len() + block.raw;
+            } else {
+                raw_buf.clear();
+                for r in &block.records {
+                    raw_buf.extend_from_slice(r);
+                }
+                let (h, stored) = enc.encode(raw_buf, codec, filter, level, block.events, first);
+                let hb = h.encode();
+                o.file.write_all(&hb)?;
+                o.file.write_all(stored)?;
+                o.crc = crc32c::crc32c_append(crc32c::crc32c_append(o.crc, &hb), stored);
+                written = hb.len() + stored.len();
+            }
+            o.size += written as u64;
+            o.trailer.events += block.events as u64;
+            o.trailer.incomplete_events += block.incomplete;
+            o.trailer.fragments += block.fragments;
+            o.trailer.record_bytes += block.raw as u64;
+            o.trailer.blocks += 1;
+            o.first.get_or_insert(first);
+            o.last = last;
+        }
+        st.write_ns
+            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        st.file_bytes.fetch_add(written as u64, Ordering::Relaxed);
+        drop(block.records);
+        self.throttle(written as u64, st);
+        if self
+            .open
+            .as_ref()
+            .is_some_and(|o| o.size >= self.s.section.max_file_size.0)
+        {
+            self.finish_file(st)?;
+        }
+        Ok(())
+    }
+
+    fn open_now<'a>(
+        slot: &'a mut Option<Open>,
+        s: &FileSettings,
+        codec: Codec,
+        filter: Filter,
+        next: &mut u32,
+    ) -> io::Result<&'a mut Open> {
+        std::fs::create_dir_all(&s.dir)?;
+        let seq = *next;
+        *next += 1;
+        let name = file_name(s.run_number, seq);
+        let part = s.dir.join(format!("{name}.part"));
+        let mut file = File::create(&part)?;
+        let start_ns = unix_ns();
+        let hb = FileHeader {
+            run_number: s.run_number,
+            file_sequence: seq,
+            codec,
+            filter,
+            start_time_ns: start_ns,
+            config_digest: s.config_digest,
+        }
+        .encode();
+        file.write_all(&hb)?;
+        *slot = Some(Open {
+            file,
+            part,
+            name,
+            sequence: seq,
+            crc: crc32c::crc32c(&hb),
+            size: FILE_HEADER_SIZE as u64,
+            trailer: FileTrailer::default(),
+            first: None,
+            last: None,
+            start_ns,
+        });
+        Ok(slot.as_mut().expect("just set"))
+    }
+
+    /// Sleeps as needed so that the average write rate stays under the throttle.
+    fn throttle(&mut self, n: u64, st: &RecorderStats) {
+        let rate = self.s.section.throttle.0;
+        if rate == 0 {
+            return;
+        }
+        let t0 = *self.throttle_t0.get_or_insert_with(Instant::now);
+        self.throttle_bytes += n;
+        let due = Duration::from_secs_f64(self.throttle_bytes as f64 / rate as f64);
+        let el = t0.elapsed();
+        if due > el {
+            std::thread::sleep(due - el);
+            st.throttled_ns
+                .fetch_add((due - el).as_nanos() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Trailer, fsync, rename, sidecar.
+    fn finish_file(&mut self, st: &RecorderStats) -> io::Result<()> {
+        let Some(mut o) = self.open.take() else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        o.trailer.file_crc = o.crc;
+        let tb = o.trailer.encode();
+        o.file.write_all(&tb)?;
+        o.size += tb.len() as u64;
+        if self.s.section.fsync {
+            o.file.sync_all()?;
+        }
+        drop(o.file);
+        let final_path = self.s.dir.join(&o.name);
+        std::fs::rename(&o.part, &final_path)?;
+        let info = FileInfo {
+            file: o.name.clone(),
+            format_version: tessera_format::file::FILE_VERSION,
+            run_number: self.s.run_number,
+            sequence: o.sequence,
+            size_bytes: o.size,
+            events: o.trailer.events,
+            incomplete_events: o.trailer.incomplete_events,
+            fragments: o.trailer.fragments,
+            record_bytes: o.trailer.record_bytes,
+            blocks: o.trailer.blocks,
+            compression: self.codec.name().into(),
+            filter: self.filter.name().into(),
+            file_crc32c: format!("{:08x}", o.crc),
+            first_event_id: o.first,
+            last_event_id: o.last,
+            start_time_unix_ns: o.start_ns,
+            end_time_unix_ns: unix_ns(),
+            config_sha256: hex::encode(self.s.config_digest),
+            pattern: self.s.pattern.clone(),
+            sources: self.s.sources.clone(),
+            pattern_sources: self.s.pattern_sources.clone(),
+        };
+        let json = serde_json::to_vec_pretty(&info).map_err(io::Error::other)?;
+        write_atomic(
+            &self.s.dir.join(format!("{}.json", o.name)),
+            &json,
+            self.s.section.fsync,
+        )?;
+        if self.s.section.fsync {
+            File::open(&self.s.dir)?.sync_all()?;
+        }
+        st.write_ns
+            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        st.file_bytes.fetch_add(tb.len() as u64, Ordering::Relaxed);
+        st.files.lock().push(info);
+        Ok(())
+    }
+
+    /// Writes the last block and closes the file.
+    pub fn close(&mut self, st: &RecorderStats) -> io::Result<()> {
+        self.flush_block(st)?;
+        self.finish_file(st)
+    }
+}
+
+/// Writes `bytes` to `path` through a temporary name, so readers never see a partial file.
+pub fn write_atomic(path: &Path, bytes: &[u8], sync: bool) -> io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        if sync {
+            f.sync_all()?;
+        }
+    }
+    std::fs::rename(tmp, path)
+}

@@ -1,0 +1,351 @@
+//! The recorder (CODA ER, ATLAS SFO): receives event records from every builder and writes them
+//! to files in the format of `docs/file-format.md`.
+//!
+//! One reader thread per builder link (zero-copy slices of its budgeted read chunks) feeds one
+//! writer thread through a bounded queue. The writer packs records into blocks; uncompressed
+//! blocks go out with one vectored write straight from the read chunks, compressed ones through
+//! the block encoder (optionally byte-shuffled first). A file is written as `NAME.part`, gets its
+//! trailer, is fsynced, and only then takes its final name; its JSON sidecar follows the same way.
+//! So a file under its final name is always complete.
+
+mod file;
+
+use crossbeam_channel::{bounded, Receiver, Sender};
+use parking_lot::Mutex;
+use serde::Serialize;
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tessera_config::RecorderSection;
+use tessera_format::event::EventFlags;
+use tessera_format::link::{decode_link, LinkItem, PeerRole};
+use tessera_net::reader::Fill;
+use tessera_net::{Budget, ChunkReader, ChunkSlice};
+
+pub use file::{file_name, FileSettings, FileWriter};
+
+/// Writes a small file durably under its final name (temporary name, fsync, rename).
+pub fn file_write_atomic(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    file::write_atomic(path, bytes, true)
+}
+
+pub struct RecorderConfig {
+    pub listener: TcpListener,
+    /// Builder IDs expected to connect.
+    pub builders: Vec<u16>,
+    pub output: PathBuf,
+    pub run_number: u64,
+    pub config_digest: [u8; 32],
+    /// Pattern name recorded in sidecars, so `verify` knows what to check payloads against.
+    pub pattern: String,
+    /// Every source of the topology, and those that follow `pattern`, for the sidecars.
+    pub sources: Vec<u32>,
+    pub pattern_sources: Vec<u32>,
+    pub settings: RecorderSection,
+    pub max_message: usize,
+}
+
+/// A finished file, as its sidecar describes it.
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct FileInfo {
+    pub file: String,
+    pub format_version: u16,
+    pub run_number: u64,
+    pub sequence: u32,
+    pub size_bytes: u64,
+    pub events: u64,
+    pub incomplete_events: u64,
+    pub fragments: u64,
+    pub record_bytes: u64,
+    pub blocks: u32,
+    pub compression: String,
+    pub filter: String,
+    pub file_crc32c: String,
+    pub first_event_id: Option<u64>,
+    pub last_event_id: Option<u64>,
+    pub start_time_unix_ns: u64,
+    pub end_time_unix_ns: u64,
+    pub config_sha256: String,
+    /// Payload pattern of the emulated sources (`verify` regenerates and compares it).
+    pub pattern: String,
+    /// Every source an event is expected to hold.
+    #[serde(default)]
+    pub sources: Vec<u32>,
+    /// The sources whose payloads follow `pattern` (the emulated ones).
+    #[serde(default)]
+    pub pattern_sources: Vec<u32>,
+}
+
+#[derive(Debug, Default)]
+pub struct RecorderStats {
+    pub events: AtomicU64,
+    pub incomplete_events: AtomicU64,
+    pub fragments_in_complete: AtomicU64,
+    pub fragments_in_incomplete: AtomicU64,
+    pub record_bytes: AtomicU64,
+    /// Bytes written to files (after compression).
+    pub file_bytes: AtomicU64,
+    /// Fragments received and not yet written.
+    pub queued_fragments: AtomicU64,
+    /// Nanoseconds the writer slept to honour the throttle.
+    pub throttled_ns: AtomicU64,
+    /// Nanoseconds the writer spent in write and fsync calls.
+    pub write_ns: AtomicU64,
+    pub files: Mutex<Vec<FileInfo>>,
+    pub error: Mutex<Option<String>>,
+    pub links: Mutex<Vec<(u16, Arc<Budget>)>>,
+}
+
+impl RecorderStats {
+    pub fn buffer_use(&self) -> (u64, u64) {
+        self.links
+            .lock()
+            .iter()
+            .fold((0, 0), |(u, l), (_, b)| (u + b.used(), l + b.limit()))
+    }
+    pub fn busy_ns(&self) -> u64 {
+        self.links
+            .lock()
+            .iter()
+            .map(|(_, b)| b.busy_ns.load(Ordering::Relaxed))
+            .sum()
+    }
+}
+
+/// Records on their way to the writer: (record bytes, fragment count, incomplete).
+type Batch = Vec<(ChunkSlice, u32, bool)>;
+
+pub struct Recorder {
+    pub stats: Arc<RecorderStats>,
+    stop: Arc<AtomicBool>,
+    abort: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Recorder {
+    pub fn start(cfg: RecorderConfig) -> std::io::Result<Recorder> {
+        let stats = Arc::new(RecorderStats::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let abort = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = bounded::<Batch>(256);
+        let n = cfg.builders.len().max(1);
+        let per_link = (cfg.settings.queue.0 / n as u64).max(4 * cfg.max_message as u64);
+        let mut threads = Vec::new();
+        let settings = FileSettings {
+            dir: cfg.output.clone(),
+            run_number: cfg.run_number,
+            config_digest: cfg.config_digest,
+            pattern: cfg.pattern.clone(),
+            sources: cfg.sources.clone(),
+            pattern_sources: cfg.pattern_sources.clone(),
+            section: cfg.settings.clone(),
+        };
+        {
+            let st = stats.clone();
+            threads.push(spawn("recorder-writer".into(), move || {
+                write_loop(settings, rx, &st)
+            }));
+        }
+        {
+            let st = stats.clone();
+            let (stop, abort) = (stop.clone(), abort.clone());
+            let max = cfg.max_message;
+            let builders = cfg.builders.clone();
+            let listener = cfg.listener;
+            threads.push(spawn("recorder-accept".into(), move || {
+                accept(listener, builders, per_link, max, tx, &st, &stop, &abort)
+            }));
+        }
+        Ok(Recorder {
+            stats,
+            stop,
+            abort,
+            threads,
+        })
+    }
+
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    pub fn abort(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.abort.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.threads.iter().all(|t| t.is_finished())
+    }
+
+    pub fn join(self) {
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(f)
+        .expect("spawn thread")
+}
+
+#[allow(clippy::too_many_arguments)]
+fn accept(
+    listener: TcpListener,
+    builders: Vec<u16>,
+    per_link: u64,
+    max: usize,
+    tx: Sender<Batch>,
+    st: &Arc<RecorderStats>,
+    stop: &AtomicBool,
+    abort: &Arc<AtomicBool>,
+) {
+    let _ = listener.set_nonblocking(true);
+    let mut connected = vec![false; builders.len()];
+    let mut readers = Vec::new();
+    while connected.iter().any(|c| !c) && !stop.load(Ordering::Relaxed) {
+        match listener.accept() {
+            Ok((mut s, peer)) => {
+                let _ = s.set_nonblocking(false);
+                let r = (|| -> Result<usize, String> {
+                    tessera_net::io::tune(&s, Some(Duration::from_millis(100)))
+                        .map_err(|e| e.to_string())?;
+                    let mut b = [0u8; tessera_format::link::PEER_HELLO_SIZE];
+                    tessera_net::io::read_exact_patient(&mut s, &mut b, Duration::from_secs(5))
+                        .map_err(|e| e.to_string())?;
+                    let h = match decode_link(&b, 0) {
+                        Ok((LinkItem::Hello(h), _)) if h.role == PeerRole::BuilderUnit => h,
+                        _ => return Err("not a builder hello".into()),
+                    };
+                    let slot = builders
+                        .iter()
+                        .position(|&b| b as u32 == h.id)
+                        .ok_or_else(|| format!("builder {} is not in this topology", h.id))?;
+                    if std::mem::replace(&mut connected[slot], true) {
+                        return Err(format!("builder {} is already connected", h.id));
+                    }
+                    Ok(slot)
+                })();
+                match r {
+                    Ok(slot) => {
+                        let budget = Arc::new(Budget::new(per_link));
+                        st.links.lock().push((builders[slot], budget.clone()));
+                        let (tx, st, abort) = (tx.clone(), st.clone(), abort.clone());
+                        readers.push(spawn(format!("recorder-bu{}", builders[slot]), move || {
+                            read_builder(s, budget, max, tx, &st, &abort)
+                        }));
+                    }
+                    Err(why) => tracing::warn!(%peer, %why, "recorder refused a connection"),
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+    drop(tx);
+    for r in readers {
+        let _ = r.join();
+    }
+}
+
+fn read_builder(
+    mut s: TcpStream,
+    budget: Arc<Budget>,
+    max: usize,
+    tx: Sender<Batch>,
+    st: &RecorderStats,
+    abort: &AtomicBool,
+) {
+    let mut reader = ChunkReader::new(budget, (1 << 20).max(2 * max));
+    let mut want = 0;
+    loop {
+        let mut batch: Batch = Vec::new();
+        let mut done = false;
+        loop {
+            match decode_link(reader.window(), max) {
+                Ok((LinkItem::Event(h), n)) => {
+                    let rec = reader.take(n);
+                    st.queued_fragments
+                        .fetch_add(h.fragment_count as u64, Ordering::Relaxed);
+                    batch.push((rec, h.fragment_count, h.flags.has(EventFlags::INCOMPLETE)));
+                }
+                Ok((LinkItem::End(_), _)) => {
+                    done = true;
+                    break;
+                }
+                Ok((LinkItem::NeedMore(n), _)) => {
+                    want = n;
+                    break;
+                }
+                Ok((LinkItem::Idle, _)) => {
+                    want = 0;
+                    break;
+                }
+                Ok((other, _)) => {
+                    *st.error.lock() =
+                        Some(format!("unexpected message from a builder: {other:?}"));
+                    done = true;
+                    break;
+                }
+                Err(e) => {
+                    *st.error.lock() = Some(format!("builder link: {e}"));
+                    done = true;
+                    break;
+                }
+            }
+        }
+        if !batch.is_empty() && tx.send(batch).is_err() {
+            break;
+        }
+        if done {
+            break;
+        }
+        match reader.fill(&mut s, want, abort) {
+            Ok(Fill::Data(_)) => {}
+            Ok(Fill::Eof) | Ok(Fill::Stopped) | Err(_) => break,
+        }
+    }
+    let _ = s.shutdown(std::net::Shutdown::Both);
+}
+
+fn write_loop(settings: FileSettings, rx: Receiver<Batch>, st: &RecorderStats) {
+    let enabled = settings.section.enabled;
+    let mut w = FileWriter::new(settings);
+    let mut failed = false;
+    for batch in rx.iter() {
+        for (rec, nf, incomplete) in batch {
+            let len = rec.len() as u64;
+            if enabled && !failed {
+                if let Err(e) = w.append(rec, nf, incomplete, st) {
+                    tracing::error!(error = %e, "recorder cannot write; events are counted but not stored");
+                    *st.error.lock() = Some(format!("writing: {e}"));
+                    failed = true;
+                }
+            }
+            st.events.fetch_add(1, Ordering::Relaxed);
+            st.record_bytes.fetch_add(len, Ordering::Relaxed);
+            if incomplete {
+                st.incomplete_events.fetch_add(1, Ordering::Relaxed);
+                st.fragments_in_incomplete
+                    .fetch_add(nf as u64, Ordering::Relaxed);
+            } else {
+                st.fragments_in_complete
+                    .fetch_add(nf as u64, Ordering::Relaxed);
+            }
+            st.queued_fragments.fetch_sub(nf as u64, Ordering::Relaxed);
+        }
+    }
+    if enabled && !failed {
+        if let Err(e) = w.close(st) {
+            *st.error.lock() = Some(format!("closing file: {e}"));
+        }
+    }
+}

@@ -1,0 +1,371 @@
+//! Runs a whole topology in one process. Every role runs as its own threads and the data
+//! between roles crosses real loopback TCP, exactly as between hosts.
+//!
+//! Start order is sink first (recorder, builders, readout units, sources), so that every
+//! connection finds its listener. A stop drains in the same direction as the data: the sources
+//! end their streams, each readout unit sends what it holds and closes its builder links, each
+//! builder finishes and closes its recorder link, the recorder closes its file. A drain deadline
+//! bounds the whole stop; whatever is left then is reported as still buffered or unaccounted,
+//! never hidden.
+
+pub mod report;
+mod status;
+
+use anyhow::{bail, Context, Result};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tessera_builder::{BuilderConfig, BuilderUnit};
+use tessera_config::Resolved;
+use tessera_format::wire::{MAX_HEADER_SIZE, TRAILER_SIZE};
+use tessera_readout::{ReadoutConfig, ReadoutUnit};
+use tessera_recorder::{Recorder, RecorderConfig};
+use tessera_source::SourcePlan;
+
+pub use report::Report;
+
+/// How the live status is shown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatusMode {
+    /// Rewrite one line on a terminal, print lines otherwise.
+    Auto,
+    /// A new line each interval.
+    Lines,
+    Off,
+}
+
+/// What the command line adds to the topology.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Overrides `run.events`.
+    pub events: Option<u64>,
+    /// Overrides `run.duration_s`.
+    pub duration_s: Option<f64>,
+    /// Overrides `run.output`.
+    pub output: Option<PathBuf>,
+    pub status: StatusMode,
+    /// Raised from outside (Ctrl-C) to stop the run.
+    pub stop: Arc<AtomicBool>,
+    /// Builders count and drop events instead of sending them to the recorder (measurements of
+    /// building alone).
+    pub sink_at_builders: bool,
+    /// Write the run manifest and take a run number from the output directory.
+    pub manifest: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            events: None,
+            duration_s: None,
+            output: None,
+            status: StatusMode::Auto,
+            stop: Arc::new(AtomicBool::new(false)),
+            sink_at_builders: false,
+            manifest: true,
+        }
+    }
+}
+
+/// Largest fragment on the wire for a payload bound.
+pub fn max_fragment_wire(max_payload: usize) -> usize {
+    MAX_HEADER_SIZE + max_payload.div_ceil(4) * 4 + TRAILER_SIZE
+}
+
+/// The components of a running topology.
+pub(crate) struct Running {
+    pub sources: Option<tessera_source::RunningSources>,
+    pub readout_units: Vec<ReadoutUnit>,
+    pub builders: Vec<BuilderUnit>,
+    pub recorder: Option<Recorder>,
+}
+
+/// Runs the topology to its end and returns the report (also written as the run manifest).
+pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
+    let t = &r.topology;
+    let output = opts.output.clone().unwrap_or_else(|| t.run.output.clone());
+    std::fs::create_dir_all(&output)
+        .with_context(|| format!("creating output directory {}", output.display()))?;
+    let run_number = match t.run.number {
+        Some(n) => n,
+        None if opts.manifest => next_run_number(&output)?,
+        None => 0,
+    };
+    let events = opts.events.unwrap_or(t.run.events);
+    let duration = opts.duration_s.unwrap_or(t.run.duration_s);
+    let max_payload = t.run.max_fragment_size.0 as usize;
+    let frag_wire = max_fragment_wire(max_payload);
+    let max_ru_links = r.ru_sources.iter().map(Vec::len).max().unwrap_or(1);
+    let max_sf = 64 + max_ru_links * (4 + frag_wire);
+    let n_sources = r.source_ru.len();
+    let max_event = 64 + n_sources * (4 + frag_wire);
+    let started_unix_ns = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+
+    let bind = |addr: &str, what: &str| {
+        TcpListener::bind(addr).with_context(|| format!("{what}: cannot listen on {addr}"))
+    };
+
+    // Recorder.
+    let recorder = if opts.sink_at_builders {
+        None
+    } else {
+        let l = bind(&t.recorder.listen, "recorder")?;
+        let addr = l.local_addr()?.to_string();
+        let rec = Recorder::start(RecorderConfig {
+            listener: l,
+            builders: t.builders.iter().map(|b| b.id as u16).collect(),
+            output: output.clone(),
+            run_number,
+            config_digest: r.digest,
+            pattern: r.pattern.name().into(),
+            sources: r.all_sources(),
+            pattern_sources: r.emulated_sources().collect(),
+            settings: t.recorder.clone(),
+            max_message: max_event,
+        })?;
+        Some((rec, addr))
+    };
+    // Builders.
+    let mut builders = Vec::new();
+    let mut builder_addrs = Vec::new();
+    for (i, b) in t.builders.iter().enumerate() {
+        let l = bind(&b.listen, &format!("builder[{i}]"))?;
+        builder_addrs.push(l.local_addr()?.to_string());
+        builders.push(
+            BuilderUnit::start(BuilderConfig {
+                id: b.id as u16,
+                listener: l,
+                readout_units: t
+                    .readout_units
+                    .iter()
+                    .zip(&r.ru_sources)
+                    .map(|(ru, s)| (ru.id, s.clone()))
+                    .collect(),
+                recorder: recorder.as_ref().map(|(_, a)| a.clone()),
+                buffer: b.buffer.0,
+                read_chunk: b.read_chunk.0 as usize,
+                event_timeout: Duration::from_millis(b.event_timeout_ms),
+                max_message: max_sf,
+            })
+            .with_context(|| format!("starting builder {}", b.id))?,
+        );
+    }
+    // Readout units.
+    let mut rus = Vec::new();
+    let mut ru_addrs = Vec::new();
+    for (i, ru) in t.readout_units.iter().enumerate() {
+        let l = bind(&ru.listen, &format!("readout[{i}]"))?;
+        ru_addrs.push(l.local_addr()?.to_string());
+        rus.push(
+            ReadoutUnit::start(ReadoutConfig {
+                id: ru.id,
+                listener: l,
+                sources: r.ru_sources[i].clone(),
+                builders: builder_addrs.clone(),
+                assignment: t.assignment.clone(),
+                buffer: ru.buffer.0,
+                read_chunk: ru.read_chunk.0 as usize,
+                event_timeout: Duration::from_millis(ru.event_timeout_ms),
+                max_payload,
+                quarantine: ru.quarantine.then(|| {
+                    (
+                        output
+                            .join("quarantine")
+                            .join(format!("run{run_number:06}_ru{}.dump", ru.id)),
+                        ru.quarantine_limit.0,
+                    )
+                }),
+            })
+            .with_context(|| format!("starting readout unit {}", ru.id))?,
+        );
+    }
+    // Sources.
+    let source_stop = Arc::new(AtomicBool::new(false));
+    let emulated: Vec<(u32, String)> = r
+        .emulated_sources()
+        .map(|s| (s, ru_addrs[r.source_ru[&s]].clone()))
+        .collect();
+    let sources = if emulated.is_empty() {
+        None
+    } else {
+        Some(
+            tessera_source::start(
+                SourcePlan {
+                    settings: t.sources.clone(),
+                    pattern: r.pattern,
+                    max_payload,
+                    sources: emulated,
+                    injections: t.injections.clone(),
+                    events,
+                },
+                source_stop.clone(),
+            )
+            .context("connecting the emulated sources")?,
+        )
+    };
+    let (recorder, _) = match recorder {
+        Some((rec, a)) => (Some(rec), a),
+        None => (None, String::new()),
+    };
+    let mut running = Running {
+        sources,
+        readout_units: rus,
+        builders,
+        recorder,
+    };
+    let mut status =
+        status::Status::new(opts.status, Duration::from_millis(t.run.status_interval_ms));
+    let external_addrs: Vec<String> = t
+        .sources
+        .external
+        .iter()
+        .map(|s| format!("source {s} -> {}", ru_addrs[r.source_ru[s]]))
+        .collect();
+    if !external_addrs.is_empty() {
+        status.note(&format!(
+            "waiting for external sources: {}",
+            external_addrs.join(", ")
+        ));
+    }
+
+    let t0 = Instant::now();
+    let stop_reason = loop {
+        std::thread::sleep(Duration::from_millis(50));
+        status.tick(&running, t0.elapsed(), "running");
+        if opts.stop.load(Ordering::Relaxed) {
+            break "interrupted";
+        }
+        if duration > 0.0 && t0.elapsed().as_secs_f64() >= duration {
+            break "duration";
+        }
+        if let Some(s) = &running.sources {
+            if s.all_finished() {
+                break if events > 0 {
+                    "events"
+                } else {
+                    "sources ended"
+                };
+            }
+        } else if running.readout_units.iter().all(|u| u.is_finished()) {
+            break "sources ended";
+        }
+        if let Some(rec) = &running.recorder {
+            if rec.stats.error.lock().is_some() {
+                break "recorder error";
+            }
+        }
+    };
+    // Drain: sources end their streams; the rest follows the data.
+    source_stop.store(true, Ordering::Relaxed);
+    if let Some(s) = running.sources.take() {
+        s.join_into(&mut running);
+    }
+    for u in &running.readout_units {
+        u.stop();
+    }
+    for b in &running.builders {
+        b.stop();
+    }
+    if let Some(rec) = &running.recorder {
+        rec.stop();
+    }
+    let deadline = Instant::now() + Duration::from_millis(t.run.drain_timeout_ms);
+    let mut drained = true;
+    while !all_finished(&running) {
+        if Instant::now() >= deadline {
+            drained = false;
+            status.note("drain deadline passed: giving up on what is still in flight");
+            for u in &running.readout_units {
+                u.abort();
+            }
+            for b in &running.builders {
+                b.abort();
+            }
+            if let Some(rec) = &running.recorder {
+                rec.abort();
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        status.tick(&running, t0.elapsed(), "draining");
+    }
+    let elapsed = t0.elapsed();
+    status.finish(&running, elapsed);
+    let report = report::Report::collect(
+        r,
+        &running,
+        report::RunInfo {
+            run_number,
+            started_unix_ns,
+            duration_s: elapsed.as_secs_f64(),
+            stop_reason: stop_reason.into(),
+            drained,
+            output: output.display().to_string(),
+        },
+    );
+    let Running {
+        sources: _,
+        readout_units,
+        builders,
+        recorder,
+    } = running;
+    if drained {
+        for u in readout_units {
+            u.join();
+        }
+        for b in builders {
+            b.join();
+        }
+        if let Some(rec) = recorder {
+            rec.join();
+        }
+    }
+    if opts.manifest {
+        let path = output.join(format!("run{run_number:06}.manifest.json"));
+        let json = serde_json::to_vec_pretty(&report)?;
+        tessera_recorder::file_write_atomic(&path, &json)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(report)
+}
+
+fn all_finished(r: &Running) -> bool {
+    r.readout_units.iter().all(|u| u.is_finished())
+        && r.builders.iter().all(|b| b.is_finished())
+        && r.recorder.as_ref().is_none_or(|x| x.is_finished())
+}
+
+/// One more than the highest run number recorded in `dir` (by its `last_run` file).
+fn next_run_number(dir: &Path) -> Result<u64> {
+    let p = dir.join("last_run");
+    let last = match std::fs::read_to_string(&p) {
+        Ok(s) => s
+            .trim()
+            .parse::<u64>()
+            .with_context(|| format!("{} does not hold a run number", p.display()))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => bail!("reading {}: {e}", p.display()),
+    };
+    let next = last + 1;
+    tessera_recorder::file_write_atomic(&p, format!("{next}\n").as_bytes())
+        .with_context(|| format!("writing {}", p.display()))?;
+    Ok(next)
+}
+
+trait JoinInto {
+    fn join_into(self, r: &mut Running);
+}
+
+impl JoinInto for tessera_source::RunningSources {
+    /// Waits for the source threads; their counters stay readable for the report.
+    fn join_into(self, r: &mut Running) {
+        let stats = self.stats.clone();
+        self.join();
+        r.sources = Some(tessera_source::RunningSources::finished(stats));
+    }
+}

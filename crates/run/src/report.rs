@@ -1,0 +1,447 @@
+//! The run report: what every component counted, and the accounting balance
+//! `sent = in complete events + in incomplete events + rejected + still buffered`, each term read
+//! from the component that holds it. A non-zero `unaccounted` is a defect to investigate, and is
+//! reported as such.
+
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::Ordering;
+
+use tessera_config::Resolved;
+use tessera_readout::{LinkState, Rejection};
+use tessera_recorder::FileInfo;
+
+use crate::Running;
+
+pub struct RunInfo {
+    pub run_number: u64,
+    pub started_unix_ns: u64,
+    pub duration_s: f64,
+    pub stop_reason: String,
+    pub drained: bool,
+    pub output: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct SourceReport {
+    pub id: u32,
+    pub kind: &'static str,
+    /// Fragments the source sent (external: as declared in its end-of-stream, else as received).
+    pub sent: u64,
+    pub bytes: u64,
+    /// Fraction of the run the source spent held by back-pressure.
+    pub held_fraction: f64,
+    pub link_state: String,
+    pub received: u64,
+    pub rejected: BTreeMap<String, u64>,
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ReadoutReport {
+    pub id: u32,
+    pub super_fragments: u64,
+    pub incomplete_super_fragments: u64,
+    pub fragments_forwarded: u64,
+    pub peak_buffer_fraction: f64,
+    /// Mean over links of the fraction of the run each link could not read for lack of memory.
+    pub busy_fraction: f64,
+    pub refused_connections: u64,
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BuilderReport {
+    pub id: u16,
+    pub events_complete: u64,
+    pub events_incomplete: u64,
+    pub fragments_in_complete: u64,
+    pub fragments_in_incomplete: u64,
+    pub bytes_built: u64,
+    pub late_fragments: u64,
+    pub duplicate_fragments: u64,
+    pub malformed_fragments: u64,
+    pub busy_fraction: f64,
+    pub missing_by_source: BTreeMap<u32, u64>,
+    pub errors: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct RecorderReport {
+    pub events: u64,
+    pub incomplete_events: u64,
+    pub fragments: u64,
+    pub record_bytes: u64,
+    pub file_bytes: u64,
+    pub throttled_s: f64,
+    pub files: Vec<FileInfo>,
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Balance {
+    pub sent: u64,
+    pub in_complete_events: u64,
+    pub in_incomplete_events: u64,
+    pub rejected: BTreeMap<String, u64>,
+    pub rejected_total: u64,
+    pub still_buffered: u64,
+    /// sent − (complete + incomplete + rejected + buffered). Zero when every fragment is
+    /// accounted for.
+    pub unaccounted: i64,
+    pub holds: bool,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub run_number: u64,
+    pub started_unix_ns: u64,
+    pub duration_s: f64,
+    pub stop_reason: String,
+    pub drained: bool,
+    pub output: String,
+    pub config_origin: String,
+    pub config_sha256: String,
+    pub events_complete: u64,
+    pub events_incomplete: u64,
+    pub bytes_built: u64,
+    pub events_per_s: f64,
+    pub built_bytes_per_s: f64,
+    pub sources: Vec<SourceReport>,
+    pub readout_units: Vec<ReadoutReport>,
+    pub builders: Vec<BuilderReport>,
+    pub recorder: Option<RecorderReport>,
+    pub balance: Balance,
+    /// Events the builders built that the recorder did not record (0 when the recorder kept up
+    /// and was drained).
+    pub recorder_shortfall: i64,
+}
+
+fn frac(ns: u64, secs: f64) -> f64 {
+    if secs > 0.0 {
+        (ns as f64 / 1e9 / secs).min(1.0)
+    } else {
+        0.0
+    }
+}
+
+impl Report {
+    pub(crate) fn collect(r: &Resolved, run: &Running, info: RunInfo) -> Report {
+        let secs = info.duration_s;
+        let mut rejected: BTreeMap<String, u64> = BTreeMap::new();
+        let mut add = |k: &str, n: u64| {
+            if n > 0 {
+                *rejected.entry(k.to_string()).or_default() += n;
+            }
+        };
+        let emulated: BTreeMap<u32, &tessera_source::SourceStats> = run
+            .sources
+            .as_ref()
+            .map(|s| s.stats.iter().map(|x| (x.id, x.as_ref())).collect())
+            .unwrap_or_default();
+        let mut sources = Vec::new();
+        let mut buffered = 0u64;
+        let mut readout_units = Vec::new();
+        for u in &run.readout_units {
+            let st = &u.stats;
+            for l in &st.links {
+                let mut rej = BTreeMap::new();
+                for i in 0..Rejection::COUNT {
+                    let n = l.rejected[i].load(Ordering::Relaxed);
+                    if n > 0 {
+                        let label = Rejection::from_index(i).label();
+                        rej.insert(label.to_string(), n);
+                        add(label, n);
+                    }
+                }
+                let received = l.received();
+                let (kind, sent, bytes, held, error) = match emulated.get(&l.source_id) {
+                    Some(s) => (
+                        "emulated",
+                        s.fragments.load(Ordering::Relaxed),
+                        s.bytes.load(Ordering::Relaxed),
+                        frac(s.held_ns.load(Ordering::Relaxed), secs),
+                        s.error.lock().clone(),
+                    ),
+                    None => {
+                        let declared = l.eos_fragments.load(Ordering::Relaxed);
+                        (
+                            "external",
+                            if declared == u64::MAX {
+                                received
+                            } else {
+                                declared
+                            },
+                            0,
+                            0.0,
+                            None,
+                        )
+                    }
+                };
+                sources.push(SourceReport {
+                    id: l.source_id,
+                    kind,
+                    sent,
+                    bytes,
+                    held_fraction: held,
+                    link_state: l.state().label().into(),
+                    received,
+                    rejected: rej,
+                    error,
+                });
+            }
+            add("builder_link_lost", st.builder_lost.load(Ordering::Relaxed));
+            buffered += st.held_fragments.load(Ordering::Relaxed)
+                + st.queued_fragments.load(Ordering::Relaxed);
+            let (_, limit) = st.buffer_use();
+            let peak: u64 = st
+                .links
+                .iter()
+                .map(|l| l.budget.peak.load(Ordering::Relaxed))
+                .sum();
+            readout_units.push(ReadoutReport {
+                id: st.id,
+                super_fragments: st.super_fragments.load(Ordering::Relaxed),
+                incomplete_super_fragments: st.incomplete_super_fragments.load(Ordering::Relaxed),
+                fragments_forwarded: st.fragments_forwarded.load(Ordering::Relaxed),
+                peak_buffer_fraction: if limit > 0 {
+                    peak as f64 / limit as f64
+                } else {
+                    0.0
+                },
+                busy_fraction: frac(st.busy_ns(), secs) / st.links.len().max(1) as f64,
+                refused_connections: st.refused_connections.load(Ordering::Relaxed),
+                error: st.builder_error.lock().clone(),
+            });
+        }
+        sources.sort_by_key(|s| s.id);
+        let mut builders = Vec::new();
+        let (mut complete_f, mut incomplete_f, mut ev_c, mut ev_i, mut bytes_built) =
+            (0, 0, 0, 0, 0);
+        for b in &run.builders {
+            let st = &b.stats;
+            let late = st.late_fragments.load(Ordering::Relaxed);
+            let dup = st.duplicate_fragments.load(Ordering::Relaxed);
+            let bad = st.malformed_fragments.load(Ordering::Relaxed);
+            add("late_at_builder", late);
+            add("duplicate_at_builder", dup);
+            add("malformed_super_fragment", bad);
+            add(
+                "recorder_link_lost",
+                st.recorder_lost.load(Ordering::Relaxed),
+            );
+            buffered += st.held_fragments.load(Ordering::Relaxed)
+                + st.queued_fragments.load(Ordering::Relaxed);
+            let rep = BuilderReport {
+                id: st.id,
+                events_complete: st.events_complete.load(Ordering::Relaxed),
+                events_incomplete: st.events_incomplete.load(Ordering::Relaxed),
+                fragments_in_complete: st.fragments_in_complete.load(Ordering::Relaxed),
+                fragments_in_incomplete: st.fragments_in_incomplete.load(Ordering::Relaxed),
+                bytes_built: st.bytes_built.load(Ordering::Relaxed),
+                late_fragments: late,
+                duplicate_fragments: dup,
+                malformed_fragments: bad,
+                busy_fraction: frac(st.busy_ns(), secs) / st.links.len().max(1) as f64,
+                missing_by_source: st.missing_by_source.lock().clone(),
+                errors: std::iter::once(st.recorder_error.lock().clone())
+                    .chain(st.links.iter().map(|l| {
+                        l.error
+                            .lock()
+                            .clone()
+                            .map(|e| format!("readout unit {}: {e}", l.readout_unit))
+                    }))
+                    .flatten()
+                    .collect(),
+            };
+            complete_f += rep.fragments_in_complete;
+            incomplete_f += rep.fragments_in_incomplete;
+            ev_c += rep.events_complete;
+            ev_i += rep.events_incomplete;
+            bytes_built += rep.bytes_built;
+            builders.push(rep);
+        }
+        let recorder = run.recorder.as_ref().map(|rec| {
+            let st = &rec.stats;
+            buffered += st.queued_fragments.load(Ordering::Relaxed);
+            RecorderReport {
+                events: st.events.load(Ordering::Relaxed),
+                incomplete_events: st.incomplete_events.load(Ordering::Relaxed),
+                fragments: st.fragments_in_complete.load(Ordering::Relaxed)
+                    + st.fragments_in_incomplete.load(Ordering::Relaxed),
+                record_bytes: st.record_bytes.load(Ordering::Relaxed),
+                file_bytes: st.file_bytes.load(Ordering::Relaxed),
+                throttled_s: st.throttled_ns.load(Ordering::Relaxed) as f64 / 1e9,
+                files: st.files.lock().clone(),
+                error: st.error.lock().clone(),
+            }
+        });
+        // Fragments the builders sent on but the recorder has not counted are in flight between
+        // them; they are part of what is buffered, not lost, until the recorder link is drained.
+        let recorder_shortfall = recorder
+            .as_ref()
+            .map_or(0, |rc| (ev_c + ev_i) as i64 - rc.events as i64);
+        let sent: u64 = sources.iter().map(|s| s.sent).sum();
+        let rejected_total: u64 = rejected.values().sum();
+        let unaccounted =
+            sent as i64 - (complete_f + incomplete_f + rejected_total + buffered) as i64;
+        Report {
+            run_number: info.run_number,
+            started_unix_ns: info.started_unix_ns,
+            duration_s: secs,
+            stop_reason: info.stop_reason,
+            drained: info.drained,
+            output: info.output,
+            config_origin: r.origin.clone(),
+            config_sha256: hex::encode(r.digest),
+            events_complete: ev_c,
+            events_incomplete: ev_i,
+            bytes_built,
+            events_per_s: if secs > 0.0 {
+                (ev_c + ev_i) as f64 / secs
+            } else {
+                0.0
+            },
+            built_bytes_per_s: if secs > 0.0 {
+                bytes_built as f64 / secs
+            } else {
+                0.0
+            },
+            sources,
+            readout_units,
+            builders,
+            recorder,
+            balance: Balance {
+                sent,
+                in_complete_events: complete_f,
+                in_incomplete_events: incomplete_f,
+                rejected,
+                rejected_total,
+                still_buffered: buffered,
+                unaccounted,
+                holds: unaccounted == 0,
+            },
+            recorder_shortfall,
+        }
+    }
+
+    /// Whether the run ended clean: balance holds and the recorder got every built event.
+    pub fn ok(&self) -> bool {
+        self.balance.holds
+            && self.recorder_shortfall == 0
+            && self.recorder.as_ref().is_none_or(|r| r.error.is_none())
+    }
+
+    /// The human summary.
+    pub fn summary(&self) -> String {
+        let mut s = String::new();
+        let b = &self.balance;
+        let _ = writeln!(
+            s,
+            "run {} ended ({}) after {:.1} s{}",
+            self.run_number,
+            self.stop_reason,
+            self.duration_s,
+            if self.drained {
+                ""
+            } else {
+                ", NOT fully drained"
+            }
+        );
+        let _ = writeln!(
+            s,
+            "  built    {} events ({} complete, {} incomplete), {:.0} events/s, {}/s",
+            self.events_complete + self.events_incomplete,
+            self.events_complete,
+            self.events_incomplete,
+            self.events_per_s,
+            human_bytes(self.built_bytes_per_s)
+        );
+        let missing: BTreeMap<u32, u64> = self
+            .builders
+            .iter()
+            .flat_map(|b| b.missing_by_source.iter().map(|(k, v)| (*k, *v)))
+            .fold(BTreeMap::new(), |mut m, (k, v)| {
+                *m.entry(k).or_default() += v;
+                m
+            });
+        if !missing.is_empty() {
+            let list: Vec<String> = missing
+                .iter()
+                .take(12)
+                .map(|(k, v)| format!("source {k}: {v}"))
+                .collect();
+            let _ = writeln!(
+                s,
+                "  incomplete events by missing source: {}{}",
+                list.join(", "),
+                if missing.len() > 12 { ", ..." } else { "" }
+            );
+        }
+        if let Some(r) = &self.recorder {
+            let ratio = if r.file_bytes > 0 {
+                r.record_bytes as f64 / r.file_bytes as f64
+            } else {
+                0.0
+            };
+            let _ = writeln!(
+                s,
+                "  recorded {} events in {} file(s), {} ({} on disk, ratio {:.2}) under {}",
+                r.events,
+                r.files.len(),
+                human_bytes(r.record_bytes as f64),
+                human_bytes(r.file_bytes as f64),
+                ratio,
+                self.output
+            );
+            if r.throttled_s > 0.0 {
+                let _ = writeln!(s, "  recorder throttled for {:.1} s", r.throttled_s);
+            }
+            if let Some(e) = &r.error {
+                let _ = writeln!(s, "  RECORDER ERROR: {e}");
+            }
+        }
+        let held: Vec<String> = self
+            .sources
+            .iter()
+            .filter(|x| x.held_fraction > 0.01)
+            .take(8)
+            .map(|x| format!("{}: {:.0}%", x.id, 100.0 * x.held_fraction))
+            .collect();
+        if !held.is_empty() {
+            let _ = writeln!(s, "  sources held by back-pressure: {}", held.join(", "));
+        }
+        let odd: Vec<String> = self
+            .sources
+            .iter()
+            .filter(|x| x.link_state != LinkState::Ended.label())
+            .map(|x| format!("{} {}", x.id, x.link_state))
+            .collect();
+        if !odd.is_empty() {
+            let _ = writeln!(s, "  links not ended cleanly: {}", odd.join(", "));
+        }
+        let _ = writeln!(s, "  fragments: sent {} = in complete events {} + in incomplete events {} + rejected {} + still buffered {}{}", b.sent, b.in_complete_events, b.in_incomplete_events, b.rejected_total, b.still_buffered, if b.holds { "   [balance holds]".to_string() } else { format!("   [IMBALANCE: {} unaccounted]", b.unaccounted) });
+        if !b.rejected.is_empty() {
+            let list: Vec<String> = b.rejected.iter().map(|(k, v)| format!("{k} {v}")).collect();
+            let _ = writeln!(s, "  rejected by reason: {}", list.join(", "));
+        }
+        if self.recorder_shortfall != 0 {
+            let _ = writeln!(
+                s,
+                "  WARNING: builders built {} more events than the recorder recorded",
+                self.recorder_shortfall
+            );
+        }
+        s
+    }
+}
+
+pub fn human_bytes(b: f64) -> String {
+    for (u, m) in [("GB", 1e9), ("MB", 1e6), ("kB", 1e3)] {
+        if b >= m {
+            return format!("{:.1} {u}", b / m);
+        }
+    }
+    format!("{b:.0} B")
+}

@@ -1,0 +1,134 @@
+//! The live status line: events/s, built MB/s, busy and buffer occupancy per stage.
+
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::report::human_bytes;
+use crate::{Running, StatusMode};
+
+pub struct Status {
+    mode: StatusMode,
+    tty: bool,
+    every: Duration,
+    last: Option<Instant>,
+    last_events: u64,
+    last_bytes: u64,
+    last_busy: u64,
+    dirty: bool,
+}
+
+impl Status {
+    pub fn new(mode: StatusMode, every: Duration) -> Status {
+        Status {
+            mode,
+            tty: std::io::stderr().is_terminal(),
+            every,
+            last: None,
+            last_events: 0,
+            last_bytes: 0,
+            last_busy: 0,
+            dirty: false,
+        }
+    }
+
+    pub fn note(&mut self, msg: &str) {
+        if self.mode == StatusMode::Off {
+            return;
+        }
+        self.clear();
+        eprintln!("{msg}");
+    }
+
+    fn clear(&mut self) {
+        if self.dirty && self.tty && self.mode == StatusMode::Auto {
+            eprint!("\r\x1b[2K");
+            self.dirty = false;
+        }
+    }
+
+    pub fn tick(&mut self, r: &Running, elapsed: Duration, phase: &str) {
+        if self.mode == StatusMode::Off {
+            return;
+        }
+        let now = Instant::now();
+        let dt = match self.last {
+            Some(t) if now - t < self.every => return,
+            Some(t) => (now - t).as_secs_f64(),
+            None => {
+                self.last = Some(now);
+                return;
+            }
+        };
+        self.last = Some(now);
+        let events: u64 = r
+            .builders
+            .iter()
+            .map(|b| {
+                b.stats.events_complete.load(Ordering::Relaxed)
+                    + b.stats.events_incomplete.load(Ordering::Relaxed)
+            })
+            .sum();
+        let incomplete: u64 = r
+            .builders
+            .iter()
+            .map(|b| b.stats.events_incomplete.load(Ordering::Relaxed))
+            .sum();
+        let bytes: u64 = r
+            .builders
+            .iter()
+            .map(|b| b.stats.bytes_built.load(Ordering::Relaxed))
+            .sum();
+        let links: usize = r.readout_units.iter().map(|u| u.stats.links.len()).sum();
+        let busy: u64 = r.readout_units.iter().map(|u| u.stats.busy_ns()).sum();
+        let rejected: u64 = r
+            .readout_units
+            .iter()
+            .flat_map(|u| u.stats.links.iter())
+            .map(|l| l.rejected_total())
+            .sum();
+        let (ru_used, ru_lim) = r
+            .readout_units
+            .iter()
+            .map(|u| u.stats.buffer_use())
+            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        let (bu_used, bu_lim) = r
+            .builders
+            .iter()
+            .map(|b| b.stats.buffer_use())
+            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        let busy_pct =
+            100.0 * (busy - self.last_busy.min(busy)) as f64 / 1e9 / dt / links.max(1) as f64;
+        let line = format!(
+            "[{:>6.1}s] {phase:<8} events {events} ({:.0}/s)  built {}/s  RU busy {:.0}%  buffers RU {:.0}% BU {:.0}%  incomplete {incomplete}  rejected {rejected}",
+            elapsed.as_secs_f64(),
+            (events - self.last_events.min(events)) as f64 / dt,
+            human_bytes((bytes - self.last_bytes.min(bytes)) as f64 / dt),
+            busy_pct.min(100.0),
+            pct(ru_used, ru_lim),
+            pct(bu_used, bu_lim),
+        );
+        self.last_events = events;
+        self.last_bytes = bytes;
+        self.last_busy = busy;
+        if self.tty && self.mode == StatusMode::Auto {
+            eprint!("\r\x1b[2K{line}");
+            let _ = std::io::stderr().flush();
+            self.dirty = true;
+        } else {
+            eprintln!("{line}");
+        }
+    }
+
+    pub fn finish(&mut self, _r: &Running, _elapsed: Duration) {
+        self.clear();
+    }
+}
+
+fn pct(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        100.0 * a as f64 / b as f64
+    }
+}
