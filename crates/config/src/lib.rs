@@ -356,7 +356,7 @@ pub struct Injection {
 
 impl Injection {
     pub fn applies(&self, event_id: u64) -> bool {
-        (self.every > 0 && event_id % self.every == 0 && event_id > 0)
+        (self.every > 0 && event_id.is_multiple_of(self.every) && event_id > 0)
             || self.at.contains(&event_id)
     }
 }

@@ -46,7 +46,7 @@ impl fmt::Display for ByteSize {
         let v = self.0;
         for (unit, m) in [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)] {
             if v >= m {
-                return if v % m == 0 {
+                return if v.is_multiple_of(m) {
                     write!(f, "{} {unit}", v / m)
                 } else {
                     write!(f, "{:.1} {unit}", v as f64 / m as f64)

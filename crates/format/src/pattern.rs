@@ -104,8 +104,7 @@ fn fill_adc_from(s: u64, source: u32, first_sample: usize, out: &mut [u8]) {
     let pulse_at = (s % 997) as i64;
     let amplitude = 300 + ((s >> 20) % 3000) as i32;
     let mut chunks = out.chunks_exact_mut(2);
-    let mut i = first_sample as u64;
-    for c in &mut chunks {
+    for (i, c) in (first_sample as u64..).zip(&mut chunks) {
         let mut x = s ^ i.wrapping_mul(PHI);
         x ^= x >> 29;
         x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -118,7 +117,6 @@ fn fill_adc_from(s: u64, source: u32, first_sample: usize, out: &mut [u8]) {
         };
         let v = (pedestal + noise + pulse).clamp(0, 4095) as u16;
         c.copy_from_slice(&v.to_le_bytes());
-        i += 1;
     }
     let tail = chunks.into_remainder();
     if !tail.is_empty() {

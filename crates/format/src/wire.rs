@@ -324,7 +324,7 @@ fn check_header(b: &[u8], max_payload: usize, source: Option<u32>) -> Result<usi
         return Err(RejectReason::BadVersion);
     }
     let hs = b[5] as usize;
-    if !(FRAGMENT_HEADER_SIZE..=MAX_HEADER_SIZE).contains(&hs) || hs % 4 != 0 {
+    if !(FRAGMENT_HEADER_SIZE..=MAX_HEADER_SIZE).contains(&hs) || !hs.is_multiple_of(4) {
         return Err(RejectReason::BadHeaderSize);
     }
     if crc32c::crc32c(&b[..36]) != u32_at(b, 36) {

@@ -86,14 +86,22 @@ impl ChunkReader {
             || room == 0
         {
             let size = self.chunk_size.max(want);
+            // Let go of the current chunk before waiting for memory: if nothing downstream still
+            // holds a slice of it, that frees it, and a budget of two chunks can never deadlock
+            // on the reader's own leftovers. The partial message carried over is at most one
+            // message long.
+            let carry = self.window().to_vec();
+            self.chunk = None;
             if !self.budget.take(size as u64, stop) {
+                self.chunk = Some(Chunk::from_vec(carry));
+                self.pos = 0;
+                self.filled = have;
                 return Ok(Fill::Stopped);
             }
             let fresh = Chunk::new(size, Some(self.budget.clone()));
             if have > 0 {
-                let old = self.window();
                 // SAFETY: `fresh` is ours alone; nothing has been handed out of it.
-                unsafe { fresh.tail_mut(0)[..have].copy_from_slice(old) };
+                unsafe { fresh.tail_mut(0)[..have].copy_from_slice(&carry) };
             }
             self.chunk = Some(fresh);
             self.pos = 0;

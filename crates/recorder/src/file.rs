@@ -321,6 +321,11 @@ impl FileWriter {
         Ok(())
     }
 
+    /// Writes the partial block, if any (the file stays open).
+    pub fn flush(&mut self, st: &RecorderStats) -> io::Result<()> {
+        self.flush_block(st)
+    }
+
     /// Writes the last block and closes the file.
     pub fn close(&mut self, st: &RecorderStats) -> io::Result<()> {
         self.flush_block(st)?;

@@ -116,6 +116,9 @@ impl RecorderStats {
     }
 }
 
+/// Size of the chunks the recorder reads builder links into.
+pub const RECORDER_CHUNK: usize = 1 << 20;
+
 /// Records on their way to the writer: (record bytes, fragment count, incomplete).
 type Batch = Vec<(ChunkSlice, u32, bool)>;
 
@@ -133,7 +136,11 @@ impl Recorder {
         let abort = Arc::new(AtomicBool::new(false));
         let (tx, rx) = bounded::<Batch>(256);
         let n = cfg.builders.len().max(1);
-        let per_link = (cfg.settings.queue.0 / n as u64).max(4 * cfg.max_message as u64);
+        let chunk = RECORDER_CHUNK.max(cfg.max_message);
+        // The writer's partial block pins up to a block of records, the reader holds one chunk and
+        // asks for the next: below that the link could wait on itself (the config refuses it).
+        let per_link =
+            (cfg.settings.queue.0 / n as u64).max(cfg.settings.block_size.0 + 2 * chunk as u64);
         let mut threads = Vec::new();
         let settings = FileSettings {
             dir: cfg.output.clone(),
@@ -264,7 +271,7 @@ fn read_builder(
     st: &RecorderStats,
     abort: &AtomicBool,
 ) {
-    let mut reader = ChunkReader::new(budget, (1 << 20).max(2 * max));
+    let mut reader = ChunkReader::new(budget, RECORDER_CHUNK.max(max));
     let mut want = 0;
     loop {
         let mut batch: Batch = Vec::new();
@@ -320,7 +327,22 @@ fn write_loop(settings: FileSettings, rx: Receiver<Batch>, st: &RecorderStats) {
     let enabled = settings.section.enabled;
     let mut w = FileWriter::new(settings);
     let mut failed = false;
-    for batch in rx.iter() {
+    loop {
+        // A partial block is written out after a quiet spell, so that at low rates events reach
+        // the disk (and release their buffer memory) without waiting for a full block.
+        let batch = match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(b) => b,
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                if enabled && !failed {
+                    if let Err(e) = w.flush(st) {
+                        *st.error.lock() = Some(format!("writing: {e}"));
+                        failed = true;
+                    }
+                }
+                continue;
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+        };
         for (rec, nf, incomplete) in batch {
             let len = rec.len() as u64;
             if enabled && !failed {

@@ -54,6 +54,8 @@ pub struct Options {
     pub sink_at_builders: bool,
     /// Write the run manifest and take a run number from the output directory.
     pub manifest: bool,
+    /// Told, once everything listens, where each source must connect (source ID, address).
+    pub ready: Option<std::sync::mpsc::SyncSender<Vec<(u32, String)>>>,
 }
 
 impl Default for Options {
@@ -66,6 +68,7 @@ impl Default for Options {
             stop: Arc::new(AtomicBool::new(false)),
             sink_at_builders: false,
             manifest: true,
+            ready: None,
         }
     }
 }
@@ -212,6 +215,14 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         Some((rec, a)) => (Some(rec), a),
         None => (None, String::new()),
     };
+    if let Some(tx) = &opts.ready {
+        let _ = tx.try_send(
+            r.source_ru
+                .iter()
+                .map(|(s, ru)| (*s, ru_addrs[*ru].clone()))
+                .collect(),
+        );
+    }
     let mut running = Running {
         sources,
         readout_units: rus,

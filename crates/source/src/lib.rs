@@ -161,7 +161,7 @@ fn drive(plan: &SourcePlan, mut links: Vec<Link>, stop: &AtomicBool, t0: Instant
         let mut due: Vec<(u64, u64)> = Vec::with_capacity(batch_events as usize);
         let now = t0.elapsed().as_nanos() as u64;
         while (due.len() as u64) < batch_events && (plan.events == 0 || next_event < plan.events) {
-            let (ev, t) = pending.take().unwrap_or_else(|| sched.next());
+            let (ev, t) = pending.take().unwrap_or_else(|| sched.next_trigger());
             if s.trigger != tessera_config::TriggerMode::Unlimited && t > now {
                 pending = Some((ev, t));
                 break;

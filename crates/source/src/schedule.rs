@@ -39,7 +39,7 @@ impl TriggerSchedule {
     }
 
     /// The next trigger: (event ID, time in ns). Unlimited triggers all have time 0.
-    pub fn next(&mut self) -> (u64, u64) {
+    pub fn next_trigger(&mut self) -> (u64, u64) {
         let ev = self.event;
         self.event += 1;
         let t = self.t_ns as u64;
@@ -83,7 +83,7 @@ mod tests {
         let mut s = TriggerSchedule::new(TriggerMode::Poisson, 8000.0, 42);
         let mut last = 0;
         for _ in 0..100_000 {
-            last = s.next().1;
+            last = s.next_trigger().1;
         }
         let mean_gap = last as f64 / 100_000.0;
         assert!((mean_gap - 125_000.0).abs() < 2_500.0, "{mean_gap}");
@@ -91,13 +91,13 @@ mod tests {
         let a: Vec<_> = (0..10)
             .map({
                 let mut s = TriggerSchedule::new(TriggerMode::Poisson, 10.0, 7);
-                move |_| s.next()
+                move |_| s.next_trigger()
             })
             .collect();
         let b: Vec<_> = (0..10)
             .map({
                 let mut s = TriggerSchedule::new(TriggerMode::Poisson, 10.0, 7);
-                move |_| s.next()
+                move |_| s.next_trigger()
             })
             .collect();
         assert_eq!(a, b);
