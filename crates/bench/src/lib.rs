@@ -1,13 +1,312 @@
-use anyhow::Result;
+//! `tessera bench`: building throughput over fragment sizes and source counts, each point against
+//! a raw-TCP baseline measured in the same run on the same topology.
+//!
+//! The baseline has the same sources (the same generator, writing the same bytes in the same
+//! batches), the same hops and the same connections: every stage is a plain relay thread per
+//! inbound connection that reads 256 KiB at a time and forwards without parsing, and the last
+//! stage only reads. Building and baseline move the same number of events, and both are timed
+//! from the moment the sources start until the last byte has arrived at the last stage, so ramp
+//! and drain weigh the same on both. The figure that matters is the ratio.
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use tessera_config::{ByteSize, Compression, Resolved, Topology, TriggerMode};
+use tessera_format::pattern::Pattern;
+use tessera_run::{Options, StatusMode};
+use tessera_source::SourcePlan;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
+    /// A small set of points that finishes in under a minute.
     #[arg(long)]
     pub quick: bool,
+    /// One JSON object per point on stdout (one per line).
     #[arg(long)]
     pub json: bool,
+    /// Fragment payload sizes in bytes (default: 256 B to 64 KiB).
+    #[arg(long, value_delimiter = ',')]
+    pub sizes: Option<Vec<u64>>,
+    /// Source counts (default: 8 and 32).
+    #[arg(long, value_delimiter = ',')]
+    pub sources: Option<Vec<u32>>,
+    /// Bytes each point moves (default 2 GB, 0.6 GB with --quick).
+    #[arg(long)]
+    pub bytes: Option<f64>,
+    /// Directory for recorded files (default: a temporary directory, deleted after each point).
+    #[arg(long)]
+    pub output: Option<std::path::PathBuf>,
 }
 
-pub fn run(_a: &BenchArgs) -> Result<()> {
-    anyhow::bail!("WIP")
+/// What a point measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Sources → readout units → builders (which count and drop).
+    Build,
+    /// … → recorder writing uncompressed files.
+    Record,
+    /// … → recorder writing lz4 files (byte-shuffled ADC samples).
+    RecordLz4,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Build => "build",
+            Mode::Record => "build+record",
+            Mode::RecordLz4 => "build+record+lz4",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Point {
+    pub mode: Mode,
+    pub fragment_size: u64,
+    pub sources: u32,
+    pub readout_units: usize,
+    pub builders: usize,
+    pub events: u64,
+    pub events_per_s: f64,
+    pub fragments_per_s: f64,
+    /// Event bytes built per second (fragments with their headers and trailers, plus record headers).
+    pub bytes_per_s: f64,
+    /// Bytes per second through the relay chain on the same hops and connections.
+    pub baseline_bytes_per_s: f64,
+    pub ratio: f64,
+    /// Whether the build run ended with the accounting balance holding and nothing incomplete.
+    pub clean: bool,
+}
+
+pub fn run(a: &BenchArgs) -> Result<()> {
+    let sizes = a.sizes.clone().unwrap_or_else(|| if a.quick { vec![1024, 16384] } else { vec![256, 1024, 4096, 16384, 65536] });
+    let sources = a.sources.clone().unwrap_or_else(|| if a.quick { vec![8] } else { vec![8, 32] });
+    let bytes = a.bytes.unwrap_or(if a.quick { 0.6e9 } else { 2e9 });
+    let mut plan: Vec<(Mode, u64, u32)> = Vec::new();
+    for &n in &sources {
+        for &s in &sizes {
+            plan.push((Mode::Build, s, n));
+        }
+    }
+    let rec_size = if sizes.contains(&16384) { 16384 } else { sizes[sizes.len() / 2] };
+    plan.push((Mode::Record, rec_size, sources[0]));
+    plan.push((Mode::RecordLz4, rec_size, sources[0]));
+    if !a.json {
+        eprintln!("tessera bench: {} points, ~{:.1} GB each (machine: {} cores)", plan.len(), bytes / 1e9, std::thread::available_parallelism().map_or(0, |n| n.get()));
+        println!("{:<18} {:>9} {:>7} {:>10} {:>12} {:>11} {:>11} {:>7} {:>5}", "mode", "fragment", "sources", "events/s", "fragments/s", "built MB/s", "relay MB/s", "ratio", "clean");
+    }
+    for (mode, size, n) in plan {
+        let p = point(mode, size, n, bytes, a.output.as_deref())?;
+        if a.json {
+            println!("{}", serde_json::to_string(&p)?);
+        } else {
+            println!(
+                "{:<18} {:>9} {:>7} {:>10.0} {:>12.0} {:>11.1} {:>11.1} {:>7.2} {:>5}",
+                mode.name(),
+                size,
+                n,
+                p.events_per_s,
+                p.fragments_per_s,
+                p.bytes_per_s / 1e6,
+                p.baseline_bytes_per_s / 1e6,
+                p.ratio,
+                if p.clean { "yes" } else { "NO" }
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The topology a point runs: `n` sources over two readout units, two builders.
+pub fn bench_topology(mode: Mode, size: u64, n: u32, events: u64) -> Result<Resolved> {
+    let mut t = Topology::default();
+    t.run.events = events;
+    t.run.max_fragment_size = ByteSize(size.max(1024));
+    t.sources.count = n;
+    t.sources.fragment_size = ByteSize(size);
+    t.sources.trigger = TriggerMode::Unlimited;
+    t.sources.pattern = if mode == Mode::RecordLz4 { "adc".into() } else { "counter".into() };
+    t.sources.threads = 2;
+    t.recorder.fsync = false;
+    t.recorder.compression = if mode == Mode::RecordLz4 { Compression::Lz4 } else { Compression::None };
+    t.recorder.max_file_size = ByteSize(4 << 30);
+    let text = toml_text(&t);
+    Ok(t.resolve("<bench>", text)?)
+}
+
+fn toml_text(t: &Topology) -> String {
+    // The digest in file headers is taken over this text; the bench only needs it to be stable.
+    format!("{t:?}")
+}
+
+fn point(mode: Mode, size: u64, n: u32, bytes: f64, out: Option<&std::path::Path>) -> Result<Point> {
+    let per_event = (tessera_format::wire::fragment_wire_size(size as usize) as u64 * n as u64).max(1);
+    let events = ((bytes / per_event as f64) as u64).clamp(2000, 5_000_000);
+    let r = bench_topology(mode, size, n, events)?;
+    let tmp = tempfile::tempdir()?;
+    let dir = out.map(|p| p.to_path_buf()).unwrap_or_else(|| tmp.path().to_path_buf());
+    let hops = if mode == Mode::Build { 2 } else { 3 };
+    // Baseline first, then building, on the same topology.
+    let baseline = relay_chain(&r, hops)?;
+    let opts = Options { output: Some(dir.clone()), status: StatusMode::Off, sink_at_builders: mode == Mode::Build, manifest: false, ..Default::default() };
+    let rep = tessera_run::run(&r, &opts).context("bench run")?;
+    if out.is_some() {
+        for f in rep.recorder.iter().flat_map(|r| r.files.iter()) {
+            let _ = std::fs::remove_file(dir.join(&f.file));
+            let _ = std::fs::remove_file(dir.join(format!("{}.json", f.file)));
+        }
+    }
+    let secs = rep.duration_s.max(1e-9);
+    let total_events = rep.events_complete + rep.events_incomplete;
+    let bytes_per_s = rep.bytes_built as f64 / secs;
+    Ok(Point {
+        mode,
+        fragment_size: size,
+        sources: n,
+        readout_units: r.topology.readout_units.len(),
+        builders: r.topology.builders.len(),
+        events: total_events,
+        events_per_s: total_events as f64 / secs,
+        fragments_per_s: (rep.balance.in_complete_events + rep.balance.in_incomplete_events) as f64 / secs,
+        bytes_per_s,
+        baseline_bytes_per_s: baseline,
+        ratio: if baseline > 0.0 { bytes_per_s / baseline } else { 0.0 },
+        clean: rep.ok() && rep.events_incomplete == 0 && total_events == events,
+    })
+}
+
+/// A stage of relays: accepts `inbound` connections, one thread each, forwarding every read to
+/// one of `outbound` (round-robin per read) or, with none, only counting.
+struct Stage {
+    addr: String,
+    threads: Vec<JoinHandle<()>>,
+}
+
+fn start_stage(inbound: usize, outbound: Vec<String>, counter: Arc<AtomicU64>, done: Arc<AtomicBool>) -> Result<Stage> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?.to_string();
+    let mut outs = Vec::new();
+    for o in &outbound {
+        let s = TcpStream::connect(o)?;
+        s.set_nodelay(true)?;
+        outs.push(Arc::new(Mutex::new(s)));
+    }
+    let open = Arc::new(AtomicUsize::new(inbound));
+    let accept = std::thread::spawn(move || {
+        let mut threads = Vec::new();
+        for _ in 0..inbound {
+            let Ok((mut s, _)) = l.accept() else { break };
+            let outs = outs.clone();
+            let counter = counter.clone();
+            let open = open.clone();
+            let done = done.clone();
+            threads.push(std::thread::spawn(move || {
+                let mut buf = vec![0u8; 256 << 10];
+                let mut k = 0usize;
+                loop {
+                    match s.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => {
+                            if outs.is_empty() {
+                                counter.fetch_add(n as u64, Ordering::Relaxed);
+                            } else {
+                                let o = &outs[k % outs.len()];
+                                k += 1;
+                                if o.lock().expect("relay lock").write_all(&buf[..n]).is_err() {
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                }
+                // The last inbound connection to close closes the outbound ones.
+                if open.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    for o in &outs {
+                        let _ = o.lock().expect("relay lock").shutdown(std::net::Shutdown::Write);
+                    }
+                    if outs.is_empty() {
+                        done.store(true, Ordering::Release);
+                    }
+                }
+            }));
+        }
+        for t in threads {
+            let _ = t.join();
+        }
+    });
+    Ok(Stage { addr, threads: vec![accept] })
+}
+
+/// Runs the relay chain for the topology's sources and events; returns bytes/s at the last stage.
+/// `hops`: 2 = sources → readout relays → builder relays (last); 3 adds a recorder relay.
+pub fn relay_chain(r: &Resolved, hops: usize) -> Result<f64> {
+    let t = &r.topology;
+    let counter = Arc::new(AtomicU64::new(0));
+    let n_ru = t.readout_units.len();
+    let n_bu = t.builders.len();
+    let mut stages = Vec::new();
+    // Last stage first, so that every relay finds its downstream listener.
+    let last_done: Vec<Arc<AtomicBool>>;
+    let bu_addrs: Vec<String>;
+    if hops == 3 {
+        let done = Arc::new(AtomicBool::new(false));
+        let rec = start_stage(n_bu, vec![], counter.clone(), done.clone())?;
+        let rec_addr = rec.addr.clone();
+        stages.push(rec);
+        let mut addrs = Vec::new();
+        for _ in 0..n_bu {
+            let s = start_stage(n_ru, vec![rec_addr.clone()], counter.clone(), Arc::new(AtomicBool::new(false)))?;
+            addrs.push(s.addr.clone());
+            stages.push(s);
+        }
+        bu_addrs = addrs;
+        last_done = vec![done];
+    } else {
+        let mut addrs = Vec::new();
+        let mut dones = Vec::new();
+        for _ in 0..n_bu {
+            let d = Arc::new(AtomicBool::new(false));
+            let s = start_stage(n_ru, vec![], counter.clone(), d.clone())?;
+            addrs.push(s.addr.clone());
+            dones.push(d);
+            stages.push(s);
+        }
+        bu_addrs = addrs;
+        last_done = dones;
+    }
+    let mut ru_addrs = Vec::new();
+    for (i, _) in t.readout_units.iter().enumerate() {
+        let s = start_stage(r.ru_sources[i].len(), bu_addrs.clone(), counter.clone(), Arc::new(AtomicBool::new(false)))?;
+        ru_addrs.push(s.addr.clone());
+        stages.push(s);
+    }
+    let plan = SourcePlan {
+        settings: t.sources.clone(),
+        pattern: Pattern::from_name(&t.sources.pattern).unwrap_or_default(),
+        max_payload: t.run.max_fragment_size.0 as usize,
+        sources: r.emulated_sources().map(|s| (s, ru_addrs[r.source_ru[&s]].clone())).collect(),
+        injections: Vec::new(),
+        events: t.run.events,
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let t0 = Instant::now();
+    let src = tessera_source::start(plan, stop)?;
+    while !last_done.iter().all(|d| d.load(Ordering::Acquire)) {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    src.join();
+    for s in stages {
+        for th in s.threads {
+            let _ = th.join();
+        }
+    }
+    Ok(counter.load(Ordering::Relaxed) as f64 / secs)
 }

@@ -474,7 +474,7 @@ fn sweep(sh: &Shared) {
         if all_closed {
             break;
         }
-        std::thread::sleep(Duration::from_millis(10));
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 

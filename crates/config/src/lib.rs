@@ -282,7 +282,8 @@ pub enum Compression {
 pub struct RecorderSection {
     /// Address builders connect to.
     pub listen: String,
-    /// Turn recording off: events are received, counted and dropped (for measurements).
+    /// Turn recording off: builders count built events and drop them, and no recorder runs (for
+    /// measurements of building alone).
     pub enabled: bool,
     /// Start a new file once the current one reaches this size.
     pub max_file_size: ByteSize,

@@ -1,75 +1,109 @@
 //! A byte budget: the hard memory bound of one link's buffer. Taking from an exhausted budget
 //! blocks, which stops the link's reads, which lets TCP hold the sender: back-pressure instead of
 //! growth. The time spent blocked is counted as busy time.
+//!
+//! The budget also keeps the link's freed chunks for reuse, most recent first: a reused chunk is
+//! warm in cache and costs no page faults and no zeroing (fresh chunks cost 18 % of all CPU in a
+//! 16 KiB building profile before this). Kept chunks count against the limit, so
+//! `used + pooled <= limit` always holds.
 
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+#[derive(Debug, Default)]
+struct State {
+    used: u64,
+    pooled: u64,
+    pool: Vec<Box<[u8]>>,
+}
+
 #[derive(Debug)]
 pub struct Budget {
     limit: u64,
-    used: Mutex<u64>,
+    state: Mutex<State>,
     freed: Condvar,
     /// Nanoseconds callers spent waiting for memory.
     pub busy_ns: AtomicU64,
-    /// High-water mark of `used`.
+    /// High-water mark of the bytes in use.
     pub peak: AtomicU64,
 }
 
 impl Budget {
     pub fn new(limit: u64) -> Budget {
-        Budget {
-            limit,
-            used: Mutex::new(0),
-            freed: Condvar::new(),
-            busy_ns: AtomicU64::new(0),
-            peak: AtomicU64::new(0),
-        }
+        Budget { limit, state: Mutex::new(State::default()), freed: Condvar::new(), busy_ns: AtomicU64::new(0), peak: AtomicU64::new(0) }
     }
 
     pub fn limit(&self) -> u64 {
         self.limit
     }
 
+    /// Bytes in chunks that hold data (not counting kept free chunks).
     pub fn used(&self) -> u64 {
-        *self.used.lock()
+        self.state.lock().used
     }
 
-    /// Takes `n` bytes, waiting while the budget is exhausted. Returns false if `stop` was raised
-    /// while waiting (nothing is taken then). A request larger than the whole budget waits for an
-    /// empty budget and then takes it, so one oversized chunk cannot deadlock.
-    pub fn take(&self, n: u64, stop: &AtomicBool) -> bool {
-        let mut used = self.used.lock();
-        let fits = |u: u64| u + n <= self.limit || u == 0;
-        if !fits(*used) {
-            let t0 = Instant::now();
-            while !fits(*used) {
-                if stop.load(Ordering::Relaxed) {
-                    self.busy_ns
-                        .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                    return false;
-                }
-                self.freed.wait_for(&mut used, Duration::from_millis(50));
+    /// Takes `n` bytes, waiting while the budget is exhausted, and returns a zero-initialised or
+    /// recycled buffer of exactly `n` bytes. `None` if `stop` was raised while waiting. A
+    /// request larger than the whole budget waits for an empty budget and then takes it, so one
+    /// oversized message cannot deadlock a link.
+    pub fn take_buffer(&self, n: usize, stop: &AtomicBool) -> Option<Box<[u8]>> {
+        let n64 = n as u64;
+        let mut s = self.state.lock();
+        let mut t0: Option<Instant> = None;
+        loop {
+            if let Some(i) = s.pool.iter().rposition(|b| b.len() == n) {
+                let b = s.pool.swap_remove(i);
+                s.pooled -= n64;
+                s.used += n64;
+                self.peak.fetch_max(s.used, Ordering::Relaxed);
+                self.account_wait(t0);
+                return Some(b);
             }
-            self.busy_ns
-                .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            // Kept chunks of another size make room for this one.
+            while s.used + s.pooled + n64 > self.limit && !s.pool.is_empty() {
+                let b = s.pool.remove(0);
+                s.pooled -= b.len() as u64;
+            }
+            if s.used + s.pooled + n64 <= self.limit || s.used == 0 {
+                s.used += n64;
+                self.peak.fetch_max(s.used, Ordering::Relaxed);
+                self.account_wait(t0);
+                drop(s);
+                return Some(vec![0u8; n].into_boxed_slice());
+            }
+            if stop.load(Ordering::Relaxed) {
+                self.account_wait(t0);
+                return None;
+            }
+            t0.get_or_insert_with(Instant::now);
+            self.freed.wait_for(&mut s, Duration::from_millis(50));
         }
-        *used += n;
-        self.peak.fetch_max(*used, Ordering::Relaxed);
-        true
     }
 
-    /// Whether `n` more bytes would fit right now.
+    fn account_wait(&self, t0: Option<Instant>) {
+        if let Some(t) = t0 {
+            self.busy_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether `n` more bytes would have to wait right now (the link is BUSY).
     pub fn would_block(&self, n: u64) -> bool {
-        let u = *self.used.lock();
-        u + n > self.limit && u != 0
+        let s = self.state.lock();
+        let reusable = s.pool.iter().any(|b| b.len() as u64 == n);
+        !reusable && s.used + n > self.limit && s.used != 0
     }
 
-    pub fn give(&self, n: u64) {
-        let mut used = self.used.lock();
-        *used = used.saturating_sub(n);
-        drop(used);
+    /// Returns a buffer taken with [`Self::take_buffer`]; it is kept for reuse.
+    pub fn give_buffer(&self, b: Box<[u8]>) {
+        let n = b.len() as u64;
+        let mut s = self.state.lock();
+        s.used = s.used.saturating_sub(n);
+        if s.used + s.pooled + n <= self.limit {
+            s.pooled += n;
+            s.pool.push(b);
+        }
+        drop(s);
         self.freed.notify_all();
     }
 }
@@ -80,28 +114,34 @@ mod tests {
     use std::sync::Arc;
 
     #[test]
-    fn blocks_until_given_back() {
+    fn blocks_until_given_back_and_reuses() {
         let b = Arc::new(Budget::new(100));
         let stop = AtomicBool::new(false);
-        assert!(b.take(60, &stop));
+        let x = b.take_buffer(60, &stop).unwrap();
         assert!(b.would_block(60));
+        let ptr = x.as_ptr();
         let b2 = b.clone();
         let h = std::thread::spawn(move || {
             let stop = AtomicBool::new(false);
-            b2.take(60, &stop)
+            b2.take_buffer(60, &stop).unwrap().as_ptr() as usize
         });
-        b.give(60);
-        assert!(h.join().unwrap());
+        b.give_buffer(x);
+        assert_eq!(h.join().unwrap(), ptr as usize, "the freed buffer is reused");
         assert_eq!(b.used(), 60);
     }
 
     #[test]
-    fn stop_releases_waiter() {
+    fn stop_releases_waiter_and_pool_respects_limit() {
         let b = Budget::new(10);
         let stop = AtomicBool::new(false);
-        assert!(b.take(10, &stop));
+        let x = b.take_buffer(10, &stop).unwrap();
         stop.store(true, Ordering::Relaxed);
-        assert!(!b.take(1, &stop));
-        assert_eq!(b.used(), 10);
+        assert!(b.take_buffer(1, &stop).is_none());
+        b.give_buffer(x);
+        stop.store(false, Ordering::Relaxed);
+        // A different size evicts the kept buffer rather than exceeding the limit.
+        let y = b.take_buffer(4, &stop).unwrap();
+        assert_eq!(y.len(), 4);
+        assert_eq!(b.used(), 4);
     }
 }

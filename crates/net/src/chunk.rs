@@ -24,9 +24,9 @@ unsafe impl Sync for Chunk {}
 unsafe impl Send for Chunk {}
 
 impl Chunk {
-    /// A chunk of `size` bytes charged to `budget` (already taken by the caller).
-    pub(crate) fn new(size: usize, budget: Option<Arc<Budget>>) -> Arc<Chunk> {
-        Self::from_box(vec![0u8; size].into_boxed_slice(), budget)
+    /// A chunk over a buffer taken from `budget`, to which it returns when the last slice goes.
+    pub(crate) fn new(buf: Box<[u8]>, budget: Arc<Budget>) -> Arc<Chunk> {
+        Self::from_box(buf, Some(budget))
     }
 
     /// A chunk holding a copy of `bytes`, charged to nothing: for tests and small messages.
@@ -71,13 +71,9 @@ impl Drop for Chunk {
     fn drop(&mut self) {
         // SAFETY: `ptr`/`cap` came from `Box::into_raw` of a boxed slice of exactly `cap` bytes,
         // and no slice outlives the last `Arc<Chunk>`.
-        unsafe {
-            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
-                self.ptr, self.cap,
-            )))
-        };
+        let buf = unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.cap)) };
         if let Some(b) = &self.budget {
-            b.give(self.capacity() as u64);
+            b.give_buffer(buf);
         }
     }
 }

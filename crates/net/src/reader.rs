@@ -92,13 +92,13 @@ impl ChunkReader {
             // message long.
             let carry = self.window().to_vec();
             self.chunk = None;
-            if !self.budget.take(size as u64, stop) {
+            let Some(buf) = self.budget.take_buffer(size, stop) else {
                 self.chunk = Some(Chunk::from_vec(carry));
                 self.pos = 0;
                 self.filled = have;
                 return Ok(Fill::Stopped);
-            }
-            let fresh = Chunk::new(size, Some(self.budget.clone()));
+            };
+            let fresh = Chunk::new(buf, self.budget.clone());
             if have > 0 {
                 // SAFETY: `fresh` is ours alone; nothing has been handed out of it.
                 unsafe { fresh.tail_mut(0)[..have].copy_from_slice(&carry) };

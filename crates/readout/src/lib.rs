@@ -475,7 +475,7 @@ fn sweep(sh: &Shared) {
         if all_closed {
             break;
         }
-        std::thread::sleep(Duration::from_millis(10));
+        std::thread::sleep(Duration::from_millis(5));
     }
     // Dropping `sh` (with the last readers) drops the builder senders: the sender threads then
     // finish their queues and close their links.

@@ -114,7 +114,7 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
     };
 
     // Recorder.
-    let recorder = if opts.sink_at_builders {
+    let recorder = if opts.sink_at_builders || !t.recorder.enabled {
         None
     } else {
         let l = bind(&t.recorder.listen, "recorder")?;
@@ -246,7 +246,7 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
 
     let t0 = Instant::now();
     let stop_reason = loop {
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(Duration::from_millis(5));
         status.tick(&running, t0.elapsed(), "running");
         if opts.stop.load(Ordering::Relaxed) {
             break "interrupted";
@@ -302,7 +302,7 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
             }
             break;
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(2));
         status.tick(&running, t0.elapsed(), "draining");
     }
     let elapsed = t0.elapsed();
