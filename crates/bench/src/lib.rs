@@ -86,8 +86,17 @@ pub struct Point {
 }
 
 pub fn run(a: &BenchArgs) -> Result<()> {
-    let sizes = a.sizes.clone().unwrap_or_else(|| if a.quick { vec![1024, 16384] } else { vec![256, 1024, 4096, 16384, 65536] });
-    let sources = a.sources.clone().unwrap_or_else(|| if a.quick { vec![8] } else { vec![8, 32] });
+    let sizes = a.sizes.clone().unwrap_or_else(|| {
+        if a.quick {
+            vec![1024, 16384]
+        } else {
+            vec![256, 1024, 4096, 16384, 65536]
+        }
+    });
+    let sources = a
+        .sources
+        .clone()
+        .unwrap_or_else(|| if a.quick { vec![8] } else { vec![8, 32] });
     let bytes = a.bytes.unwrap_or(if a.quick { 0.6e9 } else { 2e9 });
     let mut plan: Vec<(Mode, u64, u32)> = Vec::new();
     for &n in &sources {
@@ -95,12 +104,32 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             plan.push((Mode::Build, s, n));
         }
     }
-    let rec_size = if sizes.contains(&16384) { 16384 } else { sizes[sizes.len() / 2] };
+    let rec_size = if sizes.contains(&16384) {
+        16384
+    } else {
+        sizes[sizes.len() / 2]
+    };
     plan.push((Mode::Record, rec_size, sources[0]));
     plan.push((Mode::RecordLz4, rec_size, sources[0]));
     if !a.json {
-        eprintln!("tessera bench: {} points, ~{:.1} GB each (machine: {} cores)", plan.len(), bytes / 1e9, std::thread::available_parallelism().map_or(0, |n| n.get()));
-        println!("{:<18} {:>9} {:>7} {:>10} {:>12} {:>11} {:>11} {:>7} {:>5}", "mode", "fragment", "sources", "events/s", "fragments/s", "built MB/s", "relay MB/s", "ratio", "clean");
+        eprintln!(
+            "tessera bench: {} points, ~{:.1} GB each (machine: {} cores)",
+            plan.len(),
+            bytes / 1e9,
+            std::thread::available_parallelism().map_or(0, |n| n.get())
+        );
+        println!(
+            "{:<18} {:>9} {:>7} {:>10} {:>12} {:>11} {:>11} {:>7} {:>5}",
+            "mode",
+            "fragment",
+            "sources",
+            "events/s",
+            "fragments/s",
+            "built MB/s",
+            "relay MB/s",
+            "ratio",
+            "clean"
+        );
     }
     for (mode, size, n) in plan {
         let p = point(mode, size, n, bytes, a.output.as_deref())?;
@@ -132,10 +161,18 @@ pub fn bench_topology(mode: Mode, size: u64, n: u32, events: u64) -> Result<Reso
     t.sources.count = n;
     t.sources.fragment_size = ByteSize(size);
     t.sources.trigger = TriggerMode::Unlimited;
-    t.sources.pattern = if mode == Mode::RecordLz4 { "adc".into() } else { "counter".into() };
+    t.sources.pattern = if mode == Mode::RecordLz4 {
+        "adc".into()
+    } else {
+        "counter".into()
+    };
     t.sources.threads = 2;
     t.recorder.fsync = false;
-    t.recorder.compression = if mode == Mode::RecordLz4 { Compression::Lz4 } else { Compression::None };
+    t.recorder.compression = if mode == Mode::RecordLz4 {
+        Compression::Lz4
+    } else {
+        Compression::None
+    };
     t.recorder.max_file_size = ByteSize(4 << 30);
     let text = toml_text(&t);
     Ok(t.resolve("<bench>", text)?)
@@ -146,16 +183,31 @@ fn toml_text(t: &Topology) -> String {
     format!("{t:?}")
 }
 
-fn point(mode: Mode, size: u64, n: u32, bytes: f64, out: Option<&std::path::Path>) -> Result<Point> {
-    let per_event = (tessera_format::wire::fragment_wire_size(size as usize) as u64 * n as u64).max(1);
+fn point(
+    mode: Mode,
+    size: u64,
+    n: u32,
+    bytes: f64,
+    out: Option<&std::path::Path>,
+) -> Result<Point> {
+    let per_event =
+        (tessera_format::wire::fragment_wire_size(size as usize) as u64 * n as u64).max(1);
     let events = ((bytes / per_event as f64) as u64).clamp(2000, 5_000_000);
     let r = bench_topology(mode, size, n, events)?;
     let tmp = tempfile::tempdir()?;
-    let dir = out.map(|p| p.to_path_buf()).unwrap_or_else(|| tmp.path().to_path_buf());
+    let dir = out
+        .map(|p| p.to_path_buf())
+        .unwrap_or_else(|| tmp.path().to_path_buf());
     let hops = if mode == Mode::Build { 2 } else { 3 };
     // Baseline first, then building, on the same topology.
     let baseline = relay_chain(&r, hops)?;
-    let opts = Options { output: Some(dir.clone()), status: StatusMode::Off, sink_at_builders: mode == Mode::Build, manifest: false, ..Default::default() };
+    let opts = Options {
+        output: Some(dir.clone()),
+        status: StatusMode::Off,
+        sink_at_builders: mode == Mode::Build,
+        manifest: false,
+        ..Default::default()
+    };
     let rep = tessera_run::run(&r, &opts).context("bench run")?;
     if out.is_some() {
         for f in rep.recorder.iter().flat_map(|r| r.files.iter()) {
@@ -174,10 +226,15 @@ fn point(mode: Mode, size: u64, n: u32, bytes: f64, out: Option<&std::path::Path
         builders: r.topology.builders.len(),
         events: total_events,
         events_per_s: total_events as f64 / secs,
-        fragments_per_s: (rep.balance.in_complete_events + rep.balance.in_incomplete_events) as f64 / secs,
+        fragments_per_s: (rep.balance.in_complete_events + rep.balance.in_incomplete_events) as f64
+            / secs,
         bytes_per_s,
         baseline_bytes_per_s: baseline,
-        ratio: if baseline > 0.0 { bytes_per_s / baseline } else { 0.0 },
+        ratio: if baseline > 0.0 {
+            bytes_per_s / baseline
+        } else {
+            0.0
+        },
         clean: rep.ok() && rep.events_incomplete == 0 && total_events == events,
     })
 }
@@ -189,7 +246,12 @@ struct Stage {
     threads: Vec<JoinHandle<()>>,
 }
 
-fn start_stage(inbound: usize, outbound: Vec<String>, counter: Arc<AtomicU64>, done: Arc<AtomicBool>) -> Result<Stage> {
+fn start_stage(
+    inbound: usize,
+    outbound: Vec<String>,
+    counter: Arc<AtomicU64>,
+    done: Arc<AtomicBool>,
+) -> Result<Stage> {
     let l = TcpListener::bind("127.0.0.1:0")?;
     let addr = l.local_addr()?.to_string();
     let mut outs = Vec::new();
@@ -229,7 +291,10 @@ fn start_stage(inbound: usize, outbound: Vec<String>, counter: Arc<AtomicU64>, d
                 // The last inbound connection to close closes the outbound ones.
                 if open.fetch_sub(1, Ordering::AcqRel) == 1 {
                     for o in &outs {
-                        let _ = o.lock().expect("relay lock").shutdown(std::net::Shutdown::Write);
+                        let _ = o
+                            .lock()
+                            .expect("relay lock")
+                            .shutdown(std::net::Shutdown::Write);
                     }
                     if outs.is_empty() {
                         done.store(true, Ordering::Release);
@@ -241,7 +306,10 @@ fn start_stage(inbound: usize, outbound: Vec<String>, counter: Arc<AtomicU64>, d
             let _ = t.join();
         }
     });
-    Ok(Stage { addr, threads: vec![accept] })
+    Ok(Stage {
+        addr,
+        threads: vec![accept],
+    })
 }
 
 /// Runs the relay chain for the topology's sources and events; returns bytes/s at the last stage.
@@ -262,7 +330,12 @@ pub fn relay_chain(r: &Resolved, hops: usize) -> Result<f64> {
         stages.push(rec);
         let mut addrs = Vec::new();
         for _ in 0..n_bu {
-            let s = start_stage(n_ru, vec![rec_addr.clone()], counter.clone(), Arc::new(AtomicBool::new(false)))?;
+            let s = start_stage(
+                n_ru,
+                vec![rec_addr.clone()],
+                counter.clone(),
+                Arc::new(AtomicBool::new(false)),
+            )?;
             addrs.push(s.addr.clone());
             stages.push(s);
         }
@@ -283,7 +356,12 @@ pub fn relay_chain(r: &Resolved, hops: usize) -> Result<f64> {
     }
     let mut ru_addrs = Vec::new();
     for (i, _) in t.readout_units.iter().enumerate() {
-        let s = start_stage(r.ru_sources[i].len(), bu_addrs.clone(), counter.clone(), Arc::new(AtomicBool::new(false)))?;
+        let s = start_stage(
+            r.ru_sources[i].len(),
+            bu_addrs.clone(),
+            counter.clone(),
+            Arc::new(AtomicBool::new(false)),
+        )?;
         ru_addrs.push(s.addr.clone());
         stages.push(s);
     }
@@ -291,13 +369,15 @@ pub fn relay_chain(r: &Resolved, hops: usize) -> Result<f64> {
         settings: t.sources.clone(),
         pattern: Pattern::from_name(&t.sources.pattern).unwrap_or_default(),
         max_payload: t.run.max_fragment_size.0 as usize,
-        sources: r.emulated_sources().map(|s| (s, ru_addrs[r.source_ru[&s]].clone())).collect(),
+        sources: r
+            .emulated_sources()
+            .map(|s| (s, ru_addrs[r.source_ru[&s]].clone()))
+            .collect(),
         injections: Vec::new(),
         events: t.run.events,
     };
-    let stop = Arc::new(AtomicBool::new(false));
     let t0 = Instant::now();
-    let src = tessera_source::start(plan, stop)?;
+    let src = tessera_source::start(plan)?;
     while !last_done.iter().all(|d| d.load(Ordering::Acquire)) {
         std::thread::sleep(std::time::Duration::from_millis(2));
     }

@@ -16,8 +16,10 @@ pub const WIRE_VERSION: u16 = 1;
 pub const HELLO_MAGIC: u32 = 0xEE11_AAEE;
 /// Start marker of every fragment.
 pub const START_MARKER: u32 = 0xEE12_34EE;
-/// End marker closing every fragment trailer.
-pub const END_MARKER: u32 = 0xEE56_78EE;
+/// End marker closing every fragment trailer. Its last byte (0xDD) differs from the first byte of
+/// every other marker (0xEE), so a fragment cut short by a few bytes can never borrow the next
+/// fragment's start marker to complete its own end marker.
+pub const END_MARKER: u32 = 0xDD56_78EE;
 /// Marker of the end-of-stream message a source sends before closing cleanly.
 pub const EOS_MARKER: u32 = 0xEE0E_05EE;
 

@@ -31,7 +31,13 @@ pub struct Budget {
 
 impl Budget {
     pub fn new(limit: u64) -> Budget {
-        Budget { limit, state: Mutex::new(State::default()), freed: Condvar::new(), busy_ns: AtomicU64::new(0), peak: AtomicU64::new(0) }
+        Budget {
+            limit,
+            state: Mutex::new(State::default()),
+            freed: Condvar::new(),
+            busy_ns: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
+        }
     }
 
     pub fn limit(&self) -> u64 {
@@ -83,7 +89,8 @@ impl Budget {
 
     fn account_wait(&self, t0: Option<Instant>) {
         if let Some(t) = t0 {
-            self.busy_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            self.busy_ns
+                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
     }
 
@@ -123,10 +130,15 @@ mod tests {
         let b2 = b.clone();
         let h = std::thread::spawn(move || {
             let stop = AtomicBool::new(false);
-            b2.take_buffer(60, &stop).unwrap().as_ptr() as usize
+            let got = b2.take_buffer(60, &stop).unwrap();
+            got.as_ptr() as usize
         });
         b.give_buffer(x);
-        assert_eq!(h.join().unwrap(), ptr as usize, "the freed buffer is reused");
+        assert_eq!(
+            h.join().unwrap(),
+            ptr as usize,
+            "the freed buffer is reused"
+        );
         assert_eq!(b.used(), 60);
     }
 

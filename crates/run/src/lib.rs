@@ -188,7 +188,6 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         );
     }
     // Sources.
-    let source_stop = Arc::new(AtomicBool::new(false));
     let emulated: Vec<(u32, String)> = r
         .emulated_sources()
         .map(|s| (s, ru_addrs[r.source_ru[&s]].clone()))
@@ -197,17 +196,14 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         None
     } else {
         Some(
-            tessera_source::start(
-                SourcePlan {
-                    settings: t.sources.clone(),
-                    pattern: r.pattern,
-                    max_payload,
-                    sources: emulated,
-                    injections: t.injections.clone(),
-                    events,
-                },
-                source_stop.clone(),
-            )
+            tessera_source::start(SourcePlan {
+                settings: t.sources.clone(),
+                pattern: r.pattern,
+                max_payload,
+                sources: emulated,
+                injections: t.injections.clone(),
+                events,
+            })
             .context("connecting the emulated sources")?,
         )
     };
@@ -272,8 +268,8 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         }
     };
     // Drain: sources end their streams; the rest follows the data.
-    source_stop.store(true, Ordering::Relaxed);
     if let Some(s) = running.sources.take() {
+        s.stop();
         s.join_into(&mut running);
     }
     for u in &running.readout_units {

@@ -242,7 +242,7 @@ mod spec_source {
         }
         let crc = crc32c::crc32c(&b);
         b.extend(le32(crc));
-        b.extend(le32(0xEE56_78EE));
+        b.extend(le32(0xDD56_78EE));
         b
     }
 

@@ -57,9 +57,43 @@ pub struct SourcePlan {
 pub struct RunningSources {
     pub stats: Vec<Arc<SourceStats>>,
     threads: Vec<JoinHandle<()>>,
+    control: Arc<Control>,
+}
+
+/// The trigger stop, shared by all driver threads. A driver claims each batch of triggers before
+/// sending it; claiming and seeing a stop are one step under the lock, so once the stop is set
+/// the highest claimed trigger is final and every source sends exactly up to it.
+#[derive(Default)]
+struct Control {
+    /// (stopping, one past the highest claimed event ID)
+    state: Mutex<(bool, u64)>,
+}
+
+impl Control {
+    /// Claims triggers up to `end` (exclusive); returns how far this driver may send.
+    fn claim(&self, end: u64) -> u64 {
+        let mut g = self.state.lock();
+        if g.0 {
+            g.1
+        } else {
+            g.1 = g.1.max(end);
+            end
+        }
+    }
+
+    fn state(&self) -> (bool, u64) {
+        *self.state.lock()
+    }
 }
 
 impl RunningSources {
+    /// Stops the triggers as a trigger system does: every source sends up to the same last
+    /// event ID (the highest any source has claimed), ends its stream and closes, so a stop
+    /// leaves no event built from only some sources.
+    pub fn stop(&self) {
+        self.control.state.lock().0 = true;
+    }
+
     pub fn join(self) {
         for t in self.threads {
             let _ = t.join();
@@ -71,6 +105,7 @@ impl RunningSources {
         RunningSources {
             stats,
             threads: Vec::new(),
+            control: Arc::new(Control::default()),
         }
     }
 
@@ -90,9 +125,9 @@ struct Link {
     swapped: Option<u64>,
 }
 
-/// Connects every source and starts the driver threads. `stop` ends the run: sources finish the
-/// batch in hand, send end-of-stream and close.
-pub fn start(plan: SourcePlan, stop: Arc<AtomicBool>) -> std::io::Result<RunningSources> {
+/// Connects every source and starts the driver threads. [`RunningSources::stop`] ends them.
+pub fn start(plan: SourcePlan) -> std::io::Result<RunningSources> {
+    let control = Arc::new(Control::default());
     let mut links = Vec::new();
     for (id, addr) in &plan.sources {
         let stream = tessera_net::io::connect_retry(addr, Duration::from_secs(10))?;
@@ -133,36 +168,50 @@ pub fn start(plan: SourcePlan, stop: Arc<AtomicBool>) -> std::io::Result<Running
         .enumerate()
         .map(|(k, group)| {
             let plan = plan.clone();
-            let stop = stop.clone();
+            let control = control.clone();
             std::thread::Builder::new()
                 .name(format!("source-drv-{k}"))
-                .spawn(move || drive(&plan, group, &stop, t0))
+                .spawn(move || drive(&plan, group, &control, t0))
                 .expect("spawn source thread")
         })
         .collect();
-    Ok(RunningSources { stats, threads })
+    Ok(RunningSources {
+        stats,
+        threads,
+        control,
+    })
 }
 
-fn drive(plan: &SourcePlan, mut links: Vec<Link>, stop: &AtomicBool, t0: Instant) {
+fn drive(plan: &SourcePlan, mut links: Vec<Link>, control: &Control, t0: Instant) {
     let s = &plan.settings;
     let mut sched = TriggerSchedule::new(s.trigger, s.rate_hz, s.seed);
     let mean_wire = wire::fragment_wire_size(s.fragment_size.0 as usize);
     // Unlimited: batch as many triggers as fill `batch` bytes. Paced: whatever is due, capped.
     let batch_events = ((s.batch.0 as usize) / mean_wire.max(1)).clamp(1, 4096) as u64;
+    let paced = s.trigger != tessera_config::TriggerMode::Unlimited;
+    let hard_end = if plan.events > 0 {
+        plan.events
+    } else {
+        u64::MAX
+    };
     let mut next_event = 0u64;
     let mut pending: Option<(u64, u64)> = None; // (event, time) peeked from the schedule
     loop {
-        if stop.load(Ordering::Relaxed) || (plan.events > 0 && next_event >= plan.events) {
-            break;
-        }
-        if links.iter().all(|l| l.stream.is_none()) {
+        let (stopping, final_end) = control.state();
+        let end = if stopping {
+            final_end.min(hard_end)
+        } else {
+            hard_end
+        };
+        if next_event >= end || links.iter().all(|l| l.stream.is_none()) {
             break;
         }
         let mut due: Vec<(u64, u64)> = Vec::with_capacity(batch_events as usize);
         let now = t0.elapsed().as_nanos() as u64;
-        while (due.len() as u64) < batch_events && (plan.events == 0 || next_event < plan.events) {
+        while (due.len() as u64) < batch_events && next_event < end {
             let (ev, t) = pending.take().unwrap_or_else(|| sched.next_trigger());
-            if s.trigger != tessera_config::TriggerMode::Unlimited && t > now {
+            // After a stop, triggers other sources already sent are due at once.
+            if paced && !stopping && t > now {
                 pending = Some((ev, t));
                 break;
             }
@@ -170,10 +219,17 @@ fn drive(plan: &SourcePlan, mut links: Vec<Link>, stop: &AtomicBool, t0: Instant
             next_event = ev + 1;
         }
         if due.is_empty() {
-            let (_, t) = pending.expect("a trigger in the future");
-            let wait = Duration::from_nanos(t.saturating_sub(now)).min(Duration::from_millis(20));
-            std::thread::sleep(wait);
+            if let Some((_, t)) = pending {
+                std::thread::sleep(
+                    Duration::from_nanos(t.saturating_sub(now)).min(Duration::from_millis(20)),
+                );
+            }
             continue;
+        }
+        let allowed = control.claim(next_event);
+        if allowed < next_event {
+            due.retain(|&(ev, _)| ev < allowed);
+            next_event = allowed;
         }
         for link in links.iter_mut() {
             if link.stream.is_none() {
