@@ -150,6 +150,10 @@ pub enum SourceList {
 }
 
 impl SourceList {
+    pub fn is_auto(&self) -> bool {
+        matches!(self, SourceList::Auto)
+    }
+
     fn resolve(&self) -> Result<Option<Vec<u32>>, String> {
         match self {
             SourceList::Auto => Ok(None),
@@ -188,6 +192,7 @@ pub struct ReadoutSection {
     /// Address its sources connect to (port 0: any free port, for runs in one process).
     pub listen: String,
     /// Source IDs this unit reads. Absent: the sources are split evenly over the units.
+    #[serde(skip_serializing_if = "SourceList::is_auto")]
     pub sources: SourceList,
     /// Memory for buffered fragments, split evenly over its links. A link whose share is full
     /// stops being read (TCP holds its source) and the unit reports BUSY.
@@ -798,5 +803,37 @@ mod tests {
         let a = AssignmentSection { block: 3 };
         let got: Vec<usize> = (0..9).map(|e| a.builder_for(e, 2)).collect();
         assert_eq!(got, vec![0, 0, 0, 1, 1, 1, 0, 0, 0]);
+    }
+}
+
+#[cfg(test)]
+mod doc_tests {
+    /// docs/configuration.md names every key the configuration accepts, under its section.
+    #[test]
+    fn every_key_is_documented() {
+        let doc = std::fs::read_to_string("../../docs/configuration.md").expect("docs/configuration.md");
+        let mut t = super::Topology::default();
+        t.run.number = Some(1);
+        t.readout_units.push(super::ReadoutSection { sources: super::SourceList::Ids(vec![0]), ..Default::default() });
+        t.builders.push(Default::default());
+        t.injections.push(super::Injection { source: 0, kind: super::InjectKind::Skip, at: vec![1], every: 0 });
+        let v: toml::Value = toml::Value::try_from(&t).unwrap();
+        let mut missing = Vec::new();
+        for (section, body) in v.as_table().unwrap() {
+            let tables: Vec<&toml::value::Table> = match body {
+                toml::Value::Table(t) => vec![t],
+                toml::Value::Array(a) => a.iter().filter_map(|x| x.as_table()).collect(),
+                _ => continue,
+            };
+            for tbl in tables {
+                for key in tbl.keys() {
+                    let needle = format!("`{section}.{key}`");
+                    if !doc.contains(&needle) {
+                        missing.push(needle);
+                    }
+                }
+            }
+        }
+        assert!(missing.is_empty(), "keys not documented in docs/configuration.md: {missing:?}");
     }
 }

@@ -11,6 +11,7 @@ pub mod file;
 pub mod link;
 pub mod pattern;
 pub mod shuffle;
+pub mod vectors;
 pub mod wire;
 
 pub use event::{EventFlags, EventRecordHeader};

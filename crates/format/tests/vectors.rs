@@ -142,3 +142,21 @@ fn event_and_file_vectors() {
     };
     assert_eq!(FileTrailer::decode(&t.encode()).unwrap(), t);
 }
+
+/// Every vector in the documents matches the implementation, byte for byte.
+#[test]
+fn documents_match_implementation() {
+    let docs: String = ["../../docs/wire-format.md", "../../docs/file-format.md"]
+        .iter()
+        .map(|p| std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{p}: {e}")))
+        .collect();
+    for (name, bytes) in tessera_format::vectors::all() {
+        let marker = format!("Vector: {name} (");
+        let at = docs.find(&marker).unwrap_or_else(|| panic!("vector `{name}` is not in the docs"));
+        let rest = &docs[at..];
+        let start = rest.find("```hex").expect("hex block") + 6;
+        let end = start + rest[start..].find("```").expect("end of hex block");
+        let doc_hex: String = rest[start..end].split_whitespace().collect();
+        assert_eq!(doc_hex, hex::encode(&bytes), "vector `{name}` in the docs differs from the implementation");
+    }
+}

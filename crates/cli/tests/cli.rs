@@ -1,0 +1,93 @@
+//! The `tessera` command as a user meets it: real processes, real files.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn tessera(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tessera")).args(args).output().expect("tessera runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p.display().to_string()
+}
+
+#[test]
+fn bad_configurations_name_file_key_and_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("type.toml", "[sources]\ncount = \"many\"\n", "sources.count", "invalid type"),
+        ("unknown.toml", "[sources]\ncuont = 3\n", "sources", "unknown field `cuont`"),
+        ("twice.toml", "[[readout]]\nid = 0\nsources = \"0-7\"\n[[readout]]\nid = 1\nsources = \"7-7\"\n", "readout[1].sources", "already read by readout[0]"),
+        ("unread.toml", "[[readout]]\nid = 0\nsources = \"0-3\"\n", "readout", "read by no readout unit"),
+        ("timeout.toml", "[[readout]]\nid = 0\nevent_timeout_ms = 5000\n[[builder]]\nid = 0\nevent_timeout_ms = 1000\n", "builder[0].event_timeout_ms", "must exceed"),
+        ("size.toml", "[run]\nmax_fragment_size = \"3 parsecs\"\n", "run.max_fragment_size", "unknown size unit"),
+        ("inject.toml", "[[inject]]\nsource = 99\nkind = \"bad_crc\"\nat = [1]\n", "inject[0].source", "not an emulated source"),
+        ("kind.toml", "[[inject]]\nsource = 1\nkind = \"gremlins\"\nat = [1]\n", "inject[0].kind", "unknown variant"),
+        ("buffer.toml", "[[readout]]\nid = 0\nbuffer = \"1 MiB\"\n", "readout[0].buffer", "raise buffer"),
+    ];
+    for (name, text, key, reason) in cases {
+        let path = write(dir.path(), name, text);
+        let o = tessera(&["run", &path, "--output", dir.path().join("out").to_str().unwrap()]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{name}: {err}");
+        assert!(err.contains(&format!("{path}: {key}")), "{name}: expected `{path}: {key}` in: {err}");
+        assert!(err.contains(reason), "{name}: expected `{reason}` in: {err}");
+    }
+    let o = tessera(&["run", "/nonexistent/topology.toml"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("/nonexistent/topology.toml: -: cannot read"), "{}", stderr(&o));
+}
+
+#[test]
+fn run_verify_dump_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("data");
+    let cfg = write(dir.path(), "small.toml", "[run]\nevents = 500\n[sources]\ncount = 4\nfragment_size = 256\n[[inject]]\nsource = 2\nkind = \"skip\"\nat = [7]\n");
+    let o = tessera(&["run", &cfg, "--output", out.to_str().unwrap(), "--quiet"]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{text}{}", stderr(&o));
+    assert!(text.contains("balance holds"), "{text}");
+    assert!(text.contains("499 complete, 1 incomplete"), "{text}");
+
+    let o = tessera(&["verify", out.to_str().unwrap(), "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["events"], 500);
+    assert_eq!(v["incomplete_events"], 1);
+    assert_eq!(v["fragments"], 1999);
+    assert_eq!(v["problems"], 0);
+
+    let file = out.join("run000001_0001.tsr");
+    let o = tessera(&["dump", file.to_str().unwrap(), "--events", "0", "--from", "7"]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success());
+    let line7 = text.lines().find(|l| l.starts_with("event          7")).unwrap_or_else(|| panic!("{text}"));
+    assert!(line7.contains("[incomplete]") && line7.contains("missing [2]"), "{line7}");
+
+    // A second run in the same directory takes the next run number.
+    let o = tessera(&["run", &cfg, "--output", out.to_str().unwrap(), "--quiet", "--json"]);
+    let rep: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(rep["run_number"], 2);
+    assert_eq!(rep["balance"]["holds"], true);
+
+    // Damage a file: verify fails with a non-zero exit.
+    let mut b = std::fs::read(&file).unwrap();
+    let n = b.len();
+    b[n / 3] ^= 1;
+    std::fs::write(&file, &b).unwrap();
+    let o = tessera(&["verify", file.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stdout));
+}
+
+#[test]
+fn verify_reports_missing_paths() {
+    let o = tessera(&["verify", "/nonexistent/dir"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("does not exist"));
+}
