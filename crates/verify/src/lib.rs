@@ -6,7 +6,7 @@
 //! sidecar's counts and CRC against the trailer. Per event: its checksum; every fragment's markers
 //! and CRC; one event ID in every fragment; no source twice; every expected source present or
 //! named missing under the incomplete flag; payloads against the pattern of the emulated sources.
-//! Across files: no event ID recorded twice. An incomplete event is reported, not a problem; a
+//! Across files: no event ID recorded twice in one run. An incomplete event is reported, not a problem; a
 //! missing fragment that is not flagged is.
 
 use anyhow::{Context, Result};
@@ -276,7 +276,7 @@ fn expand(paths: &[PathBuf]) -> Result<(Vec<PathBuf>, Vec<PathBuf>)> {
 pub fn verify_paths(paths: &[PathBuf]) -> Result<VerifyReport> {
     let (files, partial) = expand(paths)?;
     let mut rep = VerifyReport::default();
-    let mut seen: HashSet<u64> = HashSet::new();
+    let mut seen: HashSet<(u64, u64)> = HashSet::new();
     for f in files {
         let fr = verify_file(&f, &mut seen, &mut rep.duplicate_event_ids);
         rep.events += fr.events;
@@ -311,8 +311,8 @@ fn sidecar_of(path: &Path) -> Option<Result<FileInfo, String>> {
     )
 }
 
-/// Verifies one file; event IDs are checked against `seen` across files.
-pub fn verify_file(path: &Path, seen: &mut HashSet<u64>, duplicates: &mut u64) -> FileReport {
+/// Verifies one file; (run, event ID) pairs are checked against `seen` across files.
+pub fn verify_file(path: &Path, seen: &mut HashSet<(u64, u64)>, duplicates: &mut u64) -> FileReport {
     let mut fr = FileReport {
         path: path.display().to_string(),
         ..Default::default()
@@ -375,7 +375,7 @@ pub fn verify_file(path: &Path, seen: &mut HashSet<u64>, duplicates: &mut u64) -
             fr.record_bytes += ev.bytes.len() as u64;
             let incomplete = h.flags.has(EventFlags::INCOMPLETE);
             fr.incomplete_events += incomplete as u64;
-            if !seen.insert(h.event_id) {
+            if !seen.insert((rd.header.run_number, h.event_id)) {
                 *duplicates += 1;
                 fr.problem(format!("event {}: recorded more than once", h.event_id));
             }
