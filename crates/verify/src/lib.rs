@@ -343,7 +343,8 @@ pub fn verify_file(path: &Path, seen: &mut HashSet<(u64, u64)>, duplicates: &mut
             return fr;
         }
     };
-    fr.run_number = Some(rd.header.run_number);
+    let run_number = rd.header.run_number;
+    fr.run_number = Some(run_number);
     fr.sequence = Some(rd.header.file_sequence);
     fr.compression = Some(rd.header.codec.name().into());
     let mut blocks = 0u32;
@@ -375,7 +376,7 @@ pub fn verify_file(path: &Path, seen: &mut HashSet<(u64, u64)>, duplicates: &mut
             fr.record_bytes += ev.bytes.len() as u64;
             let incomplete = h.flags.has(EventFlags::INCOMPLETE);
             fr.incomplete_events += incomplete as u64;
-            if !seen.insert((rd.header.run_number, h.event_id)) {
+            if !seen.insert((run_number, h.event_id)) {
                 *duplicates += 1;
                 fr.problem(format!("event {}: recorded more than once", h.event_id));
             }
