@@ -301,12 +301,9 @@ fn accept(sh: &Arc<Shared>, listener: TcpListener) {
         if waiting.is_empty() {
             break;
         }
-        if sh.stop.load(Ordering::Relaxed) {
-            for slot in waiting {
-                sh.close_link(slot);
-            }
-            break;
-        }
+        // Read the stop before trying to accept: a readout unit that connected before the stop
+        // sits in the backlog and is still taken.
+        let stopping = sh.stop.load(Ordering::Relaxed);
         match listener.accept() {
             Ok((mut stream, peer)) => {
                 let _ = stream.set_nonblocking(false);
@@ -323,6 +320,12 @@ fn accept(sh: &Arc<Shared>, listener: TcpListener) {
                         sh.stats.refused_connections.fetch_add(1, Ordering::Relaxed);
                     }
                 }
+            }
+            Err(_) if stopping => {
+                for slot in waiting {
+                    sh.close_link(slot);
+                }
+                break;
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(20))

@@ -4,7 +4,10 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 fn tessera(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tessera")).args(args).output().expect("tessera runs")
+    Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(args)
+        .output()
+        .expect("tessera runs")
 }
 
 fn stderr(o: &Output) -> String {
@@ -33,15 +36,30 @@ fn bad_configurations_name_file_key_and_reason() {
     ];
     for (name, text, key, reason) in cases {
         let path = write(dir.path(), name, text);
-        let o = tessera(&["run", &path, "--output", dir.path().join("out").to_str().unwrap()]);
+        let o = tessera(&[
+            "run",
+            &path,
+            "--output",
+            dir.path().join("out").to_str().unwrap(),
+        ]);
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(2), "{name}: {err}");
-        assert!(err.contains(&format!("{path}: {key}")), "{name}: expected `{path}: {key}` in: {err}");
-        assert!(err.contains(reason), "{name}: expected `{reason}` in: {err}");
+        assert!(
+            err.contains(&format!("{path}: {key}")),
+            "{name}: expected `{path}: {key}` in: {err}"
+        );
+        assert!(
+            err.contains(reason),
+            "{name}: expected `{reason}` in: {err}"
+        );
     }
     let o = tessera(&["run", "/nonexistent/topology.toml"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("/nonexistent/topology.toml: -: cannot read"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("/nonexistent/topology.toml: -: cannot read"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]
@@ -64,14 +82,34 @@ fn run_verify_dump_from_the_command_line() {
     assert_eq!(v["problems"], 0);
 
     let file = out.join("run000001_0001.tsr");
-    let o = tessera(&["dump", file.to_str().unwrap(), "--events", "0", "--from", "7"]);
+    let o = tessera(&[
+        "dump",
+        file.to_str().unwrap(),
+        "--events",
+        "0",
+        "--from",
+        "7",
+    ]);
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success());
-    let line7 = text.lines().find(|l| l.starts_with("event          7")).unwrap_or_else(|| panic!("{text}"));
-    assert!(line7.contains("[incomplete]") && line7.contains("missing [2]"), "{line7}");
+    let line7 = text
+        .lines()
+        .find(|l| l.starts_with("event          7"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        line7.contains("[incomplete]") && line7.contains("missing [2]"),
+        "{line7}"
+    );
 
     // A second run in the same directory takes the next run number.
-    let o = tessera(&["run", &cfg, "--output", out.to_str().unwrap(), "--quiet", "--json"]);
+    let o = tessera(&[
+        "run",
+        &cfg,
+        "--output",
+        out.to_str().unwrap(),
+        "--quiet",
+        "--json",
+    ]);
     let rep: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(rep["run_number"], 2);
     assert_eq!(rep["balance"]["holds"], true);
@@ -82,7 +120,12 @@ fn run_verify_dump_from_the_command_line() {
     b[n / 3] ^= 1;
     std::fs::write(&file, &b).unwrap();
     let o = tessera(&["verify", file.to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stdout));
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
 }
 
 #[test]

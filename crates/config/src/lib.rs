@@ -811,12 +811,21 @@ mod doc_tests {
     /// docs/configuration.md names every key the configuration accepts, under its section.
     #[test]
     fn every_key_is_documented() {
-        let doc = std::fs::read_to_string("../../docs/configuration.md").expect("docs/configuration.md");
+        let doc =
+            std::fs::read_to_string("../../docs/configuration.md").expect("docs/configuration.md");
         let mut t = super::Topology::default();
         t.run.number = Some(1);
-        t.readout_units.push(super::ReadoutSection { sources: super::SourceList::Ids(vec![0]), ..Default::default() });
+        t.readout_units.push(super::ReadoutSection {
+            sources: super::SourceList::Ids(vec![0]),
+            ..Default::default()
+        });
         t.builders.push(Default::default());
-        t.injections.push(super::Injection { source: 0, kind: super::InjectKind::Skip, at: vec![1], every: 0 });
+        t.injections.push(super::Injection {
+            source: 0,
+            kind: super::InjectKind::Skip,
+            at: vec![1],
+            every: 0,
+        });
         let v: toml::Value = toml::Value::try_from(&t).unwrap();
         let mut missing = Vec::new();
         for (section, body) in v.as_table().unwrap() {
@@ -834,6 +843,9 @@ mod doc_tests {
                 }
             }
         }
-        assert!(missing.is_empty(), "keys not documented in docs/configuration.md: {missing:?}");
+        assert!(
+            missing.is_empty(),
+            "keys not documented in docs/configuration.md: {missing:?}"
+        );
     }
 }

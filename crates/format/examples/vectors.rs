@@ -6,7 +6,13 @@ fn main() {
         println!("Vector: {name} ({} bytes)", b.len());
         println!("```hex");
         for line in b.chunks(16) {
-            println!("{}", line.iter().map(|x| format!("{x:02x}")).collect::<Vec<_>>().join(" "));
+            println!(
+                "{}",
+                line.iter()
+                    .map(|x| format!("{x:02x}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            );
         }
         println!("```");
     }

@@ -13,32 +13,119 @@ pub fn all() -> Vec<(&'static str, Vec<u8>)> {
 
     v.push(("hello, source 7", (Hello::new(7).encode()).to_vec()));
     let mut f = Vec::new();
-    let h = FragmentHeader { status: 0, source_id: 7, trigger_type: 2, event_id: 42, timestamp: 1000, payload_size: 5 };
+    let h = FragmentHeader {
+        status: 0,
+        source_id: 7,
+        trigger_type: 2,
+        event_id: 42,
+        timestamp: 1000,
+        payload_size: 5,
+    };
     encode_fragment(&mut f, &h, &[1, 2, 3, 4, 5]);
-    v.push(("fragment, source 7, event 42, trigger 2, timestamp 1000, payload 01 02 03 04 05", (f).to_vec()));
-    v.push(("end of stream, source 7, 3 fragments", (StreamEnd { source_id: 7, fragments_sent: 3 }.encode()).to_vec()));
-    v.push(("peer hello, readout unit 1", (PeerHello { role: PeerRole::ReadoutUnit, id: 1 }.encode()).to_vec()));
-    v.push(("peer end, builder 0, 2 units, 16 fragments", (PeerEnd { role: PeerRole::BuilderUnit, id: 0, units: 2, fragments: 16 }.encode()).to_vec()));
+    v.push((
+        "fragment, source 7, event 42, trigger 2, timestamp 1000, payload 01 02 03 04 05",
+        (f).to_vec(),
+    ));
+    v.push((
+        "end of stream, source 7, 3 fragments",
+        (StreamEnd {
+            source_id: 7,
+            fragments_sent: 3,
+        }
+        .encode())
+        .to_vec(),
+    ));
+    v.push((
+        "peer hello, readout unit 1",
+        (PeerHello {
+            role: PeerRole::ReadoutUnit,
+            id: 1,
+        }
+        .encode())
+        .to_vec(),
+    ));
+    v.push((
+        "peer end, builder 0, 2 units, 16 fragments",
+        (PeerEnd {
+            role: PeerRole::BuilderUnit,
+            id: 0,
+            units: 2,
+            fragments: 16,
+        }
+        .encode())
+        .to_vec(),
+    ));
     let mut sf = Vec::new();
-    SuperFragmentHeader { readout_unit: 1, event_id: 42, fragment_count: 1, total_size: 36 + f.len() as u32, missing: vec![9] }.encode_into(&mut sf);
+    SuperFragmentHeader {
+        readout_unit: 1,
+        event_id: 42,
+        fragment_count: 1,
+        total_size: 36 + f.len() as u32,
+        missing: vec![9],
+    }
+    .encode_into(&mut sf);
     sf.extend_from_slice(&f);
-    v.push(("super-fragment, readout unit 1, event 42, the fragment above, source 9 missing", (sf).to_vec()));
+    v.push((
+        "super-fragment, readout unit 1, event 42, the fragment above, source 9 missing",
+        (sf).to_vec(),
+    ));
     let mut ev = Vec::new();
-    let mut eh = EventRecordHeader { flags: EventFlags(EventFlags::INCOMPLETE), event_id: 42, timestamp: 1000, trigger_type: 2, builder_id: 1, fragment_count: 1, record_size: 0, missing: vec![9], checksum: 0 };
+    let mut eh = EventRecordHeader {
+        flags: EventFlags(EventFlags::INCOMPLETE),
+        event_id: 42,
+        timestamp: 1000,
+        trigger_type: 2,
+        builder_id: 1,
+        fragment_count: 1,
+        record_size: 0,
+        missing: vec![9],
+        checksum: 0,
+    };
     eh.record_size = (eh.header_size() + f.len()) as u32;
     eh.encode_into(&mut ev);
     let crc = EventRecordHeader::checksum_over(&ev, [&f[..]]);
     EventRecordHeader::seal(&mut ev, crc);
     ev.extend_from_slice(&f);
-    v.push(("event record, event 42, builder 1, incomplete (source 9 missing), the fragment above", (ev).to_vec()));
-    let fh = FileHeader { run_number: 12, file_sequence: 3, codec: Codec::None, filter: Filter::None, start_time_ns: 1_700_000_000_000_000_000, config_digest: [0xAB; 32] };
-    v.push(("file header, run 12, sequence 3, no compression, start 1700000000 s, digest ab..ab", (fh.encode()).to_vec()));
-    let bh = BlockHeader { codec: Codec::None, filter: Filter::None, stored_size: ev.len() as u32, raw_size: ev.len() as u32, event_count: 1, raw_crc: crc32c::crc32c(&ev), first_event_id: 42 };
-    v.push(("block header for a block holding the event record above", (bh.encode()).to_vec()));
+    v.push((
+        "event record, event 42, builder 1, incomplete (source 9 missing), the fragment above",
+        (ev).to_vec(),
+    ));
+    let fh = FileHeader {
+        run_number: 12,
+        file_sequence: 3,
+        codec: Codec::None,
+        filter: Filter::None,
+        start_time_ns: 1_700_000_000_000_000_000,
+        config_digest: [0xAB; 32],
+    };
+    v.push((
+        "file header, run 12, sequence 3, no compression, start 1700000000 s, digest ab..ab",
+        (fh.encode()).to_vec(),
+    ));
+    let bh = BlockHeader {
+        codec: Codec::None,
+        filter: Filter::None,
+        stored_size: ev.len() as u32,
+        raw_size: ev.len() as u32,
+        event_count: 1,
+        raw_crc: crc32c::crc32c(&ev),
+        first_event_id: 42,
+    };
+    v.push((
+        "block header for a block holding the event record above",
+        (bh.encode()).to_vec(),
+    ));
     let mut file = fh.encode().to_vec();
     file.extend_from_slice(&bh.encode());
     file.extend_from_slice(&ev);
-    let t = FileTrailer { events: 1, incomplete_events: 1, fragments: 1, record_bytes: ev.len() as u64, blocks: 1, file_crc: crc32c::crc32c(&file) };
+    let t = FileTrailer {
+        events: 1,
+        incomplete_events: 1,
+        fragments: 1,
+        record_bytes: ev.len() as u64,
+        blocks: 1,
+        file_crc: crc32c::crc32c(&file),
+    };
     v.push(("file trailer closing that file", (t.encode()).to_vec()));
     v
 }

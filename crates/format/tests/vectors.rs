@@ -152,11 +152,17 @@ fn documents_match_implementation() {
         .collect();
     for (name, bytes) in tessera_format::vectors::all() {
         let marker = format!("Vector: {name} (");
-        let at = docs.find(&marker).unwrap_or_else(|| panic!("vector `{name}` is not in the docs"));
+        let at = docs
+            .find(&marker)
+            .unwrap_or_else(|| panic!("vector `{name}` is not in the docs"));
         let rest = &docs[at..];
         let start = rest.find("```hex").expect("hex block") + 6;
         let end = start + rest[start..].find("```").expect("end of hex block");
         let doc_hex: String = rest[start..end].split_whitespace().collect();
-        assert_eq!(doc_hex, hex::encode(&bytes), "vector `{name}` in the docs differs from the implementation");
+        assert_eq!(
+            doc_hex,
+            hex::encode(&bytes),
+            "vector `{name}` in the docs differs from the implementation"
+        );
     }
 }

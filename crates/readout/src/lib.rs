@@ -259,15 +259,9 @@ fn accept(sh: &Arc<Shared>, listener: TcpListener) {
         if waiting == 0 {
             break;
         }
-        if sh.stop.load(Ordering::Relaxed) {
-            for (slot, l) in sh.stats.links.iter().enumerate() {
-                if l.state() == LinkState::Waiting {
-                    l.set_state(LinkState::NeverConnected);
-                    sh.close_link(slot);
-                }
-            }
-            break;
-        }
+        // Read the stop before trying to accept: a source that connected before the stop sits in
+        // the backlog and is still taken.
+        let stopping = sh.stop.load(Ordering::Relaxed);
         match listener.accept() {
             Ok((stream, peer)) => {
                 let _ = stream.set_nonblocking(false);
@@ -285,6 +279,16 @@ fn accept(sh: &Arc<Shared>, listener: TcpListener) {
                         *sh.stats.last_refusal.lock() = Some(format!("{peer}: {why}"));
                     }
                 }
+            }
+            Err(_) if stopping => {
+                // The backlog is empty: sources still missing will not come.
+                for (slot, l) in sh.stats.links.iter().enumerate() {
+                    if l.state() == LinkState::Waiting {
+                        l.set_state(LinkState::NeverConnected);
+                        sh.close_link(slot);
+                    }
+                }
+                break;
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(20))

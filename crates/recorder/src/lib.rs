@@ -216,7 +216,10 @@ fn accept(
     let _ = listener.set_nonblocking(true);
     let mut connected = vec![false; builders.len()];
     let mut readers = Vec::new();
-    while connected.iter().any(|c| !c) && !stop.load(Ordering::Relaxed) {
+    while connected.iter().any(|c| !c) {
+        // Read the stop before trying to accept: a builder that connected before the stop sits
+        // in the backlog and is still taken.
+        let stopping = stop.load(Ordering::Relaxed);
         match listener.accept() {
             Ok((mut s, peer)) => {
                 let _ = s.set_nonblocking(false);
@@ -251,6 +254,7 @@ fn accept(
                     Err(why) => tracing::warn!(%peer, %why, "recorder refused a connection"),
                 }
             }
+            Err(_) if stopping => break,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(20))
             }

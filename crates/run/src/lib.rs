@@ -250,16 +250,17 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         if duration > 0.0 && t0.elapsed().as_secs_f64() >= duration {
             break "duration";
         }
-        if let Some(s) = &running.sources {
-            if s.all_finished() {
-                break if events > 0 {
-                    "events"
-                } else {
-                    "sources ended"
-                };
-            }
-        } else if running.readout_units.iter().all(|u| u.is_finished()) {
-            break "sources ended";
+        // The run ends by itself once every source has ended its stream: the emulated ones when
+        // they reach their event count, external ones when they send their end of stream (or
+        // drop their connection). An external source that has not ended keeps the run going
+        // until the duration or Ctrl-C.
+        let emulated_done = running.sources.as_ref().is_none_or(|s| s.all_finished());
+        if emulated_done && external_links_done(&running, r) {
+            break if events > 0 && running.sources.is_some() {
+                "events"
+            } else {
+                "sources ended"
+            };
         }
         if let Some(rec) = &running.recorder {
             if rec.stats.error.lock().is_some() {
@@ -339,6 +340,26 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(report)
+}
+
+/// Whether every external source's link has ended (cleanly or not).
+fn external_links_done(run: &Running, r: &Resolved) -> bool {
+    use tessera_readout::LinkState;
+    let external: std::collections::HashSet<u32> =
+        r.topology.sources.external.iter().copied().collect();
+    run.readout_units
+        .iter()
+        .flat_map(|u| u.stats.links.iter())
+        .filter(|l| external.contains(&l.source_id))
+        .all(|l| {
+            matches!(
+                l.state(),
+                LinkState::Ended
+                    | LinkState::Disconnected
+                    | LinkState::Aborted
+                    | LinkState::NeverConnected
+            )
+        })
 }
 
 fn all_finished(r: &Running) -> bool {

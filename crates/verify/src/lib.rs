@@ -312,7 +312,11 @@ fn sidecar_of(path: &Path) -> Option<Result<FileInfo, String>> {
 }
 
 /// Verifies one file; (run, event ID) pairs are checked against `seen` across files.
-pub fn verify_file(path: &Path, seen: &mut HashSet<(u64, u64)>, duplicates: &mut u64) -> FileReport {
+pub fn verify_file(
+    path: &Path,
+    seen: &mut HashSet<(u64, u64)>,
+    duplicates: &mut u64,
+) -> FileReport {
     let mut fr = FileReport {
         path: path.display().to_string(),
         ..Default::default()
