@@ -42,6 +42,10 @@ pub struct BenchArgs {
     /// Directory for recorded files (default: a temporary directory, deleted after each point).
     #[arg(long)]
     pub output: Option<std::path::PathBuf>,
+    /// Measure each point this many times, alternating baseline and building, and report the
+    /// medians (default 3, 1 with --quick).
+    #[arg(long)]
+    pub repeat: Option<usize>,
 }
 
 /// What a point measures.
@@ -81,8 +85,14 @@ pub struct Point {
     /// Bytes per second through the relay chain on the same hops and connections.
     pub baseline_bytes_per_s: f64,
     pub ratio: f64,
-    /// Whether the build run ended with the accounting balance holding and nothing incomplete.
+    /// Whether every build run ended with the accounting balance holding and nothing incomplete.
     pub clean: bool,
+    /// Measurements per point; the rates are medians.
+    pub repeat: usize,
+    /// Lowest and highest ratio over the repetitions (each building run against the baseline run
+    /// just before it), to show how noisy the machine was.
+    pub ratio_min: f64,
+    pub ratio_max: f64,
 }
 
 pub fn run(a: &BenchArgs) -> Result<()> {
@@ -119,7 +129,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             std::thread::available_parallelism().map_or(0, |n| n.get())
         );
         println!(
-            "{:<18} {:>9} {:>7} {:>10} {:>12} {:>11} {:>11} {:>7} {:>5}",
+            "{:<18} {:>9} {:>7} {:>10} {:>12} {:>11} {:>11} {:>7} {:>11} {:>5}",
             "mode",
             "fragment",
             "sources",
@@ -128,16 +138,18 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "built MB/s",
             "relay MB/s",
             "ratio",
+            "min-max",
             "clean"
         );
     }
+    let repeat = a.repeat.unwrap_or(if a.quick { 1 } else { 3 }).max(1);
     for (mode, size, n) in plan {
-        let p = point(mode, size, n, bytes, a.output.as_deref())?;
+        let p = point(mode, size, n, bytes, a.output.as_deref(), repeat)?;
         if a.json {
             println!("{}", serde_json::to_string(&p)?);
         } else {
             println!(
-                "{:<18} {:>9} {:>7} {:>10.0} {:>12.0} {:>11.1} {:>11.1} {:>7.2} {:>5}",
+                "{:<18} {:>9} {:>7} {:>10.0} {:>12.0} {:>11.1} {:>11.1} {:>7.2} {:>11} {:>5}",
                 mode.name(),
                 size,
                 n,
@@ -146,6 +158,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 p.bytes_per_s / 1e6,
                 p.baseline_bytes_per_s / 1e6,
                 p.ratio,
+                format!("{:.2}-{:.2}", p.ratio_min, p.ratio_max),
                 if p.clean { "yes" } else { "NO" }
             );
         }
@@ -183,41 +196,68 @@ fn toml_text(t: &Topology) -> String {
     format!("{t:?}")
 }
 
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
 fn point(
     mode: Mode,
     size: u64,
     n: u32,
     bytes: f64,
     out: Option<&std::path::Path>,
+    repeat: usize,
 ) -> Result<Point> {
     let per_event =
         (tessera_format::wire::fragment_wire_size(size as usize) as u64 * n as u64).max(1);
     let events = ((bytes / per_event as f64) as u64).clamp(2000, 5_000_000);
     let r = bench_topology(mode, size, n, events)?;
-    let tmp = tempfile::tempdir()?;
-    let dir = out
-        .map(|p| p.to_path_buf())
-        .unwrap_or_else(|| tmp.path().to_path_buf());
     let hops = if mode == Mode::Build { 2 } else { 3 };
-    // Baseline first, then building, on the same topology.
-    let baseline = relay_chain(&r, hops)?;
-    let opts = Options {
-        output: Some(dir.clone()),
-        status: StatusMode::Off,
-        sink_at_builders: mode == Mode::Build,
-        manifest: false,
-        ..Default::default()
-    };
-    let rep = tessera_run::run(&r, &opts).context("bench run")?;
-    if out.is_some() {
-        for f in rep.recorder.iter().flat_map(|r| r.files.iter()) {
-            let _ = std::fs::remove_file(dir.join(&f.file));
-            let _ = std::fs::remove_file(dir.join(format!("{}.json", f.file)));
+    let (mut base, mut built, mut ev_rate, mut fr_rate, mut ratios) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut clean = true;
+    let mut total_events = 0;
+    for _ in 0..repeat {
+        // Baseline, then building, on the same topology, back to back.
+        let baseline = relay_chain(&r, hops)?;
+        let tmp = tempfile::tempdir()?;
+        let dir = out
+            .map(|p| p.to_path_buf())
+            .unwrap_or_else(|| tmp.path().to_path_buf());
+        let opts = Options {
+            output: Some(dir.clone()),
+            status: StatusMode::Off,
+            sink_at_builders: mode == Mode::Build,
+            manifest: false,
+            ..Default::default()
+        };
+        let rep = tessera_run::run(&r, &opts).context("bench run")?;
+        if out.is_some() {
+            for f in rep.recorder.iter().flat_map(|r| r.files.iter()) {
+                let _ = std::fs::remove_file(dir.join(&f.file));
+                let _ = std::fs::remove_file(dir.join(format!("{}.json", f.file)));
+            }
         }
+        let secs = rep.duration_s.max(1e-9);
+        total_events = rep.events_complete + rep.events_incomplete;
+        let bps = rep.bytes_built as f64 / secs;
+        clean &= rep.ok() && rep.events_incomplete == 0 && total_events == events;
+        base.push(baseline);
+        built.push(bps);
+        ev_rate.push(total_events as f64 / secs);
+        fr_rate.push(
+            (rep.balance.in_complete_events + rep.balance.in_incomplete_events) as f64 / secs,
+        );
+        ratios.push(if baseline > 0.0 { bps / baseline } else { 0.0 });
     }
-    let secs = rep.duration_s.max(1e-9);
-    let total_events = rep.events_complete + rep.events_incomplete;
-    let bytes_per_s = rep.bytes_built as f64 / secs;
+    let baseline = median(&mut base);
+    let bytes_per_s = median(&mut built);
     Ok(Point {
         mode,
         fragment_size: size,
@@ -225,9 +265,8 @@ fn point(
         readout_units: r.topology.readout_units.len(),
         builders: r.topology.builders.len(),
         events: total_events,
-        events_per_s: total_events as f64 / secs,
-        fragments_per_s: (rep.balance.in_complete_events + rep.balance.in_incomplete_events) as f64
-            / secs,
+        events_per_s: median(&mut ev_rate),
+        fragments_per_s: median(&mut fr_rate),
         bytes_per_s,
         baseline_bytes_per_s: baseline,
         ratio: if baseline > 0.0 {
@@ -235,7 +274,10 @@ fn point(
         } else {
             0.0
         },
-        clean: rep.ok() && rep.events_incomplete == 0 && total_events == events,
+        clean,
+        repeat,
+        ratio_min: ratios.iter().copied().fold(f64::INFINITY, f64::min),
+        ratio_max: ratios.iter().copied().fold(0.0, f64::max),
     })
 }
 

@@ -134,3 +134,44 @@ fn verify_reports_missing_paths() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("does not exist"));
 }
+
+#[test]
+fn bench_prints_one_json_object_per_point() {
+    let o = tessera(&[
+        "bench",
+        "--sizes",
+        "1024",
+        "--sources",
+        "2",
+        "--bytes",
+        "2e7",
+        "--repeat",
+        "1",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let points: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // One building point, then building with recording and with lz4 recording.
+    assert_eq!(points.len(), 3);
+    let modes: Vec<&str> = points.iter().map(|p| p["mode"].as_str().unwrap()).collect();
+    assert_eq!(modes, ["build", "record", "record_lz4"]);
+    for p in &points {
+        for key in [
+            "fragment_size",
+            "sources",
+            "events_per_s",
+            "bytes_per_s",
+            "baseline_bytes_per_s",
+            "ratio",
+        ] {
+            assert!(p[key].is_number(), "{key} missing in {p}");
+        }
+        assert_eq!(p["fragment_size"], 1024);
+        assert_eq!(p["sources"], 2);
+        // Every measured run built every event whole, with the balance holding.
+        assert_eq!(p["clean"], true, "{p}");
+    }
+}

@@ -112,11 +112,11 @@ impl EventRecordHeader {
         let n = header.len().min(EVENT_HEADER_SIZE);
         h[..n].copy_from_slice(&header[..n]);
         h[44..48].fill(0);
-        let mut crc = crc32c::crc32c(&h[..n]);
-        crc = crc32c::crc32c_append(crc, &header[n..]);
+        let mut crc = crate::crc::crc32c(&h[..n]);
+        crc = crate::crc::crc32c_append(crc, &header[n..]);
         for f in fragments {
             if f.len() >= TRAILER_SIZE {
-                crc = crc32c::crc32c_append(crc, &f[f.len() - TRAILER_SIZE..f.len() - 4]);
+                crc = crate::crc::crc32c_append(crc, &f[f.len() - TRAILER_SIZE..f.len() - 4]);
             }
         }
         crc

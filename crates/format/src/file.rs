@@ -116,7 +116,7 @@ impl FileHeader {
         b[29] = self.filter as u8;
         put_u64(&mut b, 32, self.start_time_ns);
         b[40..72].copy_from_slice(&self.config_digest);
-        let crc = crc32c::crc32c(&b[..76]);
+        let crc = crate::crc::crc32c(&b[..76]);
         put_u32(&mut b, 76, crc);
         b
     }
@@ -132,7 +132,9 @@ impl FileHeader {
         if v != FILE_VERSION {
             return Err(FileError::BadVersion(v));
         }
-        if u16_at(b, 10) as usize != FILE_HEADER_SIZE || crc32c::crc32c(&b[..76]) != u32_at(b, 76) {
+        if u16_at(b, 10) as usize != FILE_HEADER_SIZE
+            || crate::crc::crc32c(&b[..76]) != u32_at(b, 76)
+        {
             return Err(FileError::BadHeaderCrc);
         }
         Ok(FileHeader {
@@ -216,7 +218,7 @@ impl BlockEncoder {
         event_count: u32,
         first_event_id: u64,
     ) -> (BlockHeader, &'a [u8]) {
-        let raw_crc = crc32c::crc32c(raw);
+        let raw_crc = crate::crc::crc32c(raw);
         let input: &[u8] = if codec != Codec::None && filter == Filter::Shuffle2 {
             self.scratch.resize(raw.len(), 0);
             shuffle::shuffle(2, raw, &mut self.scratch);
@@ -311,7 +313,7 @@ pub fn decode_block(
         out.resize(raw, 0);
         shuffle::unshuffle(2, scratch, out);
     }
-    if crc32c::crc32c(out) != h.raw_crc {
+    if crate::crc::crc32c(out) != h.raw_crc {
         return Err(FileError::BadBlockCrc);
     }
     Ok(())
@@ -342,7 +344,7 @@ impl FileTrailer {
         put_u64(&mut b, 32, self.record_bytes);
         put_u32(&mut b, 40, self.blocks);
         put_u32(&mut b, 44, self.file_crc);
-        let crc = crc32c::crc32c(&b[..48]);
+        let crc = crate::crc::crc32c(&b[..48]);
         put_u32(&mut b, 48, crc);
         b
     }
@@ -352,7 +354,7 @@ impl FileTrailer {
             || u32_at(b, 0) != TRAILER_MARKER
             || u16_at(b, 4) != FILE_VERSION
             || u16_at(b, 6) as usize != FILE_TRAILER_SIZE
-            || crc32c::crc32c(&b[..48]) != u32_at(b, 48)
+            || crate::crc::crc32c(&b[..48]) != u32_at(b, 48)
         {
             return Err(FileError::BadTrailer);
         }

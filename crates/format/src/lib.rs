@@ -6,6 +6,7 @@
 //! `docs/file-format.md`; the test vectors in `tests/vectors.rs` pin both.
 
 pub mod bytes;
+pub mod crc;
 pub mod event;
 pub mod file;
 pub mod link;

@@ -108,7 +108,7 @@ pub fn all() -> Vec<(&'static str, Vec<u8>)> {
         stored_size: ev.len() as u32,
         raw_size: ev.len() as u32,
         event_count: 1,
-        raw_crc: crc32c::crc32c(&ev),
+        raw_crc: crate::crc::crc32c(&ev),
         first_event_id: 42,
     };
     v.push((
@@ -124,7 +124,7 @@ pub fn all() -> Vec<(&'static str, Vec<u8>)> {
         fragments: 1,
         record_bytes: ev.len() as u64,
         blocks: 1,
-        file_crc: crc32c::crc32c(&file),
+        file_crc: crate::crc::crc32c(&file),
     };
     v.push(("file trailer closing that file", (t.encode()).to_vec()));
     v

@@ -162,11 +162,11 @@ pub fn encode_fragment_with(out: &mut Vec<u8>, h: &FragmentHeader, fill: impl Fn
     put_u64(f, 16, h.event_id);
     put_u64(f, 24, h.timestamp);
     put_u32(f, 32, h.payload_size);
-    let hcrc = crc32c::crc32c(&f[..36]);
+    let hcrc = crate::crc::crc32c(&f[..36]);
     put_u32(f, 36, hcrc);
     fill(&mut f[FRAGMENT_HEADER_SIZE..FRAGMENT_HEADER_SIZE + psize]);
     let body = FRAGMENT_HEADER_SIZE + pad4(psize);
-    let crc = crc32c::crc32c(&f[..body]);
+    let crc = crate::crc::crc32c(&f[..body]);
     put_u32(f, body, crc);
     put_u32(f, body + 4, END_MARKER);
 }
@@ -329,7 +329,7 @@ fn check_header(b: &[u8], max_payload: usize, source: Option<u32>) -> Result<usi
     if !(FRAGMENT_HEADER_SIZE..=MAX_HEADER_SIZE).contains(&hs) || !hs.is_multiple_of(4) {
         return Err(RejectReason::BadHeaderSize);
     }
-    if crc32c::crc32c(&b[..36]) != u32_at(b, 36) {
+    if crate::crc::crc32c(&b[..36]) != u32_at(b, 36) {
         return Err(RejectReason::BadHeaderCrc);
     }
     if let Some(s) = source {
@@ -349,7 +349,7 @@ fn check_body(f: &[u8]) -> Result<(), RejectReason> {
     if u32_at(f, n - 4) != END_MARKER {
         return Err(RejectReason::BadEndMarker);
     }
-    if crc32c::crc32c(&f[..n - TRAILER_SIZE]) != u32_at(f, n - TRAILER_SIZE) {
+    if crate::crc::crc32c(&f[..n - TRAILER_SIZE]) != u32_at(f, n - TRAILER_SIZE) {
         return Err(RejectReason::BadCrc);
     }
     Ok(())

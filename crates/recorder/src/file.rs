@@ -155,7 +155,7 @@ impl FileWriter {
             if codec == Codec::None {
                 let mut raw_crc = 0u32;
                 for r in &block.records {
-                    raw_crc = crc32c::crc32c_append(raw_crc, r);
+                    raw_crc = tessera_format::crc::crc32c_append(raw_crc, r);
                 }
                 let h = BlockHeader {
                     codec,
@@ -171,8 +171,11 @@ impl FileWriter {
                 io.push(IoSlice::new(&hb));
                 io.extend(block.records.iter().map(|r| IoSlice::new(r)));
                 tessera_net::io::write_all_vectored(&mut o.file, &mut io)?;
-                o.crc =
-                    crc32c::crc32c_combine(crc32c::crc32c_append(o.crc, &hb), raw_crc, block.raw);
+                o.crc = tessera_format::crc::crc32c_combine(
+                    tessera_format::crc::crc32c_append(o.crc, &hb),
+                    raw_crc,
+                    block.raw,
+                );
                 written = hb.len() + block.raw;
             } else {
                 raw_buf.clear();
@@ -183,7 +186,10 @@ impl FileWriter {
                 let hb = h.encode();
                 o.file.write_all(&hb)?;
                 o.file.write_all(stored)?;
-                o.crc = crc32c::crc32c_append(crc32c::crc32c_append(o.crc, &hb), stored);
+                o.crc = tessera_format::crc::crc32c_append(
+                    tessera_format::crc::crc32c_append(o.crc, &hb),
+                    stored,
+                );
                 written = hb.len() + stored.len();
             }
             o.size += written as u64;
@@ -239,7 +245,7 @@ impl FileWriter {
             part,
             name,
             sequence: seq,
-            crc: crc32c::crc32c(&hb),
+            crc: tessera_format::crc::crc32c(&hb),
             size: FILE_HEADER_SIZE as u64,
             trailer: FileTrailer::default(),
             first: None,

@@ -83,7 +83,7 @@ impl<R: Read> FileReader<R> {
         Ok(FileReader {
             r,
             header,
-            crc: crc32c::crc32c(&h),
+            crc: tessera_format::crc::crc32c(&h),
             offset: FILE_HEADER_SIZE as u64,
             stored: Vec::new(),
             scratch: Vec::new(),
@@ -122,7 +122,10 @@ impl<R: Read> FileReader<R> {
         self.r
             .read_exact(&mut self.stored)
             .map_err(|_| FileError::Truncated)?;
-        self.crc = crc32c::crc32c_append(crc32c::crc32c_append(self.crc, &hb), &self.stored);
+        self.crc = tessera_format::crc::crc32c_append(
+            tessera_format::crc::crc32c_append(self.crc, &hb),
+            &self.stored,
+        );
         self.offset += (BLOCK_HEADER_SIZE + self.stored.len()) as u64;
         decode_block(&bh, &self.stored, &mut self.scratch, &mut self.raw)?;
         Ok(Some((bh, &self.raw)))
