@@ -287,50 +287,33 @@ impl Shared {
 }
 
 fn accept(sh: &Arc<Shared>, listener: TcpListener) {
-    let _ = listener.set_nonblocking(true);
     let mut readers = Vec::new();
-    loop {
-        let waiting: Vec<usize> = sh
-            .stats
+    let missing = || {
+        sh.stats
             .links
             .iter()
-            .enumerate()
-            .filter(|(_, l)| !l.connected.load(Ordering::Relaxed))
-            .map(|(i, _)| i)
-            .collect();
-        if waiting.is_empty() {
-            break;
+            .any(|l| !l.connected.load(Ordering::Relaxed))
+    };
+    let end = tessera_net::io::accept_until(&listener, &sh.stop, missing, |mut stream, peer| {
+        match handshake(sh, &mut stream) {
+            Ok(slot) => {
+                let sh2 = sh.clone();
+                readers.push(spawn(
+                    format!("bu{}-ru{}", sh.id, sh.rus[slot].0),
+                    move || read_link(&sh2, slot, stream),
+                ));
+            }
+            Err(why) => {
+                tracing::warn!(builder = sh.id, %peer, %why, "refused a readout unit connection");
+                sh.stats.refused_connections.fetch_add(1, Ordering::Relaxed);
+            }
         }
-        // Read the stop before trying to accept: a readout unit that connected before the stop
-        // sits in the backlog and is still taken.
-        let stopping = sh.stop.load(Ordering::Relaxed);
-        match listener.accept() {
-            Ok((mut stream, peer)) => {
-                let _ = stream.set_nonblocking(false);
-                match handshake(sh, &mut stream) {
-                    Ok(slot) => {
-                        let sh2 = sh.clone();
-                        readers.push(spawn(
-                            format!("bu{}-ru{}", sh.id, sh.rus[slot].0),
-                            move || read_link(&sh2, slot, stream),
-                        ));
-                    }
-                    Err(why) => {
-                        tracing::warn!(builder = sh.id, %peer, %why, "refused a readout unit connection");
-                        sh.stats.refused_connections.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
+    });
+    if end == tessera_net::io::AcceptEnd::Stopped {
+        for (slot, l) in sh.stats.links.iter().enumerate() {
+            if !l.connected.load(Ordering::Relaxed) {
+                sh.close_link(slot);
             }
-            Err(_) if stopping => {
-                for slot in waiting {
-                    sh.close_link(slot);
-                }
-                break;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(20))
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(100)),
         }
     }
     for r in readers {
@@ -339,18 +322,7 @@ fn accept(sh: &Arc<Shared>, listener: TcpListener) {
 }
 
 fn handshake(sh: &Shared, stream: &mut TcpStream) -> Result<usize, String> {
-    tessera_net::io::tune(stream, Some(Duration::from_millis(100))).map_err(|e| e.to_string())?;
-    let mut b = [0u8; tessera_format::link::PEER_HELLO_SIZE];
-    tessera_net::io::read_exact_patient(stream, &mut b, Duration::from_secs(5))
-        .map_err(|e| e.to_string())?;
-    let hello = match decode_link(&b, 0) {
-        Ok((LinkItem::Hello(h), _)) => h,
-        Ok(_) => return Err("first message is not a hello".into()),
-        Err(e) => return Err(e.to_string()),
-    };
-    if hello.role != PeerRole::ReadoutUnit {
-        return Err(format!("peer is a {:?}, not a readout unit", hello.role));
-    }
+    let hello = tessera_net::peer::read_hello(stream, PeerRole::ReadoutUnit)?;
     let slot = sh
         .rus
         .iter()

@@ -95,3 +95,45 @@ pub fn read_exact_patient(r: &mut TcpStream, buf: &mut [u8], patience: Duration)
     }
     Ok(())
 }
+
+/// How an [`accept_until`] loop ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AcceptEnd {
+    /// `missing()` said nobody else is expected.
+    AllConnected,
+    /// A stop was raised and the backlog held nobody else.
+    Stopped,
+}
+
+/// Accepts connections on `listener` and hands each to `on_connection` (in blocking mode), until
+/// `missing()` says no peer is expected any more, or `stop` is raised. The stop is read before
+/// each accept, so a peer that connected before the stop (and sits in the kernel's backlog) is
+/// still taken: only then does the loop give up on the peers still missing.
+pub fn accept_until(
+    listener: &std::net::TcpListener,
+    stop: &std::sync::atomic::AtomicBool,
+    mut missing: impl FnMut() -> bool,
+    mut on_connection: impl FnMut(TcpStream, SocketAddr),
+) -> AcceptEnd {
+    let _ = listener.set_nonblocking(true);
+    loop {
+        if !missing() {
+            return AcceptEnd::AllConnected;
+        }
+        let stopping = stop.load(std::sync::atomic::Ordering::Relaxed);
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nonblocking(false);
+                on_connection(stream, peer);
+            }
+            Err(_) if stopping => return AcceptEnd::Stopped,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}

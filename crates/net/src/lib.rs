@@ -5,6 +5,7 @@
 pub mod budget;
 pub mod chunk;
 pub mod io;
+pub mod peer;
 pub mod reader;
 
 pub use budget::Budget;

@@ -247,55 +247,35 @@ fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
 }
 
 fn accept(sh: &Arc<Shared>, listener: TcpListener) {
-    let _ = listener.set_nonblocking(true);
     let mut readers = Vec::new();
-    loop {
-        let waiting = sh
-            .stats
+    let missing = || {
+        sh.stats
             .links
             .iter()
-            .filter(|l| l.state() == LinkState::Waiting)
-            .count();
-        if waiting == 0 {
-            break;
+            .any(|l| l.state() == LinkState::Waiting)
+    };
+    let end = tessera_net::io::accept_until(&listener, &sh.stop, missing, |stream, peer| {
+        match handshake(sh, stream) {
+            Ok((slot, stream)) => {
+                let sh2 = sh.clone();
+                readers.push(spawn(
+                    format!("ru{}-link{}", sh.id, sh.sources[slot]),
+                    move || read_link(&sh2, slot, stream),
+                ));
+            }
+            Err(why) => {
+                tracing::warn!(readout_unit = sh.id, %peer, %why, "refused a source connection");
+                sh.stats.refused_connections.fetch_add(1, Ordering::Relaxed);
+                *sh.stats.last_refusal.lock() = Some(format!("{peer}: {why}"));
+            }
         }
-        // Read the stop before trying to accept: a source that connected before the stop sits in
-        // the backlog and is still taken.
-        let stopping = sh.stop.load(Ordering::Relaxed);
-        match listener.accept() {
-            Ok((stream, peer)) => {
-                let _ = stream.set_nonblocking(false);
-                match handshake(sh, stream) {
-                    Ok((slot, stream)) => {
-                        let sh2 = sh.clone();
-                        readers.push(spawn(
-                            format!("ru{}-link{}", sh.id, sh.sources[slot]),
-                            move || read_link(&sh2, slot, stream),
-                        ));
-                    }
-                    Err(why) => {
-                        tracing::warn!(readout_unit = sh.id, %peer, %why, "refused a source connection");
-                        sh.stats.refused_connections.fetch_add(1, Ordering::Relaxed);
-                        *sh.stats.last_refusal.lock() = Some(format!("{peer}: {why}"));
-                    }
-                }
-            }
-            Err(_) if stopping => {
-                // The backlog is empty: sources still missing will not come.
-                for (slot, l) in sh.stats.links.iter().enumerate() {
-                    if l.state() == LinkState::Waiting {
-                        l.set_state(LinkState::NeverConnected);
-                        sh.close_link(slot);
-                    }
-                }
-                break;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(20))
-            }
-            Err(e) => {
-                tracing::warn!(readout_unit = sh.id, error = %e, "accept failed");
-                std::thread::sleep(Duration::from_millis(100));
+    });
+    if end == tessera_net::io::AcceptEnd::Stopped {
+        // Sources still missing after the backlog is empty will not come.
+        for (slot, l) in sh.stats.links.iter().enumerate() {
+            if l.state() == LinkState::Waiting {
+                l.set_state(LinkState::NeverConnected);
+                sh.close_link(slot);
             }
         }
     }

@@ -213,54 +213,32 @@ fn accept(
     stop: &AtomicBool,
     abort: &Arc<AtomicBool>,
 ) {
-    let _ = listener.set_nonblocking(true);
-    let mut connected = vec![false; builders.len()];
+    let connected = std::cell::RefCell::new(vec![false; builders.len()]);
     let mut readers = Vec::new();
-    while connected.iter().any(|c| !c) {
-        // Read the stop before trying to accept: a builder that connected before the stop sits
-        // in the backlog and is still taken.
-        let stopping = stop.load(Ordering::Relaxed);
-        match listener.accept() {
-            Ok((mut s, peer)) => {
-                let _ = s.set_nonblocking(false);
-                let r = (|| -> Result<usize, String> {
-                    tessera_net::io::tune(&s, Some(Duration::from_millis(100)))
-                        .map_err(|e| e.to_string())?;
-                    let mut b = [0u8; tessera_format::link::PEER_HELLO_SIZE];
-                    tessera_net::io::read_exact_patient(&mut s, &mut b, Duration::from_secs(5))
-                        .map_err(|e| e.to_string())?;
-                    let h = match decode_link(&b, 0) {
-                        Ok((LinkItem::Hello(h), _)) if h.role == PeerRole::BuilderUnit => h,
-                        _ => return Err("not a builder hello".into()),
-                    };
-                    let slot = builders
-                        .iter()
-                        .position(|&b| b as u32 == h.id)
-                        .ok_or_else(|| format!("builder {} is not in this topology", h.id))?;
-                    if std::mem::replace(&mut connected[slot], true) {
-                        return Err(format!("builder {} is already connected", h.id));
-                    }
-                    Ok(slot)
-                })();
-                match r {
-                    Ok(slot) => {
-                        let budget = Arc::new(Budget::new(per_link));
-                        st.links.lock().push((builders[slot], budget.clone()));
-                        let (tx, st, abort) = (tx.clone(), st.clone(), abort.clone());
-                        readers.push(spawn(format!("recorder-bu{}", builders[slot]), move || {
-                            read_builder(s, budget, max, tx, &st, &abort)
-                        }));
-                    }
-                    Err(why) => tracing::warn!(%peer, %why, "recorder refused a connection"),
-                }
+    let missing = || connected.borrow().iter().any(|c| !c);
+    tessera_net::io::accept_until(&listener, stop, missing, |mut s, peer| {
+        let slot = tessera_net::peer::read_hello(&mut s, PeerRole::BuilderUnit).and_then(|h| {
+            let slot = builders
+                .iter()
+                .position(|&b| b as u32 == h.id)
+                .ok_or_else(|| format!("builder {} is not in this topology", h.id))?;
+            if std::mem::replace(&mut connected.borrow_mut()[slot], true) {
+                return Err(format!("builder {} is already connected", h.id));
             }
-            Err(_) if stopping => break,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(20))
+            Ok(slot)
+        });
+        match slot {
+            Ok(slot) => {
+                let budget = Arc::new(Budget::new(per_link));
+                st.links.lock().push((builders[slot], budget.clone()));
+                let (tx, st, abort) = (tx.clone(), st.clone(), abort.clone());
+                readers.push(spawn(format!("recorder-bu{}", builders[slot]), move || {
+                    read_builder(s, budget, max, tx, &st, &abort)
+                }));
             }
-            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            Err(why) => tracing::warn!(%peer, %why, "recorder refused a connection"),
         }
-    }
+    });
     drop(tx);
     for r in readers {
         let _ = r.join();

@@ -288,15 +288,24 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         if Instant::now() >= deadline {
             drained = false;
             status.note("drain deadline passed: giving up on what is still in flight");
+            // In stages, downstream last: readout units give up on their open links and send on
+            // what they hold; builders and recorder are cut off only if they still have not
+            // finished after a grace period. Each wait is bounded.
+            let grace = Duration::from_secs(3);
             for u in &running.readout_units {
                 u.abort();
             }
-            for b in &running.builders {
+            wait_until(grace, || {
+                running.readout_units.iter().all(|u| u.is_finished())
+            });
+            for b in running.builders.iter().filter(|b| !b.is_finished()) {
                 b.abort();
             }
-            if let Some(rec) = &running.recorder {
+            wait_until(grace, || running.builders.iter().all(|b| b.is_finished()));
+            if let Some(rec) = running.recorder.as_ref().filter(|r| !r.is_finished()) {
                 rec.abort();
             }
+            wait_until(grace, || all_finished(&running));
             break;
         }
         std::thread::sleep(Duration::from_millis(2));
@@ -322,16 +331,16 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         builders,
         recorder,
     } = running;
-    if drained {
-        for u in readout_units {
-            u.join();
-        }
-        for b in builders {
-            b.join();
-        }
-        if let Some(rec) = recorder {
-            rec.join();
-        }
+    // Components that ignored even the abort are left to the end of the process rather than
+    // joined: a stop must not hang.
+    for u in readout_units.into_iter().filter(|u| u.is_finished()) {
+        u.join();
+    }
+    for b in builders.into_iter().filter(|b| b.is_finished()) {
+        b.join();
+    }
+    if let Some(rec) = recorder.filter(|r| r.is_finished()) {
+        rec.join();
     }
     if opts.manifest {
         let path = output.join(format!("run{run_number:06}.manifest.json"));
@@ -340,6 +349,13 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(report)
+}
+
+fn wait_until(limit: Duration, done: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !done() && t.elapsed() < limit {
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// Whether every external source's link has ended (cleanly or not).

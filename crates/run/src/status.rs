@@ -108,6 +108,17 @@ impl Status {
             pct(ru_used, ru_lim),
             pct(bu_used, bu_lim),
         );
+        let busy_now: Vec<String> = r
+            .readout_units
+            .iter()
+            .filter(|u| u.stats.busy())
+            .map(|u| u.stats.id.to_string())
+            .collect();
+        let line = if busy_now.is_empty() {
+            line
+        } else {
+            format!("{line}  BUSY: RU {}", busy_now.join(","))
+        };
         self.last_events = events;
         self.last_bytes = bytes;
         self.last_busy = busy;

@@ -24,6 +24,30 @@ fn verify(out: &Path) -> tessera_verify::VerifyReport {
     v
 }
 
+/// Runs `t` with the external source `id` driven by `source`, which gets the address to connect
+/// to once everything listens.
+fn run_with_external(
+    t: &Resolved,
+    out: &Path,
+    id: u32,
+    source: impl FnOnce(String) + Send + 'static,
+) -> Report {
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(u32, String)>>(1);
+    let ext = std::thread::spawn(move || {
+        let addrs = rx.recv().unwrap();
+        source(addrs.into_iter().find(|(s, _)| *s == id).unwrap().1);
+    });
+    let opts = Options {
+        output: Some(out.to_path_buf()),
+        status: StatusMode::Off,
+        ready: Some(tx),
+        ..Default::default()
+    };
+    let rep = tessera_run::run(t, &opts).unwrap();
+    ext.join().unwrap();
+    rep
+}
+
 #[test]
 fn demo_topology_runs_clean() {
     let dir = tempfile::tempdir().unwrap();
@@ -294,20 +318,9 @@ sources = [77]
 id = 0
 "#,
     );
-    let (tx, rx) = std::sync::mpsc::sync_channel(1);
-    let ext = std::thread::spawn(move || {
-        let addrs: Vec<(u32, String)> = rx.recv().unwrap();
-        let addr = addrs.iter().find(|(s, _)| *s == 77).unwrap().1.clone();
-        spec_source::send(&addr, 77, 1000);
+    let rep = run_with_external(&t, dir.path(), 77, |addr| {
+        spec_source::send(&addr, 77, 1000)
     });
-    let opts = Options {
-        output: Some(dir.path().to_path_buf()),
-        status: StatusMode::Off,
-        ready: Some(tx),
-        ..Default::default()
-    };
-    let rep = tessera_run::run(&t, &opts).unwrap();
-    ext.join().unwrap();
     assert!(rep.ok(), "{}", rep.summary());
     assert_eq!(rep.events_complete, 1000, "{}", rep.summary());
     let s77 = rep.sources.iter().find(|s| s.id == 77).unwrap();
@@ -404,4 +417,55 @@ fn verify_catches_a_corrupted_file() {
     let v = tessera_verify::verify_paths(&[dir.path().to_path_buf()]).unwrap();
     assert!(!v.ok());
     assert!(v.problems > 0);
+}
+
+#[test]
+fn a_source_that_never_ends_cannot_hang_the_stop() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = topology(
+        r#"
+[run]
+duration_s = 0.5
+drain_timeout_ms = 500
+[sources]
+count = 2
+external = [9]
+fragment_size = 128
+trigger = "periodic"
+rate_hz = 1000
+trigger_types = 1
+[[readout]]
+id = 0
+sources = "0-1"
+[[readout]]
+id = 1
+sources = [9]
+[[builder]]
+id = 0
+"#,
+    );
+    // An external source that says hello, sends ten fragments and then hangs, holding its
+    // connection open and never ending its stream.
+    let rep = run_with_external(&t, dir.path(), 9, |addr| {
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.write_all(&spec_source::hello(9)).unwrap();
+        for ev in 0..10 {
+            s.write_all(&spec_source::fragment(9, ev, 1, &[7; 64]))
+                .unwrap();
+        }
+        std::thread::sleep(std::time::Duration::from_secs(3));
+    });
+    assert_eq!(rep.stop_reason, "duration");
+    assert!(
+        !rep.drained,
+        "the external link was still open at the deadline"
+    );
+    let s9 = rep.sources.iter().find(|s| s.id == 9).unwrap();
+    assert_eq!(s9.link_state, "aborted");
+    assert_eq!(s9.received, 10);
+    // What the hanging source sent is still accounted for, and the files are whole.
+    assert!(rep.balance.holds, "{}", rep.summary());
+    assert_eq!(rep.recorder_shortfall, 0, "{}", rep.summary());
+    verify(dir.path());
 }
