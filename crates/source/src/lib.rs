@@ -134,6 +134,9 @@ pub fn start(plan: SourcePlan) -> std::io::Result<RunningSources> {
         stream.set_nodelay(true)?;
         let mut s = stream;
         s.write_all(&Hello::new(*id).encode())?;
+        // Non-blocking from here, so that a write that has to wait is told apart from one that
+        // does not (see `write_counting_held`).
+        s.set_nonblocking(true)?;
         let stats = Arc::new(SourceStats {
             id: *id,
             ..Default::default()
@@ -263,6 +266,7 @@ fn drive(plan: &SourcePlan, mut links: Vec<Link>, control: &Control, t0: Instant
                 let _ = st.shutdown(std::net::Shutdown::Write);
                 // Wait for the readout unit to close its side, so that the end-of-stream is read
                 // before the connection can be reset.
+                let _ = st.set_nonblocking(false);
                 let _ = st.set_read_timeout(Some(Duration::from_secs(10)));
                 let _ = std::io::Read::read(&mut &st, &mut [0u8; 16]);
             }
@@ -353,16 +357,41 @@ fn encode(
     link.stats.fragments.fetch_add(1, Ordering::Relaxed);
 }
 
+/// Writes all of `buf`, adding to `held_ns` only the time spent blocked because the readout unit
+/// is not taking data (back-pressure), not the time of an ordinary write. The socket is
+/// non-blocking; when the kernel's buffer is full it is switched to blocking for the rest.
+fn write_counting_held(st: &mut TcpStream, buf: &[u8], held_ns: &AtomicU64) -> std::io::Result<()> {
+    let mut off = 0;
+    while off < buf.len() {
+        match st.write(&buf[off..]) {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::WriteZero,
+                    "readout unit closed the connection",
+                ))
+            }
+            Ok(n) => off += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let t = Instant::now();
+                st.set_nonblocking(false)?;
+                let r = st.write_all(&buf[off..]);
+                held_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                st.set_nonblocking(true)?;
+                return r;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 fn flush(link: &mut Link) {
     if link.buf.is_empty() {
         return;
     }
     if let Some(st) = link.stream.as_mut() {
-        let t = Instant::now();
-        let r = st.write_all(&link.buf);
-        link.stats
-            .held_ns
-            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let r = write_counting_held(st, &link.buf, &link.stats.held_ns);
         match r {
             Ok(()) => {
                 link.stats
