@@ -187,6 +187,12 @@ fsync = false
         "readout unit never ran out of buffer: {}",
         rep.summary()
     );
+    // The back-pressure reached the sources: their writes blocked.
+    assert!(
+        rep.sources.iter().all(|s| s.held_fraction > 0.0),
+        "sources were never held: {}",
+        rep.summary()
+    );
     assert!(rep.readout_units[0].peak_buffer_fraction <= 1.0);
     verify(dir.path());
 }
