@@ -13,6 +13,7 @@
 //! A link whose budget is full stops reading, so TCP holds its source: the unit is BUSY, never
 //! growing. Every fragment read is accounted: accepted (then forwarded), or rejected by reason.
 
+pub mod paged;
 mod quarantine;
 mod stats;
 

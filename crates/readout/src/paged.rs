@@ -1,0 +1,373 @@
+//! The paged readout buffer of request mode (issue 3; the ATLAS ROS design, seeds/004 §5.3):
+//! one link's memory split into pages of a fixed size, allocated once; a fragment takes as many
+//! pages as it needs from the link's free-page pool; an index by event ID finds a fragment in
+//! constant time; a clear gives its pages back. When the pool cannot hold the next fragment the
+//! link must stop reading (back-pressure) — the buffer never grows.
+//!
+//! Pure data structure, no I/O and no clock. The index hashes the low bits of the event ID into
+//! buckets (ATLAS uses the low 20 bits of the L1ID) and compares full 64-bit IDs along the bucket's
+//! chain, so IDs that wrap around (a 32-bit front-end counter restarting, or u64::MAX → 0) never
+//! alias. Not yet wired into the readout unit.
+
+/// Why a fragment was not stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// Not enough free pages now: stop reading the link until clears free some.
+    #[error("no free pages for {needed} (free: {free})")]
+    Full { needed: usize, free: usize },
+    /// The fragment needs more pages than the whole buffer has.
+    #[error("fragment needs {needed} pages, the buffer has {total}")]
+    TooLarge { needed: usize, total: usize },
+    /// The event ID is already stored.
+    #[error("event ID already buffered")]
+    Duplicate,
+}
+
+const NONE: u32 = u32::MAX;
+
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    event_id: u64,
+    first_page: u32,
+    len: u32,
+    /// Next entry in the same bucket.
+    next: u32,
+}
+
+/// One link's paged buffer.
+pub struct PagedBuffer {
+    page_size: usize,
+    memory: Box<[u8]>,
+    /// Free pages, used as a stack (most recently freed first: warm in cache).
+    free_pages: Vec<u32>,
+    /// Per page: the next page of the same fragment, or NONE.
+    page_next: Box<[u32]>,
+    buckets: Box<[u32]>,
+    bucket_mask: u64,
+    entries: Vec<Entry>,
+    free_entries: Vec<u32>,
+    stored: usize,
+}
+
+impl PagedBuffer {
+    /// A buffer of `pages` pages of `page_size` bytes, with `2^index_bits` index buckets.
+    pub fn new(page_size: usize, pages: usize, index_bits: u32) -> PagedBuffer {
+        assert!(
+            page_size > 0 && pages > 0 && pages < NONE as usize,
+            "page size and count must be positive"
+        );
+        let buckets = 1usize << index_bits.min(24);
+        PagedBuffer {
+            page_size,
+            memory: vec![0u8; page_size * pages].into_boxed_slice(),
+            free_pages: (0..pages as u32).rev().collect(),
+            page_next: vec![NONE; pages].into_boxed_slice(),
+            buckets: vec![NONE; buckets].into_boxed_slice(),
+            bucket_mask: buckets as u64 - 1,
+            entries: Vec::new(),
+            free_entries: Vec::new(),
+            stored: 0,
+        }
+    }
+
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    pub fn total_pages(&self) -> usize {
+        self.page_next.len()
+    }
+
+    pub fn free_pages(&self) -> usize {
+        self.free_pages.len()
+    }
+
+    /// Fragments stored.
+    pub fn len(&self) -> usize {
+        self.stored
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.stored == 0
+    }
+
+    /// Pages a fragment of `len` bytes takes (at least one, so that empty fragments are indexed).
+    pub fn pages_for(&self, len: usize) -> usize {
+        len.div_ceil(self.page_size).max(1)
+    }
+
+    /// Whether a fragment of `len` bytes would fit now.
+    pub fn fits(&self, len: usize) -> bool {
+        self.pages_for(len) <= self.free_pages.len()
+    }
+
+    fn bucket(&self, event_id: u64) -> usize {
+        (event_id & self.bucket_mask) as usize
+    }
+
+    fn find(&self, event_id: u64) -> Option<u32> {
+        let mut e = self.buckets[self.bucket(event_id)];
+        while e != NONE {
+            let entry = &self.entries[e as usize];
+            if entry.event_id == event_id {
+                return Some(e);
+            }
+            e = entry.next;
+        }
+        None
+    }
+
+    pub fn contains(&self, event_id: u64) -> bool {
+        self.find(event_id).is_some()
+    }
+
+    /// Copies a fragment into pages and indexes it.
+    pub fn store(&mut self, event_id: u64, bytes: &[u8]) -> Result<(), StoreError> {
+        let needed = self.pages_for(bytes.len());
+        if needed > self.total_pages() {
+            return Err(StoreError::TooLarge {
+                needed,
+                total: self.total_pages(),
+            });
+        }
+        if needed > self.free_pages.len() {
+            return Err(StoreError::Full {
+                needed,
+                free: self.free_pages.len(),
+            });
+        }
+        if self.contains(event_id) {
+            return Err(StoreError::Duplicate);
+        }
+        let mut first = NONE;
+        let mut prev = NONE;
+        for chunk_index in 0..needed {
+            let p = self.free_pages.pop().expect("counted above");
+            let start = chunk_index * self.page_size;
+            let piece = &bytes[start.min(bytes.len())..(start + self.page_size).min(bytes.len())];
+            let off = p as usize * self.page_size;
+            self.memory[off..off + piece.len()].copy_from_slice(piece);
+            self.page_next[p as usize] = NONE;
+            if prev == NONE {
+                first = p;
+            } else {
+                self.page_next[prev as usize] = p;
+            }
+            prev = p;
+        }
+        let b = self.bucket(event_id);
+        let entry = Entry {
+            event_id,
+            first_page: first,
+            len: bytes.len() as u32,
+            next: self.buckets[b],
+        };
+        let slot = match self.free_entries.pop() {
+            Some(i) => {
+                self.entries[i as usize] = entry;
+                i
+            }
+            None => {
+                self.entries.push(entry);
+                (self.entries.len() - 1) as u32
+            }
+        };
+        self.buckets[b] = slot;
+        self.stored += 1;
+        Ok(())
+    }
+
+    /// The fragment's bytes, page by page, in order (no copy).
+    pub fn pieces(&self, event_id: u64) -> Option<impl Iterator<Item = &[u8]> + '_> {
+        let e = self.entries[self.find(event_id)? as usize];
+        let mut page = e.first_page;
+        let mut left = e.len as usize;
+        let mut first = true;
+        Some(std::iter::from_fn(move || {
+            if page == NONE || (left == 0 && !first) {
+                return None;
+            }
+            first = false;
+            let n = left.min(self.page_size);
+            let off = page as usize * self.page_size;
+            let piece = &self.memory[off..off + n];
+            left -= n;
+            page = self.page_next[page as usize];
+            Some(piece)
+        }))
+    }
+
+    /// Stored length of a fragment.
+    pub fn fragment_len(&self, event_id: u64) -> Option<usize> {
+        self.find(event_id)
+            .map(|e| self.entries[e as usize].len as usize)
+    }
+
+    /// Frees a fragment's pages (a clear). Returns false if the event ID is not stored.
+    pub fn clear(&mut self, event_id: u64) -> bool {
+        let b = self.bucket(event_id);
+        let mut prev = NONE;
+        let mut e = self.buckets[b];
+        while e != NONE {
+            let entry = self.entries[e as usize];
+            if entry.event_id == event_id {
+                if prev == NONE {
+                    self.buckets[b] = entry.next;
+                } else {
+                    self.entries[prev as usize].next = entry.next;
+                }
+                // Free in reverse so the fragment's first page is reused first.
+                let mut pages = Vec::new();
+                let mut p = entry.first_page;
+                while p != NONE {
+                    pages.push(p);
+                    p = self.page_next[p as usize];
+                }
+                self.free_pages.extend(pages.into_iter().rev());
+                self.free_entries.push(e);
+                self.stored -= 1;
+                return true;
+            }
+            prev = e;
+            e = entry.next;
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    fn read(b: &PagedBuffer, ev: u64) -> Option<Vec<u8>> {
+        b.pieces(ev)
+            .map(|it| it.flat_map(|p| p.iter().copied()).collect())
+    }
+
+    #[test]
+    fn spans_pages_and_frees_them() {
+        let mut b = PagedBuffer::new(4096, 8, 4);
+        let data: Vec<u8> = (0..10_000u32).map(|i| i as u8).collect();
+        b.store(7, &data).unwrap();
+        assert_eq!(b.free_pages(), 5);
+        assert_eq!(read(&b, 7).unwrap(), data);
+        assert_eq!(b.store(7, &[1]), Err(StoreError::Duplicate));
+        b.store(8, &data).unwrap();
+        assert_eq!(b.free_pages(), 2);
+        assert_eq!(
+            b.store(9, &data),
+            Err(StoreError::Full { needed: 3, free: 2 })
+        );
+        assert!(b.clear(7));
+        assert_eq!(b.free_pages(), 5);
+        b.store(9, &data).unwrap();
+        assert_eq!(read(&b, 9).unwrap(), data);
+        assert_eq!(read(&b, 8).unwrap(), data);
+        assert!(b.clear(8) && b.clear(9));
+        assert!(!b.clear(7));
+        assert_eq!(
+            b.store(1, &vec![0; 9 * 4096]),
+            Err(StoreError::TooLarge {
+                needed: 9,
+                total: 8
+            })
+        );
+    }
+
+    #[test]
+    fn full_pool_refuses_until_a_clear() {
+        let mut b = PagedBuffer::new(100, 4, 2);
+        for ev in 0..4 {
+            b.store(ev, &[ev as u8; 100]).unwrap();
+        }
+        assert_eq!(
+            b.store(4, &[0; 1]),
+            Err(StoreError::Full { needed: 1, free: 0 })
+        );
+        assert!(b.clear(2));
+        b.store(4, &[9; 50]).unwrap();
+        assert_eq!(read(&b, 4).unwrap(), vec![9; 50]);
+        assert_eq!(read(&b, 3).unwrap(), vec![3; 100]);
+    }
+
+    #[test]
+    fn wrapped_event_ids_share_buckets_without_aliasing() {
+        // With 2^4 buckets, these IDs all land in bucket 0xF or 0x0 and wrap past the 32-bit
+        // and 64-bit boundaries.
+        let mut b = PagedBuffer::new(64, 64, 4);
+        let ids = [
+            u32::MAX as u64,
+            u32::MAX as u64 + 1,
+            u64::MAX,
+            0,
+            15,
+            31,
+            (1 << 20) + 15,
+        ];
+        for (k, id) in ids.iter().enumerate() {
+            b.store(*id, &[k as u8; 10]).unwrap();
+        }
+        for (k, id) in ids.iter().enumerate() {
+            assert_eq!(read(&b, *id).unwrap(), vec![k as u8; 10], "id {id}");
+        }
+        assert!(b.clear(u64::MAX));
+        assert!(read(&b, u64::MAX).is_none());
+        assert_eq!(read(&b, 15).unwrap(), vec![4; 10]);
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Store(u64, usize),
+        Clear(u64),
+    }
+
+    proptest! {
+        /// The buffer behaves like a map from event ID to bytes with a page budget: every stored
+        /// fragment reads back intact, a store fails exactly when the model says it must, and
+        /// clears return every page.
+        #[test]
+        fn matches_a_map_model(ops in proptest::collection::vec(prop_oneof![
+            3 => (0u64..40, 0usize..700).prop_map(|(e, n)| Op::Store(e.wrapping_sub(20), n)),
+            2 => (0u64..40).prop_map(|e| Op::Clear(e.wrapping_sub(20))),
+        ], 0..300)) {
+            let (page, pages) = (128usize, 24usize);
+            let mut b = PagedBuffer::new(page, pages, 3);
+            let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
+            let used = |m: &HashMap<u64, Vec<u8>>| m.values().map(|v| v.len().div_ceil(page).max(1)).sum::<usize>();
+            for op in ops {
+                match op {
+                    Op::Store(ev, n) => {
+                        let data: Vec<u8> = (0..n).map(|i| (i as u64 ^ ev) as u8).collect();
+                        let need = n.div_ceil(page).max(1);
+                        let expect = if need > pages {
+                            Err(StoreError::TooLarge { needed: need, total: pages })
+                        } else if need > pages - used(&model) {
+                            Err(StoreError::Full { needed: need, free: pages - used(&model) })
+                        } else if model.contains_key(&ev) {
+                            Err(StoreError::Duplicate)
+                        } else {
+                            Ok(())
+                        };
+                        prop_assert_eq!(b.store(ev, &data), expect);
+                        if expect.is_ok() {
+                            model.insert(ev, data);
+                        }
+                    }
+                    Op::Clear(ev) => prop_assert_eq!(b.clear(ev), model.remove(&ev).is_some()),
+                }
+                prop_assert_eq!(b.free_pages(), pages - used(&model));
+                prop_assert_eq!(b.len(), model.len());
+            }
+            for (ev, data) in &model {
+                prop_assert_eq!(&read(&b, *ev).unwrap(), data);
+            }
+            let ids: Vec<u64> = model.keys().copied().collect();
+            for ev in ids {
+                prop_assert!(b.clear(ev));
+            }
+            prop_assert_eq!(b.free_pages(), pages);
+        }
+    }
+}
