@@ -327,6 +327,14 @@ impl FileWriter {
         Ok(())
     }
 
+    /// After a failed write: drops the records still held (their memory goes back to the
+    /// links, so the recorder keeps draining its builders) and the unfinished file, which stays
+    /// on disk as `.part` for inspection and is never given its final name.
+    pub fn abandon(&mut self) {
+        self.block = Block::default();
+        self.open = None;
+    }
+
     /// Writes the partial block, if any (the file stays open).
     pub fn flush(&mut self, st: &RecorderStats) -> io::Result<()> {
         self.flush_block(st)

@@ -319,6 +319,7 @@ fn write_loop(settings: FileSettings, rx: Receiver<Batch>, st: &RecorderStats) {
                     if let Err(e) = w.flush(st) {
                         *st.error.lock() = Some(format!("writing: {e}"));
                         failed = true;
+                        w.abandon();
                     }
                 }
                 continue;
@@ -332,6 +333,7 @@ fn write_loop(settings: FileSettings, rx: Receiver<Batch>, st: &RecorderStats) {
                     tracing::error!(error = %e, "recorder cannot write; events are counted but not stored");
                     *st.error.lock() = Some(format!("writing: {e}"));
                     failed = true;
+                    w.abandon();
                 }
             }
             st.events.fetch_add(1, Ordering::Relaxed);

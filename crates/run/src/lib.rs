@@ -219,7 +219,7 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
                 .collect(),
         );
     }
-    let mut running = Running {
+    let running = Running {
         sources,
         readout_units: rus,
         builders,
@@ -269,9 +269,8 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         }
     };
     // Drain: sources end their streams; the rest follows the data.
-    if let Some(s) = running.sources.take() {
+    if let Some(s) = &running.sources {
         s.stop();
-        s.join_into(&mut running);
     }
     for u in &running.readout_units {
         u.stop();
@@ -326,13 +325,16 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         },
     );
     let Running {
-        sources: _,
+        sources,
         readout_units,
         builders,
         recorder,
     } = running;
     // Components that ignored even the abort are left to the end of the process rather than
     // joined: a stop must not hang.
+    if let Some(s) = sources.filter(|s| s.threads_finished()) {
+        s.join();
+    }
     for u in readout_units.into_iter().filter(|u| u.is_finished()) {
         u.join();
     }
@@ -379,7 +381,8 @@ fn external_links_done(run: &Running, r: &Resolved) -> bool {
 }
 
 fn all_finished(r: &Running) -> bool {
-    r.readout_units.iter().all(|u| u.is_finished())
+    r.sources.as_ref().is_none_or(|s| s.threads_finished())
+        && r.readout_units.iter().all(|u| u.is_finished())
         && r.builders.iter().all(|b| b.is_finished())
         && r.recorder.as_ref().is_none_or(|x| x.is_finished())
 }
@@ -399,17 +402,4 @@ fn next_run_number(dir: &Path) -> Result<u64> {
     tessera_recorder::file_write_atomic(&p, format!("{next}\n").as_bytes())
         .with_context(|| format!("writing {}", p.display()))?;
     Ok(next)
-}
-
-trait JoinInto {
-    fn join_into(self, r: &mut Running);
-}
-
-impl JoinInto for tessera_source::RunningSources {
-    /// Waits for the source threads; their counters stay readable for the report.
-    fn join_into(self, r: &mut Running) {
-        let stats = self.stats.clone();
-        self.join();
-        r.sources = Some(tessera_source::RunningSources::finished(stats));
-    }
 }

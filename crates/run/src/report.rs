@@ -69,7 +69,10 @@ pub struct BuilderReport {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct RecorderReport {
+    /// Events the recorder received.
     pub events: u64,
+    /// Events in files that were finished (trailer, fsync, final name): on disk for good.
+    pub events_in_files: u64,
     pub incomplete_events: u64,
     pub fragments: u64,
     pub record_bytes: u64,
@@ -265,6 +268,7 @@ impl Report {
         let recorder = run.recorder.as_ref().map(|rec| {
             let st = &rec.stats;
             buffered += st.queued_fragments.load(Ordering::Relaxed);
+            let files = st.files.lock().clone();
             RecorderReport {
                 events: st.events.load(Ordering::Relaxed),
                 incomplete_events: st.incomplete_events.load(Ordering::Relaxed),
@@ -273,7 +277,8 @@ impl Report {
                 record_bytes: st.record_bytes.load(Ordering::Relaxed),
                 file_bytes: st.file_bytes.load(Ordering::Relaxed),
                 throttled_s: st.throttled_ns.load(Ordering::Relaxed) as f64 / 1e9,
-                files: st.files.lock().clone(),
+                events_in_files: files.iter().map(|f| f.events).sum(),
+                files,
                 error: st.error.lock().clone(),
             }
         });
@@ -387,8 +392,8 @@ impl Report {
             };
             let _ = writeln!(
                 s,
-                "  recorded {} events in {} file(s), {} ({} on disk, ratio {:.2}) under {}",
-                r.events,
+                "  recorded {} events in {} finished file(s), {} ({} on disk, ratio {:.2}) under {}",
+                r.events_in_files,
                 r.files.len(),
                 human_bytes(r.record_bytes as f64),
                 human_bytes(r.file_bytes as f64),
@@ -400,6 +405,9 @@ impl Report {
             }
             if let Some(e) = &r.error {
                 let _ = writeln!(s, "  RECORDER ERROR: {e}");
+            }
+            if r.events_in_files != r.events {
+                let _ = writeln!(s, "  WARNING: the recorder received {} events; {} of them are in no finished file", r.events, r.events - r.events_in_files.min(r.events));
             }
         }
         let held: Vec<String> = self

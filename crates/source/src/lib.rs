@@ -100,13 +100,9 @@ impl RunningSources {
         }
     }
 
-    /// Counters of sources whose threads have ended.
-    pub fn finished(stats: Vec<Arc<SourceStats>>) -> RunningSources {
-        RunningSources {
-            stats,
-            threads: Vec::new(),
-            control: Arc::new(Control::default()),
-        }
+    /// Whether every driver thread has returned (after `stop`, or a failed connection).
+    pub fn threads_finished(&self) -> bool {
+        self.threads.iter().all(|t| t.is_finished())
     }
 
     pub fn all_finished(&self) -> bool {
