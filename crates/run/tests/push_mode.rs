@@ -82,13 +82,10 @@ fragment_size = 1024
 size_spread = 256
 [[readout]]
 id = 0
-event_timeout_ms = 300
 [[readout]]
 id = 1
-event_timeout_ms = 300
 [[builder]]
 id = 0
-event_timeout_ms = 600
 [[inject]]
 source = 0
 kind = "bad_crc"
