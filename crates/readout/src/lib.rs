@@ -15,6 +15,7 @@
 
 pub mod paged;
 mod quarantine;
+pub mod requests;
 mod stats;
 
 use crossbeam_channel::{bounded, Receiver, Sender};
