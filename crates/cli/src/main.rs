@@ -41,6 +41,35 @@ enum Cmd {
         #[arg(long)]
         quiet: bool,
     },
+    /// Run one role of a topology as its own process: a per-role daemon, for many hosts. Peers
+    /// are reached at the `listen` addresses of the topology, which then need fixed ports.
+    Serve {
+        /// `recorder`, `builder`, `readout` or `sources` (all the emulated sources).
+        role: String,
+        /// Topology file (TOML), the same for every process of the run.
+        config: PathBuf,
+        /// ID of the builder or readout unit to run.
+        #[arg(long)]
+        id: Option<u32>,
+        /// Run number (overrides run.number; every process of a run needs the same one).
+        #[arg(long)]
+        run: Option<u64>,
+        /// Stop after this many triggers (sources; overrides run.events).
+        #[arg(long)]
+        events: Option<u64>,
+        /// Stop after this many seconds (overrides run.duration_s).
+        #[arg(long)]
+        duration: Option<f64>,
+        /// Output directory (overrides run.output).
+        #[arg(long)]
+        output: Option<PathBuf>,
+        /// Print this role's report as JSON on stdout instead of the summary.
+        #[arg(long)]
+        json: bool,
+        /// No live status line.
+        #[arg(long)]
+        quiet: bool,
+    },
     /// Check recorded files: checksums, counts, every fragment present or flagged, payloads.
     Verify {
         /// Files or directories (every *.tsr inside).
@@ -83,6 +112,62 @@ fn main() -> ExitCode {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
+fn run_topology(
+    resolved: tessera_config::Resolved,
+    only: Option<tessera_run::Role>,
+    events: Option<u64>,
+    duration: Option<f64>,
+    output: Option<PathBuf>,
+    json: bool,
+    quiet: bool,
+) -> Result<ExitCode> {
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = stop.clone();
+        // The first Ctrl-C drains; a second one exits at once.
+        ctrlc::set_handler(move || {
+            if stop.swap(true, Ordering::Relaxed) {
+                std::process::exit(130);
+            }
+            eprintln!("\nstopping: draining what is in flight (Ctrl-C again to abort)");
+        })
+        .context("installing the Ctrl-C handler")?;
+    }
+    let opts = tessera_run::Options {
+        events,
+        duration_s: duration,
+        output,
+        status: if quiet {
+            tessera_run::StatusMode::Off
+        } else {
+            tessera_run::StatusMode::Auto
+        },
+        stop,
+        only,
+        // One process of several writes no manifest: the run's balance needs them all.
+        manifest: only.is_none(),
+        ..Default::default()
+    };
+    if !json && !quiet {
+        match only {
+            None => eprintln!("tessera: running {}", resolved.origin),
+            Some(role) => eprintln!("tessera: serving {role:?} of {}", resolved.origin),
+        }
+    }
+    let report = tessera_run::run(&resolved, &opts)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.summary());
+    }
+    Ok(if report.ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
 fn real_main() -> Result<ExitCode> {
     let cli = Cli::parse();
     match cli.cmd {
@@ -98,44 +183,35 @@ fn real_main() -> Result<ExitCode> {
                 Some(p) => tessera_config::Topology::load(p)?,
                 None => tessera_config::Topology::demo(),
             };
-            let stop = Arc::new(AtomicBool::new(false));
-            {
-                let stop = stop.clone();
-                // The first Ctrl-C drains; a second one exits at once.
-                ctrlc::set_handler(move || {
-                    if stop.swap(true, Ordering::Relaxed) {
-                        std::process::exit(130);
-                    }
-                    eprintln!("\nstopping: draining what is in flight (Ctrl-C again to abort)");
-                })
-                .context("installing the Ctrl-C handler")?;
-            }
-            let opts = tessera_run::Options {
-                events,
-                duration_s: duration,
-                output,
-                status: if quiet {
-                    tessera_run::StatusMode::Off
-                } else {
-                    tessera_run::StatusMode::Auto
-                },
-                stop,
-                ..Default::default()
+            run_topology(resolved, None, events, duration, output, json, quiet)
+        }
+        Cmd::Serve {
+            role,
+            config,
+            id,
+            run,
+            events,
+            duration,
+            output,
+            json,
+            quiet,
+        } => {
+            let need_id =
+                |what: &str| id.ok_or_else(|| anyhow::anyhow!("serving a {what} needs --id"));
+            let role = match role.as_str() {
+                "recorder" => tessera_run::Role::Recorder,
+                "builder" => tessera_run::Role::Builder(need_id("builder")?),
+                "readout" => tessera_run::Role::Readout(need_id("readout unit")?),
+                "sources" => tessera_run::Role::Sources,
+                other => {
+                    anyhow::bail!("unknown role `{other}`: recorder, builder, readout or sources")
+                }
             };
-            if !json && !quiet {
-                eprintln!("tessera: running {}", resolved.origin);
+            let mut resolved = tessera_config::Topology::load(&config)?;
+            if run.is_some() {
+                resolved.topology.run.number = run;
             }
-            let report = tessera_run::run(&resolved, &opts)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                print!("{}", report.summary());
-            }
-            Ok(if report.ok() {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(1)
-            })
+            run_topology(resolved, Some(role), events, duration, output, json, quiet)
         }
         Cmd::Verify { paths, json } => {
             let rep = tessera_verify::verify_paths(&paths)?;

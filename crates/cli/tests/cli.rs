@@ -175,3 +175,115 @@ fn bench_prints_one_json_object_per_point() {
         assert_eq!(p["clean"], true, "{p}");
     }
 }
+
+/// Free loopback ports, found by binding port 0 (released again before use).
+fn free_ports(n: usize) -> Vec<u16> {
+    let ls: Vec<std::net::TcpListener> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    ls.iter().map(|l| l.local_addr().unwrap().port()).collect()
+}
+
+#[test]
+fn every_role_as_its_own_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let p = free_ports(5);
+    let cfg = write(
+        dir.path(),
+        "dist.toml",
+        &format!(
+            "[run]\nnumber = 3\nevents = 3000\noutput = \"{}\"\n[sources]\ncount = 6\nfragment_size = 512\n\
+             [[readout]]\nid = 0\nlisten = \"127.0.0.1:{}\"\n[[readout]]\nid = 1\nlisten = \"127.0.0.1:{}\"\n\
+             [[builder]]\nid = 0\nlisten = \"127.0.0.1:{}\"\n[[builder]]\nid = 1\nlisten = \"127.0.0.1:{}\"\n\
+             [recorder]\nlisten = \"127.0.0.1:{}\"\nfsync = false\n",
+            out.display(),
+            p[0],
+            p[1],
+            p[2],
+            p[3],
+            p[4]
+        ),
+    );
+    let roles: [&[&str]; 6] = [
+        &["recorder"],
+        &["builder", "--id", "0"],
+        &["builder", "--id", "1"],
+        &["readout", "--id", "0"],
+        &["readout", "--id", "1"],
+        &["sources"],
+    ];
+    let children: Vec<_> = roles
+        .iter()
+        .map(|r| {
+            let mut args = vec!["serve"];
+            args.extend_from_slice(r);
+            args.extend_from_slice(&[&cfg, "--json", "--quiet"]);
+            Command::new(env!("CARGO_BIN_EXE_tessera"))
+                .args(&args)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let reports: Vec<serde_json::Value> = children
+        .into_iter()
+        .map(|c| {
+            let o = c.wait_with_output().unwrap();
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            serde_json::from_slice(&o.stdout).unwrap()
+        })
+        .collect();
+    let (rec, bu0, bu1, ru0, ru1, src) = (
+        &reports[0],
+        &reports[1],
+        &reports[2],
+        &reports[3],
+        &reports[4],
+        &reports[5],
+    );
+    let sent: u64 = src["sources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["sent"].as_u64().unwrap())
+        .sum();
+    assert_eq!(sent, 6 * 3000);
+    let forwarded = ru0["readout_units"][0]["fragments_forwarded"]
+        .as_u64()
+        .unwrap()
+        + ru1["readout_units"][0]["fragments_forwarded"]
+            .as_u64()
+            .unwrap();
+    assert_eq!(forwarded, sent, "every fragment crossed a readout unit");
+    assert_eq!(
+        bu0["events_complete"].as_u64().unwrap() + bu1["events_complete"].as_u64().unwrap(),
+        3000
+    );
+    assert_eq!(bu0["events_incomplete"], 0);
+    assert_eq!(rec["recorder"]["events_in_files"], 3000);
+    let o = tessera(&["verify", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+}
+
+#[test]
+fn a_role_run_alone_needs_fixed_ports_and_a_run_number() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(dir.path(), "t.toml", "[run]\nnumber = 1\n");
+    let o = tessera(&["serve", "readout", &cfg, "--id", "0"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("readout[0].listen: port 0"),
+        "{}",
+        stderr(&o)
+    );
+    let cfg = write(
+        dir.path(),
+        "u.toml",
+        "[recorder]\nlisten = \"127.0.0.1:1\"\n",
+    );
+    let o = tessera(&["serve", "recorder", &cfg]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("run.number"), "{}", stderr(&o));
+}

@@ -56,6 +56,33 @@ pub struct Options {
     pub manifest: bool,
     /// Told, once everything listens, where each source must connect (source ID, address).
     pub ready: Option<std::sync::mpsc::SyncSender<Vec<(u32, String)>>>,
+    /// Run only this role (a per-role daemon, `tessera serve`); `None`: the whole topology.
+    pub only: Option<Role>,
+}
+
+/// One role of a topology, to run as its own process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Recorder,
+    Builder(u32),
+    Readout(u32),
+    /// All the emulated sources.
+    Sources,
+}
+
+impl Role {
+    fn runs_recorder(o: Option<Role>) -> bool {
+        o.is_none_or(|r| r == Role::Recorder)
+    }
+    fn runs_builder(o: Option<Role>, id: u32) -> bool {
+        o.is_none_or(|r| r == Role::Builder(id))
+    }
+    fn runs_readout(o: Option<Role>, id: u32) -> bool {
+        o.is_none_or(|r| r == Role::Readout(id))
+    }
+    fn runs_sources(o: Option<Role>) -> bool {
+        o.is_none_or(|r| r == Role::Sources)
+    }
 }
 
 impl Default for Options {
@@ -69,6 +96,7 @@ impl Default for Options {
             sink_at_builders: false,
             manifest: true,
             ready: None,
+            only: None,
         }
     }
 }
@@ -94,9 +122,13 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         .with_context(|| format!("creating output directory {}", output.display()))?;
     let run_number = match t.run.number {
         Some(n) => n,
+        None if opts.only.is_some() => bail!("{}: run.number: a role run as its own process needs the run number (set run.number or pass --run)", r.origin),
         None if opts.manifest => next_run_number(&output)?,
         None => 0,
     };
+    if let Some(role) = opts.only {
+        check_daemon_addresses(r, role)?;
+    }
     let events = opts.events.unwrap_or(t.run.events);
     let duration = opts.duration_s.unwrap_or(t.run.duration_s);
     let max_payload = t.run.max_fragment_size.0 as usize;
@@ -114,7 +146,9 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
     };
 
     // Recorder.
-    let recorder = if opts.sink_at_builders || !t.recorder.enabled {
+    let recording = !opts.sink_at_builders && t.recorder.enabled;
+    let recorder_addr = recording.then(|| t.recorder.listen.clone());
+    let recorder = if !recording || !Role::runs_recorder(opts.only) {
         None
     } else {
         let l = bind(&t.recorder.listen, "recorder")?;
@@ -137,6 +171,10 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
     let mut builders = Vec::new();
     let mut builder_addrs = Vec::new();
     for (i, b) in t.builders.iter().enumerate() {
+        if !Role::runs_builder(opts.only, b.id) {
+            builder_addrs.push(b.listen.clone());
+            continue;
+        }
         let l = bind(&b.listen, &format!("builder[{i}]"))?;
         builder_addrs.push(l.local_addr()?.to_string());
         builders.push(
@@ -149,7 +187,10 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
                     .zip(&r.ru_sources)
                     .map(|(ru, s)| (ru.id, s.clone()))
                     .collect(),
-                recorder: recorder.as_ref().map(|(_, a)| a.clone()),
+                recorder: recorder
+                    .as_ref()
+                    .map(|(_, a)| a.clone())
+                    .or_else(|| recorder_addr.clone()),
                 buffer: b.buffer.0,
                 read_chunk: b.read_chunk.0 as usize,
                 event_timeout: Duration::from_millis(b.event_timeout_ms),
@@ -162,6 +203,10 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
     let mut rus = Vec::new();
     let mut ru_addrs = Vec::new();
     for (i, ru) in t.readout_units.iter().enumerate() {
+        if !Role::runs_readout(opts.only, ru.id) {
+            ru_addrs.push(ru.listen.clone());
+            continue;
+        }
         let l = bind(&ru.listen, &format!("readout[{i}]"))?;
         ru_addrs.push(l.local_addr()?.to_string());
         rus.push(
@@ -192,7 +237,7 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         .emulated_sources()
         .map(|s| (s, ru_addrs[r.source_ru[&s]].clone()))
         .collect();
-    let sources = if emulated.is_empty() {
+    let sources = if emulated.is_empty() || !Role::runs_sources(opts.only) {
         None
     } else {
         Some(
@@ -249,6 +294,14 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         }
         if duration > 0.0 && t0.elapsed().as_secs_f64() >= duration {
             break "duration";
+        }
+        // A role run alone (other than the sources) ends when it has finished: its upstream
+        // peers ended their streams and it passed everything on.
+        if opts.only.is_some_and(|role| role != Role::Sources) {
+            if all_finished(&running) {
+                break "finished";
+            }
+            continue;
         }
         // The run ends by itself once every source has ended its stream: the emulated ones when
         // they reach their event count, external ones when they send their end of stream (or
@@ -322,6 +375,7 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
             stop_reason: stop_reason.into(),
             drained,
             output: output.display().to_string(),
+            partial: opts.only.is_some(),
         },
     );
     let Running {
@@ -358,6 +412,58 @@ fn wait_until(limit: Duration, done: impl Fn() -> bool) {
     while !done() && t.elapsed() < limit {
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// A role run alone reaches its peers at their configured addresses: those need fixed ports.
+fn check_daemon_addresses(r: &Resolved, role: Role) -> Result<()> {
+    let t = &r.topology;
+    let port0 = |a: &str| a.rsplit_once(':').is_some_and(|(_, p)| p == "0");
+    let mut peers: Vec<(String, &str)> = Vec::new();
+    match role {
+        Role::Sources => peers.extend(
+            t.readout_units
+                .iter()
+                .enumerate()
+                .map(|(i, u)| (format!("readout[{i}].listen"), u.listen.as_str())),
+        ),
+        Role::Readout(_) => peers.extend(
+            t.builders
+                .iter()
+                .enumerate()
+                .map(|(i, b)| (format!("builder[{i}].listen"), b.listen.as_str())),
+        ),
+        Role::Builder(_) if t.recorder.enabled => {
+            peers.push(("recorder.listen".into(), t.recorder.listen.as_str()))
+        }
+        Role::Builder(_) | Role::Recorder => {}
+    }
+    let own = match role {
+        Role::Recorder => Some(("recorder.listen".to_string(), t.recorder.listen.as_str())),
+        Role::Builder(id) => t.builders.iter().position(|b| b.id == id).map(|i| {
+            (
+                format!("builder[{i}].listen"),
+                t.builders[i].listen.as_str(),
+            )
+        }),
+        Role::Readout(id) => t.readout_units.iter().position(|u| u.id == id).map(|i| {
+            (
+                format!("readout[{i}].listen"),
+                t.readout_units[i].listen.as_str(),
+            )
+        }),
+        Role::Sources => None,
+    };
+    match (role, &own) {
+        (Role::Builder(id), None) => bail!("{}: builder: no builder with id {id}", r.origin),
+        (Role::Readout(id), None) => bail!("{}: readout: no readout unit with id {id}", r.origin),
+        _ => {}
+    }
+    for (key, addr) in own.into_iter().chain(peers) {
+        if port0(addr) {
+            bail!("{}: {key}: port 0 (any free port) cannot be found by another process; give a fixed port, e.g. 127.0.0.1:7100", r.origin);
+        }
+    }
+    Ok(())
 }
 
 /// Whether every external source's link has ended (cleanly or not).
