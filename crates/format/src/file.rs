@@ -344,8 +344,10 @@ impl FileTrailer {
         put_u64(&mut b, 32, self.record_bytes);
         put_u32(&mut b, 40, self.blocks);
         put_u32(&mut b, 44, self.file_crc);
-        let crc = crate::crc::crc32c(&b[..48]);
-        put_u32(&mut b, 48, crc);
+        put_u32(&mut b, 48, 0);
+        // The trailer CRC comes last and covers every byte before it, reserved ones included.
+        let crc = crate::crc::crc32c(&b[..52]);
+        put_u32(&mut b, 52, crc);
         b
     }
 
@@ -354,7 +356,7 @@ impl FileTrailer {
             || u32_at(b, 0) != TRAILER_MARKER
             || u16_at(b, 4) != FILE_VERSION
             || u16_at(b, 6) as usize != FILE_TRAILER_SIZE
-            || crate::crc::crc32c(&b[..48]) != u32_at(b, 48)
+            || crate::crc::crc32c(&b[..52]) != u32_at(b, 52)
         {
             return Err(FileError::BadTrailer);
         }
