@@ -15,7 +15,6 @@ use std::io::IoSlice;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tessera_assembly::{Assembled, Assembler, Offer};
@@ -24,6 +23,7 @@ use tessera_format::link::{
     decode_link, Fragments, LinkItem, PeerEnd, PeerHello, PeerRole, SuperFragmentHeader,
 };
 use tessera_net::reader::Fill;
+use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::{ChunkReader, ChunkSlice};
 
 pub use stats::{BuilderStats, RuLinkStats};
@@ -65,9 +65,7 @@ struct Shared {
 
 pub struct BuilderUnit {
     pub stats: Arc<BuilderStats>,
-    stop: Arc<AtomicBool>,
-    abort: Arc<AtomicBool>,
-    threads: Vec<JoinHandle<()>>,
+    role: RoleThreads,
 }
 
 impl BuilderUnit {
@@ -79,9 +77,9 @@ impl BuilderUnit {
             cfg.readout_units.iter().map(|r| r.0),
             per_link,
         ));
-        let stop = Arc::new(AtomicBool::new(false));
-        let abort = Arc::new(AtomicBool::new(false));
-        let mut threads = Vec::new();
+        let mut role = RoleThreads::default();
+        let stop = role.stop.clone();
+        let abort = role.abort.clone();
         let to_recorder = match &cfg.recorder {
             Some(addr) => {
                 let s = tessera_net::io::connect_retry(addr, Duration::from_secs(10))?;
@@ -89,7 +87,7 @@ impl BuilderUnit {
                 let (tx, rx) = bounded::<Vec<Built>>(256);
                 let st = stats.clone();
                 let id = cfg.id;
-                threads.push(spawn(format!("bu{id}-to-rec"), move || {
+                role.threads.push(spawn(format!("bu{id}-to-rec"), move || {
                     send_to_recorder(id, s, rx, &st)
                 }));
                 Some(tx)
@@ -114,48 +112,35 @@ impl BuilderUnit {
         });
         {
             let sh = shared.clone();
-            threads.push(spawn(format!("bu{}-sweep", cfg.id), move || sweep(&sh)));
+            role.threads
+                .push(spawn(format!("bu{}-sweep", cfg.id), move || sweep(&sh)));
         }
         {
             let sh = shared;
             let l = cfg.listener;
-            threads.push(spawn(format!("bu{}-accept", cfg.id), move || {
-                accept(&sh, l)
-            }));
+            role.threads
+                .push(spawn(format!("bu{}-accept", cfg.id), move || {
+                    accept(&sh, l)
+                }));
         }
-        Ok(BuilderUnit {
-            stats,
-            stop,
-            abort,
-            threads,
-        })
+        Ok(BuilderUnit { stats, role })
     }
 
     pub fn stop(&self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.role.stop();
     }
 
     pub fn abort(&self) {
-        self.stop.store(true, Ordering::Relaxed);
-        self.abort.store(true, Ordering::Relaxed);
+        self.role.abort();
     }
 
     pub fn is_finished(&self) -> bool {
-        self.threads.iter().all(|t| t.is_finished())
+        self.role.is_finished()
     }
 
     pub fn join(self) {
-        for t in self.threads {
-            let _ = t.join();
-        }
+        self.role.join();
     }
-}
-
-fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
-    std::thread::Builder::new()
-        .name(name)
-        .spawn(f)
-        .expect("spawn thread")
 }
 
 impl Shared {

@@ -7,6 +7,7 @@ pub mod chunk;
 pub mod io;
 pub mod peer;
 pub mod reader;
+pub mod role;
 
 pub use budget::Budget;
 pub use chunk::{Chunk, ChunkSlice};

@@ -25,7 +25,6 @@ use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tessera_assembly::{Assembled, Assembler, Offer};
@@ -34,6 +33,7 @@ use tessera_format::link::{PeerEnd, PeerHello, PeerRole, SuperFragmentHeader};
 use tessera_format::wire::{Hello, HELLO_SIZE};
 use tessera_format::{Decoded, StreamDecoder};
 use tessera_net::reader::Fill;
+use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::{ChunkReader, ChunkSlice};
 
 pub use stats::{LinkState, LinkStats, ReadoutStats, Rejection};
@@ -143,9 +143,7 @@ impl Shared {
 /// A running readout unit.
 pub struct ReadoutUnit {
     pub stats: Arc<ReadoutStats>,
-    stop: Arc<AtomicBool>,
-    abort: Arc<AtomicBool>,
-    threads: Vec<JoinHandle<()>>,
+    role: RoleThreads,
 }
 
 impl ReadoutUnit {
@@ -154,9 +152,9 @@ impl ReadoutUnit {
         let links = cfg.sources.len();
         let per_link = (cfg.buffer / links.max(1) as u64).max(2 * cfg.read_chunk as u64);
         let stats = Arc::new(ReadoutStats::new(cfg.id, &cfg.sources, per_link));
-        let stop = Arc::new(AtomicBool::new(false));
-        let abort = Arc::new(AtomicBool::new(false));
-        let mut threads = Vec::new();
+        let mut role = RoleThreads::default();
+        let stop = role.stop.clone();
+        let abort = role.abort.clone();
         let mut to_builders = Vec::new();
         let mut builder_streams = Vec::new();
         for addr in &cfg.builders {
@@ -196,56 +194,43 @@ impl ReadoutUnit {
         for (b, (stream, rx)) in builder_streams.into_iter().zip(receivers).enumerate() {
             let st = stats.clone();
             let id = cfg.id;
-            threads.push(spawn(format!("ru{id}-to-bu{b}"), move || {
-                send_to_builder(id, b, stream, rx, &st)
-            }));
+            role.threads
+                .push(spawn(format!("ru{id}-to-bu{b}"), move || {
+                    send_to_builder(id, b, stream, rx, &st)
+                }));
         }
         {
             let sh = shared.clone();
-            threads.push(spawn(format!("ru{}-sweep", cfg.id), move || sweep(&sh)));
+            role.threads
+                .push(spawn(format!("ru{}-sweep", cfg.id), move || sweep(&sh)));
         }
         {
             let sh = shared.clone();
             let listener = cfg.listener;
-            threads.push(spawn(format!("ru{}-accept", cfg.id), move || {
-                accept(&sh, listener)
-            }));
+            role.threads
+                .push(spawn(format!("ru{}-accept", cfg.id), move || {
+                    accept(&sh, listener)
+                }));
         }
-        Ok(ReadoutUnit {
-            stats,
-            stop,
-            abort,
-            threads,
-        })
+        Ok(ReadoutUnit { stats, role })
     }
 
     /// No more connections; links that never connected count as closed. Connected links drain.
     pub fn stop(&self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.role.stop();
     }
 
-    /// Gives up on links still open (after the drain deadline): what they hold is sent on.
     pub fn abort(&self) {
-        self.stop.store(true, Ordering::Relaxed);
-        self.abort.store(true, Ordering::Relaxed);
+        self.role.abort();
     }
 
     pub fn is_finished(&self) -> bool {
-        self.threads.iter().all(|t| t.is_finished())
+        self.role.is_finished()
     }
 
     pub fn join(self) {
-        for t in self.threads {
-            let _ = t.join();
-        }
+        self.role.join();
     }
-}
-
-fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
-    std::thread::Builder::new()
-        .name(name)
-        .spawn(f)
-        .expect("spawn thread")
 }
 
 fn accept(sh: &Arc<Shared>, listener: TcpListener) {

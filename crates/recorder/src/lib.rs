@@ -17,13 +17,13 @@ use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use tessera_config::RecorderSection;
 use tessera_format::event::EventFlags;
 use tessera_format::link::{decode_link, LinkItem, PeerRole};
 use tessera_net::reader::Fill;
+use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::{Budget, ChunkReader, ChunkSlice};
 
 pub use file::{file_name, FileSettings, FileWriter};
@@ -124,16 +124,15 @@ type Batch = Vec<(ChunkSlice, u32, bool)>;
 
 pub struct Recorder {
     pub stats: Arc<RecorderStats>,
-    stop: Arc<AtomicBool>,
-    abort: Arc<AtomicBool>,
-    threads: Vec<JoinHandle<()>>,
+    role: RoleThreads,
 }
 
 impl Recorder {
     pub fn start(cfg: RecorderConfig) -> std::io::Result<Recorder> {
         let stats = Arc::new(RecorderStats::default());
-        let stop = Arc::new(AtomicBool::new(false));
-        let abort = Arc::new(AtomicBool::new(false));
+        let mut role = RoleThreads::default();
+        let stop = role.stop.clone();
+        let abort = role.abort.clone();
         let (tx, rx) = bounded::<Batch>(256);
         let n = cfg.builders.len().max(1);
         let chunk = RECORDER_CHUNK.max(cfg.max_message);
@@ -141,7 +140,6 @@ impl Recorder {
         // asks for the next: below that the link could wait on itself (the config refuses it).
         let per_link =
             (cfg.settings.queue.0 / n as u64).max(cfg.settings.block_size.0 + 2 * chunk as u64);
-        let mut threads = Vec::new();
         let settings = FileSettings {
             dir: cfg.output.clone(),
             run_number: cfg.run_number,
@@ -153,7 +151,7 @@ impl Recorder {
         };
         {
             let st = stats.clone();
-            threads.push(spawn("recorder-writer".into(), move || {
+            role.threads.push(spawn("recorder-writer".into(), move || {
                 write_loop(settings, rx, &st)
             }));
         }
@@ -163,43 +161,28 @@ impl Recorder {
             let max = cfg.max_message;
             let builders = cfg.builders.clone();
             let listener = cfg.listener;
-            threads.push(spawn("recorder-accept".into(), move || {
+            role.threads.push(spawn("recorder-accept".into(), move || {
                 accept(listener, builders, per_link, max, tx, &st, &stop, &abort)
             }));
         }
-        Ok(Recorder {
-            stats,
-            stop,
-            abort,
-            threads,
-        })
+        Ok(Recorder { stats, role })
     }
 
     pub fn stop(&self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.role.stop();
     }
 
     pub fn abort(&self) {
-        self.stop.store(true, Ordering::Relaxed);
-        self.abort.store(true, Ordering::Relaxed);
+        self.role.abort();
     }
 
     pub fn is_finished(&self) -> bool {
-        self.threads.iter().all(|t| t.is_finished())
+        self.role.is_finished()
     }
 
     pub fn join(self) {
-        for t in self.threads {
-            let _ = t.join();
-        }
+        self.role.join();
     }
-}
-
-fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
-    std::thread::Builder::new()
-        .name(name)
-        .spawn(f)
-        .expect("spawn thread")
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -1,0 +1,48 @@
+//! The threads of one running role and the two flags every role answers to: `stop` (take no new
+//! connections; let links that never connected go; drain the rest) and `abort` (give up on links
+//! still open, after the drain deadline).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+#[derive(Default)]
+pub struct RoleThreads {
+    pub stop: Arc<AtomicBool>,
+    pub abort: Arc<AtomicBool>,
+    pub threads: Vec<JoinHandle<()>>,
+}
+
+impl RoleThreads {
+    /// Starts a named thread of this role.
+    pub fn spawn(&mut self, name: String, f: impl FnOnce() + Send + 'static) {
+        self.threads.push(spawn(name, f));
+    }
+
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    pub fn abort(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.abort.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.threads.iter().all(|t| t.is_finished())
+    }
+
+    pub fn join(self) {
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Spawns a named thread (names show in `top -H`, `perf` and debuggers).
+pub fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(f)
+        .expect("spawn thread")
+}
