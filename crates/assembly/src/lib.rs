@@ -238,6 +238,18 @@ impl<T> Assembler<T> {
         out
     }
 
+    /// The periodic step of a sweeper: events past their timeout leave; once every contributor is
+    /// closed, everything still pending leaves too. Returns the departed events and whether the
+    /// assembler is done (all contributors closed, nothing pending).
+    pub fn sweep(&mut self, now_ns: u64) -> (Vec<Assembled<T>>, bool) {
+        let mut out = self.expire(now_ns);
+        let done = self.all_closed();
+        if done {
+            out.extend(self.flush());
+        }
+        (out, done)
+    }
+
     /// When the oldest pending event will time out, if any.
     pub fn next_deadline(&self) -> Option<u64> {
         self.order
@@ -321,6 +333,22 @@ mod tests {
             o => panic!("{o:?}"),
         }
         assert!(matches!(a.offer(1, 4, (), 0), Offer::Closed(())));
+    }
+
+    #[test]
+    fn sweep_flushes_only_when_all_closed() {
+        let mut a = Assembler::new(2, 100, 10);
+        a.offer(0, 1, (), 0);
+        let (out, done) = a.sweep(50);
+        assert!(out.is_empty() && !done);
+        a.offer(0, 2, (), 60);
+        let (out, done) = a.sweep(100);
+        assert_eq!(out.iter().map(|e| e.event_id).collect::<Vec<_>>(), vec![1]);
+        assert!(!done);
+        a.close(1);
+        a.close(0);
+        let (out, done) = a.sweep(101);
+        assert!(out.is_empty() && done, "closing released event 2 already");
     }
 
     #[test]

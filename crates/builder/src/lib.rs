@@ -11,7 +11,6 @@ mod stats;
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 use parking_lot::Mutex;
-use std::io::IoSlice;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -20,7 +19,7 @@ use std::time::{Duration, Instant};
 use tessera_assembly::{Assembled, Assembler, Offer};
 use tessera_format::event::{EventFlags, EventRecordHeader};
 use tessera_format::link::{
-    decode_link, Fragments, LinkItem, PeerEnd, PeerHello, PeerRole, SuperFragmentHeader,
+    decode_link, Fragments, LinkItem, PeerHello, PeerRole, SuperFragmentHeader,
 };
 use tessera_net::reader::Fill;
 use tessera_net::role::{spawn, RoleThreads};
@@ -48,6 +47,16 @@ type Part = (SuperFragmentHeader, ChunkSlice);
 struct Built {
     header: Vec<u8>,
     fragments: Vec<ChunkSlice>,
+}
+
+impl tessera_net::sender::Outgoing for Built {
+    fn encode_header(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.header);
+    }
+
+    fn fragments(&self) -> &[ChunkSlice] {
+        &self.fragments
+    }
 }
 
 struct Shared {
@@ -422,13 +431,9 @@ fn sweep(sh: &Shared) {
     loop {
         let (ready, all_closed) = {
             let mut a = sh.assembler.lock();
-            let mut r = a.expire(sh.now_ns());
-            let closed = a.all_closed();
-            if closed {
-                r.extend(a.flush());
-            }
+            let r = a.sweep(sh.now_ns());
             sh.publish_held(&a);
-            (r, closed)
+            r
         };
         sh.finish(ready);
         if all_closed {
@@ -438,55 +443,21 @@ fn sweep(sh: &Shared) {
     }
 }
 
-fn send_to_recorder(id: u16, mut stream: TcpStream, rx: Receiver<Vec<Built>>, st: &BuilderStats) {
+fn send_to_recorder(id: u16, stream: TcpStream, rx: Receiver<Vec<Built>>, st: &BuilderStats) {
     let hello = PeerHello {
         role: PeerRole::BuilderUnit,
         id: id as u32,
-    }
-    .encode();
-    let mut ok =
-        tessera_net::io::write_all_vectored(&mut stream, &mut [IoSlice::new(&hello)]).is_ok();
-    let (mut units, mut frags) = (0u64, 0u64);
-    while let Ok(first) = rx.recv() {
-        let mut batch = first;
-        while batch.len() < 512 {
-            match rx.try_recv() {
-                Ok(more) => batch.extend(more),
-                Err(_) => break,
-            }
+    };
+    let on_batch = |o: tessera_net::sender::BatchOutcome| {
+        if !o.written {
+            st.recorder_lost.fetch_add(o.fragments, Ordering::Relaxed);
         }
-        let nf: u64 = batch.iter().map(|b| b.fragments.len() as u64).sum();
-        if ok {
-            let mut io: Vec<IoSlice> = Vec::with_capacity(batch.len() * 10);
-            for b in &batch {
-                io.push(IoSlice::new(&b.header));
-                io.extend(b.fragments.iter().map(|f| IoSlice::new(f)));
-            }
-            if let Err(e) = tessera_net::io::write_all_vectored(&mut stream, &mut io) {
-                tracing::error!(builder = id, error = %e, "recorder link failed; events are dropped and counted");
-                *st.recorder_error.lock() = Some(e.to_string());
-                ok = false;
-            }
-        }
-        if ok {
-            units += batch.len() as u64;
-            frags += nf;
-        } else {
-            st.recorder_lost.fetch_add(nf, Ordering::Relaxed);
-        }
-        st.queued_fragments.fetch_sub(nf, Ordering::Relaxed);
-    }
-    if ok {
-        let end = PeerEnd {
-            role: PeerRole::BuilderUnit,
-            id: id as u32,
-            units,
-            fragments: frags,
-        }
-        .encode();
-        let _ = tessera_net::io::write_all_vectored(&mut stream, &mut [IoSlice::new(&end)]);
-        let _ = stream.shutdown(std::net::Shutdown::Write);
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
-        let _ = std::io::Read::read(&mut stream, &mut [0u8; 64]);
-    }
+        st.queued_fragments
+            .fetch_sub(o.fragments, Ordering::Relaxed);
+    };
+    let on_error = |e: &std::io::Error| {
+        tracing::error!(builder = id, error = %e, "recorder link failed; events are dropped and counted");
+        *st.recorder_error.lock() = Some(e.to_string());
+    };
+    tessera_net::sender::send_loop(stream, rx, hello, on_batch, on_error);
 }

@@ -8,6 +8,7 @@ pub mod io;
 pub mod peer;
 pub mod reader;
 pub mod role;
+pub mod sender;
 
 pub use budget::Budget;
 pub use chunk::{Chunk, ChunkSlice};

@@ -20,7 +20,6 @@ mod stats;
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 use parking_lot::Mutex;
-use std::io::IoSlice;
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use tessera_assembly::{Assembled, Assembler, Offer};
 use tessera_config::AssignmentSection;
-use tessera_format::link::{PeerEnd, PeerHello, PeerRole, SuperFragmentHeader};
+use tessera_format::link::{PeerHello, PeerRole, SuperFragmentHeader};
 use tessera_format::wire::{Hello, HELLO_SIZE};
 use tessera_format::{Decoded, StreamDecoder};
 use tessera_net::reader::Fill;
@@ -62,6 +61,26 @@ struct SuperFragment {
     event_id: u64,
     fragments: Vec<ChunkSlice>,
     missing: Vec<u32>,
+    readout_unit: u32,
+}
+
+impl tessera_net::sender::Outgoing for SuperFragment {
+    fn encode_header(&self, out: &mut Vec<u8>) {
+        let body: usize = self.fragments.iter().map(|f| f.len()).sum();
+        let mut h = SuperFragmentHeader {
+            readout_unit: self.readout_unit,
+            event_id: self.event_id,
+            fragment_count: self.fragments.len() as u32,
+            total_size: 0,
+            missing: self.missing.clone(),
+        };
+        h.total_size = (h.header_size() + body) as u32;
+        h.encode_into(out);
+    }
+
+    fn fragments(&self) -> &[ChunkSlice] {
+        &self.fragments
+    }
 }
 
 struct Shared {
@@ -109,6 +128,7 @@ impl Shared {
                 event_id: ev.event_id,
                 fragments,
                 missing,
+                readout_unit: self.id,
             });
         }
         for (b, batch) in per_builder.into_iter().enumerate() {
@@ -434,13 +454,9 @@ fn sweep(sh: &Shared) {
     loop {
         let (ready, all_closed) = {
             let mut a = sh.assembler.lock();
-            let mut r = a.expire(sh.now_ns());
-            let closed = a.all_closed();
-            if closed {
-                r.extend(a.flush());
-            }
+            let r = a.sweep(sh.now_ns());
             sh.publish_held(&a);
-            (r, closed)
+            r
         };
         sh.dispatch(ready);
         if all_closed {
@@ -455,89 +471,28 @@ fn sweep(sh: &Shared) {
 fn send_to_builder(
     id: u32,
     b: usize,
-    mut stream: TcpStream,
+    stream: TcpStream,
     rx: Receiver<Vec<SuperFragment>>,
     st: &ReadoutStats,
 ) {
-    let mut ok = tessera_net::io::write_all_vectored(
-        &mut stream,
-        &mut [IoSlice::new(
-            &PeerHello {
-                role: PeerRole::ReadoutUnit,
-                id,
-            }
-            .encode(),
-        )],
-    )
-    .is_ok();
-    let mut headers: Vec<u8> = Vec::new();
-    let mut units = 0u64;
-    let mut fragments = 0u64;
-    // Several batches per write when they are queued: fewer system calls under load.
-    while let Ok(first) = rx.recv() {
-        let mut batch = first;
-        while batch.len() < 512 {
-            match rx.try_recv() {
-                Ok(more) => batch.extend(more),
-                Err(_) => break,
-            }
-        }
-        let nfrag: u64 = batch.iter().map(|s| s.fragments.len() as u64).sum();
-        if ok {
-            headers.clear();
-            let mut offsets = Vec::with_capacity(batch.len());
-            for sf in &batch {
-                let start = headers.len();
-                let body: usize = sf.fragments.iter().map(|f| f.len()).sum();
-                let h = SuperFragmentHeader {
-                    readout_unit: id,
-                    event_id: sf.event_id,
-                    fragment_count: sf.fragments.len() as u32,
-                    total_size: 0,
-                    missing: sf.missing.clone(),
-                };
-                let total = h.header_size() + body;
-                SuperFragmentHeader {
-                    total_size: total as u32,
-                    ..h
-                }
-                .encode_into(&mut headers);
-                offsets.push((start, headers.len()));
-            }
-            let mut io: Vec<IoSlice> = Vec::with_capacity(batch.len() * 9);
-            for (sf, &(s, e)) in batch.iter().zip(&offsets) {
-                io.push(IoSlice::new(&headers[s..e]));
-                io.extend(sf.fragments.iter().map(|f| IoSlice::new(f)));
-            }
-            if let Err(e) = tessera_net::io::write_all_vectored(&mut stream, &mut io) {
-                tracing::error!(readout_unit = id, builder = b, error = %e, "builder link failed; its events are dropped and counted");
-                *st.builder_error.lock() = Some(format!("builder {b}: {e}"));
-                ok = false;
-            }
-        }
-        if ok {
-            units += batch.len() as u64;
-            fragments += nfrag;
-            st.super_fragments
-                .fetch_add(batch.len() as u64, Ordering::Relaxed);
-            st.fragments_forwarded.fetch_add(nfrag, Ordering::Relaxed);
+    let hello = PeerHello {
+        role: PeerRole::ReadoutUnit,
+        id,
+    };
+    let on_batch = |o: tessera_net::sender::BatchOutcome| {
+        if o.written {
+            st.super_fragments.fetch_add(o.units, Ordering::Relaxed);
+            st.fragments_forwarded
+                .fetch_add(o.fragments, Ordering::Relaxed);
         } else {
-            st.builder_lost.fetch_add(nfrag, Ordering::Relaxed);
+            st.builder_lost.fetch_add(o.fragments, Ordering::Relaxed);
         }
-        st.queued_fragments.fetch_sub(nfrag, Ordering::Relaxed);
-    }
-    if ok {
-        let end = PeerEnd {
-            role: PeerRole::ReadoutUnit,
-            id,
-            units,
-            fragments,
-        }
-        .encode();
-        let _ = tessera_net::io::write_all_vectored(&mut stream, &mut [IoSlice::new(&end)]);
-        let _ = stream.shutdown(std::net::Shutdown::Write);
-        // Wait for the builder to close: it has then read everything.
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
-        let _ = std::io::Read::read(&mut stream, &mut [0u8; 64]);
-    }
+        st.queued_fragments
+            .fetch_sub(o.fragments, Ordering::Relaxed);
+    };
+    let on_error = |e: &std::io::Error| {
+        tracing::error!(readout_unit = id, builder = b, error = %e, "builder link failed; its events are dropped and counted");
+        *st.builder_error.lock() = Some(format!("builder {b}: {e}"));
+    };
+    tessera_net::sender::send_loop(stream, rx, hello, on_batch, on_error);
 }

@@ -357,7 +357,11 @@ pub fn verify_file(
     let mut blocks = 0u32;
     // Without a sidecar, the expected sources are what the file itself shows.
     let mut inferred: BTreeSet<u32> = BTreeSet::new();
-    let mut per_event_sources: Vec<(u64, BTreeSet<u32>, bool)> = Vec::new();
+    // Without a sidecar the expected set is known only at the end; events are kept by the set of
+    // sources they cover (few distinct sets in practice), with at most 50 event IDs each, so
+    // memory does not grow with the file.
+    let mut patterns: std::collections::HashMap<BTreeSet<u32>, (u64, Vec<u64>)> =
+        std::collections::HashMap::new();
     loop {
         let (bh, raw) = match rd.next_block() {
             Ok(Some(b)) => b,
@@ -469,7 +473,16 @@ pub fn verify_file(
             inferred.extend(h.missing.iter().copied());
             let mut covered = sources;
             covered.extend(h.missing.iter().copied());
-            per_event_sources.push((h.event_id, covered, incomplete));
+            match &expected {
+                Some(exp) => check_coverage(&mut fr, h.event_id, &covered, exp),
+                None => {
+                    let e = patterns.entry(covered).or_default();
+                    e.0 += 1;
+                    if e.1.len() < 50 {
+                        e.1.push(h.event_id);
+                    }
+                }
+            }
         }
         if in_block != bh.event_count {
             fr.problem(format!(
@@ -478,19 +491,13 @@ pub fn verify_file(
             ));
         }
     }
-    // Every expected source is present or named missing.
-    let expected = expected.unwrap_or(inferred);
-    for (ev, covered, _) in &per_event_sources {
-        if covered != &expected {
-            let absent: Vec<u32> = expected.difference(covered).copied().collect();
-            let extra: Vec<u32> = covered.difference(&expected).copied().collect();
-            if !absent.is_empty() {
-                fr.problem(format!(
-                    "event {ev}: sources {absent:?} neither present nor flagged missing"
-                ));
-            }
-            if !extra.is_empty() {
-                fr.problem(format!("event {ev}: unexpected sources {extra:?}"));
+    if expected.is_none() {
+        for (covered, (count, ids)) in &patterns {
+            if covered != &inferred {
+                for ev in ids {
+                    check_coverage(&mut fr, *ev, covered, &inferred);
+                }
+                fr.more_problems += count - ids.len() as u64;
             }
         }
     }
@@ -541,6 +548,23 @@ pub fn verify_file(
     }
     fr.ok = fr.problems.is_empty();
     fr
+}
+
+/// Every expected source of an event is present or named missing, and no other source appears.
+fn check_coverage(fr: &mut FileReport, ev: u64, covered: &BTreeSet<u32>, expected: &BTreeSet<u32>) {
+    if covered == expected {
+        return;
+    }
+    let absent: Vec<u32> = expected.difference(covered).copied().collect();
+    let extra: Vec<u32> = covered.difference(expected).copied().collect();
+    if !absent.is_empty() {
+        fr.problem(format!(
+            "event {ev}: sources {absent:?} neither present nor flagged missing"
+        ));
+    }
+    if !extra.is_empty() {
+        fr.problem(format!("event {ev}: unexpected sources {extra:?}"));
+    }
 }
 
 /// Prints events of a file for people.

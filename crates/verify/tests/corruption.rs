@@ -9,12 +9,20 @@ use tessera_format::wire::{encode_fragment_with, FragmentHeader};
 
 /// A small valid file: `events` events of two sources with counter payloads.
 fn valid_file(codec: Codec, events: u64) -> Vec<u8> {
+    file_with(codec, events, None)
+}
+
+/// A file whose event `drop` lacks source 1 without being flagged incomplete.
+fn file_with(codec: Codec, events: u64, drop: Option<u64>) -> Vec<u8> {
     let mut raw = Vec::new();
     let mut frags_total = 0;
     for ev in 0..events {
         let mut frags = Vec::new();
         let mut spans = Vec::new();
         for src in 0..2u32 {
+            if drop == Some(ev) && src == 1 {
+                continue;
+            }
             let start = frags.len();
             let h = FragmentHeader {
                 source_id: src,
@@ -29,7 +37,7 @@ fn valid_file(codec: Codec, events: u64) -> Vec<u8> {
         let mut h = EventRecordHeader {
             event_id: ev,
             trigger_type: 1,
-            fragment_count: 2,
+            fragment_count: spans.len() as u32,
             flags: EventFlags(0),
             ..Default::default()
         };
@@ -40,7 +48,7 @@ fn valid_file(codec: Codec, events: u64) -> Vec<u8> {
         EventRecordHeader::seal(&mut rec, crc);
         rec.extend_from_slice(&frags);
         raw.extend_from_slice(&rec);
-        frags_total += 2;
+        frags_total += spans.len() as u64;
     }
     let mut file = FileHeader {
         run_number: 1,
@@ -84,6 +92,20 @@ fn the_valid_file_verifies() {
         assert!(r.ok, "{codec:?}: {:?}", r.problems);
         assert_eq!(r.events, 5);
     }
+}
+
+#[test]
+fn an_unflagged_missing_source_is_found_without_a_sidecar() {
+    let r = verify_bytes(&file_with(Codec::None, 5, Some(3)));
+    assert!(!r.ok);
+    assert!(
+        r.problems
+            .iter()
+            .any(|p| p == "event 3: sources [1] neither present nor flagged missing"),
+        "{:?}",
+        r.problems
+    );
+    assert_eq!(r.problems.len(), 1, "{:?}", r.problems);
 }
 
 proptest! {
