@@ -37,6 +37,12 @@ pub struct Topology {
     pub builders: Vec<BuilderSection>,
     pub assignment: AssignmentSection,
     pub recorder: RecorderSection,
+    /// Request mode: the readout units' request service and the builders' side of it.
+    pub request: RequestSection,
+    /// Request mode: the event manager.
+    pub event_manager: EventManagerSection,
+    /// Request mode: the builders' filter.
+    pub filter: FilterSection,
     /// Error injection into emulated sources.
     #[serde(rename = "inject")]
     pub injections: Vec<Injection>,
@@ -61,6 +67,18 @@ pub struct RunSection {
     /// How long a stop may take to drain everything in flight before what is left is reported
     /// as still buffered, in milliseconds.
     pub drain_timeout_ms: u64,
+    /// How events are built: `push` (each readout unit sends every event to the builder the
+    /// assignment names) or `request` (readout units hold fragments until builders ask for them;
+    /// an event manager hands events to builders with credit and clears what is done).
+    pub mode: Mode,
+}
+
+/// `run.mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    Push,
+    Request,
 }
 
 impl Default for RunSection {
@@ -73,6 +91,7 @@ impl Default for RunSection {
             max_fragment_size: ByteSize(1 << 20),
             status_interval_ms: 1000,
             drain_timeout_ms: 30_000,
+            mode: Mode::Push,
         }
     }
 }
@@ -272,6 +291,121 @@ impl AssignmentSection {
     }
 }
 
+/// `[request]`: request mode, readout unit and builder sides.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RequestSection {
+    /// Page size of the readout units' paged buffers; a fragment takes as many pages as it needs
+    /// from its link's pool (the link's share of `readout.buffer`).
+    pub page_size: ByteSize,
+    /// Request descriptors per readout unit, shared evenly by the builders: the bound on requests
+    /// in flight. A builder whose share is in use has its next requests left unread.
+    pub descriptors: u32,
+    /// How long a request waits for fragments that have not arrived before it is answered with
+    /// what there is and the list of missing sources, in ms.
+    pub timeout_ms: u64,
+    /// Events a builder takes at once from the event manager (its credits).
+    pub credits: u32,
+    /// How long a builder waits for all answers of an event before building it incomplete, in
+    /// ms; must exceed `timeout_ms`.
+    pub builder_timeout_ms: u64,
+}
+
+impl Default for RequestSection {
+    fn default() -> Self {
+        RequestSection {
+            page_size: ByteSize(4096),
+            descriptors: 1024,
+            timeout_ms: 1000,
+            credits: 64,
+            builder_timeout_ms: 5000,
+        }
+    }
+}
+
+/// `[event_manager]`: hands events to builders, clears them from the readout units.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EventManagerSection {
+    /// Address readout units and builders connect to.
+    pub listen: String,
+    /// Event IDs per clear message sent to the readout units.
+    pub clear_group: u32,
+    /// Longest a finished event waits for its clear group to fill, in ms.
+    pub clear_delay_ms: u64,
+    /// How often builders send heartbeats, in ms.
+    pub heartbeat_ms: u64,
+    /// A builder not heard from for this long is declared dead and its unfinished events go to
+    /// other builders, in ms.
+    pub heartbeat_timeout_ms: u64,
+    /// Events known but not given to any builder above which, with no builder holding credit,
+    /// the readout units are told BUSY and stop reading their links (the sources are held).
+    pub busy_threshold: u32,
+}
+
+impl Default for EventManagerSection {
+    fn default() -> Self {
+        EventManagerSection {
+            listen: "127.0.0.1:0".into(),
+            clear_group: 100,
+            clear_delay_ms: 50,
+            heartbeat_ms: 100,
+            heartbeat_timeout_ms: 2000,
+            busy_threshold: 4096,
+        }
+    }
+}
+
+/// `filter.decision`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Decision {
+    /// Keep every event.
+    AcceptAll,
+    /// Keep one event in `prescale`.
+    Prescale,
+    /// Keep a `fraction` of events, chosen by a hash of the event ID and `seed` (the same choice
+    /// on every builder, so a rebuilt event is decided alike).
+    Random,
+    /// Keep events whose payload word `cut_word` (32-bit, little-endian) of source `cut_source`
+    /// lies in [`cut_min`, `cut_max`].
+    Cut,
+}
+
+/// `[filter]`: the builders' decision on each event (request mode).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FilterSection {
+    pub decision: Decision,
+    pub prescale: u64,
+    pub fraction: f64,
+    pub seed: u64,
+    pub cut_source: u32,
+    pub cut_word: u32,
+    pub cut_min: u32,
+    pub cut_max: u32,
+    /// Sources fetched first (the region of interest); the rest only for accepted events.
+    /// Absent: the whole event is fetched before the decision.
+    #[serde(skip_serializing_if = "SourceList::is_auto")]
+    pub roi: SourceList,
+}
+
+impl Default for FilterSection {
+    fn default() -> Self {
+        FilterSection {
+            decision: Decision::AcceptAll,
+            prescale: 1,
+            fraction: 1.0,
+            seed: 1,
+            cut_source: 0,
+            cut_word: 0,
+            cut_min: 0,
+            cut_max: u32::MAX,
+            roi: SourceList::Auto,
+        }
+    }
+}
+
 /// Compression codec names accepted in `[recorder] compression`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -382,6 +516,8 @@ pub struct Resolved {
     pub ru_sources: Vec<Vec<u32>>,
     /// The readout unit index of every source.
     pub source_ru: BTreeMap<u32, usize>,
+    /// `filter.roi`, resolved (empty: one-step filter).
+    pub roi: Vec<u32>,
 }
 
 impl Resolved {
@@ -680,6 +816,98 @@ impl Topology {
         if self.assignment.block == 0 {
             return Err(err("assignment.block", "must be at least 1".into()));
         }
+        let q = &self.request;
+        if q.page_size.0 < 256 || q.page_size.0 > (16 << 20) {
+            return Err(err(
+                "request.page_size",
+                "must be between 256 bytes and 16 MiB".into(),
+            ));
+        }
+        if (q.descriptors as usize) < self.builders.len() {
+            return Err(err(
+                "request.descriptors",
+                format!(
+                    "{} descriptors cannot give each of the {} builders one",
+                    q.descriptors,
+                    self.builders.len()
+                ),
+            ));
+        }
+        if q.timeout_ms == 0 {
+            return Err(err("request.timeout_ms", "must be at least 1 ms".into()));
+        }
+        if q.builder_timeout_ms <= q.timeout_ms {
+            return Err(err(
+                "request.builder_timeout_ms",
+                format!(
+                    "{} ms must exceed request.timeout_ms ({} ms), or partial answers arrive after the builder gave up",
+                    q.builder_timeout_ms, q.timeout_ms
+                ),
+            ));
+        }
+        if q.credits == 0 {
+            return Err(err("request.credits", "must be at least 1".into()));
+        }
+        let m = &self.event_manager;
+        if m.clear_group == 0 || m.clear_group as usize > tessera_format::request::MAX_LIST {
+            return Err(err(
+                "event_manager.clear_group",
+                format!(
+                    "must be between 1 and {}",
+                    tessera_format::request::MAX_LIST
+                ),
+            ));
+        }
+        if m.heartbeat_ms == 0 || m.heartbeat_timeout_ms <= m.heartbeat_ms {
+            return Err(err(
+                "event_manager.heartbeat_timeout_ms",
+                format!(
+                    "{} ms must exceed heartbeat_ms ({} ms), which must be at least 1",
+                    m.heartbeat_timeout_ms, m.heartbeat_ms
+                ),
+            ));
+        }
+        let f = &self.filter;
+        if f.prescale == 0 {
+            return Err(err("filter.prescale", "must be at least 1".into()));
+        }
+        if !(0.0..=1.0).contains(&f.fraction) {
+            return Err(err(
+                "filter.fraction",
+                format!("{} is not a fraction in [0, 1]", f.fraction),
+            ));
+        }
+        if f.cut_min > f.cut_max {
+            return Err(err(
+                "filter.cut_min",
+                format!("{} exceeds cut_max ({})", f.cut_min, f.cut_max),
+            ));
+        }
+        if f.decision == Decision::Cut && !source_ru.contains_key(&f.cut_source) {
+            return Err(err(
+                "filter.cut_source",
+                format!("source {} is not in the topology", f.cut_source),
+            ));
+        }
+        let roi = f
+            .roi
+            .resolve()
+            .map_err(|r| err("filter.roi", r))?
+            .unwrap_or_default();
+        for x in &roi {
+            if !source_ru.contains_key(x) {
+                return Err(err(
+                    "filter.roi",
+                    format!("source {x} is not in the topology"),
+                ));
+            }
+        }
+        if self.run.mode == Mode::Push && (f.decision != Decision::AcceptAll || !roi.is_empty()) {
+            return Err(err(
+                "filter.decision",
+                "filters run in request mode (run.mode = \"request\"); push mode records every event".into(),
+            ));
+        }
         let r = &self.recorder;
         if !(1..=22).contains(&r.zstd_level) {
             return Err(err(
@@ -742,6 +970,7 @@ impl Topology {
             pattern,
             ru_sources,
             source_ru,
+            roi,
         })
     }
 }

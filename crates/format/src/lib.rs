@@ -11,6 +11,7 @@ pub mod event;
 pub mod file;
 pub mod link;
 pub mod pattern;
+pub mod request;
 pub mod shuffle;
 pub mod vectors;
 pub mod wire;

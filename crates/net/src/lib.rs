@@ -4,6 +4,7 @@
 
 pub mod budget;
 pub mod chunk;
+pub mod control;
 pub mod io;
 pub mod peer;
 pub mod reader;

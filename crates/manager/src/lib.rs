@@ -1,0 +1,381 @@
+//! The event manager of request mode (CMS EVM, ATLAS HLT supervisor, CODA trigger supervisor).
+//!
+//! It learns the event stream from the readout units (each announces the events it sees first;
+//! the first announcement of an event counts), hands events to builders that have credit, tracks
+//! every event in flight until its builder reports it done, then clears it from every readout
+//! unit in groups. A builder whose connection drops or whose heartbeats stop is declared dead and
+//! its unfinished events go, flagged for rebuilding, to the others. With no builder holding
+//! credit and a long queue it tells the readout units BUSY, and they stop reading their links.
+//!
+//! Threads: an accept thread; per connection a reader and a writer (a bounded queue); a ticker
+//! for heartbeat timeouts, clear groups and the end of the run. The decisions live in
+//! [`core::Core`], a pure state machine under one lock; messages go out after the lock is
+//! released, so a slow peer holds only the thread that writes to it.
+
+pub mod core;
+
+use crossbeam_channel::{bounded, Sender, TrySendError};
+use parking_lot::Mutex;
+use std::collections::HashSet;
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tessera_format::request::{Channel, Message, Role};
+use tessera_net::control::{read_hello, write_loop, MessageReader, ReadEnd};
+use tessera_net::role::{spawn, RoleThreads};
+
+pub use crate::core::{Counts, Out, Settings};
+
+pub struct ManagerConfig {
+    pub listener: TcpListener,
+    /// IDs of the readout units; the run is over when all of them ended and nothing is in flight.
+    pub readout_units: Vec<u32>,
+    pub settings: Settings,
+}
+
+/// A snapshot for status lines and reports.
+#[derive(Clone, Debug, Default)]
+pub struct ManagerView {
+    pub counts: Counts,
+    pub in_flight: usize,
+    pub unassigned: usize,
+    pub oldest_age_s: f64,
+    pub busy: bool,
+    /// (builder ID, alive, events held, credits).
+    pub builders: Vec<(u32, bool, usize, u64)>,
+    pub readout_units_ended: usize,
+    pub errors: Vec<String>,
+}
+
+struct BuilderConn {
+    tx: Option<Sender<Message>>,
+    /// Raised when the manager drops the builder, so its reader lets go.
+    dropped: Arc<AtomicBool>,
+}
+
+struct Shared {
+    core: Mutex<core::Core>,
+    t0: Instant,
+    readout_units: Vec<u32>,
+    ru_tx: Mutex<Vec<(u32, Sender<Message>)>>,
+    ended: Mutex<HashSet<u32>>,
+    builders: Mutex<Vec<BuilderConn>>,
+    abort: Arc<AtomicBool>,
+    finished: AtomicBool,
+    errors: Mutex<Vec<String>>,
+}
+
+pub struct EventManager {
+    shared: Arc<Shared>,
+    role: RoleThreads,
+}
+
+impl EventManager {
+    pub fn start(cfg: ManagerConfig) -> std::io::Result<EventManager> {
+        let role = RoleThreads::default();
+        let shared = Arc::new(Shared {
+            core: Mutex::new(core::Core::new(cfg.settings)),
+            t0: Instant::now(),
+            readout_units: cfg.readout_units,
+            ru_tx: Mutex::new(Vec::new()),
+            ended: Mutex::new(HashSet::new()),
+            builders: Mutex::new(Vec::new()),
+            abort: role.abort.clone(),
+            finished: AtomicBool::new(false),
+            errors: Mutex::new(Vec::new()),
+        });
+        let mut role = role;
+        {
+            let sh = shared.clone();
+            let l = cfg.listener;
+            role.spawn("em-accept".into(), move || accept(&sh, l));
+        }
+        {
+            let sh = shared.clone();
+            role.spawn("em-tick".into(), move || tick(&sh));
+        }
+        Ok(EventManager { shared, role })
+    }
+
+    pub fn view(&self) -> ManagerView {
+        let sh = &self.shared;
+        let now = sh.now_ns();
+        let c = sh.core.lock();
+        ManagerView {
+            counts: c.counts.clone(),
+            in_flight: c.in_flight(),
+            unassigned: c.unassigned(),
+            oldest_age_s: c.oldest_age_ns(now) as f64 / 1e9,
+            busy: c.busy(),
+            builders: c.builder_view(),
+            readout_units_ended: sh.ended.lock().len(),
+            errors: sh.errors.lock().clone(),
+        }
+    }
+
+    /// The run is stopping: nothing changes for the manager, which ends once the readout units
+    /// ended and every event is done. Kept for symmetry with the other roles.
+    pub fn stop(&self) {
+        self.role.stop();
+    }
+
+    pub fn abort(&self) {
+        self.role.abort();
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.role.is_finished()
+    }
+
+    pub fn join(self) {
+        self.role.join();
+    }
+}
+
+impl Shared {
+    fn now_ns(&self) -> u64 {
+        self.t0.elapsed().as_nanos() as u64
+    }
+
+    fn error(&self, e: String) {
+        tracing::warn!(error = %e, "event manager");
+        let mut v = self.errors.lock();
+        if v.len() < 32 {
+            v.push(e);
+        }
+    }
+
+    /// Sends what the core decided. Never called with the core locked.
+    fn dispatch(&self, mut outs: Vec<Out>) {
+        while !outs.is_empty() {
+            let mut more = Vec::new();
+            for o in outs {
+                match o {
+                    Out::Assign(slot, events) => {
+                        let tx = self.builders.lock()[slot].tx.clone();
+                        let sent = match tx {
+                            // Assignments are bounded by the builder's credit; a builder whose
+                            // queue is full anyway is not reading: it is declared dead.
+                            Some(tx) => match tx.try_send(Message::Assign { events }) {
+                                Ok(()) => true,
+                                Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                                    false
+                                }
+                            },
+                            None => false,
+                        };
+                        if !sent {
+                            self.core.lock().builder_lost(slot, &mut more);
+                        }
+                    }
+                    Out::Clear(ids) => {
+                        let txs: Vec<Sender<Message>> =
+                            self.ru_tx.lock().iter().map(|t| t.1.clone()).collect();
+                        for tx in txs {
+                            // Blocking: a readout unit slow to take clears holds the builder
+                            // reports behind it, so credit stops and the manager throttles.
+                            let _ = tx.send(Message::Clear {
+                                event_ids: ids.clone(),
+                            });
+                        }
+                    }
+                    Out::Throttle(busy) => {
+                        let txs: Vec<Sender<Message>> =
+                            self.ru_tx.lock().iter().map(|t| t.1.clone()).collect();
+                        for tx in txs {
+                            let _ = tx.send(Message::Throttle { busy });
+                        }
+                    }
+                    Out::Drop(slot) => {
+                        let mut b = self.builders.lock();
+                        b[slot].tx = None;
+                        b[slot].dropped.store(true, Ordering::Relaxed);
+                        let id = self.core.lock().builder_id(slot);
+                        drop(b);
+                        self.error(format!(
+                            "builder {id} declared dead; its unfinished events go to the others"
+                        ));
+                    }
+                }
+            }
+            outs = more;
+        }
+    }
+}
+
+fn accept(sh: &Arc<Shared>, listener: TcpListener) {
+    let mut threads = Vec::new();
+    let _ = tessera_net::io::accept_until(
+        &listener,
+        &sh.abort,
+        || !sh.finished.load(Ordering::Relaxed),
+        |mut stream, peer| match read_hello(&mut stream) {
+            Ok((Role::ReadoutUnit, Channel::Control, id)) if sh.readout_units.contains(&id) => {
+                threads.extend(readout_unit(sh, stream, id));
+            }
+            Ok((Role::BuilderUnit, Channel::Control, id)) => {
+                threads.extend(builder(sh, stream, id));
+            }
+            Ok(other) => sh.error(format!("{peer}: refused connection {other:?}")),
+            Err(e) => sh.error(format!("{peer}: {e}")),
+        },
+    );
+    for t in threads {
+        let _ = t.join();
+    }
+}
+
+fn readout_unit(sh: &Arc<Shared>, stream: TcpStream, id: u32) -> Vec<std::thread::JoinHandle<()>> {
+    let (tx, rx) = bounded::<Message>(4096);
+    sh.ru_tx.lock().push((id, tx));
+    let mut w = match stream.try_clone() {
+        Ok(w) => w,
+        Err(e) => {
+            sh.error(format!("readout unit {id}: {e}"));
+            return Vec::new();
+        }
+    };
+    let sh2 = sh.clone();
+    let writer = spawn(format!("em-to-ru{id}"), move || {
+        if let Err(e) = write_loop(&mut w, &rx) {
+            sh2.error(format!("readout unit {id}: {e}"));
+        }
+    });
+    let sh3 = sh.clone();
+    let reader = spawn(format!("em-from-ru{id}"), move || {
+        let mut stream = stream;
+        let mut r = MessageReader::new(1 << 24);
+        loop {
+            match r.next(&mut stream, &sh3.abort) {
+                Ok(Message::Announce { event_ids }) => {
+                    let mut outs = Vec::new();
+                    sh3.core
+                        .lock()
+                        .announce(&event_ids, sh3.now_ns(), &mut outs);
+                    sh3.dispatch(outs);
+                }
+                Ok(Message::End { .. }) => {
+                    sh3.ended.lock().insert(id);
+                }
+                Ok(other) => {
+                    sh3.error(format!("readout unit {id} sent {other:?}; closing"));
+                    break;
+                }
+                Err(ReadEnd::Closed) | Err(ReadEnd::Stopped) => break,
+                Err(ReadEnd::Failed(e)) => {
+                    sh3.error(format!("readout unit {id}: {e}"));
+                    break;
+                }
+            }
+        }
+        // A unit gone without its end announces nothing more: the run must not wait for it.
+        sh3.ended.lock().insert(id);
+    });
+    vec![writer, reader]
+}
+
+fn builder(sh: &Arc<Shared>, stream: TcpStream, id: u32) -> Vec<std::thread::JoinHandle<()>> {
+    let (tx, rx) = bounded::<Message>(1024);
+    let dropped = Arc::new(AtomicBool::new(false));
+    let slot = {
+        let mut b = sh.builders.lock();
+        let slot = sh.core.lock().builder_joined(id, sh.now_ns());
+        debug_assert_eq!(slot, b.len());
+        b.push(BuilderConn {
+            tx: Some(tx),
+            dropped: dropped.clone(),
+        });
+        slot
+    };
+    let mut w = match stream.try_clone() {
+        Ok(w) => w,
+        Err(e) => {
+            sh.error(format!("builder {id}: {e}"));
+            return Vec::new();
+        }
+    };
+    let writer = spawn(format!("em-to-bu{id}"), move || {
+        // A failed write shows as the reader's failure too; the reader declares the loss.
+        let _ = write_loop(&mut w, &rx);
+    });
+    let sh2 = sh.clone();
+    let reader = spawn(format!("em-from-bu{id}"), move || {
+        let mut stream = stream;
+        let mut r = MessageReader::new(1 << 24);
+        let mut clean = false;
+        loop {
+            if dropped.load(Ordering::Relaxed) {
+                break;
+            }
+            let mut outs = Vec::new();
+            match r.next(&mut stream, &dropped) {
+                Ok(Message::Credit { credits }) => {
+                    sh2.core
+                        .lock()
+                        .credit(slot, credits, sh2.now_ns(), &mut outs)
+                }
+                Ok(Message::Done { events }) => {
+                    sh2.core.lock().done(slot, &events, sh2.now_ns(), &mut outs)
+                }
+                Ok(Message::Heartbeat { .. }) => sh2.core.lock().heartbeat(slot, sh2.now_ns()),
+                Ok(Message::End { .. }) => {
+                    clean = true;
+                    break;
+                }
+                Ok(other) => {
+                    sh2.error(format!("builder {id} sent {other:?}; dropping it"));
+                    break;
+                }
+                Err(ReadEnd::Closed) | Err(ReadEnd::Stopped) => break,
+                Err(ReadEnd::Failed(e)) => {
+                    sh2.error(format!("builder {id}: {e}"));
+                    break;
+                }
+            }
+            sh2.dispatch(outs);
+        }
+        if !clean || !sh2.finished.load(Ordering::Relaxed) {
+            let mut outs = Vec::new();
+            sh2.core.lock().builder_lost(slot, &mut outs);
+            sh2.dispatch(outs);
+        }
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+    });
+    vec![writer, reader]
+}
+
+fn tick(sh: &Arc<Shared>) {
+    loop {
+        std::thread::sleep(Duration::from_millis(5));
+        let mut outs = Vec::new();
+        let now = sh.now_ns();
+        let done = {
+            let mut c = sh.core.lock();
+            c.tick(now, &mut outs);
+            let all_ended = sh.ended.lock().len() >= sh.readout_units.len();
+            if all_ended && c.in_flight() == 0 {
+                c.flush_clears(&mut outs);
+                true
+            } else {
+                false
+            }
+        };
+        sh.dispatch(outs);
+        if done || sh.abort.load(Ordering::Relaxed) {
+            break;
+        }
+    }
+    // The end: every readout unit and builder is told, then their queues close.
+    sh.finished.store(true, Ordering::Relaxed);
+    let end = Message::End { units: 0, items: 0 };
+    for (_, tx) in sh.ru_tx.lock().drain(..) {
+        let _ = tx.send(end.clone());
+    }
+    for b in sh.builders.lock().iter_mut() {
+        if let Some(tx) = b.tx.take() {
+            let _ = tx.send(end.clone());
+        }
+    }
+}
