@@ -7,6 +7,7 @@
 //! ID in every fragment, fragment counts and sizes as the super-fragments declare, trigger types
 //! that agree.
 
+pub mod pull;
 mod stats;
 
 use crossbeam_channel::{bounded, Receiver, Sender};
@@ -25,6 +26,7 @@ use tessera_net::reader::Fill;
 use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::{ChunkReader, ChunkSlice};
 
+pub use pull::PullConfig;
 pub use stats::{BuilderStats, RuLinkStats};
 
 pub struct BuilderConfig {
@@ -47,6 +49,7 @@ type Part = (SuperFragmentHeader, ChunkSlice);
 struct Built {
     header: Vec<u8>,
     fragments: Vec<ChunkSlice>,
+    event_id: u64,
 }
 
 impl tessera_net::sender::Outgoing for Built {
@@ -276,7 +279,11 @@ impl Shared {
         if self.to_recorder.is_some() {
             st.queued_fragments.fetch_add(nf, Ordering::Relaxed);
         }
-        Built { header, fragments }
+        Built {
+            header,
+            fragments,
+            event_id: ev.event_id,
+        }
     }
 }
 
@@ -448,7 +455,7 @@ fn send_to_recorder(id: u16, stream: TcpStream, rx: Receiver<Vec<Built>>, st: &B
         role: PeerRole::BuilderUnit,
         id: id as u32,
     };
-    let on_batch = |o: tessera_net::sender::BatchOutcome| {
+    let on_batch = |o: tessera_net::sender::BatchOutcome, _: &[_]| {
         if !o.written {
             st.recorder_lost.fetch_add(o.fragments, Ordering::Relaxed);
         }

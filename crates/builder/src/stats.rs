@@ -42,6 +42,15 @@ pub struct BuilderStats {
     pub last_event: AtomicU64,
     /// For incomplete events: how often each source was the one missing.
     pub missing_by_source: Mutex<std::collections::BTreeMap<u32, u64>>,
+    /// Request mode: events the filter rejected, and the fragments fetched for them.
+    pub events_rejected: AtomicU64,
+    pub fragments_rejected: AtomicU64,
+    /// Request mode: events built again after their first builder failed.
+    pub events_rebuilt: AtomicU64,
+    pub requests: AtomicU64,
+    /// Request mode: events assigned and not yet done.
+    pub events_in_flight: AtomicU64,
+    pub manager_error: Mutex<Option<String>>,
 }
 
 impl BuilderStats {
@@ -75,6 +84,12 @@ impl BuilderStats {
             refused_connections: AtomicU64::new(0),
             last_event: AtomicU64::new(0),
             missing_by_source: Mutex::new(Default::default()),
+            events_rejected: AtomicU64::new(0),
+            fragments_rejected: AtomicU64::new(0),
+            events_rebuilt: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
+            events_in_flight: AtomicU64::new(0),
+            manager_error: Mutex::new(None),
         }
     }
 

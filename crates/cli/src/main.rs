@@ -44,7 +44,8 @@ enum Cmd {
     /// Run one role of a topology as its own process: a per-role daemon, for many hosts. Peers
     /// are reached at the `listen` addresses of the topology, which then need fixed ports.
     Serve {
-        /// `recorder`, `builder`, `readout` or `sources` (all the emulated sources).
+        /// `recorder`, `builder`, `readout`, `sources` (all the emulated sources) or `manager`
+        /// (the event manager, request mode).
         role: String,
         /// Topology file (TOML), the same for every process of the run.
         config: PathBuf,
@@ -203,8 +204,11 @@ fn real_main() -> Result<ExitCode> {
                 "builder" => tessera_run::Role::Builder(need_id("builder")?),
                 "readout" => tessera_run::Role::Readout(need_id("readout unit")?),
                 "sources" => tessera_run::Role::Sources,
+                "manager" => tessera_run::Role::EventManager,
                 other => {
-                    anyhow::bail!("unknown role `{other}`: recorder, builder, readout or sources")
+                    anyhow::bail!(
+                        "unknown role `{other}`: recorder, builder, readout, sources or manager"
+                    )
                 }
             };
             let mut resolved = tessera_config::Topology::load(&config)?;

@@ -81,20 +81,28 @@ impl MessageReader {
     }
 }
 
-/// Sends messages from `rx` until it closes (then shuts the sending side down), coalescing what
-/// is queued. Returns the first write error; messages after it are dropped.
+/// Sends messages from `rx`, coalescing what is queued, until it has sent an `End` (the last
+/// message of any connection) or `rx` closes; then shuts the sending side down. Returns the first
+/// write error.
 pub fn write_loop(stream: &mut TcpStream, rx: &Receiver<Message>) -> io::Result<()> {
     let mut out = Vec::with_capacity(64 << 10);
     while let Ok(m) = rx.recv() {
         out.clear();
+        let mut ended = matches!(m, Message::End { .. });
         m.encode_into(&mut out);
-        while out.len() < (256 << 10) {
+        while out.len() < (256 << 10) && !ended {
             match rx.try_recv() {
-                Ok(m) => m.encode_into(&mut out),
+                Ok(m) => {
+                    ended = matches!(m, Message::End { .. });
+                    m.encode_into(&mut out)
+                }
                 Err(_) => break,
             }
         }
         stream.write_all(&out)?;
+        if ended {
+            break;
+        }
     }
     let _ = stream.shutdown(std::net::Shutdown::Write);
     Ok(())

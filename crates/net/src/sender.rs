@@ -33,13 +33,13 @@ pub struct BatchOutcome {
     pub written: bool,
 }
 
-/// Runs the link until `rx` closes. `on_batch` is told the fate of every batch; `on_error` once,
-/// when the link fails.
+/// Runs the link until `rx` closes. `on_batch` is told the fate of every batch (after its write);
+/// `on_error` once, when the link fails.
 pub fn send_loop<T: Outgoing>(
     mut stream: TcpStream,
     rx: Receiver<Vec<T>>,
     hello: PeerHello,
-    mut on_batch: impl FnMut(BatchOutcome),
+    mut on_batch: impl FnMut(BatchOutcome, &[T]),
     mut on_error: impl FnMut(&io::Error),
 ) {
     let mut ok =
@@ -84,11 +84,14 @@ pub fn send_loop<T: Outgoing>(
             units += batch.len() as u64;
             fragments += nfrag;
         }
-        on_batch(BatchOutcome {
-            units: batch.len() as u64,
-            fragments: nfrag,
-            written: ok,
-        });
+        on_batch(
+            BatchOutcome {
+                units: batch.len() as u64,
+                fragments: nfrag,
+                written: ok,
+            },
+            &batch,
+        );
     }
     if ok {
         let end = PeerEnd {

@@ -15,7 +15,9 @@
 
 pub mod paged;
 mod quarantine;
+mod recent;
 pub mod requests;
+mod serve;
 mod stats;
 
 use crossbeam_channel::{bounded, Receiver, Sender};
@@ -35,7 +37,8 @@ use tessera_net::reader::Fill;
 use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::{ChunkReader, ChunkSlice};
 
-pub use stats::{LinkState, LinkStats, ReadoutStats, Rejection};
+pub use serve::RequestMode;
+pub use stats::{LinkState, LinkStats, ReadoutStats, Rejection, RequestStats};
 
 /// Everything a readout unit needs to start.
 pub struct ReadoutConfig {
@@ -54,6 +57,8 @@ pub struct ReadoutConfig {
     pub max_payload: usize,
     /// Dump file for rejected fragments and its size limit.
     pub quarantine: Option<(PathBuf, u64)>,
+    /// Request mode (`builders` and `assignment` are then unused); `None`: push mode.
+    pub request_mode: Option<RequestMode>,
 }
 
 /// One event's fragments from this unit, on its way to its builder.
@@ -83,28 +88,67 @@ impl tessera_net::sender::Outgoing for SuperFragment {
     }
 }
 
+/// What reading a link needs, in either mode.
+pub(crate) struct LinkCtx {
+    pub id: u32,
+    pub sources: Vec<u32>,
+    pub stats: Arc<ReadoutStats>,
+    pub t0: Instant,
+    /// Raised when the run stops: no new connections; links that never connected are closed.
+    pub stop: Arc<AtomicBool>,
+    /// Raised when the drain deadline passed: readers give up on their links.
+    pub abort: Arc<AtomicBool>,
+    pub quarantine: Option<quarantine::Quarantine>,
+    pub max_payload: usize,
+    pub read_chunk: usize,
+}
+
+impl LinkCtx {
+    pub fn now_ns(&self) -> u64 {
+        self.t0.elapsed().as_nanos() as u64
+    }
+}
+
+/// Where a link reader puts the fragments it read: the push-mode assembler, or the request-mode
+/// paged buffers.
+pub(crate) trait LinkSink: Send + Sync + 'static {
+    fn ctx(&self) -> &LinkCtx;
+    /// Takes a read's worth of good fragments (the vector is left empty).
+    fn offer(&self, slot: usize, good: &mut Vec<(u64, ChunkSlice)>);
+    /// The link will deliver nothing more.
+    fn close_link(&self, slot: usize);
+    /// Called before each read: returns once the link may be read (request mode waits while
+    /// the event manager throttles).
+    fn before_read(&self) {}
+}
+
 struct Shared {
-    id: u32,
-    sources: Vec<u32>,
+    ctx: LinkCtx,
     assembler: Mutex<Assembler<ChunkSlice>>,
     to_builders: Vec<Sender<Vec<SuperFragment>>>,
     assignment: AssignmentSection,
-    stats: Arc<ReadoutStats>,
-    t0: Instant,
-    /// Raised when the run stops: no new connections; links that never connected are closed.
-    stop: Arc<AtomicBool>,
-    /// Raised when the drain deadline passed: readers give up on their links.
-    abort: Arc<AtomicBool>,
-    quarantine: Option<quarantine::Quarantine>,
-    max_payload: usize,
-    read_chunk: usize,
+}
+
+impl std::ops::Deref for Shared {
+    type Target = LinkCtx;
+    fn deref(&self) -> &LinkCtx {
+        &self.ctx
+    }
+}
+
+impl LinkSink for Shared {
+    fn ctx(&self) -> &LinkCtx {
+        &self.ctx
+    }
+    fn offer(&self, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
+        offer(self, slot, good)
+    }
+    fn close_link(&self, slot: usize) {
+        Shared::close_link(self, slot)
+    }
 }
 
 impl Shared {
-    fn now_ns(&self) -> u64 {
-        self.t0.elapsed().as_nanos() as u64
-    }
-
     /// Sends departed events to their builders. Called without the assembler lock held, so a
     /// full builder queue holds only the caller (its link stops reading: back-pressure).
     fn dispatch(&self, ready: Vec<Assembled<ChunkSlice>>) {
@@ -175,6 +219,31 @@ impl ReadoutUnit {
         let mut role = RoleThreads::default();
         let stop = role.stop.clone();
         let abort = role.abort.clone();
+        let quarantine = cfg
+            .quarantine
+            .as_ref()
+            .map(|(p, limit)| quarantine::Quarantine::new(p.clone(), *limit));
+        if let Some(mode) = cfg.request_mode {
+            // The link budgets hold only the read chunks; fragments live in the pages.
+            let stats = Arc::new(ReadoutStats::new(
+                cfg.id,
+                &cfg.sources,
+                4 * cfg.read_chunk as u64,
+            ));
+            let ctx = LinkCtx {
+                id: cfg.id,
+                sources: cfg.sources.clone(),
+                stats: stats.clone(),
+                t0: Instant::now(),
+                stop,
+                abort,
+                quarantine,
+                max_payload: cfg.max_payload,
+                read_chunk: cfg.read_chunk,
+            };
+            serve::start(ctx, cfg.listener, mode, per_link, &mut role)?;
+            return Ok(ReadoutUnit { stats, role });
+        }
         let mut to_builders = Vec::new();
         let mut builder_streams = Vec::new();
         for addr in &cfg.builders {
@@ -189,13 +258,18 @@ impl ReadoutUnit {
             to_builders.push(tx);
             receivers.push(rx);
         }
-        let quarantine = cfg
-            .quarantine
-            .as_ref()
-            .map(|(p, limit)| quarantine::Quarantine::new(p.clone(), *limit));
         let shared = Arc::new(Shared {
-            id: cfg.id,
-            sources: cfg.sources.clone(),
+            ctx: LinkCtx {
+                id: cfg.id,
+                sources: cfg.sources.clone(),
+                stats: stats.clone(),
+                t0: Instant::now(),
+                stop: stop.clone(),
+                abort: abort.clone(),
+                quarantine,
+                max_payload: cfg.max_payload,
+                read_chunk: cfg.read_chunk,
+            },
             assembler: Mutex::new(Assembler::new(
                 links,
                 cfg.event_timeout.as_nanos() as u64,
@@ -203,13 +277,6 @@ impl ReadoutUnit {
             )),
             to_builders,
             assignment: cfg.assignment.clone(),
-            stats: stats.clone(),
-            t0: Instant::now(),
-            stop: stop.clone(),
-            abort: abort.clone(),
-            quarantine,
-            max_payload: cfg.max_payload,
-            read_chunk: cfg.read_chunk,
         });
         for (b, (stream, rx)) in builder_streams.into_iter().zip(receivers).enumerate() {
             let st = stats.clone();
@@ -253,51 +320,64 @@ impl ReadoutUnit {
     }
 }
 
-fn accept(sh: &Arc<Shared>, listener: TcpListener) {
+fn accept<S: LinkSink>(sh: &Arc<S>, listener: TcpListener) {
+    let c = sh.ctx();
     let mut readers = Vec::new();
     let missing = || {
-        sh.stats
+        c.stats
             .links
             .iter()
             .any(|l| l.state() == LinkState::Waiting)
     };
-    let end = tessera_net::io::accept_until(&listener, &sh.stop, missing, |stream, peer| {
-        match handshake(sh, stream) {
+    let end =
+        tessera_net::io::accept_until(&listener, &c.stop, missing, |stream, peer| match handshake(
+            c, stream,
+        ) {
             Ok((slot, stream)) => {
                 let sh2 = sh.clone();
                 readers.push(spawn(
-                    format!("ru{}-link{}", sh.id, sh.sources[slot]),
-                    move || read_link(&sh2, slot, stream),
+                    format!("ru{}-link{}", c.id, c.sources[slot]),
+                    move || read_link(&*sh2, slot, stream),
                 ));
             }
-            Err(why) => {
-                tracing::warn!(readout_unit = sh.id, %peer, %why, "refused a source connection");
-                sh.stats.refused_connections.fetch_add(1, Ordering::Relaxed);
-                *sh.stats.last_refusal.lock() = Some(format!("{peer}: {why}"));
-            }
-        }
-    });
+            Err(why) => refused(c, peer, why),
+        });
     if end == tessera_net::io::AcceptEnd::Stopped {
-        // Sources still missing after the backlog is empty will not come.
-        for (slot, l) in sh.stats.links.iter().enumerate() {
-            if l.state() == LinkState::Waiting {
-                l.set_state(LinkState::NeverConnected);
-                sh.close_link(slot);
-            }
-        }
+        close_never_connected(&**sh);
     }
     for r in readers {
         let _ = r.join();
     }
 }
 
+pub(crate) fn refused(c: &LinkCtx, peer: std::net::SocketAddr, why: String) {
+    tracing::warn!(readout_unit = c.id, %peer, %why, "refused a connection");
+    c.stats.refused_connections.fetch_add(1, Ordering::Relaxed);
+    *c.stats.last_refusal.lock() = Some(format!("{peer}: {why}"));
+}
+
+/// Sources still missing after the stop (and an empty backlog) will not come.
+pub(crate) fn close_never_connected(sh: &impl LinkSink) {
+    for (slot, l) in sh.ctx().stats.links.iter().enumerate() {
+        if l.state() == LinkState::Waiting {
+            l.set_state(LinkState::NeverConnected);
+            sh.close_link(slot);
+        }
+    }
+}
+
 /// Reads and checks the hello; returns the link slot for the source.
-fn handshake(sh: &Shared, mut stream: TcpStream) -> Result<(usize, TcpStream), String> {
+fn handshake(sh: &LinkCtx, mut stream: TcpStream) -> Result<(usize, TcpStream), String> {
     tessera_net::io::tune(&stream, Some(Duration::from_millis(100))).map_err(|e| e.to_string())?;
     let mut h = [0u8; HELLO_SIZE];
     tessera_net::io::read_exact_patient(&mut stream, &mut h, Duration::from_secs(5))
         .map_err(|e| e.to_string())?;
-    let hello = Hello::decode(&h).map_err(|e| e.to_string())?;
+    source_slot(sh, &h).map(|slot| (slot, stream))
+}
+
+/// The link slot of the source whose hello this is, claimed.
+pub(crate) fn source_slot(sh: &LinkCtx, h: &[u8; HELLO_SIZE]) -> Result<usize, String> {
+    let hello = Hello::decode(h).map_err(|e| e.to_string())?;
     let slot = sh
         .sources
         .iter()
@@ -315,10 +395,11 @@ fn handshake(sh: &Shared, mut stream: TcpStream) -> Result<(usize, TcpStream), S
             hello.source_id
         ));
     }
-    Ok((slot, stream))
+    Ok(slot)
 }
 
-fn read_link(sh: &Shared, slot: usize, mut stream: TcpStream) {
+pub(crate) fn read_link<S: LinkSink>(sink: &S, slot: usize, mut stream: TcpStream) {
+    let sh = sink.ctx();
     let link = &sh.stats.links[slot];
     let source = sh.sources[slot];
     let mut dec = StreamDecoder::after_hello(sh.max_payload, source);
@@ -374,11 +455,12 @@ fn read_link(sh: &Shared, slot: usize, mut stream: TcpStream) {
             }
         }
         if !good.is_empty() {
-            offer(sh, slot, &mut good);
+            sink.offer(slot, &mut good);
         }
         if ended || eof {
             break;
         }
+        sink.before_read();
         if sh.abort.load(Ordering::Relaxed) {
             link.set_state(LinkState::Aborted);
             break;
@@ -415,7 +497,7 @@ fn read_link(sh: &Shared, slot: usize, mut stream: TcpStream) {
         link.set_state(LinkState::Disconnected);
     }
     let _ = stream.shutdown(std::net::Shutdown::Both);
-    sh.close_link(slot);
+    sink.close_link(slot);
 }
 
 /// Offers a read's worth of good fragments under one lock, then dispatches what became ready.
@@ -479,7 +561,7 @@ fn send_to_builder(
         role: PeerRole::ReadoutUnit,
         id,
     };
-    let on_batch = |o: tessera_net::sender::BatchOutcome| {
+    let on_batch = |o: tessera_net::sender::BatchOutcome, _: &[_]| {
         if o.written {
             st.super_fragments.fetch_add(o.units, Ordering::Relaxed);
             st.fragments_forwarded

@@ -7,7 +7,7 @@
 //! Pure data structure, no I/O and no clock. The index hashes the low bits of the event ID into
 //! buckets (ATLAS uses the low 20 bits of the L1ID) and compares full 64-bit IDs along the bucket's
 //! chain, so IDs that wrap around (a 32-bit front-end counter restarting, or u64::MAX → 0) never
-//! alias. Not yet wired into the readout unit.
+//! alias. Request mode (`serve.rs`) keeps one per link.
 
 /// Why a fragment was not stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -32,6 +32,8 @@ struct Entry {
     len: u32,
     /// Next entry in the same bucket.
     next: u32,
+    /// Copied out for a request at least once (a clear of a fragment never sent is counted).
+    sent: bool,
 }
 
 /// One link's paged buffer.
@@ -161,6 +163,7 @@ impl PagedBuffer {
             first_page: first,
             len: bytes.len() as u32,
             next: self.buckets[b],
+            sent: false,
         };
         let slot = match self.free_entries.pop() {
             Some(i) => {
@@ -203,8 +206,33 @@ impl PagedBuffer {
             .map(|e| self.entries[e as usize].len as usize)
     }
 
+    /// Appends the fragment's bytes to `out` and marks it sent; false if it is not stored.
+    pub fn copy_out(&mut self, event_id: u64, out: &mut Vec<u8>) -> bool {
+        let Some(e) = self.find(event_id) else {
+            return false;
+        };
+        self.entries[e as usize].sent = true;
+        let entry = self.entries[e as usize];
+        let mut page = entry.first_page;
+        let mut left = entry.len as usize;
+        while left > 0 && page != NONE {
+            let n = left.min(self.page_size);
+            let off = page as usize * self.page_size;
+            out.extend_from_slice(&self.memory[off..off + n]);
+            left -= n;
+            page = self.page_next[page as usize];
+        }
+        true
+    }
+
     /// Frees a fragment's pages (a clear). Returns false if the event ID is not stored.
     pub fn clear(&mut self, event_id: u64) -> bool {
+        self.remove(event_id).is_some()
+    }
+
+    /// Frees a fragment's pages; `Some(sent)` says whether it was ever copied out, `None` that
+    /// the event ID is not stored.
+    pub fn remove(&mut self, event_id: u64) -> Option<bool> {
         let b = self.bucket(event_id);
         let mut prev = NONE;
         let mut e = self.buckets[b];
@@ -226,12 +254,12 @@ impl PagedBuffer {
                 self.free_pages.extend(pages.into_iter().rev());
                 self.free_entries.push(e);
                 self.stored -= 1;
-                return true;
+                return Some(entry.sent);
             }
             prev = e;
             e = entry.next;
         }
-        false
+        None
     }
 }
 

@@ -6,7 +6,7 @@
 //! are not taken (the caller stops reading requests: back-pressure), never queued without bound.
 //!
 //! Pure state machine: the caller says which links hold the event (`have`), when fragments arrive
-//! and what time it is; no I/O, no clock. Not yet wired into the readout unit.
+//! and what time it is; no I/O, no clock. Request mode (`serve.rs`) keeps one per unit.
 
 use std::collections::{BTreeMap, HashMap};
 

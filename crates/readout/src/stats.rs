@@ -14,12 +14,18 @@ pub enum Rejection {
     Wire(RejectReason),
     /// Its source already delivered this event ID.
     Duplicate,
-    /// Its event had already been sent on (timed out without it).
+    /// Its event had already been sent on (timed out without it), or cleared (request mode).
     Late,
+    /// Request mode: cleared without ever being requested (the rest of an event a filter
+    /// rejected on its RoI, or a fragment that arrived after its event was built without it).
+    ClearedUnsent,
+    /// Request mode: no room in the paged buffer when the run was aborted, or larger than the
+    /// whole buffer of its link.
+    NoSpace,
 }
 
 impl Rejection {
-    pub const COUNT: usize = RejectReason::ALL.len() + 2;
+    pub const COUNT: usize = RejectReason::ALL.len() + 4;
 
     pub fn index(self) -> usize {
         match self {
@@ -29,6 +35,8 @@ impl Rejection {
                 .expect("listed"),
             Rejection::Duplicate => RejectReason::ALL.len(),
             Rejection::Late => RejectReason::ALL.len() + 1,
+            Rejection::ClearedUnsent => RejectReason::ALL.len() + 2,
+            Rejection::NoSpace => RejectReason::ALL.len() + 3,
         }
     }
 
@@ -36,7 +44,9 @@ impl Rejection {
         match i {
             i if i < RejectReason::ALL.len() => Rejection::Wire(RejectReason::ALL[i]),
             i if i == RejectReason::ALL.len() => Rejection::Duplicate,
-            _ => Rejection::Late,
+            i if i == RejectReason::ALL.len() + 1 => Rejection::Late,
+            i if i == RejectReason::ALL.len() + 2 => Rejection::ClearedUnsent,
+            _ => Rejection::NoSpace,
         }
     }
 
@@ -45,6 +55,8 @@ impl Rejection {
             Rejection::Wire(r) => r.label(),
             Rejection::Duplicate => "duplicate_event_id",
             Rejection::Late => "late",
+            Rejection::ClearedUnsent => "cleared_unsent",
+            Rejection::NoSpace => "no_buffer_space",
         }
     }
 }
@@ -166,6 +178,42 @@ pub struct ReadoutStats {
     pub builder_error: Mutex<Option<String>>,
     pub refused_connections: AtomicU64,
     pub last_refusal: Mutex<Option<String>>,
+    /// Request mode only (zero in push mode).
+    pub requests: RequestStats,
+}
+
+/// A request-mode readout unit's counters.
+#[derive(Debug, Default)]
+pub struct RequestStats {
+    /// Fragments in the paged buffers now.
+    pub stored_fragments: AtomicU64,
+    pub total_pages: AtomicU64,
+    pub free_pages: AtomicU64,
+    pub requests: AtomicU64,
+    pub answers: AtomicU64,
+    /// Answers sent after the timeout, with missing sources.
+    pub partial_answers: AtomicU64,
+    /// Fragments copied out of the paged buffers into answers (internal transfers).
+    pub fragments_sent: AtomicU64,
+    pub bytes_sent: AtomicU64,
+    pub descriptors_in_use: AtomicU64,
+    /// Requests left unread because their builder's share of descriptors was in use.
+    pub descriptor_waits: AtomicU64,
+    /// Requests naming a source this unit does not read.
+    pub foreign_sources: AtomicU64,
+    pub clear_messages: AtomicU64,
+    pub cleared_events: AtomicU64,
+    /// Clears of events this unit never held.
+    pub clears_unknown: AtomicU64,
+    /// Clears of events already cleared.
+    pub clears_repeated: AtomicU64,
+    pub announced: AtomicU64,
+    /// Links waiting for free pages right now.
+    pub links_waiting: AtomicU64,
+    /// The event manager says no builder has credit: links are not read.
+    pub throttled: std::sync::atomic::AtomicBool,
+    pub throttled_ns: AtomicU64,
+    pub manager_error: Mutex<Option<String>>,
 }
 
 impl ReadoutStats {
@@ -195,6 +243,7 @@ impl ReadoutStats {
             builder_error: Mutex::new(None),
             refused_connections: AtomicU64::new(0),
             last_refusal: Mutex::new(None),
+            requests: RequestStats::default(),
         }
     }
 
@@ -213,8 +262,11 @@ impl ReadoutStats {
             .sum()
     }
 
-    /// Whether any link is out of memory right now (the unit is BUSY).
+    /// Whether any link is out of memory right now, or the event manager throttles (the unit
+    /// is BUSY).
     pub fn busy(&self) -> bool {
         self.links.iter().any(|l| l.budget.would_block(1))
+            || self.requests.throttled.load(Ordering::Relaxed)
+            || self.requests.links_waiting.load(Ordering::Relaxed) > 0
     }
 }

@@ -98,6 +98,42 @@ pub struct RecorderStats {
     pub files: Mutex<Vec<FileInfo>>,
     pub error: Mutex<Option<String>>,
     pub links: Mutex<Vec<(u16, Arc<Budget>)>>,
+    /// Second copies of events, dropped (request mode, after a builder failover).
+    pub duplicate_events: AtomicU64,
+    pub duplicate_fragments: AtomicU64,
+    /// Events recorded with the rebuilt flag.
+    pub rebuilt_events: AtomicU64,
+}
+
+/// The event IDs recorded recently.
+struct Dedup {
+    set: std::collections::HashSet<u64>,
+    order: std::collections::VecDeque<u64>,
+    capacity: usize,
+}
+
+impl Dedup {
+    fn new(capacity: usize) -> Dedup {
+        Dedup {
+            set: Default::default(),
+            order: Default::default(),
+            capacity,
+        }
+    }
+
+    /// False if `id` was recorded already.
+    fn insert(&mut self, id: u64) -> bool {
+        if !self.set.insert(id) {
+            return false;
+        }
+        self.order.push_back(id);
+        if self.order.len() > self.capacity {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+        true
+    }
 }
 
 impl RecorderStats {
@@ -119,8 +155,13 @@ impl RecorderStats {
 /// Size of the chunks the recorder reads builder links into.
 pub const RECORDER_CHUNK: usize = 1 << 20;
 
-/// Records on their way to the writer: (record bytes, fragment count, incomplete).
-type Batch = Vec<(ChunkSlice, u32, bool)>;
+/// Records on their way to the writer: (record bytes, fragment count, incomplete, event ID,
+/// rebuilt).
+type Batch = Vec<(ChunkSlice, u32, bool, u64, bool)>;
+
+/// Event IDs remembered for deduplication. A builder that fails after handing an event over gets
+/// it rebuilt elsewhere within moments; copies further apart than this are not caught.
+const DEDUP_WINDOW: usize = 1 << 20;
 
 pub struct Recorder {
     pub stats: Arc<RecorderStats>,
@@ -247,7 +288,13 @@ fn read_builder(
                     let rec = reader.take(n);
                     st.queued_fragments
                         .fetch_add(h.fragment_count as u64, Ordering::Relaxed);
-                    batch.push((rec, h.fragment_count, h.flags.has(EventFlags::INCOMPLETE)));
+                    batch.push((
+                        rec,
+                        h.fragment_count,
+                        h.flags.has(EventFlags::INCOMPLETE),
+                        h.event_id,
+                        h.flags.has(EventFlags::REBUILT),
+                    ));
                 }
                 Ok((LinkItem::End(_), _)) => {
                     done = true;
@@ -292,6 +339,7 @@ fn write_loop(settings: FileSettings, rx: Receiver<Batch>, st: &RecorderStats) {
     let enabled = settings.section.enabled;
     let mut w = FileWriter::new(settings);
     let mut failed = false;
+    let mut seen = Dedup::new(DEDUP_WINDOW);
     loop {
         // A partial block is written out after a quiet spell, so that at low rates events reach
         // the disk (and release their buffer memory) without waiting for a full block.
@@ -309,8 +357,20 @@ fn write_loop(settings: FileSettings, rx: Receiver<Batch>, st: &RecorderStats) {
             }
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
         };
-        for (rec, nf, incomplete) in batch {
+        for (rec, nf, incomplete, event_id, rebuilt) in batch {
             let len = rec.len() as u64;
+            if !seen.insert(event_id) {
+                // A second copy of an event (rebuilt after its first builder was declared dead,
+                // though that one had delivered it): each event is written exactly once.
+                st.duplicate_events.fetch_add(1, Ordering::Relaxed);
+                st.duplicate_fragments
+                    .fetch_add(nf as u64, Ordering::Relaxed);
+                st.queued_fragments.fetch_sub(nf as u64, Ordering::Relaxed);
+                continue;
+            }
+            if rebuilt {
+                st.rebuilt_events.fetch_add(1, Ordering::Relaxed);
+            }
             if enabled && !failed {
                 if let Err(e) = w.append(rec, nf, incomplete, st) {
                     tracing::error!(error = %e, "recorder cannot write; events are counted but not stored");

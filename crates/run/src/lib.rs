@@ -68,6 +68,8 @@ pub enum Role {
     Readout(u32),
     /// All the emulated sources.
     Sources,
+    /// The event manager (request mode).
+    EventManager,
 }
 
 impl Role {
@@ -82,6 +84,9 @@ impl Role {
     }
     fn runs_sources(o: Option<Role>) -> bool {
         o.is_none_or(|r| r == Role::Sources)
+    }
+    fn runs_manager(o: Option<Role>) -> bool {
+        o.is_none_or(|r| r == Role::EventManager)
     }
 }
 
@@ -112,6 +117,7 @@ pub(crate) struct Running {
     pub readout_units: Vec<ReadoutUnit>,
     pub builders: Vec<BuilderUnit>,
     pub recorder: Option<Recorder>,
+    pub manager: Option<tessera_manager::EventManager>,
 }
 
 /// Runs the topology to its end and returns the report (also written as the run manifest).
@@ -167,11 +173,39 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         })?;
         Some((rec, addr))
     };
-    // Builders.
+    let request_mode = t.run.mode == tessera_config::Mode::Request;
+    let recorder_for_builders = recorder
+        .as_ref()
+        .map(|(_, a)| a.clone())
+        .or_else(|| recorder_addr.clone());
+    // Request mode: the event manager listens before anyone connects to it.
+    let mut manager = None;
+    let mut manager_addr = t.event_manager.listen.clone();
+    if request_mode && Role::runs_manager(opts.only) {
+        let l = bind(&t.event_manager.listen, "event_manager")?;
+        manager_addr = l.local_addr()?.to_string();
+        let m = &t.event_manager;
+        manager = Some(
+            tessera_manager::EventManager::start(tessera_manager::ManagerConfig {
+                listener: l,
+                readout_units: t.readout_units.iter().map(|u| u.id).collect(),
+                settings: tessera_manager::Settings {
+                    clear_group: m.clear_group as usize,
+                    clear_delay_ns: m.clear_delay_ms * 1_000_000,
+                    heartbeat_timeout_ns: m.heartbeat_timeout_ms * 1_000_000,
+                    busy_threshold: m.busy_threshold as usize,
+                    done_memory: 1 << 20,
+                },
+            })
+            .context("starting the event manager")?,
+        );
+    }
+    let max_answer = 64 + 4 * max_ru_links + max_ru_links * (4 + frag_wire);
+    // Builders (push mode: they listen, readout units connect to them).
     let mut builders = Vec::new();
     let mut builder_addrs = Vec::new();
     for (i, b) in t.builders.iter().enumerate() {
-        if !Role::runs_builder(opts.only, b.id) {
+        if request_mode || !Role::runs_builder(opts.only, b.id) {
             builder_addrs.push(b.listen.clone());
             continue;
         }
@@ -187,10 +221,7 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
                     .zip(&r.ru_sources)
                     .map(|(ru, s)| (ru.id, s.clone()))
                     .collect(),
-                recorder: recorder
-                    .as_ref()
-                    .map(|(_, a)| a.clone())
-                    .or_else(|| recorder_addr.clone()),
+                recorder: recorder_for_builders.clone(),
                 buffer: b.buffer.0,
                 read_chunk: b.read_chunk.0 as usize,
                 event_timeout: Duration::from_millis(b.event_timeout_ms),
@@ -209,6 +240,7 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         }
         let l = bind(&ru.listen, &format!("readout[{i}]"))?;
         ru_addrs.push(l.local_addr()?.to_string());
+        let q = &t.request;
         rus.push(
             ReadoutUnit::start(ReadoutConfig {
                 id: ru.id,
@@ -228,9 +260,49 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
                         ru.quarantine_limit.0,
                     )
                 }),
+                request_mode: request_mode.then(|| tessera_readout::RequestMode {
+                    page_size: q.page_size.0 as usize,
+                    descriptors: q.descriptors as usize,
+                    timeout: Duration::from_millis(q.timeout_ms),
+                    event_manager: manager_addr.clone(),
+                    builders: t.builders.iter().map(|b| b.id).collect(),
+                }),
             })
             .with_context(|| format!("starting readout unit {}", ru.id))?,
         );
+    }
+    // Request-mode builders connect to the readout units and the event manager.
+    if request_mode {
+        let filter: Arc<dyn tessera_filter::Filter> =
+            Arc::new(tessera_filter::Builtin::new(&t.filter, r.roi.clone()));
+        for b in &t.builders {
+            if !Role::runs_builder(opts.only, b.id) {
+                continue;
+            }
+            let q = &t.request;
+            builders.push(
+                BuilderUnit::start_pull(tessera_builder::PullConfig {
+                    id: b.id as u16,
+                    event_manager: manager_addr.clone(),
+                    readout_units: t
+                        .readout_units
+                        .iter()
+                        .zip(&r.ru_sources)
+                        .zip(&ru_addrs)
+                        .map(|((ru, s), a)| (ru.id, a.clone(), s.clone()))
+                        .collect(),
+                    recorder: recorder_for_builders.clone(),
+                    credits: q.credits,
+                    heartbeat: Duration::from_millis(t.event_manager.heartbeat_ms),
+                    event_timeout: Duration::from_millis(q.builder_timeout_ms),
+                    filter: filter.clone(),
+                    max_message: max_answer,
+                    buffer: b.buffer.0,
+                    read_chunk: b.read_chunk.0 as usize,
+                })
+                .with_context(|| format!("starting builder {}", b.id))?,
+            );
+        }
     }
     // Sources.
     let emulated: Vec<(u32, String)> = r
@@ -269,6 +341,7 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         readout_units: rus,
         builders,
         recorder,
+        manager,
     };
     let mut status =
         status::Status::new(opts.status, Duration::from_millis(t.run.status_interval_ms));
@@ -331,6 +404,9 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
     for b in &running.builders {
         b.stop();
     }
+    if let Some(m) = &running.manager {
+        m.stop();
+    }
     if let Some(rec) = &running.recorder {
         rec.stop();
     }
@@ -346,6 +422,9 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
             let grace = Duration::from_secs(3);
             for u in &running.readout_units {
                 u.abort();
+            }
+            if let Some(m) = &running.manager {
+                m.abort();
             }
             wait_until(grace, || {
                 running.readout_units.iter().all(|u| u.is_finished())
@@ -383,7 +462,11 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         readout_units,
         builders,
         recorder,
+        manager,
     } = running;
+    if let Some(m) = manager.filter(|m| m.is_finished()) {
+        m.join();
+    }
     // Components that ignored even the abort are left to the end of the process rather than
     // joined: a stop must not hang.
     if let Some(s) = sources.filter(|s| s.threads_finished()) {
@@ -419,6 +502,13 @@ fn check_daemon_addresses(r: &Resolved, role: Role) -> Result<()> {
     let t = &r.topology;
     let port0 = |a: &str| a.rsplit_once(':').is_some_and(|(_, p)| p == "0");
     let mut peers: Vec<(String, &str)> = Vec::new();
+    let request = t.run.mode == tessera_config::Mode::Request;
+    if role == Role::EventManager && !request {
+        bail!(
+            "{}: run.mode: the event manager runs in request mode only",
+            r.origin
+        );
+    }
     match role {
         Role::Sources => peers.extend(
             t.readout_units
@@ -426,16 +516,34 @@ fn check_daemon_addresses(r: &Resolved, role: Role) -> Result<()> {
                 .enumerate()
                 .map(|(i, u)| (format!("readout[{i}].listen"), u.listen.as_str())),
         ),
+        Role::Readout(_) if request => peers.push((
+            "event_manager.listen".into(),
+            t.event_manager.listen.as_str(),
+        )),
         Role::Readout(_) => peers.extend(
             t.builders
                 .iter()
                 .enumerate()
                 .map(|(i, b)| (format!("builder[{i}].listen"), b.listen.as_str())),
         ),
-        Role::Builder(_) if t.recorder.enabled => {
-            peers.push(("recorder.listen".into(), t.recorder.listen.as_str()))
+        Role::Builder(_) => {
+            if t.recorder.enabled {
+                peers.push(("recorder.listen".into(), t.recorder.listen.as_str()));
+            }
+            if request {
+                peers.push((
+                    "event_manager.listen".into(),
+                    t.event_manager.listen.as_str(),
+                ));
+                peers.extend(
+                    t.readout_units
+                        .iter()
+                        .enumerate()
+                        .map(|(i, u)| (format!("readout[{i}].listen"), u.listen.as_str())),
+                );
+            }
         }
-        Role::Builder(_) | Role::Recorder => {}
+        Role::Recorder | Role::EventManager => {}
     }
     let own = match role {
         Role::Recorder => Some(("recorder.listen".to_string(), t.recorder.listen.as_str())),
@@ -451,6 +559,10 @@ fn check_daemon_addresses(r: &Resolved, role: Role) -> Result<()> {
                 t.readout_units[i].listen.as_str(),
             )
         }),
+        Role::EventManager => Some((
+            "event_manager.listen".to_string(),
+            t.event_manager.listen.as_str(),
+        )),
         Role::Sources => None,
     };
     match (role, &own) {
@@ -491,6 +603,7 @@ fn all_finished(r: &Running) -> bool {
         && r.readout_units.iter().all(|u| u.is_finished())
         && r.builders.iter().all(|b| b.is_finished())
         && r.recorder.as_ref().is_none_or(|x| x.is_finished())
+        && r.manager.as_ref().is_none_or(|m| m.is_finished())
 }
 
 /// One more than the highest run number recorded in `dir` (by its `last_run` file).

@@ -1,0 +1,669 @@
+//! Request mode of the builder unit (CMS BU with its EVM, ATLAS DCM): it takes events from the
+//! event manager as far as its credit goes, requests their fragments from the readout units
+//! (the RoI first when the filter has one, the rest only if the filter accepts), builds each
+//! event, hands it to the recorder, and only once the recorder link has taken it reports it done,
+//! so that a builder dying at any moment leaves every unfinished event to be rebuilt elsewhere.
+//!
+//! Threads: an event-manager reader (assignments) and writer (credit, done, heartbeats); per
+//! readout unit a request writer (control connection, Nagle off) and an answer reader (data
+//! connection, Nagle on: the CMS lesson); a sweeper for heartbeats and the event timeout; the
+//! recorder sender.
+
+use crossbeam_channel::{bounded, Sender};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tessera_filter::{Filter, FragmentRef};
+use tessera_format::event::{EventFlags, EventRecordHeader};
+use tessera_format::link::{Fragments, PeerHello, PeerRole};
+use tessera_format::request::{
+    self, AnswerHeader, Channel, Message, Outcome, Role, ASSIGN_REBUILD,
+};
+use tessera_net::control::{open, write_loop, MessageReader, ReadEnd};
+use tessera_net::reader::Fill;
+use tessera_net::role::RoleThreads;
+use tessera_net::{ChunkReader, ChunkSlice};
+
+use crate::{BuilderStats, BuilderUnit, Built};
+
+/// Everything a request-mode builder needs to start.
+pub struct PullConfig {
+    pub id: u16,
+    pub event_manager: String,
+    /// (readout unit ID, address, its sources).
+    pub readout_units: Vec<(u32, String, Vec<u32>)>,
+    pub recorder: Option<String>,
+    pub credits: u32,
+    pub heartbeat: Duration,
+    /// How long an event may wait for its answers before it is built incomplete.
+    pub event_timeout: Duration,
+    pub filter: Arc<dyn Filter>,
+    /// Largest answer accepted.
+    pub max_message: usize,
+    pub buffer: u64,
+    pub read_chunk: usize,
+}
+
+/// Request steps, sent as the request tag and echoed in the answers.
+const STEP_ROI: u64 = 1;
+const STEP_FULL: u64 = 2;
+
+struct Building {
+    rebuild: bool,
+    since_ns: u64,
+    step: u64,
+    /// Answers still expected in this step.
+    waiting: usize,
+    parts: Vec<(AnswerHeader, ChunkSlice)>,
+}
+
+struct Pull {
+    id: u16,
+    rus: Vec<(u32, Vec<u32>)>,
+    expected: Vec<u32>,
+    stats: Arc<BuilderStats>,
+    filter: Arc<dyn Filter>,
+    events: Mutex<HashMap<u64, Building>>,
+    to_rus: Vec<Sender<Message>>,
+    to_manager: Sender<Message>,
+    to_recorder: Mutex<Option<Sender<Vec<Built>>>>,
+    t0: Instant,
+    timeout_ns: u64,
+    abort: Arc<AtomicBool>,
+    /// The event manager ended the run.
+    ended: AtomicBool,
+}
+
+impl BuilderUnit {
+    /// Starts a request-mode builder: connects to the event manager, every readout unit and the
+    /// recorder, then asks for events.
+    pub fn start_pull(cfg: PullConfig) -> std::io::Result<BuilderUnit> {
+        let n = cfg.readout_units.len();
+        let per_link = (cfg.buffer / n.max(1) as u64).max(2 * cfg.read_chunk as u64);
+        let stats = Arc::new(BuilderStats::new(
+            cfg.id,
+            cfg.readout_units.iter().map(|r| r.0),
+            per_link,
+        ));
+        let mut role = RoleThreads::default();
+        let patience = Duration::from_secs(10);
+        let id = cfg.id as u32;
+        let mut em = open(
+            &cfg.event_manager,
+            Role::BuilderUnit,
+            Channel::Control,
+            id,
+            patience,
+        )?;
+        let mut controls = Vec::new();
+        let mut datas = Vec::new();
+        for (_, addr, _) in &cfg.readout_units {
+            controls.push(open(
+                addr,
+                Role::BuilderUnit,
+                Channel::Control,
+                id,
+                patience,
+            )?);
+            datas.push(open(addr, Role::BuilderUnit, Channel::Data, id, patience)?);
+        }
+        for l in &stats.links {
+            l.connected.store(true, Ordering::Relaxed);
+        }
+        let to_recorder = match &cfg.recorder {
+            Some(addr) => {
+                let s = tessera_net::io::connect_retry(addr, patience)?;
+                tessera_net::io::tune(&s, Some(Duration::from_secs(1)))?;
+                Some(s)
+            }
+            None => None,
+        };
+        let (to_manager, from_builder) = bounded::<Message>(4096);
+        let mut to_rus = Vec::new();
+        for (i, mut s) in controls.into_iter().enumerate() {
+            let (tx, rx) = bounded::<Message>(4096);
+            to_rus.push(tx);
+            let st = stats.clone();
+            role.spawn(
+                format!("bu{id}-req-ru{}", cfg.readout_units[i].0),
+                move || {
+                    if let Err(e) = write_loop(&mut s, &rx) {
+                        *st.links[i].error.lock() = Some(e.to_string());
+                    }
+                },
+            );
+        }
+        let mut expected: Vec<u32> = cfg
+            .readout_units
+            .iter()
+            .flat_map(|r| r.2.iter().copied())
+            .collect();
+        expected.sort_unstable();
+        let pull = Arc::new(Pull {
+            id: cfg.id,
+            rus: cfg
+                .readout_units
+                .iter()
+                .map(|(r, _, s)| (*r, s.clone()))
+                .collect(),
+            expected,
+            stats: stats.clone(),
+            filter: cfg.filter,
+            events: Mutex::new(HashMap::new()),
+            to_rus,
+            to_manager,
+            to_recorder: Mutex::new(None),
+            t0: Instant::now(),
+            timeout_ns: cfg.event_timeout.as_nanos() as u64,
+            abort: role.abort.clone(),
+            ended: AtomicBool::new(false),
+        });
+        if let Some(s) = to_recorder {
+            let (tx, rx) = bounded::<Vec<Built>>(256);
+            *pull.to_recorder.lock() = Some(tx);
+            let p = pull.clone();
+            role.spawn(format!("bu{id}-to-rec"), move || {
+                send_to_recorder(&p, s, rx)
+            });
+        }
+        {
+            let mut w = em.try_clone()?;
+            let st = stats.clone();
+            role.spawn(format!("bu{id}-to-em"), move || {
+                if let Err(e) = write_loop(&mut w, &from_builder) {
+                    *st.manager_error.lock() = Some(e.to_string());
+                }
+            });
+        }
+        let _ = pull.to_manager.send(Message::Credit {
+            credits: cfg.credits,
+        });
+        for (i, s) in datas.into_iter().enumerate() {
+            let p = pull.clone();
+            let chunk = cfg.read_chunk.max(2 * cfg.max_message);
+            let max = cfg.max_message;
+            role.spawn(
+                format!("bu{id}-ans-ru{}", cfg.readout_units[i].0),
+                move || read_answers(&p, i, s, chunk, max),
+            );
+        }
+        {
+            let p = pull.clone();
+            let hb = cfg.heartbeat;
+            role.spawn(format!("bu{id}-sweep"), move || sweep(&p, hb));
+        }
+        {
+            let p = pull;
+            role.spawn(format!("bu{id}-from-em"), move || {
+                let mut r = MessageReader::new(1 << 24);
+                loop {
+                    match r.next(&mut em, &p.abort) {
+                        Ok(Message::Assign { events }) => p.assigned(&events),
+                        Ok(Message::End { .. }) => break,
+                        Ok(other) => {
+                            *p.stats.manager_error.lock() =
+                                Some(format!("event manager sent {other:?}"));
+                            break;
+                        }
+                        Err(ReadEnd::Closed) | Err(ReadEnd::Stopped) => break,
+                        Err(ReadEnd::Failed(e)) => {
+                            *p.stats.manager_error.lock() = Some(e);
+                            break;
+                        }
+                    }
+                }
+                p.ended.store(true, Ordering::Relaxed);
+                p.finish();
+            });
+        }
+        Ok(BuilderUnit { stats, role })
+    }
+}
+
+impl Pull {
+    fn now_ns(&self) -> u64 {
+        self.t0.elapsed().as_nanos() as u64
+    }
+
+    /// The run is over (or the event manager is gone): end every connection.
+    fn finish(&self) {
+        let end = Message::End { units: 0, items: 0 };
+        for tx in &self.to_rus {
+            let _ = tx.send(end.clone());
+        }
+        let _ = self.to_manager.send(end);
+        // Dropping the queue ends the recorder link once it has written what is queued.
+        self.to_recorder.lock().take();
+    }
+
+    fn assigned(&self, events: &[(u64, u32)]) {
+        let now = self.now_ns();
+        let roi = self.filter.roi();
+        let mut sends: Vec<(usize, Message)> = Vec::new();
+        {
+            let mut map = self.events.lock();
+            for &(e, flags) in events {
+                let rebuild = flags & ASSIGN_REBUILD != 0;
+                let (step, asks) = if roi.is_empty() {
+                    (STEP_FULL, self.ask(|_| true))
+                } else {
+                    (STEP_ROI, self.ask(|s| roi.contains(&s)))
+                };
+                self.stats.events_in_flight.fetch_add(1, Ordering::Relaxed);
+                if rebuild {
+                    self.stats.events_rebuilt.fetch_add(1, Ordering::Relaxed);
+                }
+                map.insert(
+                    e,
+                    Building {
+                        rebuild,
+                        since_ns: now,
+                        step,
+                        waiting: asks.len(),
+                        parts: Vec::new(),
+                    },
+                );
+                for (ru, sources) in asks {
+                    sends.push((
+                        ru,
+                        Message::Request {
+                            tag: step,
+                            event_id: e,
+                            sources,
+                        },
+                    ));
+                }
+            }
+        }
+        self.send_requests(sends);
+    }
+
+    /// Which readout units to ask for the sources `want` selects, and with what list (empty:
+    /// all of the unit's sources).
+    fn ask(&self, want: impl Fn(u32) -> bool) -> Vec<(usize, Vec<u32>)> {
+        let mut v = Vec::new();
+        for (i, (_, sources)) in self.rus.iter().enumerate() {
+            let pick: Vec<u32> = sources.iter().copied().filter(|&s| want(s)).collect();
+            if pick.is_empty() {
+                continue;
+            }
+            v.push((
+                i,
+                if pick.len() == sources.len() {
+                    Vec::new()
+                } else {
+                    pick
+                },
+            ));
+        }
+        v
+    }
+
+    fn send_requests(&self, sends: Vec<(usize, Message)>) {
+        self.stats
+            .requests
+            .fetch_add(sends.len() as u64, Ordering::Relaxed);
+        for (ru, m) in sends {
+            // Blocking: a readout unit that stops reading requests (its descriptors for this
+            // builder are in use) holds this builder, which is the back-pressure wanted.
+            let _ = self.to_rus[ru].send(m);
+        }
+    }
+
+    fn answered(&self, h: AnswerHeader, body: ChunkSlice) {
+        let e = h.event_id;
+        let step_done = {
+            let mut map = self.events.lock();
+            match map.get_mut(&e) {
+                Some(b) if b.step == h.tag && b.waiting > 0 => {
+                    b.waiting -= 1;
+                    b.parts.push((h, body));
+                    if b.waiting == 0 {
+                        map.remove(&e)
+                    } else {
+                        None
+                    }
+                }
+                _ => {
+                    // For an event built already (timed out) or not ours.
+                    self.stats
+                        .late_fragments
+                        .fetch_add(h.fragment_count as u64, Ordering::Relaxed);
+                    None
+                }
+            }
+        };
+        if let Some(b) = step_done {
+            self.step_done(e, b);
+        }
+    }
+
+    fn step_done(&self, e: u64, mut b: Building) {
+        if b.step == STEP_ROI {
+            let accept = {
+                let frags = fragment_views(e, &b.parts);
+                let refs: Vec<FragmentRef> = frags
+                    .iter()
+                    .map(|(s, p)| FragmentRef {
+                        source_id: *s,
+                        payload: p,
+                    })
+                    .collect();
+                self.filter.accept(e, &refs)
+            };
+            if !accept {
+                let n: u64 = b.parts.iter().map(|p| p.0.fragment_count as u64).sum();
+                self.stats.events_rejected.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .fragments_rejected
+                    .fetch_add(n, Ordering::Relaxed);
+                self.done(&[(e, Outcome::Rejected)]);
+                return;
+            }
+            let roi = self.filter.roi();
+            let asks = self.ask(|s| !roi.contains(&s));
+            if !asks.is_empty() {
+                b.step = STEP_FULL;
+                b.waiting = asks.len();
+                let sends = asks
+                    .into_iter()
+                    .map(|(ru, sources)| {
+                        (
+                            ru,
+                            Message::Request {
+                                tag: STEP_FULL,
+                                event_id: e,
+                                sources,
+                            },
+                        )
+                    })
+                    .collect();
+                self.events.lock().insert(e, b);
+                self.send_requests(sends);
+                return;
+            }
+        } else {
+            // One step: the whole event is here; decide on it.
+            let frags = fragment_views(e, &b.parts);
+            let refs: Vec<FragmentRef> = frags
+                .iter()
+                .map(|(s, p)| FragmentRef {
+                    source_id: *s,
+                    payload: p,
+                })
+                .collect();
+            if self.filter.roi().is_empty() && !self.filter.accept(e, &refs) {
+                let n: u64 = b.parts.iter().map(|p| p.0.fragment_count as u64).sum();
+                self.stats.events_rejected.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .fragments_rejected
+                    .fetch_add(n, Ordering::Relaxed);
+                self.done(&[(e, Outcome::Rejected)]);
+                return;
+            }
+        }
+        self.build(e, b);
+    }
+
+    /// Reports events finished and gives their credit back.
+    fn done(&self, events: &[(u64, Outcome)]) {
+        if events.is_empty() {
+            return;
+        }
+        self.stats
+            .events_in_flight
+            .fetch_sub(events.len() as u64, Ordering::Relaxed);
+        let _ = self.to_manager.send(Message::Done {
+            events: events.to_vec(),
+        });
+        let _ = self.to_manager.send(Message::Credit {
+            credits: events.len() as u32,
+        });
+    }
+
+    fn build(&self, e: u64, b: Building) {
+        let st = &self.stats;
+        let mut flags = 0u32;
+        if b.rebuild {
+            flags |= EventFlags::REBUILT;
+        }
+        let mut frags: Vec<(u32, ChunkSlice)> = Vec::new();
+        let mut trigger: Option<u16> = None;
+        let mut timestamp = 0u64;
+        for (h, body) in &b.parts {
+            let mut found = Vec::new();
+            let mut bad = false;
+            for f in Fragments::new(body) {
+                match f {
+                    Ok(f) if f.header.event_id == e => found.push(f),
+                    _ => {
+                        bad = true;
+                        break;
+                    }
+                }
+            }
+            if bad || found.len() != h.fragment_count as usize {
+                // The answer contradicts itself: none of its fragments can be trusted.
+                st.malformed_fragments
+                    .fetch_add(h.fragment_count as u64, Ordering::Relaxed);
+                continue;
+            }
+            for f in found {
+                match trigger {
+                    None => {
+                        trigger = Some(f.header.trigger_type);
+                        timestamp = f.header.timestamp;
+                    }
+                    Some(t) if t != f.header.trigger_type => flags |= EventFlags::TRIGGER_MISMATCH,
+                    _ => {}
+                }
+                if f.header.status != 0 {
+                    flags |= EventFlags::FRONT_END_STATUS;
+                }
+                frags.push((f.header.source_id, body.slice(f.start, f.len)));
+            }
+        }
+        frags.sort_by_key(|f| f.0);
+        let missing: Vec<u32> = self
+            .expected
+            .iter()
+            .copied()
+            .filter(|s| frags.binary_search_by_key(s, |f| f.0).is_err())
+            .collect();
+        if !missing.is_empty() {
+            flags |= EventFlags::INCOMPLETE;
+            let mut m = st.missing_by_source.lock();
+            for s in &missing {
+                *m.entry(*s).or_default() += 1;
+            }
+        }
+        let fragments: Vec<ChunkSlice> = frags.into_iter().map(|f| f.1).collect();
+        let body: usize = fragments.iter().map(|f| f.len()).sum();
+        let mut h = EventRecordHeader {
+            flags: EventFlags(flags),
+            event_id: e,
+            timestamp,
+            trigger_type: trigger.unwrap_or(0),
+            builder_id: self.id,
+            fragment_count: fragments.len() as u32,
+            record_size: 0,
+            missing,
+            checksum: 0,
+        };
+        h.record_size = (h.header_size() + body) as u32;
+        let mut header = Vec::with_capacity(h.header_size());
+        h.encode_into(&mut header);
+        let crc = EventRecordHeader::checksum_over(&header, fragments.iter().map(|f| &f[..]));
+        EventRecordHeader::seal(&mut header, crc);
+        let nf = fragments.len() as u64;
+        if flags & EventFlags::INCOMPLETE != 0 {
+            st.events_incomplete.fetch_add(1, Ordering::Relaxed);
+            st.fragments_in_incomplete.fetch_add(nf, Ordering::Relaxed);
+        } else {
+            st.events_complete.fetch_add(1, Ordering::Relaxed);
+            st.fragments_in_complete.fetch_add(nf, Ordering::Relaxed);
+        }
+        st.bytes_built
+            .fetch_add(h.record_size as u64, Ordering::Relaxed);
+        st.last_event.store(e, Ordering::Relaxed);
+        let tx = self.to_recorder.lock().clone();
+        match tx {
+            Some(tx) => {
+                st.queued_fragments.fetch_add(nf, Ordering::Relaxed);
+                let built = Built {
+                    header,
+                    fragments,
+                    event_id: e,
+                };
+                if tx.send(vec![built]).is_err() {
+                    st.queued_fragments.fetch_sub(nf, Ordering::Relaxed);
+                    st.recorder_lost.fetch_add(nf, Ordering::Relaxed);
+                }
+            }
+            // Building measured alone: done at once.
+            None => self.done(&[(e, Outcome::Recorded)]),
+        }
+    }
+}
+
+/// (source ID, payload) of every fragment in the answers, for the filter.
+fn fragment_views(e: u64, parts: &[(AnswerHeader, ChunkSlice)]) -> Vec<(u32, &[u8])> {
+    let mut v = Vec::new();
+    for (_, body) in parts {
+        for f in Fragments::new(body).flatten() {
+            if f.header.event_id == e {
+                v.push((f.header.source_id, &body[f.payload_range()]));
+            }
+        }
+    }
+    v
+}
+
+fn read_answers(p: &Pull, slot: usize, mut stream: TcpStream, chunk: usize, max: usize) {
+    let link = &p.stats.links[slot];
+    let mut reader = ChunkReader::new(link.budget.clone(), chunk);
+    let mut want = 0usize;
+    loop {
+        let mut done = false;
+        loop {
+            match request::decode(reader.window(), max) {
+                Ok(request::Decoded::Message(Message::Answer(h), n)) => {
+                    let all = reader.take(n);
+                    let hs = h.header_size();
+                    let body = all.slice(hs, n - hs);
+                    link.super_fragments.fetch_add(1, Ordering::Relaxed);
+                    link.fragments
+                        .fetch_add(h.fragment_count as u64, Ordering::Relaxed);
+                    p.answered(h, body);
+                }
+                Ok(request::Decoded::Message(Message::End { items, .. }, n)) => {
+                    reader.skip(n);
+                    link.declared_fragments.store(items, Ordering::Relaxed);
+                    done = true;
+                    break;
+                }
+                Ok(request::Decoded::Message(other, _)) => {
+                    *link.error.lock() = Some(format!("unexpected {other:?} on a data connection"));
+                    done = true;
+                    break;
+                }
+                Ok(request::Decoded::NeedMore(n)) => {
+                    want = if reader.window().is_empty() { 0 } else { n };
+                    break;
+                }
+                Err(e) => {
+                    *link.error.lock() = Some(e.to_string());
+                    done = true;
+                    break;
+                }
+            }
+        }
+        if done {
+            break;
+        }
+        match reader.fill(&mut stream, want, &p.abort) {
+            Ok(Fill::Data(_)) => {}
+            Ok(Fill::Eof) => {
+                if !reader.window().is_empty() {
+                    *link.error.lock() = Some("connection closed inside an answer".into());
+                } else if !p.ended.load(Ordering::Relaxed) {
+                    *link.error.lock() = Some("readout unit closed the data connection".into());
+                }
+                break;
+            }
+            Ok(Fill::Stopped) => break,
+            Err(e) => {
+                *link.error.lock() = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+}
+
+fn sweep(p: &Pull, heartbeat: Duration) {
+    let mut last_beat = Instant::now();
+    let mut seq = 0u64;
+    loop {
+        std::thread::sleep(Duration::from_millis(5));
+        if p.ended.load(Ordering::Relaxed) || p.abort.load(Ordering::Relaxed) {
+            break;
+        }
+        if last_beat.elapsed() >= heartbeat {
+            seq += 1;
+            let _ = p.to_manager.try_send(Message::Heartbeat { sequence: seq });
+            last_beat = Instant::now();
+        }
+        let now = p.now_ns();
+        let late: Vec<(u64, Building)> = {
+            let mut map = p.events.lock();
+            let ids: Vec<u64> = map
+                .iter()
+                .filter(|(_, b)| now.saturating_sub(b.since_ns) > p.timeout_ns)
+                .map(|(e, _)| *e)
+                .collect();
+            ids.into_iter()
+                .filter_map(|e| map.remove(&e).map(|b| (e, b)))
+                .collect()
+        };
+        for (e, b) in late {
+            // Answers missing past the timeout: built with what came, the rest named missing.
+            p.build(e, b);
+        }
+        p.stats
+            .pending_events
+            .store(p.events.lock().len() as u64, Ordering::Relaxed);
+    }
+}
+
+fn send_to_recorder(p: &Pull, stream: TcpStream, rx: crossbeam_channel::Receiver<Vec<Built>>) {
+    let st = &p.stats;
+    let hello = PeerHello {
+        role: PeerRole::BuilderUnit,
+        id: p.id as u32,
+    };
+    let on_batch = |o: tessera_net::sender::BatchOutcome, batch: &[Built]| {
+        st.queued_fragments
+            .fetch_sub(o.fragments, Ordering::Relaxed);
+        if o.written {
+            // Written to the recorder link: done. Dying after this point is covered by the
+            // recorder's deduplication of the rebuilt copy.
+            let ids: Vec<(u64, Outcome)> = batch
+                .iter()
+                .map(|b| (b.event_id, Outcome::Recorded))
+                .collect();
+            p.done(&ids);
+        } else {
+            st.recorder_lost.fetch_add(o.fragments, Ordering::Relaxed);
+        }
+    };
+    let on_error = |e: &std::io::Error| {
+        tracing::error!(builder = p.id, error = %e, "recorder link failed");
+        *st.recorder_error.lock() = Some(e.to_string());
+    };
+    tessera_net::sender::send_loop(stream, rx, hello, on_batch, on_error);
+}

@@ -1,0 +1,642 @@
+//! Request mode of the readout unit (the ATLAS ROS, seeds/004 §5.3, §6.2): fragments wait in
+//! paged buffers until a builder asks for them, and leave on the event manager's clears.
+//!
+//! Threads, and why:
+//! - an accept thread takes sources (wire-format hello) and builders (request-protocol hello,
+//!   one control and one data connection each) on the same port;
+//! - one reader thread per link, as in push mode, copying each good fragment into the link's
+//!   pages; a link whose pages are all used waits for a clear (TCP then holds its source);
+//! - per builder a control reader that takes its requests (at most its share of the
+//!   descriptors at a time: past that it stops reading, which holds only that builder) and an
+//!   answer sender that copies the fragments out of the pages and writes them on the data
+//!   connection. A stuck builder fills only its own share: the others' answers keep flowing;
+//! - an event-manager link: announcements of new events out, clears and BUSY in;
+//! - a sweeper that answers timed-out requests with the list of missing sources, publishes the
+//!   gauges and ends the unit.
+
+use crossbeam_channel::{bounded, Receiver, Sender};
+use parking_lot::{Condvar, Mutex};
+use std::collections::HashMap;
+use std::io::IoSlice;
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tessera_format::request::{self, AnswerHeader, Channel, Message, Role, REQUEST_MAGIC};
+use tessera_format::wire::HELLO_SIZE;
+use tessera_net::control::{write_loop, MessageReader, ReadEnd};
+use tessera_net::role::{spawn, RoleThreads};
+use tessera_net::ChunkSlice;
+
+use crate::paged::{PagedBuffer, StoreError};
+use crate::recent::RecentSet;
+use crate::requests::{Answer, Request, RequestTable, Submit};
+use crate::{LinkCtx, LinkSink, LinkState, Rejection};
+
+/// Request-mode settings of a readout unit.
+#[derive(Clone, Debug)]
+pub struct RequestMode {
+    pub page_size: usize,
+    /// Descriptors in all, split evenly over `builders`.
+    pub descriptors: usize,
+    pub timeout: Duration,
+    pub event_manager: String,
+    /// IDs of the builders that will connect.
+    pub builders: Vec<u32>,
+}
+
+/// One builder's side of the unit.
+struct Port {
+    answers_tx: Sender<Answer>,
+    answers_rx: Receiver<Answer>,
+    /// Requests taken and not yet answered on the wire.
+    in_flight: Mutex<usize>,
+    freed: Condvar,
+    /// The builder's control connection ended: no more requests.
+    closed: AtomicBool,
+}
+
+struct Unit {
+    ctx: LinkCtx,
+    links: Vec<Mutex<PagedBuffer>>,
+    /// Signalled when a clear frees pages.
+    space: Condvar,
+    space_lock: Mutex<()>,
+    requests: Mutex<RequestTable>,
+    ports: Mutex<HashMap<u32, Arc<Port>>>,
+    share: usize,
+    announced: Mutex<RecentSet>,
+    cleared: Mutex<RecentSet>,
+    to_manager: Sender<Message>,
+    manager_ended: AtomicBool,
+    /// Link readers still running.
+    open_links: AtomicUsize,
+}
+
+impl std::ops::Deref for Unit {
+    type Target = LinkCtx;
+    fn deref(&self) -> &LinkCtx {
+        &self.ctx
+    }
+}
+
+/// Most recent event IDs remembered as announced or cleared.
+const MEMORY: usize = 1 << 20;
+
+pub(crate) fn start(
+    ctx: LinkCtx,
+    listener: TcpListener,
+    mode: RequestMode,
+    per_link: u64,
+    role: &mut RoleThreads,
+) -> std::io::Result<()> {
+    let n = ctx.sources.len();
+    let pages = (per_link as usize / mode.page_size).max(1);
+    let links: Vec<Mutex<PagedBuffer>> = (0..n)
+        .map(|_| Mutex::new(PagedBuffer::new(mode.page_size, pages, 16)))
+        .collect();
+    let rs = &ctx.stats.requests;
+    rs.total_pages.store((pages * n) as u64, Ordering::Relaxed);
+    rs.free_pages.store((pages * n) as u64, Ordering::Relaxed);
+    let mut em = tessera_net::control::open(
+        &mode.event_manager,
+        Role::ReadoutUnit,
+        Channel::Control,
+        ctx.id,
+        Duration::from_secs(10),
+    )?;
+    let (to_manager, from_unit) = bounded::<Message>(4096);
+    let unit = Arc::new(Unit {
+        links,
+        space: Condvar::new(),
+        space_lock: Mutex::new(()),
+        requests: Mutex::new(RequestTable::new(
+            mode.descriptors,
+            mode.timeout.as_nanos() as u64,
+        )),
+        ports: Mutex::new(HashMap::new()),
+        share: (mode.descriptors / mode.builders.len().max(1)).max(1),
+        announced: Mutex::new(RecentSet::new(MEMORY)),
+        cleared: Mutex::new(RecentSet::new(MEMORY)),
+        to_manager,
+        manager_ended: AtomicBool::new(false),
+        open_links: AtomicUsize::new(n),
+        ctx,
+    });
+    {
+        let mut w = em.try_clone()?;
+        let u = unit.clone();
+        role.spawn(format!("ru{}-to-em", u.id), move || {
+            if let Err(e) = write_loop(&mut w, &from_unit) {
+                *u.stats.requests.manager_error.lock() = Some(e.to_string());
+            }
+        });
+    }
+    {
+        let u = unit.clone();
+        role.spawn(format!("ru{}-from-em", u.id), move || {
+            let mut r = MessageReader::new(1 << 24);
+            loop {
+                match r.next(&mut em, &u.abort) {
+                    Ok(Message::Clear { event_ids }) => u.clear(&event_ids),
+                    Ok(Message::Throttle { busy }) => {
+                        u.stats.requests.throttled.store(busy, Ordering::Relaxed)
+                    }
+                    Ok(Message::End { .. }) => break,
+                    Ok(other) => {
+                        *u.stats.requests.manager_error.lock() =
+                            Some(format!("event manager sent {other:?}"));
+                        break;
+                    }
+                    Err(ReadEnd::Closed) | Err(ReadEnd::Stopped) => break,
+                    Err(ReadEnd::Failed(e)) => {
+                        *u.stats.requests.manager_error.lock() = Some(e);
+                        break;
+                    }
+                }
+            }
+            u.stats.requests.throttled.store(false, Ordering::Relaxed);
+            u.manager_ended.store(true, Ordering::Relaxed);
+            u.space.notify_all();
+        });
+    }
+    {
+        let u = unit.clone();
+        role.spawn(format!("ru{}-sweep", u.id), move || sweep(&u));
+    }
+    {
+        let u = unit;
+        role.spawn(format!("ru{}-accept", u.id), move || accept(&u, listener));
+    }
+    Ok(())
+}
+
+impl LinkSink for Unit {
+    fn ctx(&self) -> &LinkCtx {
+        &self.ctx
+    }
+
+    fn offer(&self, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
+        let link = &self.stats.links[slot];
+        let rs = &self.stats.requests;
+        link.fragments
+            .fetch_add(good.len() as u64, Ordering::Relaxed);
+        let mut stored: Vec<u64> = Vec::with_capacity(good.len());
+        for (ev, frag) in good.drain(..) {
+            let why = loop {
+                if self.cleared.lock().contains(ev) {
+                    break Some(Rejection::Late);
+                }
+                let r = self.links[slot].lock().store(ev, &frag);
+                match r {
+                    Ok(()) => break None,
+                    Err(StoreError::Duplicate) => break Some(Rejection::Duplicate),
+                    Err(StoreError::TooLarge { .. }) => break Some(Rejection::NoSpace),
+                    Err(StoreError::Full { .. }) => {
+                        // Wait for a clear: the link is not read meanwhile (back-pressure).
+                        if self.abort.load(Ordering::Relaxed) {
+                            break Some(Rejection::NoSpace);
+                        }
+                        let t = Instant::now();
+                        rs.links_waiting.fetch_add(1, Ordering::Relaxed);
+                        let mut g = self.space_lock.lock();
+                        if !self.links[slot].lock().fits(frag.len()) {
+                            self.space.wait_for(&mut g, Duration::from_millis(20));
+                        }
+                        drop(g);
+                        rs.links_waiting.fetch_sub(1, Ordering::Relaxed);
+                        link.budget
+                            .busy_ns
+                            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    }
+                }
+            };
+            match why {
+                None => {
+                    rs.stored_fragments.fetch_add(1, Ordering::Relaxed);
+                    stored.push(ev);
+                }
+                Some(why) => {
+                    if let Some(q) = &self.quarantine {
+                        q.dump(self.sources[slot], why.label(), &frag);
+                    }
+                    link.reject(why);
+                }
+            }
+        }
+        if stored.is_empty() {
+            return;
+        }
+        // Announce the events this unit sees first; the event manager keeps the first sighting.
+        let fresh: Vec<u64> = {
+            let mut a = self.announced.lock();
+            stored.iter().copied().filter(|&e| a.insert(e)).collect()
+        };
+        if !fresh.is_empty() {
+            rs.announced
+                .fetch_add(fresh.len() as u64, Ordering::Relaxed);
+            let _ = self.to_manager.send(Message::Announce { event_ids: fresh });
+        }
+        let answers: Vec<Answer> = {
+            let mut t = self.requests.lock();
+            stored.iter().flat_map(|&e| t.arrived(e, slot)).collect()
+        };
+        self.route(answers);
+        self.publish_pages();
+    }
+
+    fn close_link(&self, _slot: usize) {
+        self.open_links.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    fn before_read(&self) {
+        let rs = &self.stats.requests;
+        if !rs.throttled.load(Ordering::Relaxed) {
+            return;
+        }
+        let t = Instant::now();
+        while rs.throttled.load(Ordering::Relaxed) && !self.abort.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        rs.throttled_ns
+            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
+impl Unit {
+    fn port(&self, builder: u32) -> Arc<Port> {
+        self.ports
+            .lock()
+            .entry(builder)
+            .or_insert_with(|| {
+                // Room for every request the builder may have in flight: routing an answer
+                // never blocks.
+                let (tx, rx) = bounded(self.share + 1);
+                Arc::new(Port {
+                    answers_tx: tx,
+                    answers_rx: rx,
+                    in_flight: Mutex::new(0),
+                    freed: Condvar::new(),
+                    closed: AtomicBool::new(false),
+                })
+            })
+            .clone()
+    }
+
+    /// Hands answers to their builders' senders.
+    fn route(&self, answers: Vec<Answer>) {
+        for a in answers {
+            let p = self.port(a.request.builder);
+            if p.answers_tx.try_send(a).is_err() {
+                // Cannot happen while in_flight bounds the queue; counted rather than trusted.
+                tracing::error!(readout_unit = self.id, "answer queue overflow");
+            }
+        }
+    }
+
+    fn publish_pages(&self) {
+        let free: usize = self.links.iter().map(|l| l.lock().free_pages()).sum();
+        self.stats
+            .requests
+            .free_pages
+            .store(free as u64, Ordering::Relaxed);
+    }
+
+    /// Frees the events on every link, counting fragments never sent and odd clears.
+    fn clear(&self, ids: &[u64]) {
+        let rs = &self.stats.requests;
+        rs.clear_messages.fetch_add(1, Ordering::Relaxed);
+        let mut found = vec![false; ids.len()];
+        let mut freed = 0u64;
+        for (slot, l) in self.links.iter().enumerate() {
+            let mut unsent = 0u64;
+            {
+                let mut b = l.lock();
+                for (i, &e) in ids.iter().enumerate() {
+                    if let Some(sent) = b.remove(e) {
+                        found[i] = true;
+                        freed += 1;
+                        if !sent {
+                            unsent += 1;
+                        }
+                    }
+                }
+            }
+            if unsent > 0 {
+                self.stats.links[slot].rejected[Rejection::ClearedUnsent.index()]
+                    .fetch_add(unsent, Ordering::Relaxed);
+            }
+        }
+        rs.stored_fragments.fetch_sub(freed, Ordering::Relaxed);
+        {
+            let mut c = self.cleared.lock();
+            for (i, &e) in ids.iter().enumerate() {
+                let new = c.insert(e);
+                if !found[i] {
+                    if new {
+                        rs.clears_unknown.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        rs.clears_repeated.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        rs.cleared_events
+            .fetch_add(ids.len() as u64, Ordering::Relaxed);
+        self.publish_pages();
+        let _g = self.space_lock.lock();
+        self.space.notify_all();
+    }
+
+    /// Whether link `slot` holds `event_id`.
+    fn has(&self, slot: usize, event_id: u64) -> bool {
+        self.links[slot].lock().contains(event_id)
+    }
+}
+
+fn accept(u: &Arc<Unit>, listener: TcpListener) {
+    let mut threads = Vec::new();
+    // Sources come until all are connected; builders may connect any time until the end.
+    let end = tessera_net::io::accept_until(
+        &listener,
+        &u.stop,
+        || !u.manager_ended.load(Ordering::Relaxed),
+        |mut stream, peer| {
+            let _ = tessera_net::io::tune(&stream, Some(Duration::from_millis(100)));
+            let mut h = [0u8; HELLO_SIZE];
+            if let Err(e) =
+                tessera_net::io::read_exact_patient(&mut stream, &mut h, Duration::from_secs(5))
+            {
+                crate::refused(u, peer, e.to_string());
+                return;
+            }
+            if u32::from_le_bytes(h[..4].try_into().expect("4 bytes")) == REQUEST_MAGIC {
+                match builder_hello(&mut stream, &h) {
+                    Ok((Channel::Control, id)) => {
+                        let u2 = u.clone();
+                        threads.push(spawn(format!("ru{}-req-bu{id}", u.id), move || {
+                            take_requests(&u2, id, stream)
+                        }));
+                    }
+                    Ok((Channel::Data, id)) => {
+                        let _ = stream.set_nodelay(false);
+                        let u2 = u.clone();
+                        threads.push(spawn(format!("ru{}-ans-bu{id}", u.id), move || {
+                            send_answers(&u2, id, stream)
+                        }));
+                    }
+                    Err(why) => crate::refused(u, peer, why),
+                }
+                return;
+            }
+            match crate::source_slot(u, &h) {
+                Ok(slot) => {
+                    let u2 = u.clone();
+                    threads.push(spawn(
+                        format!("ru{}-link{}", u.id, u.sources[slot]),
+                        move || crate::read_link(&*u2, slot, stream),
+                    ));
+                }
+                Err(why) => crate::refused(u, peer, why),
+            }
+        },
+    );
+    if end == tessera_net::io::AcceptEnd::Stopped {
+        crate::close_never_connected(&**u);
+    }
+    for t in threads {
+        let _ = t.join();
+    }
+}
+
+fn builder_hello(
+    stream: &mut TcpStream,
+    first: &[u8; HELLO_SIZE],
+) -> Result<(Channel, u32), String> {
+    let mut b = [0u8; 24];
+    b[..HELLO_SIZE].copy_from_slice(first);
+    tessera_net::io::read_exact_patient(stream, &mut b[HELLO_SIZE..], Duration::from_secs(5))
+        .map_err(|e| e.to_string())?;
+    match request::decode(&b, 64) {
+        Ok(request::Decoded::Message(
+            Message::Hello {
+                role: Role::BuilderUnit,
+                channel,
+                id,
+            },
+            _,
+        )) => Ok((channel, id)),
+        Ok(other) => Err(format!("expected a builder's hello, got {other:?}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A builder's control connection: its requests.
+fn take_requests(u: &Arc<Unit>, builder: u32, mut stream: TcpStream) {
+    let port = u.port(builder);
+    let rs = &u.stats.requests;
+    let mut r = MessageReader::new(1 << 20);
+    loop {
+        let (tag, event_id, sources) = match r.next(&mut stream, &u.abort) {
+            Ok(Message::Request {
+                tag,
+                event_id,
+                sources,
+            }) => (tag, event_id, sources),
+            Ok(Message::End { .. }) | Err(ReadEnd::Closed) | Err(ReadEnd::Stopped) => break,
+            Ok(other) => {
+                tracing::warn!(
+                    readout_unit = u.id,
+                    builder,
+                    "unexpected {other:?} on a request connection"
+                );
+                break;
+            }
+            Err(ReadEnd::Failed(e)) => {
+                tracing::warn!(readout_unit = u.id, builder, error = %e, "request connection failed");
+                break;
+            }
+        };
+        rs.requests.fetch_add(1, Ordering::Relaxed);
+        let links: Vec<usize> = if sources.is_empty() {
+            (0..u.sources.len()).collect()
+        } else {
+            let mut v: Vec<usize> = sources
+                .iter()
+                .filter_map(|s| {
+                    let p = u.sources.iter().position(|x| x == s);
+                    if p.is_none() {
+                        rs.foreign_sources.fetch_add(1, Ordering::Relaxed);
+                    }
+                    p
+                })
+                .collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        // Take a descriptor from this builder's share; with none free, stop reading its
+        // requests (TCP holds the builder) until answers go out.
+        {
+            let mut n = port.in_flight.lock();
+            if *n >= u.share {
+                rs.descriptor_waits.fetch_add(1, Ordering::Relaxed);
+            }
+            while *n >= u.share {
+                if u.abort.load(Ordering::Relaxed) {
+                    return;
+                }
+                port.freed.wait_for(&mut n, Duration::from_millis(50));
+            }
+            *n += 1;
+        }
+        rs.descriptors_in_use.fetch_add(1, Ordering::Relaxed);
+        let req = Request {
+            tag,
+            builder,
+            event_id,
+            links,
+        };
+        let mut req = Some(req);
+        while let Some(q) = req.take() {
+            let s = {
+                let mut t = u.requests.lock();
+                t.submit(q, u.now_ns(), |l| u.has(l, event_id))
+            };
+            match s {
+                Submit::Ready(a) => u.route(vec![a]),
+                Submit::Pending => {}
+                // The shares add up to the pool, so this waits only in a race with answers
+                // being freed.
+                Submit::NoDescriptor(q) => {
+                    std::thread::sleep(Duration::from_millis(1));
+                    req = Some(q);
+                }
+            }
+        }
+    }
+    port.closed.store(true, Ordering::Relaxed);
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+}
+
+/// A builder's data connection: answers, fragments copied out of the pages.
+fn send_answers(u: &Arc<Unit>, builder: u32, mut stream: TcpStream) {
+    let port = u.port(builder);
+    let rs = &u.stats.requests;
+    let mut ok = true;
+    let mut headers: Vec<u8> = Vec::new();
+    let mut data: Vec<u8> = Vec::new();
+    let mut spans: Vec<(usize, usize, usize, usize)> = Vec::new();
+    let (mut units, mut items) = (0u64, 0u64);
+    loop {
+        let first = match port.answers_rx.recv_timeout(Duration::from_millis(20)) {
+            Ok(a) => a,
+            Err(_) => {
+                let idle = *port.in_flight.lock() == 0;
+                if u.abort.load(Ordering::Relaxed) || (port.closed.load(Ordering::Relaxed) && idle)
+                {
+                    break;
+                }
+                continue;
+            }
+        };
+        let mut batch = vec![first];
+        while batch.len() < 64 {
+            match port.answers_rx.try_recv() {
+                Ok(a) => batch.push(a),
+                Err(_) => break,
+            }
+        }
+        headers.clear();
+        data.clear();
+        spans.clear();
+        for a in &batch {
+            let (hs, ds) = (headers.len(), data.len());
+            let ev = a.request.event_id;
+            let mut missing = Vec::new();
+            let mut count = 0u32;
+            for &l in &a.request.links {
+                if u.links[l].lock().copy_out(ev, &mut data) {
+                    count += 1;
+                } else {
+                    missing.push(u.sources[l]);
+                }
+            }
+            missing.sort_unstable();
+            let mut h = AnswerHeader {
+                tag: a.request.tag,
+                event_id: ev,
+                readout_unit: u.id,
+                fragment_count: count,
+                total_size: 0,
+                missing,
+            };
+            let dlen = data.len() - ds;
+            h.total_size = (h.header_size() + dlen) as u32;
+            if !h.missing.is_empty() {
+                rs.partial_answers.fetch_add(1, Ordering::Relaxed);
+            }
+            rs.fragments_sent.fetch_add(count as u64, Ordering::Relaxed);
+            rs.bytes_sent.fetch_add(dlen as u64, Ordering::Relaxed);
+            items += count as u64;
+            h.encode_into(&mut headers, dlen);
+            spans.push((hs, headers.len(), ds, data.len()));
+        }
+        if ok {
+            let mut io: Vec<IoSlice> = Vec::with_capacity(2 * spans.len());
+            for &(hs, he, ds, de) in &spans {
+                io.push(IoSlice::new(&headers[hs..he]));
+                io.push(IoSlice::new(&data[ds..de]));
+            }
+            if let Err(e) = tessera_net::io::write_all_vectored(&mut stream, &mut io) {
+                // The builder is gone: its remaining answers are drained without writing, so
+                // its descriptors come back; the event manager gives its events to others.
+                tracing::warn!(readout_unit = u.id, builder, error = %e, "builder data connection failed");
+                ok = false;
+            }
+        }
+        units += batch.len() as u64;
+        rs.answers.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        rs.descriptors_in_use
+            .fetch_sub(batch.len() as u64, Ordering::Relaxed);
+        let mut n = port.in_flight.lock();
+        *n -= batch.len();
+        port.freed.notify_all();
+    }
+    if ok {
+        let mut end = Vec::new();
+        Message::End { units, items }.encode_into(&mut end);
+        let _ = std::io::Write::write_all(&mut stream, &end);
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+}
+
+fn sweep(u: &Arc<Unit>) {
+    let mut end_sent = false;
+    loop {
+        std::thread::sleep(Duration::from_millis(2));
+        let answers = u.requests.lock().expire(u.now_ns());
+        u.route(answers);
+        if !end_sent && u.open_links.load(Ordering::Acquire) == 0 {
+            // Every link has closed and announced all it stored.
+            let _ = u.to_manager.send(Message::End {
+                units: u.stats.requests.announced.load(Ordering::Relaxed),
+                items: 0,
+            });
+            end_sent = true;
+        }
+        if u.manager_ended.load(Ordering::Relaxed) || u.abort.load(Ordering::Relaxed) {
+            break;
+        }
+    }
+    // The event manager has ended the run (or is gone): no clear will come. Pending requests
+    // are answered now with what there is, so no builder waits for them.
+    let rest = u.requests.lock().expire(u64::MAX);
+    u.route(rest);
+    for l in &u.stats.links {
+        if l.state() == LinkState::Waiting {
+            l.set_state(LinkState::NeverConnected);
+        }
+    }
+}
