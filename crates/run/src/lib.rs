@@ -565,8 +565,12 @@ fn check_daemon_addresses(r: &Resolved, role: Role) -> Result<()> {
         )),
         Role::Sources => None,
     };
+    // A request-mode builder only connects: it has no address of its own to fix.
+    let own = own.filter(|_| !(request && matches!(role, Role::Builder(_))));
     match (role, &own) {
-        (Role::Builder(id), None) => bail!("{}: builder: no builder with id {id}", r.origin),
+        (Role::Builder(id), _) if !t.builders.iter().any(|b| b.id == id) => {
+            bail!("{}: builder: no builder with id {id}", r.origin)
+        }
         (Role::Readout(id), None) => bail!("{}: readout: no readout unit with id {id}", r.origin),
         _ => {}
     }

@@ -50,6 +50,45 @@ pub struct ReadoutReport {
     pub busy_fraction: f64,
     pub refused_connections: u64,
     pub error: Option<String>,
+    /// Request mode only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub requests: Option<ReadoutRequestReport>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ReadoutRequestReport {
+    pub requests: u64,
+    pub answers: u64,
+    pub partial_answers: u64,
+    pub fragments_sent: u64,
+    pub bytes_sent: u64,
+    pub descriptor_waits: u64,
+    pub clear_messages: u64,
+    pub cleared_events: u64,
+    pub clears_unknown: u64,
+    pub clears_repeated: u64,
+    pub announced: u64,
+    pub fragments_still_stored: u64,
+    pub free_pages: u64,
+    pub total_pages: u64,
+    pub throttled_s: f64,
+    pub manager_error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ManagerReport {
+    pub announced: u64,
+    pub assigned: u64,
+    pub reassigned: u64,
+    pub recorded: u64,
+    pub rejected_by_filter: u64,
+    pub stale_done: u64,
+    pub clear_messages: u64,
+    pub cleared_events: u64,
+    pub dead_builders: u64,
+    pub busy_transitions: u64,
+    pub in_flight_at_end: usize,
+    pub errors: Vec<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -66,6 +105,9 @@ pub struct BuilderReport {
     pub busy_fraction: f64,
     pub missing_by_source: BTreeMap<u32, u64>,
     pub errors: Vec<String>,
+    /// Request mode: events the filter rejected, and events rebuilt after a failover.
+    pub events_rejected: u64,
+    pub events_rebuilt: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -81,6 +123,10 @@ pub struct RecorderReport {
     pub throttled_s: f64,
     pub files: Vec<FileInfo>,
     pub error: Option<String>,
+    /// Second copies of events dropped (request mode, after a failover).
+    pub duplicate_events: u64,
+    /// Events recorded with the rebuilt flag.
+    pub rebuilt_events: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -118,6 +164,8 @@ pub struct Report {
     pub readout_units: Vec<ReadoutReport>,
     pub builders: Vec<BuilderReport>,
     pub recorder: Option<RecorderReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event_manager: Option<ManagerReport>,
     pub balance: Balance,
     /// Events the builders built that the recorder did not record (0 when the recorder kept up
     /// and was drained).
@@ -135,6 +183,7 @@ fn frac(ns: u64, secs: f64) -> f64 {
 impl Report {
     pub(crate) fn collect(r: &Resolved, run: &Running, info: RunInfo) -> Report {
         let secs = info.duration_s;
+        let request_mode = r.topology.run.mode == tessera_config::Mode::Request;
         let mut rejected: BTreeMap<String, u64> = BTreeMap::new();
         let mut add = |k: &str, n: u64| {
             if n > 0 {
@@ -219,7 +268,32 @@ impl Report {
                 busy_fraction: frac(st.busy_ns(), secs) / st.links.len().max(1) as f64,
                 refused_connections: st.refused_connections.load(Ordering::Relaxed),
                 error: st.builder_error.lock().clone(),
+                requests: request_mode.then(|| {
+                    let q = &st.requests;
+                    let l = |x: &std::sync::atomic::AtomicU64| x.load(Ordering::Relaxed);
+                    ReadoutRequestReport {
+                        requests: l(&q.requests),
+                        answers: l(&q.answers),
+                        partial_answers: l(&q.partial_answers),
+                        fragments_sent: l(&q.fragments_sent),
+                        bytes_sent: l(&q.bytes_sent),
+                        descriptor_waits: l(&q.descriptor_waits),
+                        clear_messages: l(&q.clear_messages),
+                        cleared_events: l(&q.cleared_events),
+                        clears_unknown: l(&q.clears_unknown),
+                        clears_repeated: l(&q.clears_repeated),
+                        announced: l(&q.announced),
+                        fragments_still_stored: l(&q.stored_fragments),
+                        free_pages: l(&q.free_pages),
+                        total_pages: l(&q.total_pages),
+                        throttled_s: l(&q.throttled_ns) as f64 / 1e9,
+                        manager_error: q.manager_error.lock().clone(),
+                    }
+                }),
             });
+            if request_mode {
+                buffered += st.requests.stored_fragments.load(Ordering::Relaxed);
+            }
         }
         // Emulated sources whose readout unit runs in another process (`tessera serve sources`).
         for (id, st) in &emulated {
@@ -257,6 +331,10 @@ impl Report {
                 "recorder_link_lost",
                 st.recorder_lost.load(Ordering::Relaxed),
             );
+            add(
+                "rejected_by_filter",
+                st.fragments_rejected.load(Ordering::Relaxed),
+            );
             buffered += st.held_fragments.load(Ordering::Relaxed)
                 + st.queued_fragments.load(Ordering::Relaxed);
             let rep = BuilderReport {
@@ -278,8 +356,11 @@ impl Report {
                             .clone()
                             .map(|e| format!("readout unit {}: {e}", l.readout_unit))
                     }))
+                    .chain(std::iter::once(st.manager_error.lock().clone()))
                     .flatten()
                     .collect(),
+                events_rejected: st.events_rejected.load(Ordering::Relaxed),
+                events_rebuilt: st.events_rebuilt.load(Ordering::Relaxed),
             };
             complete_f += rep.fragments_in_complete;
             incomplete_f += rep.fragments_in_incomplete;
@@ -303,13 +384,46 @@ impl Report {
                 events_in_files: files.iter().map(|f| f.events).sum(),
                 files,
                 error: st.error.lock().clone(),
+                duplicate_events: st.duplicate_events.load(Ordering::Relaxed),
+                rebuilt_events: st.rebuilt_events.load(Ordering::Relaxed),
+            }
+        });
+        // Request mode: an event may be built twice (after a failover) but is recorded once;
+        // the recorder's counts are the ones that hold.
+        if request_mode {
+            if let Some(rec) = &run.recorder {
+                let st = &rec.stats;
+                complete_f = st.fragments_in_complete.load(Ordering::Relaxed);
+                incomplete_f = st.fragments_in_incomplete.load(Ordering::Relaxed);
+            }
+        }
+        let event_manager = run.manager.as_ref().map(|m| {
+            let v = m.view();
+            ManagerReport {
+                announced: v.counts.announced,
+                assigned: v.counts.assigned,
+                reassigned: v.counts.reassigned,
+                recorded: v.counts.recorded,
+                rejected_by_filter: v.counts.rejected,
+                stale_done: v.counts.stale_done,
+                clear_messages: v.counts.clears_sent,
+                cleared_events: v.counts.cleared_events,
+                dead_builders: v.counts.dead_builders,
+                busy_transitions: v.counts.busy_transitions,
+                in_flight_at_end: v.in_flight,
+                errors: v.errors,
             }
         });
         // Fragments the builders sent on but the recorder has not counted are in flight between
         // them; they are part of what is buffered, not lost, until the recorder link is drained.
-        let recorder_shortfall = recorder
-            .as_ref()
-            .map_or(0, |rc| (ev_c + ev_i) as i64 - rc.events as i64);
+        let recorder_shortfall = recorder.as_ref().map_or(0, |rc| {
+            let copies = if request_mode {
+                rc.duplicate_events as i64
+            } else {
+                0
+            };
+            (ev_c + ev_i) as i64 - rc.events as i64 - copies
+        });
         let sent: u64 = sources.iter().map(|s| s.sent).sum();
         let rejected_total: u64 = rejected.values().sum();
         let unaccounted =
@@ -341,6 +455,7 @@ impl Report {
             readout_units,
             builders,
             recorder,
+            event_manager,
             balance: Balance {
                 sent,
                 in_complete_events: complete_f,
@@ -436,6 +551,50 @@ impl Report {
             if r.events_in_files != r.events {
                 let _ = writeln!(s, "  WARNING: the recorder received {} events; {} of them are in no finished file", r.events, r.events - r.events_in_files.min(r.events));
             }
+        }
+        if let Some(m) = &self.event_manager {
+            let (req, partial, sent, waits) = self
+                .readout_units
+                .iter()
+                .filter_map(|u| u.requests.as_ref())
+                .fold((0, 0, 0, 0), |a, q| {
+                    (
+                        a.0 + q.answers,
+                        a.1 + q.partial_answers,
+                        a.2 + q.fragments_sent,
+                        a.3 + q.descriptor_waits,
+                    )
+                });
+            let _ = writeln!(
+                s,
+                "  request mode: {} events assigned, {} recorded, {} rejected by the filter; {req} answers ({partial} partial), {sent} fragments moved; {} clear messages for {} events; {} builder(s) declared dead, {} events re-assigned{}",
+                m.assigned,
+                m.recorded,
+                m.rejected_by_filter,
+                m.clear_messages,
+                m.cleared_events,
+                m.dead_builders,
+                m.reassigned,
+                if waits > 0 {
+                    format!("; requests held for descriptors {waits} times")
+                } else {
+                    String::new()
+                }
+            );
+            for e in m.errors.iter().take(4) {
+                let _ = writeln!(s, "  event manager: {e}");
+            }
+        }
+        if let Some(r) = self
+            .recorder
+            .as_ref()
+            .filter(|r| r.duplicate_events > 0 || r.rebuilt_events > 0)
+        {
+            let _ = writeln!(
+                s,
+                "  recorder: {} rebuilt events recorded, {} second copies dropped",
+                r.rebuilt_events, r.duplicate_events
+            );
         }
         let held: Vec<String> = self
             .sources
