@@ -127,5 +127,96 @@ pub fn all() -> Vec<(&'static str, Vec<u8>)> {
         file_crc: crate::crc::crc32c(&file),
     };
     v.push(("file trailer closing that file", (t.encode()).to_vec()));
+    v.extend(request_vectors(&f));
+    v
+}
+
+/// The vectors of `docs/request-protocol.md`; `f` is the fragment vector above.
+fn request_vectors(f: &[u8]) -> Vec<(&'static str, Vec<u8>)> {
+    use crate::request::{AnswerHeader, Channel, Message, Outcome, Role, ASSIGN_REBUILD};
+    let mut v: Vec<(&'static str, Vec<u8>)> = vec![
+        (
+            "hello, builder 2, control connection",
+            Message::Hello {
+                role: Role::BuilderUnit,
+                channel: Channel::Control,
+                id: 2,
+            }
+            .encode(),
+        ),
+        (
+            "request, tag 1, event 42, sources 7 and 9",
+            Message::Request {
+                tag: 1,
+                event_id: 42,
+                sources: vec![7, 9],
+            }
+            .encode(),
+        ),
+    ];
+    let mut a = Vec::new();
+    let mut h = AnswerHeader {
+        tag: 1,
+        event_id: 42,
+        readout_unit: 1,
+        fragment_count: 1,
+        total_size: 0,
+        missing: vec![9],
+    };
+    h.total_size = (h.header_size() + f.len()) as u32;
+    h.encode_into(&mut a, f.len());
+    a.extend_from_slice(f);
+    v.push((
+        "answer to that request from readout unit 1: the fragment of source 7, source 9 missing",
+        a,
+    ));
+    v.push((
+        "clear, events 40 41 42",
+        Message::Clear {
+            event_ids: vec![40, 41, 42],
+        }
+        .encode(),
+    ));
+    v.push((
+        "announce, event 43",
+        Message::Announce {
+            event_ids: vec![43],
+        }
+        .encode(),
+    ));
+    v.push((
+        "credit, 64 events",
+        Message::Credit { credits: 64 }.encode(),
+    ));
+    v.push((
+        "assign, event 42, rebuild",
+        Message::Assign {
+            events: vec![(42, ASSIGN_REBUILD)],
+        }
+        .encode(),
+    ));
+    v.push((
+        "done, event 42 recorded, event 43 rejected",
+        Message::Done {
+            events: vec![(42, Outcome::Recorded), (43, Outcome::Rejected)],
+        }
+        .encode(),
+    ));
+    v.push((
+        "heartbeat, sequence 5",
+        Message::Heartbeat { sequence: 5 }.encode(),
+    ));
+    v.push((
+        "throttle, busy",
+        Message::Throttle { busy: true }.encode(),
+    ));
+    v.push((
+        "end, 3 units, 24 items",
+        Message::End {
+            units: 3,
+            items: 24,
+        }
+        .encode(),
+    ));
     v
 }

@@ -146,7 +146,11 @@ fn event_and_file_vectors() {
 /// Every vector in the documents matches the implementation, byte for byte.
 #[test]
 fn documents_match_implementation() {
-    let docs: String = ["../../docs/wire-format.md", "../../docs/file-format.md"]
+    let docs: String = [
+        "../../docs/wire-format.md",
+        "../../docs/file-format.md",
+        "../../docs/request-protocol.md",
+    ]
         .iter()
         .map(|p| std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{p}: {e}")))
         .collect();
