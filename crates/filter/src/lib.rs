@@ -74,7 +74,7 @@ impl Filter for Builtin {
     fn accept(&self, event_id: u64, fragments: &[FragmentRef<'_>]) -> bool {
         match self.decision {
             Decision::AcceptAll => true,
-            Decision::Prescale => event_id % self.prescale == 0,
+            Decision::Prescale => event_id.is_multiple_of(self.prescale),
             Decision::Random => {
                 self.threshold == u64::MAX || mix(event_id ^ mix(self.seed)) < self.threshold
             }

@@ -206,10 +206,7 @@ fn request_vectors(f: &[u8]) -> Vec<(&'static str, Vec<u8>)> {
         "heartbeat, sequence 5",
         Message::Heartbeat { sequence: 5 }.encode(),
     ));
-    v.push((
-        "throttle, busy",
-        Message::Throttle { busy: true }.encode(),
-    ));
+    v.push(("throttle, busy", Message::Throttle { busy: true }.encode()));
     v.push((
         "end, 3 units, 24 items",
         Message::End {

@@ -151,9 +151,9 @@ fn documents_match_implementation() {
         "../../docs/file-format.md",
         "../../docs/request-protocol.md",
     ]
-        .iter()
-        .map(|p| std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{p}: {e}")))
-        .collect();
+    .iter()
+    .map(|p| std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{p}: {e}")))
+    .collect();
     for (name, bytes) in tessera_format::vectors::all() {
         let marker = format!("Vector: {name} (");
         let at = docs

@@ -185,10 +185,16 @@ impl LinkSink for Unit {
         let mut stored: Vec<u64> = Vec::with_capacity(good.len());
         for (ev, frag) in good.drain(..) {
             let why = loop {
-                if self.cleared.lock().contains(ev) {
-                    break Some(Rejection::Late);
-                }
-                let r = self.links[slot].lock().store(ev, &frag);
+                // The cleared set is read under the link's lock, and a clear records its IDs
+                // there before it takes the link locks: a fragment is either refused as late or
+                // stored where the clear will find it, never stored behind a clear's back.
+                let r = {
+                    let mut b = self.links[slot].lock();
+                    if self.cleared.lock().contains(ev) {
+                        break Some(Rejection::Late);
+                    }
+                    b.store(ev, &frag)
+                };
                 match r {
                     Ok(()) => break None,
                     Err(StoreError::Duplicate) => break Some(Rejection::Duplicate),
@@ -307,6 +313,10 @@ impl Unit {
     fn clear(&self, ids: &[u64]) {
         let rs = &self.stats.requests;
         rs.clear_messages.fetch_add(1, Ordering::Relaxed);
+        let new: Vec<bool> = {
+            let mut c = self.cleared.lock();
+            ids.iter().map(|&e| c.insert(e)).collect()
+        };
         let mut found = vec![false; ids.len()];
         let mut freed = 0u64;
         for (slot, l) in self.links.iter().enumerate() {
@@ -329,16 +339,12 @@ impl Unit {
             }
         }
         rs.stored_fragments.fetch_sub(freed, Ordering::Relaxed);
-        {
-            let mut c = self.cleared.lock();
-            for (i, &e) in ids.iter().enumerate() {
-                let new = c.insert(e);
-                if !found[i] {
-                    if new {
-                        rs.clears_unknown.fetch_add(1, Ordering::Relaxed);
-                    } else {
-                        rs.clears_repeated.fetch_add(1, Ordering::Relaxed);
-                    }
+        for i in 0..ids.len() {
+            if !found[i] {
+                if new[i] {
+                    rs.clears_unknown.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    rs.clears_repeated.fetch_add(1, Ordering::Relaxed);
                 }
             }
         }

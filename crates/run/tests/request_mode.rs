@@ -1,0 +1,143 @@
+//! End-to-end runs of request mode in one process: sources, readout units, event manager,
+//! builders and recorder over loopback TCP, real files checked by the verifier. Assertions are on
+//! counts and file contents, never on timing.
+
+use std::path::Path;
+use tessera_config::{Resolved, Topology};
+use tessera_run::{Options, Report, StatusMode};
+
+fn topology(text: &str) -> Resolved {
+    Topology::parse(text, "test.toml").unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn run(r: &Resolved, out: &Path) -> Report {
+    let opts = Options {
+        output: Some(out.to_path_buf()),
+        status: StatusMode::Off,
+        ..Default::default()
+    };
+    tessera_run::run(r, &opts).expect("run starts and ends")
+}
+
+fn pages_all_back(rep: &Report) {
+    for u in &rep.readout_units {
+        let q = u.requests.as_ref().expect("request-mode report");
+        assert_eq!(q.fragments_still_stored, 0, "{q:?}");
+        assert_eq!(
+            q.free_pages, q.total_pages,
+            "the pool returns to full: {q:?}"
+        );
+    }
+}
+
+#[test]
+fn roi_first_then_the_rest_only_for_accepted_events() {
+    let dir = tempfile::tempdir().unwrap();
+    let events = 4000u64;
+    let t = topology(&format!(
+        r#"
+[run]
+mode = "request"
+events = {events}
+[sources]
+count = 6
+fragment_size = 512
+[[readout]]
+id = 0
+sources = "0-2"
+[[readout]]
+id = 1
+sources = "3-5"
+[[builder]]
+id = 0
+[[builder]]
+id = 1
+[filter]
+decision = "prescale"
+prescale = 4
+roi = [0, 3]
+[recorder]
+fsync = false
+"#
+    ));
+    let rep = run(&t, dir.path());
+    assert!(rep.ok(), "{}", rep.summary());
+    let accepted = events / 4;
+    assert_eq!(rep.events_complete, accepted, "{}", rep.summary());
+    let m = rep.event_manager.as_ref().unwrap();
+    assert_eq!(m.recorded, accepted);
+    assert_eq!(m.rejected_by_filter, events - accepted);
+    assert_eq!(m.cleared_events, events);
+    // The RoI (2 sources) moved for every event, the other 4 only for accepted ones.
+    let moved: u64 = rep
+        .readout_units
+        .iter()
+        .map(|u| u.requests.as_ref().unwrap().fragments_sent)
+        .sum();
+    assert_eq!(moved, 2 * events + 4 * accepted);
+    assert_eq!(
+        rep.balance.rejected.get("rejected_by_filter"),
+        Some(&(2 * (events - accepted)))
+    );
+    let never_moved = rep
+        .balance
+        .rejected
+        .get("cleared_unsent")
+        .copied()
+        .unwrap_or(0)
+        + rep.balance.rejected.get("late").copied().unwrap_or(0);
+    assert_eq!(never_moved, 4 * (events - accepted), "{}", rep.summary());
+    pages_all_back(&rep);
+    let v = tessera_verify::verify_paths(&[dir.path().to_path_buf()]).unwrap();
+    assert!(v.ok(), "{}", v.summary());
+    assert_eq!(v.events, accepted);
+}
+
+#[test]
+fn a_source_that_skips_events_gives_incomplete_events_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = topology(
+        r#"
+[run]
+mode = "request"
+events = 2000
+[sources]
+count = 4
+fragment_size = 256
+[[readout]]
+id = 0
+[request]
+timeout_ms = 100
+builder_timeout_ms = 2000
+[[inject]]
+source = 2
+kind = "skip"
+at = [40, 41, 500]
+[recorder]
+fsync = false
+"#,
+    );
+    let rep = run(&t, dir.path());
+    assert!(rep.ok(), "{}", rep.summary());
+    assert_eq!(rep.events_incomplete, 3, "{}", rep.summary());
+    assert_eq!(rep.events_complete, 1997);
+    let b: u64 = rep
+        .builders
+        .iter()
+        .map(|b| b.missing_by_source.get(&2).copied().unwrap_or(0))
+        .sum();
+    assert_eq!(b, 3, "every incomplete event names source 2 alone");
+    assert!(rep
+        .builders
+        .iter()
+        .all(|b| b.missing_by_source.keys().all(|&s| s == 2)));
+    let partial: u64 = rep
+        .readout_units
+        .iter()
+        .map(|u| u.requests.as_ref().unwrap().partial_answers)
+        .sum();
+    assert_eq!(partial, 3);
+    pages_all_back(&rep);
+    let v = tessera_verify::verify_paths(&[dir.path().to_path_buf()]).unwrap();
+    assert!(v.ok(), "{}", v.summary());
+}
