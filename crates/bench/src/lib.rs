@@ -22,11 +22,30 @@ use tessera_format::pattern::Pattern;
 use tessera_run::{Options, StatusMode};
 use tessera_source::SourcePlan;
 
+pub mod request;
+
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// A small set of points that finishes in under a minute.
+    /// `request`: the request-mode readout unit under a request mix (the ATLAS ROSTester), with
+    /// the utilisation model fitted. Absent: push-mode building against the relay baseline.
+    pub what: Option<String>,
+    /// A small set of points (building: under a minute; request: under five).
     #[arg(long)]
     pub quick: bool,
+    /// request: links into the readout unit.
+    #[arg(long, default_value_t = 24)]
+    pub links: u32,
+    /// request: events per point (default 100 000, 30 000 with --quick).
+    #[arg(long)]
+    pub events: Option<u64>,
+    /// request: measure this one mix (with --sizes, --roi-fraction, --roi-size, --full-fraction)
+    /// instead of the plan, and print the prediction of a fit given by --fit.
+    #[arg(long)]
+    pub roi_fraction: Option<f64>,
+    #[arg(long)]
+    pub roi_size: Option<u32>,
+    #[arg(long)]
+    pub full_fraction: Option<f64>,
     /// One JSON object per point on stdout (one per line).
     #[arg(long)]
     pub json: bool,
@@ -96,6 +115,13 @@ pub struct Point {
 }
 
 pub fn run(a: &BenchArgs) -> Result<()> {
+    match a.what.as_deref() {
+        None => {}
+        Some("request") => return run_request(a),
+        Some(other) => {
+            anyhow::bail!("unknown benchmark `{other}`: the choices are `request` or none")
+        }
+    }
     let sizes = a.sizes.clone().unwrap_or_else(|| {
         if a.quick {
             vec![1024, 16384]
@@ -431,4 +457,107 @@ pub fn relay_chain(r: &Resolved, hops: usize) -> Result<f64> {
         }
     }
     Ok(counter.load(Ordering::Relaxed) as f64 / secs)
+}
+
+fn run_request(a: &BenchArgs) -> Result<()> {
+    use request::{fit, measure, plan, Mix};
+    let events = a.events.unwrap_or(if a.quick { 30_000 } else { 100_000 });
+    let single = a.roi_fraction.is_some() || a.full_fraction.is_some() || a.roi_size.is_some();
+    let mixes: Vec<Mix> = if single {
+        a.sizes
+            .clone()
+            .unwrap_or_else(|| vec![1600])
+            .into_iter()
+            .map(|s| Mix {
+                fragment_size: s,
+                links: a.links,
+                roi_fraction: a.roi_fraction.unwrap_or(0.0),
+                roi_size: a.roi_size.unwrap_or(4),
+                full_fraction: a.full_fraction.unwrap_or(1.0),
+            })
+            .collect()
+    } else {
+        plan(a.quick, a.links)
+    };
+    for m in &mixes {
+        if !(0.0..=1.0).contains(&m.roi_fraction) || !(0.0..=1.0).contains(&m.full_fraction) {
+            anyhow::bail!("--roi-fraction and --full-fraction are fractions in [0, 1]");
+        }
+    }
+    if !a.json {
+        eprintln!(
+            "tessera bench request: {} mixes, {events} events each, one readout unit with {} links (machine: {} cores)",
+            mixes.len(),
+            a.links,
+            std::thread::available_parallelism().map_or(0, |n| n.get())
+        );
+        println!(
+            "{:>6} {:>5} {:>6} {:>4} {:>6} {:>11} {:>11} {:>12} {:>9} {:>5}",
+            "words",
+            "links",
+            "RoI",
+            "k",
+            "full",
+            "clears/s",
+            "requests/s",
+            "transfers/s",
+            "MB/s",
+            "clean"
+        );
+    }
+    let mut points = Vec::new();
+    for m in &mixes {
+        let p = measure(m, events)?;
+        if a.json {
+            println!("{}", serde_json::to_string(&p)?);
+        } else {
+            println!(
+                "{:>6} {:>5} {:>6.2} {:>4} {:>6.2} {:>11.0} {:>11.0} {:>12.0} {:>9.1} {:>5}",
+                p.fragment_words,
+                p.links,
+                p.roi_fraction,
+                p.roi_size,
+                p.full_fraction,
+                p.clear_rate_hz,
+                p.external_requests_per_s,
+                p.internal_transfers_per_s,
+                p.kb_per_s / 1000.0,
+                if p.clean { "yes" } else { "NO" }
+            );
+        }
+        points.push(p);
+    }
+    if let Some(f) = fit(&points) {
+        let design = Mix {
+            fragment_size: 1600,
+            links: a.links,
+            roi_fraction: 0.0,
+            roi_size: 4,
+            full_fraction: 1.0,
+        };
+        if a.json {
+            println!(
+                "{}",
+                serde_json::json!({"fit": f, "predicted_full_build_400_words_hz": f.predict_hz(&design)})
+            );
+        } else {
+            println!(
+                "fit of eq. 7.2 (effective cost, us): per external request {:.3}, per internal transfer {:.3}, per clear {:.3}, per kB {:.3}",
+                f.t_external_us, f.t_internal_us, f.t_clear_us, f.t_per_kb_us
+            );
+            let r: Vec<String> = f.residuals.iter().map(|x| format!("{x:+.3}")).collect();
+            println!(
+                "residuals (1 - fitted utilisation per point): {}",
+                r.join(" ")
+            );
+            println!(
+                "predicted maximum clear rate, {} links of 400 words, full build 100 %: {:.0} Hz",
+                a.links,
+                f.predict_hz(&design)
+            );
+        }
+    } else if !a.json {
+        println!("(fewer than 4 points: no fit)");
+    }
+    Ok(())
 }

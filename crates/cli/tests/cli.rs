@@ -402,3 +402,50 @@ fn a_builder_killed_mid_run_loses_no_event() {
     let o = tessera(&["verify", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
 }
+
+/// `tessera bench request --json`: one object per measured point with the mix and the clear
+/// rate, then the fit (a single mix gives no fit).
+#[test]
+fn bench_request_prints_one_json_object_per_point() {
+    let o = tessera(&[
+        "bench",
+        "request",
+        "--json",
+        "--links",
+        "4",
+        "--events",
+        "3000",
+        "--sizes",
+        "1200",
+        "--roi-fraction",
+        "0.5",
+        "--roi-size",
+        "2",
+        "--full-fraction",
+        "0.5",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1, "{out}");
+    let p = &lines[0];
+    for key in [
+        "fragment_size",
+        "links",
+        "roi_fraction",
+        "roi_size",
+        "full_fraction",
+        "clear_rate_hz",
+    ] {
+        assert!(p.get(key).is_some(), "{key} missing: {p}");
+    }
+    assert_eq!(p["links"], 4);
+    assert_eq!(p["fragment_size"], 1200);
+    assert_eq!(p["clean"], true, "{p}");
+    assert!(p["clear_rate_hz"].as_f64().unwrap() > 0.0);
+    let o = tessera(&["bench", "request", "--full-fraction", "2"]);
+    assert!(!o.status.success());
+}
