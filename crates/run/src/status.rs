@@ -81,16 +81,39 @@ impl Status {
             .sum();
         let links: usize = r.readout_units.iter().map(|u| u.stats.links.len()).sum();
         let busy: u64 = r.readout_units.iter().map(|u| u.stats.busy_ns()).sum();
-        let rejected: u64 = r
+        // Fragments cleared unsent (the rest of events a filter rejected) are decisions, not
+        // errors: shown apart.
+        let unsent = tessera_readout::Rejection::ClearedUnsent.index();
+        let (rejected, cleared_unsent): (u64, u64) = r
             .readout_units
             .iter()
             .flat_map(|u| u.stats.links.iter())
-            .map(|l| l.rejected_total())
+            .map(|l| {
+                let u = l.rejected[unsent].load(Ordering::Relaxed);
+                (l.rejected_total() - u, u)
+            })
+            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        let filtered: u64 = r
+            .builders
+            .iter()
+            .map(|b| b.stats.events_rejected.load(Ordering::Relaxed))
             .sum();
+        // Request mode: the occupancy that matters is the paged buffers', not the read chunks'.
         let (ru_used, ru_lim) = r
             .readout_units
             .iter()
-            .map(|u| u.stats.buffer_use())
+            .map(|u| {
+                let q = &u.stats.requests;
+                let total = q.total_pages.load(Ordering::Relaxed);
+                if total > 0 {
+                    (
+                        total - q.free_pages.load(Ordering::Relaxed).min(total),
+                        total,
+                    )
+                } else {
+                    u.stats.buffer_use()
+                }
+            })
             .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
         let (bu_used, bu_lim) = r
             .builders
@@ -108,6 +131,18 @@ impl Status {
             pct(ru_used, ru_lim),
             pct(bu_used, bu_lim),
         );
+        let line = match &r.manager {
+            Some(m) => {
+                let v = m.view();
+                format!(
+                    "{line}  filtered out {filtered} events ({cleared_unsent} fragments never moved)  in flight {} (oldest {:.1}s){}",
+                    v.in_flight,
+                    v.oldest_age_s,
+                    if v.busy { "  EM BUSY: no builder credit" } else { "" }
+                )
+            }
+            None => line,
+        };
         let busy_now: Vec<String> = r
             .readout_units
             .iter()
