@@ -288,8 +288,8 @@ fn a_role_run_alone_needs_fixed_ports_and_a_run_number() {
     assert!(stderr(&o).contains("run.number"), "{}", stderr(&o));
 }
 
-/// Request mode, every role its own process, and one builder killed (SIGKILL) in the middle of
-/// the run: its unfinished events are rebuilt by the others, every event is recorded exactly
+/// Request mode, every role its own process, and one builder frozen then killed (SIGKILL) in
+/// the middle of the run: its unfinished events are rebuilt by the others, every event is recorded exactly
 /// once, the rebuilt ones carry the flag, and the readout units' pages all come back.
 #[test]
 fn a_builder_killed_mid_run_loses_no_event() {
@@ -346,6 +346,13 @@ fn a_builder_killed_mid_run_loses_no_event() {
         assert!(t0.elapsed().as_secs() < 60, "no data reached the recorder");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
+    // Freeze it first (SIGSTOP), so that it holds the events the event manager keeps giving it
+    // while its credit lasts, however fast the builders were: then kill it.
+    let stopped = Command::new("kill")
+        .args(["-STOP", &victim.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
     std::thread::sleep(std::time::Duration::from_millis(300));
     victim.kill().unwrap();
     let _ = victim.wait();
