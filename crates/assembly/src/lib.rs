@@ -10,6 +10,9 @@
 //! number of events, so a late item (after the timeout) or a repeated one (a duplicated event ID)
 //! is reported as such instead of opening a new event that could only time out.
 
+mod recent;
+pub use recent::RecentSet;
+
 use std::collections::{HashMap, VecDeque};
 
 /// An event that left the assembler.

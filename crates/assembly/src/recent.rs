@@ -1,6 +1,6 @@
-//! A bounded memory of recently seen event IDs (first in, first forgotten): which events a unit
-//! announced, which it cleared. Bounded so that a long run cannot grow it; an ID forgotten and
-//! seen again is treated as new, which the event manager's own memory then absorbs.
+//! A bounded memory of recently seen event IDs (first in, first forgotten): which events a
+//! readout unit announced or cleared, which the event manager finished, which the recorder
+//! wrote. Bounded so that a long run cannot grow it; an ID forgotten and seen again is new.
 
 use std::collections::{HashSet, VecDeque};
 

@@ -8,6 +8,7 @@
 //! that agree.
 
 pub mod pull;
+mod record;
 mod stats;
 
 use crossbeam_channel::{bounded, Receiver, Sender};
@@ -18,10 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tessera_assembly::{Assembled, Assembler, Offer};
-use tessera_format::event::{EventFlags, EventRecordHeader};
-use tessera_format::link::{
-    decode_link, Fragments, LinkItem, PeerHello, PeerRole, SuperFragmentHeader,
-};
+use tessera_format::link::{decode_link, LinkItem, PeerHello, PeerRole, SuperFragmentHeader};
 use tessera_net::reader::Fill;
 use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::{ChunkReader, ChunkSlice};
@@ -192,11 +190,8 @@ impl Shared {
 
     fn build(&self, ev: Assembled<Part>) -> Built {
         let st = &self.stats;
-        let mut flags = 0u32;
+        let mut rec = record::Record::default();
         let mut missing: Vec<u32> = Vec::new();
-        let mut fragments: Vec<ChunkSlice> = Vec::new();
-        let mut trigger: Option<u16> = None;
-        let mut timestamp = 0u64;
         for (slot, part) in ev.parts.into_iter().enumerate() {
             let Some((h, sf)) = part else {
                 missing.extend_from_slice(&self.rus[slot].1);
@@ -206,78 +201,14 @@ impl Shared {
                 .fetch_sub(h.fragment_count as u64, Ordering::Relaxed);
             missing.extend_from_slice(&h.missing);
             let body = sf.slice(h.header_size(), sf.len() - h.header_size());
-            let mut found = Vec::with_capacity(h.fragment_count as usize);
-            let mut bad = false;
-            for f in Fragments::new(&body) {
-                match f {
-                    Ok(f) if f.header.event_id == ev.event_id => found.push(f),
-                    _ => {
-                        bad = true;
-                        break;
-                    }
-                }
-            }
-            if bad || found.len() != h.fragment_count as usize {
-                // The super-fragment contradicts itself: none of its fragments can be trusted.
-                st.malformed_fragments
-                    .fetch_add(h.fragment_count as u64, Ordering::Relaxed);
+            if !rec.add_part(ev.event_id, &body, h.fragment_count, st) {
                 missing.extend_from_slice(&self.rus[slot].1);
-                continue;
-            }
-            for f in found {
-                match trigger {
-                    None => {
-                        trigger = Some(f.header.trigger_type);
-                        timestamp = f.header.timestamp;
-                    }
-                    Some(t) if t != f.header.trigger_type => flags |= EventFlags::TRIGGER_MISMATCH,
-                    _ => {}
-                }
-                if f.header.status != 0 {
-                    flags |= EventFlags::FRONT_END_STATUS;
-                }
-                fragments.push(body.slice(f.start, f.len));
             }
         }
-        missing.sort_unstable();
-        missing.dedup();
-        if !missing.is_empty() {
-            flags |= EventFlags::INCOMPLETE;
-            let mut m = st.missing_by_source.lock();
-            for s in &missing {
-                *m.entry(*s).or_default() += 1;
-            }
-        }
-        let body: usize = fragments.iter().map(|f| f.len()).sum();
-        let mut h = EventRecordHeader {
-            flags: EventFlags(flags),
-            event_id: ev.event_id,
-            timestamp,
-            trigger_type: trigger.unwrap_or(0),
-            builder_id: self.id,
-            fragment_count: fragments.len() as u32,
-            record_size: 0,
-            missing,
-            checksum: 0,
-        };
-        h.record_size = (h.header_size() + body) as u32;
-        let mut header = Vec::with_capacity(h.header_size());
-        h.encode_into(&mut header);
-        let crc = EventRecordHeader::checksum_over(&header, fragments.iter().map(|f| &f[..]));
-        EventRecordHeader::seal(&mut header, crc);
-        let nf = fragments.len() as u64;
-        if flags & EventFlags::INCOMPLETE != 0 {
-            st.events_incomplete.fetch_add(1, Ordering::Relaxed);
-            st.fragments_in_incomplete.fetch_add(nf, Ordering::Relaxed);
-        } else {
-            st.events_complete.fetch_add(1, Ordering::Relaxed);
-            st.fragments_in_complete.fetch_add(nf, Ordering::Relaxed);
-        }
-        st.bytes_built
-            .fetch_add(h.record_size as u64, Ordering::Relaxed);
-        st.last_event.store(ev.event_id, Ordering::Relaxed);
+        let (header, fragments) = rec.finish(ev.event_id, self.id, missing, st);
         if self.to_recorder.is_some() {
-            st.queued_fragments.fetch_add(nf, Ordering::Relaxed);
+            st.queued_fragments
+                .fetch_add(fragments.len() as u64, Ordering::Relaxed);
         }
         Built {
             header,

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tessera_filter::{Filter, FragmentRef};
-use tessera_format::event::{EventFlags, EventRecordHeader};
+use tessera_format::event::EventFlags;
 use tessera_format::link::{Fragments, PeerHello, PeerRole};
 use tessera_format::request::{
     self, AnswerHeader, Channel, Message, Outcome, Role, ASSIGN_REBUILD,
@@ -343,28 +343,19 @@ impl Pull {
     }
 
     fn step_done(&self, e: u64, mut b: Building) {
+        let roi = self.filter.roi();
+        // The filter decides after the RoI step, or after the only step when there is no RoI.
+        let deciding = b.step == STEP_ROI || roi.is_empty();
+        if deciding && !self.accepts(e, &b.parts) {
+            let n: u64 = b.parts.iter().map(|p| p.0.fragment_count as u64).sum();
+            self.stats.events_rejected.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .fragments_rejected
+                .fetch_add(n, Ordering::Relaxed);
+            self.done(&[(e, Outcome::Rejected)]);
+            return;
+        }
         if b.step == STEP_ROI {
-            let accept = {
-                let frags = fragment_views(e, &b.parts);
-                let refs: Vec<FragmentRef> = frags
-                    .iter()
-                    .map(|(s, p)| FragmentRef {
-                        source_id: *s,
-                        payload: p,
-                    })
-                    .collect();
-                self.filter.accept(e, &refs)
-            };
-            if !accept {
-                let n: u64 = b.parts.iter().map(|p| p.0.fragment_count as u64).sum();
-                self.stats.events_rejected.fetch_add(1, Ordering::Relaxed);
-                self.stats
-                    .fragments_rejected
-                    .fetch_add(n, Ordering::Relaxed);
-                self.done(&[(e, Outcome::Rejected)]);
-                return;
-            }
-            let roi = self.filter.roi();
             let asks = self.ask(|s| !roi.contains(&s));
             if !asks.is_empty() {
                 b.step = STEP_FULL;
@@ -386,27 +377,20 @@ impl Pull {
                 self.send_requests(sends);
                 return;
             }
-        } else {
-            // One step: the whole event is here; decide on it.
-            let frags = fragment_views(e, &b.parts);
-            let refs: Vec<FragmentRef> = frags
-                .iter()
-                .map(|(s, p)| FragmentRef {
-                    source_id: *s,
-                    payload: p,
-                })
-                .collect();
-            if self.filter.roi().is_empty() && !self.filter.accept(e, &refs) {
-                let n: u64 = b.parts.iter().map(|p| p.0.fragment_count as u64).sum();
-                self.stats.events_rejected.fetch_add(1, Ordering::Relaxed);
-                self.stats
-                    .fragments_rejected
-                    .fetch_add(n, Ordering::Relaxed);
-                self.done(&[(e, Outcome::Rejected)]);
-                return;
-            }
         }
         self.build(e, b);
+    }
+
+    fn accepts(&self, e: u64, parts: &[(AnswerHeader, ChunkSlice)]) -> bool {
+        let frags = fragment_views(e, parts);
+        let refs: Vec<FragmentRef> = frags
+            .iter()
+            .map(|(s, p)| FragmentRef {
+                source_id: *s,
+                payload: p,
+            })
+            .collect();
+        self.filter.accept(e, &refs)
     }
 
     /// Reports events finished and gives their credit back.
@@ -427,89 +411,24 @@ impl Pull {
 
     fn build(&self, e: u64, b: Building) {
         let st = &self.stats;
-        let mut flags = 0u32;
+        let mut rec = crate::record::Record::default();
         if b.rebuild {
-            flags |= EventFlags::REBUILT;
+            rec.flags |= EventFlags::REBUILT;
         }
-        let mut frags: Vec<(u32, ChunkSlice)> = Vec::new();
-        let mut trigger: Option<u16> = None;
-        let mut timestamp = 0u64;
         for (h, body) in &b.parts {
-            let mut found = Vec::new();
-            let mut bad = false;
-            for f in Fragments::new(body) {
-                match f {
-                    Ok(f) if f.header.event_id == e => found.push(f),
-                    _ => {
-                        bad = true;
-                        break;
-                    }
-                }
-            }
-            if bad || found.len() != h.fragment_count as usize {
-                // The answer contradicts itself: none of its fragments can be trusted.
-                st.malformed_fragments
-                    .fetch_add(h.fragment_count as u64, Ordering::Relaxed);
-                continue;
-            }
-            for f in found {
-                match trigger {
-                    None => {
-                        trigger = Some(f.header.trigger_type);
-                        timestamp = f.header.timestamp;
-                    }
-                    Some(t) if t != f.header.trigger_type => flags |= EventFlags::TRIGGER_MISMATCH,
-                    _ => {}
-                }
-                if f.header.status != 0 {
-                    flags |= EventFlags::FRONT_END_STATUS;
-                }
-                frags.push((f.header.source_id, body.slice(f.start, f.len)));
-            }
+            // A malformed answer's sources show up below as missing.
+            rec.add_part(e, body, h.fragment_count, st);
         }
-        frags.sort_by_key(|f| f.0);
+        // Parts come from several requests in any order: fragments go in source order.
+        rec.fragments.sort_by_key(|f| f.0);
         let missing: Vec<u32> = self
             .expected
             .iter()
             .copied()
-            .filter(|s| frags.binary_search_by_key(s, |f| f.0).is_err())
+            .filter(|s| rec.fragments.binary_search_by_key(s, |f| f.0).is_err())
             .collect();
-        if !missing.is_empty() {
-            flags |= EventFlags::INCOMPLETE;
-            let mut m = st.missing_by_source.lock();
-            for s in &missing {
-                *m.entry(*s).or_default() += 1;
-            }
-        }
-        let fragments: Vec<ChunkSlice> = frags.into_iter().map(|f| f.1).collect();
-        let body: usize = fragments.iter().map(|f| f.len()).sum();
-        let mut h = EventRecordHeader {
-            flags: EventFlags(flags),
-            event_id: e,
-            timestamp,
-            trigger_type: trigger.unwrap_or(0),
-            builder_id: self.id,
-            fragment_count: fragments.len() as u32,
-            record_size: 0,
-            missing,
-            checksum: 0,
-        };
-        h.record_size = (h.header_size() + body) as u32;
-        let mut header = Vec::with_capacity(h.header_size());
-        h.encode_into(&mut header);
-        let crc = EventRecordHeader::checksum_over(&header, fragments.iter().map(|f| &f[..]));
-        EventRecordHeader::seal(&mut header, crc);
+        let (header, fragments) = rec.finish(e, self.id, missing, st);
         let nf = fragments.len() as u64;
-        if flags & EventFlags::INCOMPLETE != 0 {
-            st.events_incomplete.fetch_add(1, Ordering::Relaxed);
-            st.fragments_in_incomplete.fetch_add(nf, Ordering::Relaxed);
-        } else {
-            st.events_complete.fetch_add(1, Ordering::Relaxed);
-            st.fragments_in_complete.fetch_add(nf, Ordering::Relaxed);
-        }
-        st.bytes_built
-            .fetch_add(h.record_size as u64, Ordering::Relaxed);
-        st.last_event.store(e, Ordering::Relaxed);
         let tx = self.to_recorder.lock().clone();
         match tx {
             Some(tx) => {

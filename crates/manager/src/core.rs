@@ -4,6 +4,8 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
+use tessera_assembly::RecentSet;
+
 use tessera_format::request::{Outcome, ASSIGN_REBUILD};
 
 /// What the manager wants sent.
@@ -67,8 +69,7 @@ pub struct Core {
     next_builder: usize,
     events: HashMap<u64, InFlight>,
     unassigned: VecDeque<u64>,
-    done: HashSet<u64>,
-    done_order: VecDeque<u64>,
+    done: RecentSet,
     clears: Vec<u64>,
     oldest_clear_ns: u64,
     busy: bool,
@@ -83,8 +84,7 @@ impl Core {
             next_builder: 0,
             events: HashMap::new(),
             unassigned: VecDeque::new(),
-            done: HashSet::new(),
-            done_order: VecDeque::new(),
+            done: RecentSet::new(s.done_memory),
             clears: Vec::new(),
             oldest_clear_ns: 0,
             busy: false,
@@ -144,7 +144,7 @@ impl Core {
     /// Readout units saw these events (the first sighting of each counts).
     pub fn announce(&mut self, ids: &[u64], now_ns: u64, out: &mut Vec<Out>) {
         for &e in ids {
-            if self.events.contains_key(&e) || self.done.contains(&e) {
+            if self.events.contains_key(&e) || self.done.contains(e) {
                 continue;
             }
             self.counts.announced += 1;
@@ -199,7 +199,7 @@ impl Core {
                 Outcome::Recorded => self.counts.recorded += 1,
                 Outcome::Rejected => self.counts.rejected += 1,
             }
-            self.remember_done(e);
+            self.done.insert(e);
             if self.clears.is_empty() {
                 self.oldest_clear_ns = now_ns;
             }
@@ -268,17 +268,6 @@ impl Core {
     /// Nothing in flight, nothing waiting.
     pub fn idle(&self) -> bool {
         self.events.is_empty() && self.clears.is_empty()
-    }
-
-    fn remember_done(&mut self, e: u64) {
-        if self.done.insert(e) {
-            self.done_order.push_back(e);
-            if self.done_order.len() > self.s.done_memory {
-                if let Some(old) = self.done_order.pop_front() {
-                    self.done.remove(&old);
-                }
-            }
-        }
     }
 
     fn assign(&mut self, out: &mut Vec<Out>) {

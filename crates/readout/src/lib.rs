@@ -15,7 +15,6 @@
 
 pub mod paged;
 mod quarantine;
-mod recent;
 pub mod requests;
 mod serve;
 mod stats;

@@ -30,9 +30,9 @@ use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::ChunkSlice;
 
 use crate::paged::{PagedBuffer, StoreError};
-use crate::recent::RecentSet;
 use crate::requests::{Answer, Request, RequestTable, Submit};
 use crate::{LinkCtx, LinkSink, LinkState, Rejection};
+use tessera_assembly::RecentSet;
 
 /// Request-mode settings of a readout unit.
 #[derive(Clone, Debug)]
@@ -249,7 +249,6 @@ impl LinkSink for Unit {
             stored.iter().flat_map(|&e| t.arrived(e, slot)).collect()
         };
         self.route(answers);
-        self.publish_pages();
     }
 
     fn close_link(&self, _slot: usize) {
@@ -624,6 +623,9 @@ fn sweep(u: &Arc<Unit>) {
         std::thread::sleep(Duration::from_millis(2));
         let answers = u.requests.lock().expire(u.now_ns());
         u.route(answers);
+        // The page gauge is refreshed here and on clears, not on every read: it takes every
+        // link's lock.
+        u.publish_pages();
         if !end_sent && u.open_links.load(Ordering::Acquire) == 0 {
             // Every link has closed and announced all it stored.
             let _ = u.to_manager.send(Message::End {

@@ -105,37 +105,6 @@ pub struct RecorderStats {
     pub rebuilt_events: AtomicU64,
 }
 
-/// The event IDs recorded recently.
-struct Dedup {
-    set: std::collections::HashSet<u64>,
-    order: std::collections::VecDeque<u64>,
-    capacity: usize,
-}
-
-impl Dedup {
-    fn new(capacity: usize) -> Dedup {
-        Dedup {
-            set: Default::default(),
-            order: Default::default(),
-            capacity,
-        }
-    }
-
-    /// False if `id` was recorded already.
-    fn insert(&mut self, id: u64) -> bool {
-        if !self.set.insert(id) {
-            return false;
-        }
-        self.order.push_back(id);
-        if self.order.len() > self.capacity {
-            if let Some(old) = self.order.pop_front() {
-                self.set.remove(&old);
-            }
-        }
-        true
-    }
-}
-
 impl RecorderStats {
     pub fn buffer_use(&self) -> (u64, u64) {
         self.links
@@ -339,7 +308,7 @@ fn write_loop(settings: FileSettings, rx: Receiver<Batch>, st: &RecorderStats) {
     let enabled = settings.section.enabled;
     let mut w = FileWriter::new(settings);
     let mut failed = false;
-    let mut seen = Dedup::new(DEDUP_WINDOW);
+    let mut seen = tessera_assembly::RecentSet::new(DEDUP_WINDOW);
     loop {
         // A partial block is written out after a quiet spell, so that at low rates events reach
         // the disk (and release their buffer memory) without waiting for a full block.

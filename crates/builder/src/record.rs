@@ -1,0 +1,119 @@
+//! Building one event record from the parts a builder received (super-fragments in push mode,
+//! answers in request mode): the checks every part gets, and the sealed record header with its
+//! counters. Shared by both modes, so that an event is checked and flagged alike however it came.
+
+use std::sync::atomic::Ordering;
+
+use tessera_format::event::{EventFlags, EventRecordHeader};
+use tessera_format::link::Fragments;
+use tessera_net::ChunkSlice;
+
+use crate::BuilderStats;
+
+/// An event record being put together.
+#[derive(Default)]
+pub(crate) struct Record {
+    pub flags: u32,
+    trigger: Option<u16>,
+    timestamp: u64,
+    /// (source ID, fragment), in the order the parts were added.
+    pub fragments: Vec<(u32, ChunkSlice)>,
+}
+
+impl Record {
+    /// Adds the `count` fragments packed in `body`. A part that contradicts itself (bad framing,
+    /// another event's fragment, a count that differs) is not trusted at all: its fragments are
+    /// counted as malformed and `false` is returned, so the caller names its sources missing.
+    pub fn add_part(
+        &mut self,
+        event_id: u64,
+        body: &ChunkSlice,
+        count: u32,
+        st: &BuilderStats,
+    ) -> bool {
+        let mut found = Vec::with_capacity(count as usize);
+        for f in Fragments::new(body) {
+            match f {
+                Ok(f) if f.header.event_id == event_id => found.push(f),
+                _ => {
+                    st.malformed_fragments
+                        .fetch_add(count as u64, Ordering::Relaxed);
+                    return false;
+                }
+            }
+        }
+        if found.len() != count as usize {
+            st.malformed_fragments
+                .fetch_add(count as u64, Ordering::Relaxed);
+            return false;
+        }
+        for f in found {
+            match self.trigger {
+                None => {
+                    self.trigger = Some(f.header.trigger_type);
+                    self.timestamp = f.header.timestamp;
+                }
+                Some(t) if t != f.header.trigger_type => self.flags |= EventFlags::TRIGGER_MISMATCH,
+                _ => {}
+            }
+            if f.header.status != 0 {
+                self.flags |= EventFlags::FRONT_END_STATUS;
+            }
+            self.fragments
+                .push((f.header.source_id, body.slice(f.start, f.len)));
+        }
+        true
+    }
+
+    /// Seals the record: flags it incomplete if sources are missing (sorted and deduplicated
+    /// here), encodes and checksums the header, and counts the event. Returns the header bytes
+    /// and the fragments that follow it.
+    pub fn finish(
+        self,
+        event_id: u64,
+        builder_id: u16,
+        mut missing: Vec<u32>,
+        st: &BuilderStats,
+    ) -> (Vec<u8>, Vec<ChunkSlice>) {
+        let mut flags = self.flags;
+        missing.sort_unstable();
+        missing.dedup();
+        if !missing.is_empty() {
+            flags |= EventFlags::INCOMPLETE;
+            let mut m = st.missing_by_source.lock();
+            for s in &missing {
+                *m.entry(*s).or_default() += 1;
+            }
+        }
+        let fragments: Vec<ChunkSlice> = self.fragments.into_iter().map(|f| f.1).collect();
+        let body: usize = fragments.iter().map(|f| f.len()).sum();
+        let mut h = EventRecordHeader {
+            flags: EventFlags(flags),
+            event_id,
+            timestamp: self.timestamp,
+            trigger_type: self.trigger.unwrap_or(0),
+            builder_id,
+            fragment_count: fragments.len() as u32,
+            record_size: 0,
+            missing,
+            checksum: 0,
+        };
+        h.record_size = (h.header_size() + body) as u32;
+        let mut header = Vec::with_capacity(h.header_size());
+        h.encode_into(&mut header);
+        let crc = EventRecordHeader::checksum_over(&header, fragments.iter().map(|f| &f[..]));
+        EventRecordHeader::seal(&mut header, crc);
+        let nf = fragments.len() as u64;
+        if flags & EventFlags::INCOMPLETE != 0 {
+            st.events_incomplete.fetch_add(1, Ordering::Relaxed);
+            st.fragments_in_incomplete.fetch_add(nf, Ordering::Relaxed);
+        } else {
+            st.events_complete.fetch_add(1, Ordering::Relaxed);
+            st.fragments_in_complete.fetch_add(nf, Ordering::Relaxed);
+        }
+        st.bytes_built
+            .fetch_add(h.record_size as u64, Ordering::Relaxed);
+        st.last_event.store(event_id, Ordering::Relaxed);
+        (header, fragments)
+    }
+}
