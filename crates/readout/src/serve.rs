@@ -66,6 +66,8 @@ struct Unit {
     requests: Mutex<RequestTable>,
     ports: Mutex<HashMap<u32, Arc<Port>>>,
     share: usize,
+    /// The builders expected: only they get a port (and a share of the descriptors).
+    builders: Vec<u32>,
     announced: Mutex<RecentSet>,
     cleared: Mutex<RecentSet>,
     to_manager: Sender<Message>,
@@ -117,6 +119,7 @@ pub(crate) fn start(
         )),
         ports: Mutex::new(HashMap::new()),
         share: (mode.descriptors / mode.builders.len().max(1)).max(1),
+        builders: mode.builders.clone(),
         announced: Mutex::new(RecentSet::new(MEMORY)),
         cleared: Mutex::new(RecentSet::new(MEMORY)),
         to_manager,
@@ -378,6 +381,11 @@ fn accept(u: &Arc<Unit>, listener: TcpListener) {
             }
             if u32::from_le_bytes(h[..4].try_into().expect("4 bytes")) == REQUEST_MAGIC {
                 match builder_hello(&mut stream, &h) {
+                    Ok((_, id)) if !u.builders.contains(&id) => crate::refused(
+                        u,
+                        peer,
+                        format!("builder {id} is not in this topology {:?}", u.builders),
+                    ),
                     Ok((Channel::Control, id)) => {
                         let u2 = u.clone();
                         threads.push(spawn(format!("ru{}-req-bu{id}", u.id), move || {

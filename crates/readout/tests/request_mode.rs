@@ -202,6 +202,8 @@ fn answers_name_exactly_the_missing_links_and_move_only_what_was_asked() {
     let s10 = source(&addr, 10, &[4, 5, 6], 100);
     let s11 = source(&addr, 11, &[4, 6], 100);
     let s12 = source(&addr, 12, &[4, 5, 6], 100);
+    // A builder the unit does not expect gets no port and no descriptors.
+    let _stranger = Bu::connect(&addr, 9);
     let mut b = Bu::connect(&addr, 1);
     // All links of event 5: answered after the timeout, naming source 11 alone.
     b.request(1, 5, &[]);
@@ -220,6 +222,7 @@ fn answers_name_exactly_the_missing_links_and_move_only_what_was_asked() {
     assert_eq!(sources_in(&body), vec![10, 11]);
     let q = &ru.stats.requests;
     assert_eq!(q.fragments_sent.load(Ordering::Relaxed), 5);
+    assert_eq!(ru.stats.refused_connections.load(Ordering::Relaxed), 2);
     assert_eq!(q.partial_answers.load(Ordering::Relaxed), 1);
     // Clears free every page; the unsent fragments of event 4 are counted, as are odd clears.
     em.send(Message::Clear {
