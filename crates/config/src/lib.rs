@@ -46,6 +46,8 @@ pub struct Topology {
     /// Error injection into emulated sources.
     #[serde(rename = "inject")]
     pub injections: Vec<Injection>,
+    /// Online event distribution: stations that consumers attach to.
+    pub monitor: MonitorSection,
 }
 
 /// `[run]`: the run as a whole.
@@ -458,6 +460,254 @@ impl Default for RecorderSection {
     }
 }
 
+/// `[monitor]`: online event distribution (the CODA ET model). Every recorded event enters the
+/// monitor's chain of stations; consumers attach to a station locally or over TCP.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MonitorSection {
+    /// Run the monitor (in the recorder's process). Off: no station, no port.
+    pub enabled: bool,
+    /// Address consumers connect to. The default port 0 takes a free one, printed at start and
+    /// written to `monitor.addr` in the output directory; the demo uses 127.0.0.1:7711.
+    pub listen: String,
+    /// How often the monitor beats to a waiting consumer and a consumer to the monitor, in
+    /// milliseconds.
+    pub heartbeat_ms: u32,
+    /// A consumer silent this long (no message, no heartbeat) is declared dead and its events
+    /// are handled by its station's `restore` policy, in milliseconds.
+    pub consumer_timeout_ms: u32,
+    /// Stream tags by trigger type: `physics = [1]`, `calibration = [2, 3]`. A station can
+    /// select a stream (the event record has no stream field in format v1, so the tag follows
+    /// from the trigger type).
+    pub streams: BTreeMap<String, Vec<u16>>,
+    /// The chain of stations, in order. Absent: one sampling station `sample` taking every event.
+    #[serde(rename = "station")]
+    pub stations: Vec<StationSection>,
+}
+
+impl Default for MonitorSection {
+    fn default() -> Self {
+        MonitorSection {
+            enabled: true,
+            listen: "127.0.0.1:0".into(),
+            heartbeat_ms: 1000,
+            consumer_timeout_ms: 5000,
+            streams: BTreeMap::new(),
+            stations: Vec::new(),
+        }
+    }
+}
+
+impl MonitorSection {
+    /// The stations of the chain: those configured, or the default `sample` station.
+    pub fn chain(&self) -> Vec<StationSection> {
+        if self.stations.is_empty() {
+            vec![StationSection {
+                name: "sample".into(),
+                ..Default::default()
+            }]
+        } else {
+            self.stations.clone()
+        }
+    }
+}
+
+/// `monitor.station[].mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StationMode {
+    /// Every selected event must be taken and put back before it moves on; a full queue holds
+    /// the data path (as a recorder needs).
+    Blocking,
+    /// Consumers get a sample: a selected event is copied into the queue if there is room and
+    /// goes on at once; a full queue drops it for this station only.
+    Sampling,
+}
+
+/// `monitor.station[].restore`: what happens to the events a dead consumer held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Restore {
+    /// Back into the station's queue for another consumer (to the next station if none is
+    /// left). Blocking stations only.
+    Station,
+    /// On to the next station. Blocking stations only.
+    Next,
+    /// Released. Sampling stations only (a sampled event is a copy; nothing waits for it).
+    Release,
+}
+
+/// `monitor.station[].distribution`: how a parallel group shares events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Distribution {
+    /// In turn among the members that select the event.
+    RoundRobin,
+    /// To the member with the shortest queue.
+    EqualQueue,
+}
+
+/// `[[monitor.station]]`: one station of the chain.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StationSection {
+    /// Unique name consumers attach by.
+    pub name: String,
+    pub mode: StationMode,
+    /// Select only these trigger types (empty: every trigger type).
+    pub trigger_types: Vec<u16>,
+    /// Select only events of this stream (a name from `monitor.streams`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stream: Option<String>,
+    /// Select only events whose header satisfies this predicate, e.g. `event_id % 100 == 0`
+    /// (language in `docs/monitor-protocol.md`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicate: Option<String>,
+    /// Take every Nth selected event (1: every one).
+    pub prescale: u64,
+    /// Most events the station holds at once (queued and held by consumers).
+    pub queue: usize,
+    /// What happens to a dead consumer's events. Absent: `station` for blocking stations,
+    /// `release` for sampling ones.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub restore: Option<Restore>,
+    /// Stations with the same group name, next to each other in the chain, are parallel: each
+    /// event goes to one of them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    /// How a parallel group shares events (only on grouped stations; default `round_robin`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub distribution: Option<Distribution>,
+}
+
+impl Default for StationSection {
+    fn default() -> Self {
+        StationSection {
+            name: String::new(),
+            mode: StationMode::Sampling,
+            trigger_types: Vec::new(),
+            stream: None,
+            predicate: None,
+            prescale: 1,
+            queue: 100,
+            restore: None,
+            group: None,
+            distribution: None,
+        }
+    }
+}
+
+impl StationSection {
+    /// The restore policy in force.
+    pub fn restore_policy(&self) -> Restore {
+        self.restore.unwrap_or(match self.mode {
+            StationMode::Blocking => Restore::Station,
+            StationMode::Sampling => Restore::Release,
+        })
+    }
+
+    /// Checks one station on its own; `streams` are the declared stream tags. Returns the key
+    /// (relative to the station) and the reason of the first problem.
+    pub fn check(
+        &self,
+        streams: &BTreeMap<String, Vec<u16>>,
+    ) -> Result<(), (&'static str, String)> {
+        if self.name.is_empty() || self.name.len() > 64 || self.name.chars().any(|c| c.is_control())
+        {
+            return Err(("name", "give a name of 1 to 64 printable characters".into()));
+        }
+        if self.prescale == 0 {
+            return Err(("prescale", "must be at least 1".into()));
+        }
+        if self.queue == 0 || self.queue > 1_000_000 {
+            return Err(("queue", "must be between 1 and 1000000 events".into()));
+        }
+        match (self.mode, self.restore) {
+            (StationMode::Blocking, Some(Restore::Release)) => {
+                return Err((
+                    "restore",
+                    "a blocking station never loses events: use `station` or `next`".into(),
+                ))
+            }
+            (StationMode::Sampling, Some(r @ (Restore::Station | Restore::Next))) => {
+                return Err((
+                    "restore",
+                    format!(
+                        "`{}` cannot apply to a sampling station: its consumers hold copies and the events have already moved on; use `release`",
+                        if r == Restore::Station { "station" } else { "next" }
+                    ),
+                ))
+            }
+            _ => {}
+        }
+        if let Some(s) = &self.stream {
+            if !streams.contains_key(s) {
+                return Err((
+                    "stream",
+                    format!("stream {s:?} is not declared in [monitor.streams]"),
+                ));
+            }
+        }
+        if let Some(p) = &self.predicate {
+            tessera_format::select::Predicate::parse(p)
+                .map_err(|e| ("predicate", e.to_string()))?;
+        }
+        if self.distribution.is_some() && self.group.is_none() {
+            return Err((
+                "distribution",
+                "applies only to a parallel group: set `group` too".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Checks a whole chain: each station, unique names, parallel groups adjacent and of one mode.
+pub fn check_chain(
+    stations: &[StationSection],
+    streams: &BTreeMap<String, Vec<u16>>,
+) -> Result<(), (String, String)> {
+    let mut names = BTreeSet::new();
+    for (i, st) in stations.iter().enumerate() {
+        st.check(streams)
+            .map_err(|(k, why)| (format!("monitor.station[{i}].{k}"), why))?;
+        if !names.insert(st.name.as_str()) {
+            return Err((
+                format!("monitor.station[{i}].name"),
+                format!("{:?} is used twice", st.name),
+            ));
+        }
+        if let Some(g) = &st.group {
+            let prev = i.checked_sub(1).map(|j| &stations[j]);
+            let joins = prev.is_some_and(|p| p.group.as_ref() == Some(g));
+            if !joins && stations[..i].iter().any(|p| p.group.as_ref() == Some(g)) {
+                return Err((
+                    format!("monitor.station[{i}].group"),
+                    format!("the stations of group {g:?} must be next to each other"),
+                ));
+            }
+            if let Some(p) = prev.filter(|_| joins) {
+                if p.mode != st.mode {
+                    return Err((
+                        format!("monitor.station[{i}].mode"),
+                        format!("the stations of group {g:?} must all have one mode"),
+                    ));
+                }
+                if st.distribution.is_some() && st.distribution != p.distribution {
+                    return Err((
+                        format!("monitor.station[{i}].distribution"),
+                        format!(
+                            "the group's distribution is set on its first station ({:?})",
+                            p.name
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// An error an emulated source injects on purpose.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -574,6 +824,7 @@ impl Topology {
         t.sources.trigger = TriggerMode::Periodic;
         t.sources.rate_hz = 5000.0;
         t.run.events = 50_000;
+        t.monitor.listen = "127.0.0.1:7711".into();
         let text = toml::to_string(&t).expect("demo serialises");
         t.resolve("<built-in demo>", text)
             .expect("the demo topology is valid")
@@ -959,6 +1210,23 @@ impl Topology {
                     "disconnect takes exactly one event ID in `at` and no `every`".into(),
                 ));
             }
+        }
+        let m = &self.monitor;
+        if m.enabled {
+            if m.heartbeat_ms == 0 {
+                return Err(err("monitor.heartbeat_ms", "must be at least 1".into()));
+            }
+            if (m.consumer_timeout_ms as u64) < 2 * m.heartbeat_ms as u64 {
+                return Err(err(
+                    "monitor.consumer_timeout_ms",
+                    format!(
+                        "{} ms is less than two heartbeats ({} ms): live consumers would be declared dead",
+                        m.consumer_timeout_ms,
+                        2 * m.heartbeat_ms as u64
+                    ),
+                ));
+            }
+            check_chain(&m.chain(), &m.streams).map_err(|(k, why)| err(&k, why))?;
         }
         use sha2::Digest;
         let digest: [u8; 32] = sha2::Sha256::digest(text.as_bytes()).into();

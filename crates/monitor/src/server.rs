@@ -1,0 +1,496 @@
+//! The monitor's TCP service (`docs/monitor-protocol.md`): one connection per consumer (or per
+//! control client), two threads per connection.
+//!
+//! The reader thread only reads: it sees a consumer's death at once (a killed process's socket
+//! closes) or after `consumer_timeout_ms` of silence, wakes the worker out of any wait and
+//! detaches the consumer, so its events are restored without waiting for anything else. The
+//! worker answers commands, waits for events (beating to the consumer while it waits) and
+//! writes them out.
+
+use bytes::Bytes;
+use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
+use parking_lot::Mutex;
+use serde::Deserialize;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tessera_config::StationSection;
+use tessera_format::monitor::{ErrorCode, Message, Wait};
+
+use crate::chain::{Monitor, MonitorError};
+use crate::wire::{read_message, split_records, write_events, write_message};
+
+/// Largest message a consumer may send (commands and put-back records).
+pub const MAX_CLIENT_MESSAGE: usize = 256 << 20;
+/// Most connections at once; more are refused (each costs two threads).
+pub const MAX_CONNECTIONS: usize = 256;
+/// Most events one `Get` returns, whatever the consumer asks.
+pub const MAX_GET: usize = 10_000;
+
+/// Timing of the service.
+#[derive(Clone, Copy, Debug)]
+pub struct ServerOptions {
+    pub heartbeat: Duration,
+    pub consumer_timeout: Duration,
+}
+
+/// A running service. Dropping it does not stop it; call [`Server::stop`].
+pub struct Server {
+    pub addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Server {
+    pub fn start(
+        listener: TcpListener,
+        monitor: Monitor,
+        opts: ServerOptions,
+    ) -> std::io::Result<Server> {
+        let addr = listener.local_addr()?;
+        listener.set_nonblocking(true)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("monitor-accept".into())
+            .spawn(move || accept(listener, monitor, opts, &s))?;
+        Ok(Server {
+            addr,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops accepting and ends every connection (after [`Monitor::close`], their waits end).
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+struct Conn {
+    stream: TcpStream,
+    woken: Arc<AtomicBool>,
+}
+
+fn accept(listener: TcpListener, monitor: Monitor, opts: ServerOptions, stop: &AtomicBool) {
+    let live = Arc::new(AtomicUsize::new(0));
+    let mut conns: Vec<(Conn, JoinHandle<()>)> = Vec::new();
+    while !stop.load(Ordering::Acquire) {
+        match listener.accept() {
+            Ok((s, peer)) => {
+                let _ = s.set_nonblocking(false);
+                let _ = s.set_nodelay(true);
+                if live.load(Ordering::Acquire) >= MAX_CONNECTIONS {
+                    tracing::warn!(%peer, "monitor: too many connections, refused");
+                    let mut s = s;
+                    let _ = write_message(
+                        &mut s,
+                        &Message::Error {
+                            code: ErrorCode::BadRequest,
+                            message: format!("more than {MAX_CONNECTIONS} connections"),
+                        },
+                    );
+                    continue;
+                }
+                let Ok(keep) = s.try_clone() else { continue };
+                let woken = Arc::new(AtomicBool::new(false));
+                let (m, w, l) = (monitor.clone(), woken.clone(), live.clone());
+                l.fetch_add(1, Ordering::AcqRel);
+                let h = std::thread::Builder::new()
+                    .name(format!("monitor-{peer}"))
+                    .spawn(move || {
+                        serve(s, peer, m, opts, w);
+                        l.fetch_sub(1, Ordering::AcqRel);
+                    });
+                match h {
+                    Ok(h) => conns.push((
+                        Conn {
+                            stream: keep,
+                            woken,
+                        },
+                        h,
+                    )),
+                    Err(_) => {
+                        live.fetch_sub(1, Ordering::AcqRel);
+                    }
+                }
+                conns.retain(|(_, h)| !h.is_finished());
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20));
+                conns.retain(|(_, h)| !h.is_finished());
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+    for (c, _) in &conns {
+        c.woken.store(true, Ordering::Release);
+        let _ = c.stream.shutdown(std::net::Shutdown::Both);
+    }
+    for (_, h) in conns {
+        let _ = h.join();
+    }
+}
+
+enum Incoming {
+    Message(Message, Bytes),
+    /// The peer closed, broke the protocol or fell silent.
+    Gone(String),
+}
+
+/// A JSON command of the protocol.
+#[derive(Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+enum Command {
+    Attach {
+        station: String,
+        #[serde(default)]
+        consumer: String,
+        /// Create the station first if it does not exist.
+        #[serde(default)]
+        create: Option<StationSection>,
+    },
+    Status,
+    Create {
+        station: StationSection,
+    },
+    Set {
+        station: StationSection,
+    },
+    Remove {
+        station: String,
+    },
+}
+
+fn serve(
+    stream: TcpStream,
+    peer: SocketAddr,
+    monitor: Monitor,
+    opts: ServerOptions,
+    woken: Arc<AtomicBool>,
+) {
+    let mut out = match stream.try_clone() {
+        Ok(s) => s,
+        Err(_) => return,
+    };
+    let _ = stream.set_read_timeout(Some(opts.consumer_timeout));
+    if write_message(
+        &mut out,
+        &Message::Welcome {
+            instance: monitor.instance(),
+            heartbeat_ms: opts.heartbeat.as_millis().min(u32::MAX as u128) as u32,
+        },
+    )
+    .is_err()
+    {
+        return;
+    }
+    let consumer: Arc<Mutex<Option<u64>>> = Arc::new(Mutex::new(None));
+    let (tx, rx) = bounded::<Incoming>(64);
+    let reader = {
+        let (m, c, w) = (monitor.clone(), consumer.clone(), woken.clone());
+        std::thread::Builder::new()
+            .name(format!("monitor-rd-{peer}"))
+            .spawn(move || read_loop(stream, tx, &m, &c, &w))
+    };
+    let Ok(reader) = reader else { return };
+    work(&mut out, peer, &monitor, opts, &rx, &consumer, &woken);
+    woken.store(true, Ordering::Release);
+    let _ = out.shutdown(std::net::Shutdown::Both);
+    if let Some(id) = consumer.lock().take() {
+        monitor.detach(id);
+    }
+    let _ = reader.join();
+}
+
+fn read_loop(
+    mut stream: TcpStream,
+    tx: Sender<Incoming>,
+    monitor: &Monitor,
+    consumer: &Mutex<Option<u64>>,
+    woken: &AtomicBool,
+) {
+    loop {
+        match read_message(&mut stream, MAX_CLIENT_MESSAGE) {
+            Ok(r) => {
+                let bye = r.message == Message::Bye;
+                if tx.send(Incoming::Message(r.message, r.data)).is_err() || bye {
+                    return;
+                }
+            }
+            Err(e) => {
+                let why = match e.kind() {
+                    std::io::ErrorKind::UnexpectedEof => "closed".to_string(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                        "silent for longer than the consumer timeout".to_string()
+                    }
+                    _ => e.to_string(),
+                };
+                // Restore the dead consumer's events now, whatever the worker is doing: a
+                // blocking station must not wait for the worker to notice.
+                woken.store(true, Ordering::Release);
+                if let Some(id) = consumer.lock().take() {
+                    monitor.wake(id);
+                    monitor.detach(id);
+                }
+                let _ = tx.send(Incoming::Gone(why));
+                return;
+            }
+        }
+    }
+}
+
+fn error_message(e: &MonitorError) -> Message {
+    Message::Error {
+        code: e.code(),
+        message: e.to_string(),
+    }
+}
+
+fn work(
+    out: &mut TcpStream,
+    peer: SocketAddr,
+    monitor: &Monitor,
+    opts: ServerOptions,
+    rx: &Receiver<Incoming>,
+    consumer: &Mutex<Option<u64>>,
+    woken: &AtomicBool,
+) {
+    let mut name = String::new();
+    loop {
+        let incoming = match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(i) => i,
+            Err(RecvTimeoutError::Timeout) => {
+                if woken.load(Ordering::Acquire) && rx.is_empty() {
+                    return;
+                }
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        let (message, data) = match incoming {
+            Incoming::Message(m, d) => (m, d),
+            Incoming::Gone(why) => {
+                if !name.is_empty() {
+                    tracing::info!(%peer, consumer = %name, %why, "monitor consumer gone");
+                }
+                return;
+            }
+        };
+        let reply = match message {
+            Message::Command { json } => command(monitor, consumer, &json, peer, &mut name),
+            Message::Get { max, wait } => {
+                let Some(id) = *consumer.lock() else {
+                    let _ = write_message(out, &not_attached());
+                    continue;
+                };
+                match get(out, monitor, id, max as usize, wait, opts, woken) {
+                    Ok(()) => continue,
+                    Err(Some(e)) => error_message(&e),
+                    Err(None) => return,
+                }
+            }
+            Message::Put { entries } => {
+                let Some(id) = *consumer.lock() else {
+                    let _ = write_message(out, &not_attached());
+                    continue;
+                };
+                let records = split_records(&entries, &data);
+                let events = entries
+                    .iter()
+                    .zip(records)
+                    .map(|(e, r)| (e.seq, (e.len > 0).then_some(r)))
+                    .collect();
+                // A put has no answer unless it is refused: the refusal comes before the answer
+                // to the consumer's next request.
+                match monitor.put(id, events) {
+                    Ok(()) => continue,
+                    Err(e) => error_message(&e),
+                }
+            }
+            Message::Heartbeat { .. } => continue,
+            Message::Bye => {
+                if let Some(id) = consumer.lock().take() {
+                    monitor.detach(id);
+                }
+                return;
+            }
+            other => Message::Error {
+                code: ErrorCode::BadRequest,
+                message: format!("a consumer does not send {}", kind_name(&other)),
+            },
+        };
+        if write_message(out, &reply).is_err() {
+            return;
+        }
+    }
+}
+
+fn not_attached() -> Message {
+    Message::Error {
+        code: ErrorCode::NotAttached,
+        message: "attach to a station first".into(),
+    }
+}
+
+fn kind_name(m: &Message) -> &'static str {
+    match m {
+        Message::Welcome { .. } => "welcome",
+        Message::Command { .. } => "command",
+        Message::Reply { .. } => "reply",
+        Message::Error { .. } => "error",
+        Message::Get { .. } => "get",
+        Message::Events { .. } => "events",
+        Message::Put { .. } => "put",
+        Message::Heartbeat { .. } => "heartbeat",
+        Message::Bye => "bye",
+    }
+}
+
+/// Answers a `Get`: waits in slices of one heartbeat, beating between them, so a consumer
+/// waiting for rare events can tell a quiet monitor from a dead one. `Err(None)`: the
+/// connection is finished.
+fn get(
+    out: &mut TcpStream,
+    monitor: &Monitor,
+    id: u64,
+    max: usize,
+    wait: Wait,
+    opts: ServerOptions,
+    woken: &AtomicBool,
+) -> Result<(), Option<MonitorError>> {
+    let max = max.clamp(1, MAX_GET);
+    let beat = opts.heartbeat.as_millis().clamp(1, u32::MAX as u128) as u32;
+    let deadline = match wait {
+        Wait::Timed(ms) => Some(Instant::now() + Duration::from_millis(ms as u64)),
+        _ => None,
+    };
+    loop {
+        let slice = match (wait, deadline) {
+            (Wait::Poll, _) => Wait::Poll,
+            (_, Some(d)) => {
+                let left = d.saturating_duration_since(Instant::now()).as_millis() as u32;
+                Wait::Timed(left.min(beat))
+            }
+            _ => Wait::Timed(beat),
+        };
+        let events = match monitor.get(id, max, slice, woken) {
+            Ok(ev) => ev,
+            Err(MonitorError::Woken) => return Err(None),
+            Err(e) => return Err(Some(e)),
+        };
+        let finished = !events.is_empty()
+            || wait == Wait::Poll
+            || deadline.is_some_and(|d| Instant::now() >= d);
+        if finished {
+            return write_events(out, &events).map_err(|_| None);
+        }
+        write_message(
+            out,
+            &Message::Heartbeat {
+                instance: monitor.instance(),
+            },
+        )
+        .map_err(|_| None)?;
+    }
+}
+
+fn command(
+    monitor: &Monitor,
+    consumer: &Mutex<Option<u64>>,
+    json: &[u8],
+    peer: SocketAddr,
+    name: &mut String,
+) -> Message {
+    let cmd: Command = match serde_json::from_slice(json) {
+        Ok(c) => c,
+        Err(e) => {
+            return Message::Error {
+                code: ErrorCode::BadRequest,
+                message: format!("command: {e}"),
+            }
+        }
+    };
+    let ok = |v: serde_json::Value| Message::Reply {
+        json: serde_json::to_vec(&v).expect("JSON values serialise"),
+    };
+    let result = match cmd {
+        Command::Attach {
+            station,
+            consumer: cname,
+            create,
+        } => {
+            if consumer.lock().is_some() {
+                return Message::Error {
+                    code: ErrorCode::BadRequest,
+                    message: "already attached: one station per connection".into(),
+                };
+            }
+            if let Some(c) = create {
+                if c.name != station {
+                    return Message::Error {
+                        code: ErrorCode::BadRequest,
+                        message: format!("create names {:?}, attach names {station:?}", c.name),
+                    };
+                }
+                let exists = monitor
+                    .status()
+                    .stations
+                    .iter()
+                    .any(|s| s.config.name == station);
+                if !exists {
+                    if let Err(e) = monitor.create_station(c) {
+                        return error_message(&e);
+                    }
+                }
+            }
+            let cname = if cname.is_empty() {
+                peer.to_string()
+            } else {
+                cname
+            };
+            monitor.attach_id(&station, &cname).map(|id| {
+                *consumer.lock() = Some(id);
+                *name = cname;
+                tracing::info!(%peer, consumer = %name, %station, "monitor consumer attached");
+                let cfg = monitor.station_of(id);
+                serde_json::json!({ "consumer_id": id, "station": cfg })
+            })
+        }
+        Command::Status => Ok(serde_json::to_value(monitor.status()).expect("status serialises")),
+        Command::Create { station } => {
+            tracing::info!(%peer, station = %station.name, "monitor station created");
+            monitor
+                .create_station(station)
+                .map(|()| serde_json::json!({ "ok": true }))
+        }
+        Command::Set { station } => {
+            tracing::info!(%peer, station = %station.name, "monitor station changed");
+            monitor
+                .set_station(station)
+                .map(|()| serde_json::json!({ "ok": true }))
+        }
+        Command::Remove { station } => {
+            tracing::info!(%peer, %station, "monitor station removed");
+            monitor
+                .remove_station(&station)
+                .map(|()| serde_json::json!({ "ok": true }))
+        }
+    };
+    match result {
+        Ok(v) => ok(v),
+        Err(e) => error_message(&e),
+    }
+}
