@@ -1,0 +1,282 @@
+//! The monitor over real TCP on loopback: the protocol, consumer deaths seen by the server,
+//! heartbeats, reattachment after a restart, commands, and a peer that sends garbage.
+
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
+use std::time::Duration;
+
+use tessera_config::{MonitorSection, Restore, StationMode, StationSection};
+use tessera_format::event::{EventFlags, EventRecordHeader};
+use tessera_format::monitor::{ErrorCode, Message, Wait};
+use tessera_monitor::wire::{read_message, split_records, write_message};
+use tessera_monitor::{client, ClientError, ClientOptions, Consumer, Monitor, Server, ServerOptions};
+
+fn record(event_id: u64, payload: usize) -> Vec<u8> {
+    let h = EventRecordHeader {
+        flags: EventFlags(0),
+        event_id,
+        timestamp: 0,
+        trigger_type: 1,
+        builder_id: 0,
+        fragment_count: 0,
+        record_size: (48 + payload) as u32,
+        missing: vec![],
+        checksum: 0,
+    };
+    let mut v = Vec::new();
+    h.encode_into(&mut v);
+    v.extend((0..payload).map(|i| (event_id as u8) ^ (i as u8)));
+    v
+}
+
+fn event_id(r: &[u8]) -> u64 {
+    EventRecordHeader::decode_prefix(r, r.len()).unwrap().unwrap().0.event_id
+}
+
+fn start(stations: Vec<StationSection>, timeout_ms: u64) -> (Monitor, Server) {
+    start_on("127.0.0.1:0", stations, timeout_ms)
+}
+
+fn start_on(addr: &str, stations: Vec<StationSection>, timeout_ms: u64) -> (Monitor, Server) {
+    let m = Monitor::new(&MonitorSection {
+        stations,
+        ..Default::default()
+    })
+    .unwrap();
+    let s = Server::start(
+        TcpListener::bind(addr).unwrap(),
+        m.clone(),
+        ServerOptions {
+            heartbeat: Duration::from_millis(50),
+            consumer_timeout: Duration::from_millis(timeout_ms),
+        },
+    )
+    .unwrap();
+    (m, s)
+}
+
+fn blocking(name: &str) -> StationSection {
+    StationSection {
+        name: name.into(),
+        mode: StationMode::Blocking,
+        queue: 64,
+        restore: Some(Restore::Station),
+        ..Default::default()
+    }
+}
+
+/// A consumer written from the protocol document alone, with no client library: attaches and
+/// returns the open socket.
+fn raw_attach(addr: &str, station: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    match read_message(&mut s, 1 << 20).unwrap().message {
+        Message::Welcome { instance, .. } => assert_ne!(instance, 0),
+        other => panic!("{other:?}"),
+    }
+    let attach = format!(r#"{{"op":"attach","station":"{station}","consumer":"raw"}}"#);
+    write_message(&mut s, &Message::Command { json: attach.into_bytes() }).unwrap();
+    assert!(matches!(read_message(&mut s, 1 << 20).unwrap().message, Message::Reply { .. }));
+    s
+}
+
+/// Gets `n` events on a raw connection.
+fn raw_get(s: &mut TcpStream, n: u32) -> Vec<u64> {
+    write_message(s, &Message::Get { max: n, wait: Wait::Sleep }).unwrap();
+    loop {
+        let r = read_message(s, 1 << 26).unwrap();
+        match r.message {
+            Message::Events { entries } => {
+                let ids = split_records(&entries, &r.data).iter().map(|b| event_id(b)).collect();
+                return ids;
+            }
+            Message::Heartbeat { .. } => continue,
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_tcp_consumer_gets_every_event_of_a_blocking_station_in_order() {
+    let (m, server) = start(vec![blocking("all")], 5000);
+    let addr = server.addr.to_string();
+    let mut c = Consumer::attach(ClientOptions::new(&addr, "all")).unwrap();
+    let producer = {
+        let m = m.clone();
+        std::thread::spawn(move || {
+            for id in 1..=3000u64 {
+                m.insert(&record(id, 5120));
+            }
+        })
+    };
+    let mut next = 1u64;
+    while next <= 3000 {
+        let got = c.get(100, Wait::Sleep).unwrap();
+        for e in &got {
+            assert_eq!(&e.record[..], &record(next, 5120)[..]);
+            next += 1;
+        }
+        c.put(&got).unwrap();
+    }
+    producer.join().unwrap();
+    c.close();
+    // Once the consumer put the last batch, every event left the chain.
+    while m.status().events_out < 3000 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(c.refused_puts, 0);
+}
+
+#[test]
+fn a_consumer_whose_connection_drops_gives_its_events_back() {
+    let (m, server) = start(vec![blocking("b")], 60_000);
+    let addr = server.addr.to_string();
+    // Events pass a station nobody is attached to: attach first.
+    let mut other = Consumer::attach(ClientOptions::new(&addr, "b")).unwrap();
+    let mut dying = raw_attach(&addr, "b");
+    for id in 1..=10u64 {
+        m.insert(&record(id, 100));
+    }
+    let held = raw_get(&mut dying, 4);
+    assert_eq!(held, vec![1, 2, 3, 4]);
+    let rest = other.get(100, Wait::Sleep).unwrap();
+    assert_eq!(rest.len(), 6);
+    drop(dying); // the socket closes as a killed process's would
+    let back = other.get(100, Wait::Timed(10_000)).unwrap();
+    let ids: Vec<u64> = back.iter().map(|e| event_id(&e.record)).collect();
+    assert_eq!(ids, vec![1, 2, 3, 4]);
+    other.put(&rest).unwrap();
+    other.put(&back).unwrap();
+    assert_eq!(m.status().stations[0].counters.restored, 4);
+}
+
+#[test]
+fn a_silent_consumer_is_declared_dead_after_the_timeout() {
+    // No heartbeat from the raw consumer: after 300 ms of silence its events come back.
+    let (m, server) = start(vec![blocking("b")], 300);
+    let addr = server.addr.to_string();
+    let mut silent = raw_attach(&addr, "b");
+    for id in 1..=3u64 {
+        m.insert(&record(id, 10));
+    }
+    let held = raw_get(&mut silent, 3);
+    assert_eq!(held, vec![1, 2, 3]);
+    let mut heir = Consumer::attach(ClientOptions::new(&addr, "b")).unwrap();
+    let mut ids = Vec::new();
+    while ids.len() < 3 {
+        let got = heir.get(10, Wait::Sleep).unwrap();
+        ids.extend(got.iter().map(|e| event_id(&e.record)));
+        heir.put(&got).unwrap();
+    }
+    assert_eq!(ids, vec![1, 2, 3]);
+    // The heir itself, waiting longer than the timeout, is kept alive by its heartbeats.
+    assert!(heir.get(10, Wait::Timed(1000)).unwrap().is_empty());
+    assert_eq!(m.status().stations[0].consumers.len(), 1);
+}
+
+#[test]
+fn a_consumer_reattaches_by_itself_after_the_monitor_restarts() {
+    let (m1, s1) = start(vec![blocking("b")], 5000);
+    let addr = s1.addr.to_string();
+    let mut c = Consumer::attach(ClientOptions::new(&addr, "b")).unwrap();
+    m1.insert(&record(1, 10));
+    let first = c.get(10, Wait::Sleep).unwrap();
+    assert_eq!(event_id(&first[0].record), 1);
+    let old_instance = c.instance;
+    m1.close();
+    drop(s1);
+    // A new system on the same address, with events of its own.
+    let (m2, _s2) = start_on(&addr, vec![blocking("b")], 5000);
+    assert_ne!(m2.instance(), old_instance);
+    // Events pass a station with nobody attached, so the new system keeps producing until the
+    // consumer is back.
+    let mut got = Vec::new();
+    let mut id = 100;
+    while got.is_empty() {
+        m2.insert(&record(id, 10));
+        id += 1;
+        got = c.get(10, Wait::Timed(100)).unwrap();
+    }
+    assert!(event_id(&got[0].record) >= 100);
+    assert_eq!(c.instance, m2.instance());
+    assert_eq!(c.restarts, 1);
+    // The event from the old system cannot go into the new one: dropped, counted.
+    c.put(&first).unwrap();
+    assert_eq!(c.stale_puts, 1);
+    c.put(&got).unwrap();
+}
+
+#[test]
+fn commands_create_change_list_and_remove_stations() {
+    let (m, server) = start(vec![], 5000);
+    let addr = server.addr.to_string();
+    let t = Duration::from_secs(5);
+    let s = client::command(&addr, &serde_json::json!({"op": "status"}), t).unwrap();
+    assert_eq!(s["stations"][0]["config"]["name"], "sample");
+    client::command(
+        &addr,
+        &serde_json::json!({"op": "create", "station": {"name": "tenth", "predicate": "event_id % 10 == 0"}}),
+        t,
+    )
+    .unwrap();
+    let mut c = Consumer::attach(ClientOptions::new(&addr, "tenth")).unwrap();
+    for id in 1..=30u64 {
+        m.insert(&record(id, 0));
+    }
+    let ids: Vec<u64> = c.get(100, Wait::Sleep).unwrap().iter().map(|e| event_id(&e.record)).collect();
+    assert_eq!(ids, vec![10, 20, 30]);
+    client::command(
+        &addr,
+        &serde_json::json!({"op": "set", "station": {"name": "tenth", "predicate": "event_id % 10 == 0", "prescale": 2}}),
+        t,
+    )
+    .unwrap();
+    for id in 31..=70u64 {
+        m.insert(&record(id, 0));
+    }
+    let ids: Vec<u64> = c.get(100, Wait::Sleep).unwrap().iter().map(|e| event_id(&e.record)).collect();
+    assert_eq!(ids, vec![40, 60]);
+    let s = client::command(&addr, &serde_json::json!({"op": "status"}), t).unwrap();
+    assert_eq!(s["stations"][1]["consumers"].as_array().unwrap().len(), 1);
+    assert_eq!(s["stations"][1]["config"]["prescale"], 2);
+    // Refused: a sampling station cannot restore to the next station.
+    match client::command(
+        &addr,
+        &serde_json::json!({"op": "set", "station": {"name": "tenth", "restore": "next"}}),
+        t,
+    ) {
+        Err(ClientError::Refused { code: ErrorCode::Refused, message }) => {
+            assert!(message.contains("sampling"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    match client::command(&addr, &serde_json::json!({"op": "dance"}), t) {
+        Err(ClientError::Refused { code: ErrorCode::BadRequest, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    client::command(&addr, &serde_json::json!({"op": "remove", "station": "tenth"}), t).unwrap();
+    assert_eq!(m.status().stations.len(), 1);
+}
+
+#[test]
+fn garbage_from_a_peer_closes_only_that_connection() {
+    let (m, server) = start(vec![], 5000);
+    let addr = server.addr.to_string();
+    for junk in [
+        vec![0u8; 64],
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(),
+        (0..=255u8).cycle().take(5000).collect(),
+    ] {
+        let mut s = TcpStream::connect(&addr).unwrap();
+        let _ = s.write_all(&junk);
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        // Welcome, then the server closes on the bad message.
+        let mut n = 0;
+        while read_message(&mut s, 1 << 20).is_ok() {
+            n += 1;
+            assert!(n < 100);
+        }
+    }
+    let mut c = Consumer::attach(ClientOptions::new(&addr, "sample")).unwrap();
+    m.insert(&record(1, 0));
+    assert_eq!(c.get(1, Wait::Sleep).unwrap().len(), 1);
+}
