@@ -1,5 +1,5 @@
 //! The `tessera` command. Thin on purpose: it parses arguments and calls the crates that do the
-//! work (`tessera-run`, `tessera-verify`, `tessera-bench`).
+//! work (`tessera-run`, `tessera-verify`, `tessera-bench`, `tessera-monitor`).
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -94,6 +94,8 @@ enum Cmd {
     },
     /// Measure building throughput against a raw-TCP relay baseline on the same hops.
     Bench(tessera_bench::BenchArgs),
+    /// The live monitor: list stations and consumers, tail events, change stations.
+    Monitor(tessera_monitor::console::MonitorArgs),
 }
 
 fn main() -> ExitCode {
@@ -241,6 +243,10 @@ fn real_main() -> Result<ExitCode> {
         }
         Cmd::Bench(args) => {
             tessera_bench::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Monitor(args) => {
+            tessera_monitor::console::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
     }

@@ -12,6 +12,7 @@
 
 pub mod chain;
 pub mod client;
+pub mod console;
 pub mod server;
 pub mod wire;
 

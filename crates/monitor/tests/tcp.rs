@@ -9,7 +9,9 @@ use tessera_config::{MonitorSection, Restore, StationMode, StationSection};
 use tessera_format::event::{EventFlags, EventRecordHeader};
 use tessera_format::monitor::{ErrorCode, Message, Wait};
 use tessera_monitor::wire::{read_message, split_records, write_message};
-use tessera_monitor::{client, ClientError, ClientOptions, Consumer, Monitor, Server, ServerOptions};
+use tessera_monitor::{
+    client, ClientError, ClientOptions, Consumer, Monitor, Server, ServerOptions,
+};
 
 fn record(event_id: u64, payload: usize) -> Vec<u8> {
     let h = EventRecordHeader {
@@ -30,7 +32,11 @@ fn record(event_id: u64, payload: usize) -> Vec<u8> {
 }
 
 fn event_id(r: &[u8]) -> u64 {
-    EventRecordHeader::decode_prefix(r, r.len()).unwrap().unwrap().0.event_id
+    EventRecordHeader::decode_prefix(r, r.len())
+        .unwrap()
+        .unwrap()
+        .0
+        .event_id
 }
 
 fn start(stations: Vec<StationSection>, timeout_ms: u64) -> (Monitor, Server) {
@@ -74,19 +80,38 @@ fn raw_attach(addr: &str, station: &str) -> TcpStream {
         other => panic!("{other:?}"),
     }
     let attach = format!(r#"{{"op":"attach","station":"{station}","consumer":"raw"}}"#);
-    write_message(&mut s, &Message::Command { json: attach.into_bytes() }).unwrap();
-    assert!(matches!(read_message(&mut s, 1 << 20).unwrap().message, Message::Reply { .. }));
+    write_message(
+        &mut s,
+        &Message::Command {
+            json: attach.into_bytes(),
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        read_message(&mut s, 1 << 20).unwrap().message,
+        Message::Reply { .. }
+    ));
     s
 }
 
 /// Gets `n` events on a raw connection.
 fn raw_get(s: &mut TcpStream, n: u32) -> Vec<u64> {
-    write_message(s, &Message::Get { max: n, wait: Wait::Sleep }).unwrap();
+    write_message(
+        s,
+        &Message::Get {
+            max: n,
+            wait: Wait::Sleep,
+        },
+    )
+    .unwrap();
     loop {
         let r = read_message(s, 1 << 26).unwrap();
         match r.message {
             Message::Events { entries } => {
-                let ids = split_records(&entries, &r.data).iter().map(|b| event_id(b)).collect();
+                let ids = split_records(&entries, &r.data)
+                    .iter()
+                    .map(|b| event_id(b))
+                    .collect();
                 return ids;
             }
             Message::Heartbeat { .. } => continue,
@@ -222,7 +247,12 @@ fn commands_create_change_list_and_remove_stations() {
     for id in 1..=30u64 {
         m.insert(&record(id, 0));
     }
-    let ids: Vec<u64> = c.get(100, Wait::Sleep).unwrap().iter().map(|e| event_id(&e.record)).collect();
+    let ids: Vec<u64> = c
+        .get(100, Wait::Sleep)
+        .unwrap()
+        .iter()
+        .map(|e| event_id(&e.record))
+        .collect();
     assert_eq!(ids, vec![10, 20, 30]);
     client::command(
         &addr,
@@ -233,7 +263,12 @@ fn commands_create_change_list_and_remove_stations() {
     for id in 31..=70u64 {
         m.insert(&record(id, 0));
     }
-    let ids: Vec<u64> = c.get(100, Wait::Sleep).unwrap().iter().map(|e| event_id(&e.record)).collect();
+    let ids: Vec<u64> = c
+        .get(100, Wait::Sleep)
+        .unwrap()
+        .iter()
+        .map(|e| event_id(&e.record))
+        .collect();
     assert_eq!(ids, vec![40, 60]);
     let s = client::command(&addr, &serde_json::json!({"op": "status"}), t).unwrap();
     assert_eq!(s["stations"][1]["consumers"].as_array().unwrap().len(), 1);
@@ -244,16 +279,27 @@ fn commands_create_change_list_and_remove_stations() {
         &serde_json::json!({"op": "set", "station": {"name": "tenth", "restore": "next"}}),
         t,
     ) {
-        Err(ClientError::Refused { code: ErrorCode::Refused, message }) => {
+        Err(ClientError::Refused {
+            code: ErrorCode::Refused,
+            message,
+        }) => {
             assert!(message.contains("sampling"), "{message}")
         }
         other => panic!("{other:?}"),
     }
     match client::command(&addr, &serde_json::json!({"op": "dance"}), t) {
-        Err(ClientError::Refused { code: ErrorCode::BadRequest, .. }) => {}
+        Err(ClientError::Refused {
+            code: ErrorCode::BadRequest,
+            ..
+        }) => {}
         other => panic!("{other:?}"),
     }
-    client::command(&addr, &serde_json::json!({"op": "remove", "station": "tenth"}), t).unwrap();
+    client::command(
+        &addr,
+        &serde_json::json!({"op": "remove", "station": "tenth"}),
+        t,
+    )
+    .unwrap();
     assert_eq!(m.status().stations.len(), 1);
 }
 

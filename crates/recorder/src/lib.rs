@@ -47,6 +47,8 @@ pub struct RecorderConfig {
     pub pattern_sources: Vec<u32>,
     pub settings: RecorderSection,
     pub max_message: usize,
+    /// The monitor every recorded event is offered to (after it is written).
+    pub monitor: Option<tessera_monitor::Monitor>,
 }
 
 /// A finished file, as its sidecar describes it.
@@ -161,8 +163,9 @@ impl Recorder {
         };
         {
             let st = stats.clone();
+            let monitor = cfg.monitor.clone();
             role.threads.push(spawn("recorder-writer".into(), move || {
-                write_loop(settings, rx, &st)
+                write_loop(settings, rx, &st, monitor.as_ref())
             }));
         }
         {
@@ -304,7 +307,12 @@ fn read_builder(
     let _ = s.shutdown(std::net::Shutdown::Both);
 }
 
-fn write_loop(settings: FileSettings, rx: Receiver<Batch>, st: &RecorderStats) {
+fn write_loop(
+    settings: FileSettings,
+    rx: Receiver<Batch>,
+    st: &RecorderStats,
+    monitor: Option<&tessera_monitor::Monitor>,
+) {
     let enabled = settings.section.enabled;
     let mut w = FileWriter::new(settings);
     let mut failed = false;
@@ -339,6 +347,11 @@ fn write_loop(settings: FileSettings, rx: Receiver<Batch>, st: &RecorderStats) {
             }
             if rebuilt {
                 st.rebuilt_events.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Some(m) = monitor {
+                // Returns at once unless a blocking station is full: then the recorder waits, as
+                // a blocking station asks (the monitor copies what it keeps; `rec` stays ours).
+                m.insert(&rec);
             }
             if enabled && !failed {
                 if let Err(e) = w.append(rec, nf, incomplete, st) {

@@ -154,6 +154,27 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
     // Recorder.
     let recording = !opts.sink_at_builders && t.recorder.enabled;
     let recorder_addr = recording.then(|| t.recorder.listen.clone());
+    // The monitor lives with the recorder, which offers it every event it records.
+    let mut monitor = None;
+    if recording && Role::runs_recorder(opts.only) && t.monitor.enabled {
+        let m = tessera_monitor::Monitor::new(&t.monitor)
+            .map_err(|e| anyhow::anyhow!("{}: monitor: {e}", r.origin))?;
+        let l = bind(&t.monitor.listen, "monitor")?;
+        let server = tessera_monitor::Server::start(
+            l,
+            m.clone(),
+            tessera_monitor::ServerOptions {
+                heartbeat: Duration::from_millis(t.monitor.heartbeat_ms as u64),
+                consumer_timeout: Duration::from_millis(t.monitor.consumer_timeout_ms as u64),
+            },
+        )
+        .context("starting the monitor")?;
+        // Consumers of a run with an ephemeral port find it here.
+        let addr_file = output.join("monitor.addr");
+        std::fs::write(&addr_file, format!("{}\n", server.addr))
+            .with_context(|| format!("writing {}", addr_file.display()))?;
+        monitor = Some((m, server));
+    }
     let recorder = if !recording || !Role::runs_recorder(opts.only) {
         None
     } else {
@@ -170,6 +191,7 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
             pattern_sources: r.emulated_sources().collect(),
             settings: t.recorder.clone(),
             max_message: max_event,
+            monitor: monitor.as_ref().map(|(m, _)| m.clone()),
         })?;
         Some((rec, addr))
     };
@@ -351,6 +373,20 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
         .iter()
         .map(|s| format!("source {s} -> {}", ru_addrs[r.source_ru[s]]))
         .collect();
+    if let Some((m, server)) = &monitor {
+        let names: Vec<String> = m
+            .status()
+            .stations
+            .iter()
+            .map(|s| s.config.name.clone())
+            .collect();
+        status.note(&format!(
+            "monitor: consumers attach at {} (stations: {}; `tessera monitor stations --addr {}`)",
+            server.addr,
+            names.join(", "),
+            server.addr
+        ));
+    }
     if !external_addrs.is_empty() {
         status.note(&format!(
             "waiting for external sources: {}",
@@ -426,6 +462,11 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
             if let Some(m) = &running.manager {
                 m.abort();
             }
+            // A consumer of a blocking station that stopped taking events must not hold the
+            // stop: the monitor lets the recorder go on without it.
+            if let Some((m, _)) = &monitor {
+                m.close();
+            }
             wait_until(grace, || {
                 running.readout_units.iter().all(|u| u.is_finished())
             });
@@ -444,7 +485,12 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
     }
     let elapsed = t0.elapsed();
     status.finish(&running, elapsed);
-    let report = report::Report::collect(
+    let monitor_status = monitor.as_ref().map(|(m, _)| m.status());
+    if let Some((m, mut server)) = monitor {
+        m.close();
+        server.stop();
+    }
+    let mut report = report::Report::collect(
         r,
         &running,
         report::RunInfo {
@@ -457,6 +503,7 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
             partial: opts.only.is_some(),
         },
     );
+    report.monitor = monitor_status;
     let Running {
         sources,
         readout_units,

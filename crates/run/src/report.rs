@@ -170,6 +170,9 @@ pub struct Report {
     /// Events the builders built that the recorder did not record (0 when the recorder kept up
     /// and was drained).
     pub recorder_shortfall: i64,
+    /// The monitor's stations and counters at the end of the run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub monitor: Option<tessera_monitor::MonitorStatus>,
 }
 
 fn frac(ns: u64, secs: f64) -> f64 {
@@ -467,6 +470,7 @@ impl Report {
                 holds: unaccounted == 0,
             },
             recorder_shortfall,
+            monitor: None,
         }
     }
 
@@ -614,6 +618,31 @@ impl Report {
             .collect();
         if !odd.is_empty() {
             let _ = writeln!(s, "  links not ended cleanly: {}", odd.join(", "));
+        }
+        if let Some(m) = &self.monitor {
+            let stations: Vec<String> = m
+                .stations
+                .iter()
+                .map(|st| {
+                    let c = &st.counters;
+                    format!(
+                        "{} ({}) delivered {}, dropped when full {}",
+                        st.config.name,
+                        match st.config.mode {
+                            tessera_config::StationMode::Blocking => "blocking",
+                            tessera_config::StationMode::Sampling => "sampling",
+                        },
+                        c.delivered,
+                        c.dropped_full
+                    )
+                })
+                .collect();
+            let _ = writeln!(
+                s,
+                "  monitor: {} events in; {}",
+                m.events_in,
+                stations.join("; ")
+            );
         }
         if self.partial {
             let _ = writeln!(
