@@ -22,12 +22,15 @@ use tessera_format::pattern::Pattern;
 use tessera_run::{Options, StatusMode};
 use tessera_source::SourcePlan;
 
+pub mod monitor;
 pub mod request;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
     /// `request`: the request-mode readout unit under a request mix (the ATLAS ROSTester), with
-    /// the utilisation model fitted. Absent: push-mode building against the relay baseline.
+    /// the utilisation model fitted. `monitor`: the monitor against the CODA ET figures (TCP
+    /// consumer rate, data path with sampling consumers, SIGKILLed blocking consumer). Absent:
+    /// push-mode building against the relay baseline.
     pub what: Option<String>,
     /// A small set of points (building: under a minute; request: under five).
     #[arg(long)]
@@ -65,6 +68,11 @@ pub struct BenchArgs {
     /// medians (default 3, 1 with --quick).
     #[arg(long)]
     pub repeat: Option<usize>,
+    /// monitor: run as the consumer process that holds events until it is killed (internal).
+    #[arg(long, hide = true)]
+    pub hold_child: Option<String>,
+    #[arg(long, hide = true)]
+    pub hold_station: Option<String>,
 }
 
 /// What a point measures.
@@ -118,8 +126,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     match a.what.as_deref() {
         None => {}
         Some("request") => return run_request(a),
+        Some("monitor") => return monitor::run_monitor(a),
         Some(other) => {
-            anyhow::bail!("unknown benchmark `{other}`: the choices are `request` or none")
+            anyhow::bail!(
+                "unknown benchmark `{other}`: the choices are `request`, `monitor` or none"
+            )
         }
     }
     let sizes = a.sizes.clone().unwrap_or_else(|| {

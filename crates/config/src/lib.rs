@@ -476,6 +476,11 @@ pub struct MonitorSection {
     /// A consumer silent this long (no message, no heartbeat) is declared dead and its events
     /// are handled by its station's `restore` policy, in milliseconds.
     pub consumer_timeout_ms: u32,
+    /// Serve consumers of sampling stations from threads at idle scheduling priority (Linux
+    /// SCHED_IDLE): they get only CPU time the data path leaves, so watching a run cannot slow
+    /// it on a machine short of cores. Blocking stations' consumers are served at normal
+    /// priority (they hold the data path by design).
+    pub sampling_idle_priority: bool,
     /// Stream tags by trigger type: `physics = [1]`, `calibration = [2, 3]`. A station can
     /// select a stream (the event record has no stream field in format v1, so the tag follows
     /// from the trigger type).
@@ -492,6 +497,7 @@ impl Default for MonitorSection {
             listen: "127.0.0.1:0".into(),
             heartbeat_ms: 1000,
             consumer_timeout_ms: 5000,
+            sampling_idle_priority: true,
             streams: BTreeMap::new(),
             stations: Vec::new(),
         }

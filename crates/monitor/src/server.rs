@@ -35,6 +35,22 @@ pub const MAX_GET: usize = 10_000;
 pub struct ServerOptions {
     pub heartbeat: Duration,
     pub consumer_timeout: Duration,
+    /// Serve sampling stations' consumers at idle scheduling priority.
+    pub sampling_idle_priority: bool,
+}
+
+/// Moves the calling thread to idle scheduling priority (Linux SCHED_IDLE): it runs only when a
+/// core has nothing else to do. Best effort: elsewhere, or if refused, nothing changes.
+fn idle_priority() {
+    #[cfg(target_os = "linux")]
+    {
+        let p = libc::sched_param { sched_priority: 0 };
+        // SAFETY: plain syscall on the calling thread (pid 0) with a valid parameter struct.
+        let r = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &p) };
+        if r != 0 {
+            tracing::debug!("monitor: SCHED_IDLE refused; serving at normal priority");
+        }
+    }
 }
 
 /// A running service. Dropping it does not stop it; call [`Server::stop`].
@@ -290,7 +306,16 @@ fn work(
             }
         };
         let reply = match message {
-            Message::Command { json } => command(monitor, consumer, &json, peer, &mut name),
+            Message::Command { json } => {
+                let reply = command(monitor, consumer, &json, peer, &mut name);
+                let attached = consumer.lock().and_then(|id| monitor.station_of(id));
+                if opts.sampling_idle_priority
+                    && attached.is_some_and(|s| s.mode == tessera_config::StationMode::Sampling)
+                {
+                    idle_priority();
+                }
+                reply
+            }
             Message::Get { max, wait } => {
                 let Some(id) = *consumer.lock() else {
                     let _ = write_message(out, &not_attached());

@@ -31,10 +31,20 @@ pub fn read_message(r: &mut impl Read, max_message: usize) -> io::Result<Receive
         Decoded::Message { .. } => HEADER_SIZE,
     };
     let total = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes")) as usize;
-    let mut buf = Vec::with_capacity(total.max(need));
+    let want = total.max(need);
+    let mut buf = Vec::with_capacity(want);
     buf.extend_from_slice(&head);
-    buf.resize(total.max(need), 0);
-    r.read_exact(&mut buf[HEADER_SIZE..])?;
+    // read_to_end fills the spare capacity without zeroing it first: a batch of events is
+    // written to memory once, by the kernel.
+    r.by_ref()
+        .take((want - HEADER_SIZE) as u64)
+        .read_to_end(&mut buf)?;
+    if buf.len() != want {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "connection closed inside a message",
+        ));
+    }
     match decode(&buf, max_message).map_err(invalid)? {
         Decoded::Message {
             message,

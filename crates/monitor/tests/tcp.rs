@@ -55,6 +55,7 @@ fn start_on(addr: &str, stations: Vec<StationSection>, timeout_ms: u64) -> (Moni
         ServerOptions {
             heartbeat: Duration::from_millis(50),
             consumer_timeout: Duration::from_millis(timeout_ms),
+            sampling_idle_priority: true,
         },
     )
     .unwrap();

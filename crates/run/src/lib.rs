@@ -166,6 +166,7 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
             tessera_monitor::ServerOptions {
                 heartbeat: Duration::from_millis(t.monitor.heartbeat_ms as u64),
                 consumer_timeout: Duration::from_millis(t.monitor.consumer_timeout_ms as u64),
+                sampling_idle_priority: t.monitor.sampling_idle_priority,
             },
         )
         .context("starting the monitor")?;
