@@ -1310,6 +1310,41 @@ mod tests {
 }
 
 #[cfg(test)]
+mod monitor_tests {
+    use super::*;
+
+    #[test]
+    fn the_documented_monitor_example_parses() {
+        let doc = std::fs::read_to_string("../../docs/configuration.md").unwrap();
+        let at = doc.find("## `[monitor]`").unwrap();
+        let start = at + doc[at..].find("```toml").unwrap() + 7;
+        let end = start + doc[start..].find("```").unwrap();
+        let r = Topology::parse(&doc[start..end], "doc").unwrap();
+        let m = &r.topology.monitor;
+        assert_eq!(m.stations.len(), 2);
+        assert_eq!(m.stations[1].mode, StationMode::Blocking);
+        assert_eq!(m.stations[1].restore_policy(), Restore::Station);
+        assert_eq!(m.streams["calibration"], vec![2, 3]);
+    }
+
+    #[test]
+    fn bad_stations_name_their_key() {
+        for (text, key, why) in [
+            ("[[monitor.station]]\nname = \"s\"\nrestore = \"next\"\n", "monitor.station[0].restore", "sampling"),
+            ("[[monitor.station]]\nname = \"b\"\nmode = \"blocking\"\nrestore = \"release\"\n", "monitor.station[0].restore", "never loses"),
+            ("[[monitor.station]]\nname = \"s\"\nstream = \"x\"\n", "monitor.station[0].stream", "not declared"),
+            ("[[monitor.station]]\nname = \"s\"\npredicate = \"size >\"\n", "monitor.station[0].predicate", "expected a number"),
+            ("[[monitor.station]]\nname = \"a\"\ngroup = \"g\"\n[[monitor.station]]\nname = \"b\"\n[[monitor.station]]\nname = \"c\"\ngroup = \"g\"\n", "monitor.station[2].group", "next to each other"),
+            ("[monitor]\nheartbeat_ms = 1000\nconsumer_timeout_ms = 1500\n", "monitor.consumer_timeout_ms", "two heartbeats"),
+        ] {
+            let e = Topology::parse(text, "t.toml").unwrap_err();
+            assert_eq!(e.key, key, "{text}: {e}");
+            assert!(e.reason.contains(why), "{text}: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
 mod doc_tests {
     /// docs/configuration.md names every key the configuration accepts, under its section.
     #[test]

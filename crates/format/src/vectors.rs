@@ -128,7 +128,72 @@ pub fn all() -> Vec<(&'static str, Vec<u8>)> {
     };
     v.push(("file trailer closing that file", (t.encode()).to_vec()));
     v.extend(request_vectors(&f));
+    v.extend(monitor_vectors(&ev));
     v
+}
+
+/// The vectors of `docs/monitor-protocol.md`; `ev` is the event record vector of
+/// `docs/file-format.md`.
+fn monitor_vectors(ev: &[u8]) -> Vec<(&'static str, Vec<u8>)> {
+    use crate::monitor::{encode_events_header, Entry, ErrorCode, Message, Wait};
+    let mut events = Vec::new();
+    encode_events_header(
+        &mut events,
+        &[Entry {
+            seq: 1,
+            len: ev.len() as u32,
+        }],
+    );
+    events.extend_from_slice(ev);
+    vec![
+        (
+            "welcome, instance 0x0123456789abcdef, heartbeat 1000 ms",
+            Message::Welcome {
+                instance: 0x0123_4567_89ab_cdef,
+                heartbeat_ms: 1000,
+            }
+            .encode(),
+        ),
+        (
+            "command: attach to station sample as display",
+            Message::Command {
+                json: br#"{"op":"attach","station":"sample","consumer":"display"}"#.to_vec(),
+            }
+            .encode(),
+        ),
+        (
+            "get, up to 100 events, waiting up to 500 ms",
+            Message::Get {
+                max: 100,
+                wait: Wait::Timed(500),
+            }
+            .encode(),
+        ),
+        (
+            "events: the event record vector as sequence number 1",
+            events,
+        ),
+        (
+            "put back sequence number 1, unchanged",
+            Message::Put {
+                entries: vec![Entry { seq: 1, len: 0 }],
+            }
+            .encode(),
+        ),
+        (
+            "heartbeat from a consumer",
+            Message::Heartbeat { instance: 0 }.encode(),
+        ),
+        (
+            "error: unknown station",
+            Message::Error {
+                code: ErrorCode::UnknownStation,
+                message: "no station \"x\"".into(),
+            }
+            .encode(),
+        ),
+        ("bye", Message::Bye.encode()),
+    ]
 }
 
 /// The vectors of `docs/request-protocol.md`; `f` is the fragment vector above.

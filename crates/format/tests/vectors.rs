@@ -150,6 +150,7 @@ fn documents_match_implementation() {
         "../../docs/wire-format.md",
         "../../docs/file-format.md",
         "../../docs/request-protocol.md",
+        "../../docs/monitor-protocol.md",
     ]
     .iter()
     .map(|p| std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{p}: {e}")))
