@@ -188,7 +188,7 @@ struct DataPathPoint {
 /// Runs the bench topology once, with `consumers` sampling consumers attached over TCP (each on
 /// its own sampling station, reading every byte of what it gets). Returns recorded events/s and
 /// what each consumer got.
-fn data_path_run(events: u64, consumers: usize) -> Result<(f64, Vec<u64>)> {
+fn data_path_run(events: u64, consumers: usize, reading: bool) -> Result<(f64, Vec<u64>)> {
     let mut r = bench_topology(Mode::Record, 640, 8, events)?;
     r.topology.monitor.listen = "127.0.0.1:0".into();
     r.topology.monitor.stations = (0..3)
@@ -220,6 +220,13 @@ fn data_path_run(events: u64, consumers: usize) -> Result<(f64, Vec<u64>)> {
             let Ok(mut c) = Consumer::attach(o) else {
                 return;
             };
+            if !reading {
+                // Attached and asleep: its station fills once and drops from then on.
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                return;
+            }
             let mut sum = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 match c.get(100, Wait::Timed(50)) {
@@ -398,30 +405,46 @@ pub fn run_monitor(a: &BenchArgs) -> Result<()> {
     }
 
     let events = a.events.unwrap_or(if a.quick { 100_000 } else { 300_000 });
-    let (mut without, mut with) = (Vec::new(), Vec::new());
+    let (mut without, mut with, mut asleep) = (Vec::new(), Vec::new(), Vec::new());
     let mut sampled = Vec::new();
     for _ in 0..repeat {
-        without.push(data_path_run(events, 0)?.0);
-        let (r, got) = data_path_run(events, 3)?;
+        without.push(data_path_run(events, 0, false)?.0);
+        let (r, got) = data_path_run(events, 3, true)?;
         with.push(r);
         sampled = got;
+        asleep.push(data_path_run(events, 3, false)?.0);
     }
-    let (w0, w3) = (median(&mut without), median(&mut with));
-    let p = DataPathPoint {
-        test: "data_path_with_sampling_consumers",
-        consumers: 3,
-        events,
-        events_per_s_without: w0,
-        events_per_s_with: w3,
-        ratio: w3 / w0,
-        sampled_per_consumer: sampled,
-        repeats: repeat,
-    };
-    let text = format!(
-        "  data path (8 sources x 640 B, recorded): {:>7.0} events/s with no consumer, {:>7.0} with 3 sampling consumers (ratio {:.3}); they sampled {:?} events",
-        p.events_per_s_without, p.events_per_s_with, p.ratio, p.sampled_per_consumer
-    );
-    emit(&p, text);
+    let (w0, w3, ws) = (median(&mut without), median(&mut with), median(&mut asleep));
+    for (test, rate, got, what) in [
+        (
+            "data_path_with_sampling_consumers",
+            w3,
+            sampled.clone(),
+            "3 sampling consumers reading all they can",
+        ),
+        (
+            "data_path_with_sleeping_consumers",
+            ws,
+            vec![0, 0, 0],
+            "3 sampling consumers attached and asleep",
+        ),
+    ] {
+        let p = DataPathPoint {
+            test,
+            consumers: 3,
+            events,
+            events_per_s_without: w0,
+            events_per_s_with: rate,
+            ratio: rate / w0,
+            sampled_per_consumer: got,
+            repeats: repeat,
+        };
+        let text = format!(
+            "  data path (8 sources x 640 B, recorded): {:>7.0} events/s with no consumer, {:>7.0} with {what} (ratio {:.3}); sampled {:?}",
+            p.events_per_s_without, p.events_per_s_with, p.ratio, p.sampled_per_consumer
+        );
+        emit(&p, text);
+    }
 
     let mut blocked = Vec::new();
     for _ in 0..repeat.max(3) {
