@@ -1,4 +1,5 @@
-//! Prints the test vectors of docs/wire-format.md and docs/file-format.md as hex:
+//! Prints the test vectors of docs/wire-format.md, file-format.md, request-protocol.md and
+//! monitor-protocol.md as hex:
 //! `cargo run -p tessera-format --example vectors`.
 
 fn main() {

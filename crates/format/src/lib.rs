@@ -1,5 +1,6 @@
 //! Tessera's formats, byte by byte, with no I/O: the fragment wire format that sources speak
-//! (`wire`), the readout-unit-to-builder link (`link`), the event record that builders emit and
+//! (`wire`), the readout-unit-to-builder link (`link`), the request and monitor protocols
+//! (`request`, `monitor`), predicates on event headers (`select`), the event record that builders emit and
 //! files store (`event`), the file container (`file`), and the verifiable payload patterns
 //! (`pattern`). Everything here works on byte slices, so it can be fuzzed, shared with Python and
 //! used by any transport. The normative description is `docs/wire-format.md` and
