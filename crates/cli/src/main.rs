@@ -94,6 +94,13 @@ enum Cmd {
     },
     /// Measure building throughput against a raw-TCP relay baseline on the same hops.
     Bench(tessera_bench::BenchArgs),
+    /// Check a topology before anything starts: the file, free ports, buffers against rates and
+    /// timeouts; print what each unit is expected to need. Exit 1 on a problem.
+    Check {
+        config: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
     /// The live monitor: list stations and consumers, tail events, change stations.
     Monitor(tessera_monitor::console::MonitorArgs),
 }
@@ -244,6 +251,20 @@ fn real_main() -> Result<ExitCode> {
         Cmd::Bench(args) => {
             tessera_bench::run(&args)?;
             Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Check { config, json } => {
+            let resolved = tessera_config::Topology::load(&config)?;
+            let rep = tessera_run::check::check(&resolved);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rep)?);
+            } else {
+                print!("{}", rep.summary());
+            }
+            Ok(if rep.ok() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
         }
         Cmd::Monitor(args) => {
             tessera_monitor::console::run(&args)?;

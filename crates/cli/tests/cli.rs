@@ -460,3 +460,61 @@ fn bench_request_prints_one_json_object_per_point() {
     let o = tessera(&["bench", "request", "--full-fraction", "2"]);
     assert!(!o.status.success());
 }
+
+#[test]
+fn check_names_taken_and_doubled_ports_and_small_buffers() {
+    let dir = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let free = free_ports(1)[0];
+    let cfg = write(
+        dir.path(),
+        "ports.toml",
+        &format!(
+            "[sources]\ncount = 4\nfragment_size = 4096\ntrigger = \"periodic\"\nrate_hz = 10000\n\
+             [[readout]]\nid = 0\nlisten = \"127.0.0.1:{port}\"\nbuffer = \"32 MiB\"\n\
+             [[builder]]\nid = 0\nlisten = \"127.0.0.1:{free}\"\n\
+             [recorder]\nlisten = \"127.0.0.1:{free}\"\n"
+        ),
+    );
+    let o = tessera(&["check", &cfg]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("problem: readout[0].listen: cannot listen on"),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "problem: recorder.listen: 127.0.0.1:{free} is also builder[0].listen's address"
+        )),
+        "{text}"
+    );
+    // 4 links at 10 kHz x ~4 KiB: 8 MiB per link holds ~200 ms, far below the 2 s timeout.
+    assert!(text.contains("warning: readout[0].buffer:"), "{text}");
+    assert!(
+        text.contains("readout 0") && text.contains("per link"),
+        "{text}"
+    );
+    drop(taken);
+
+    let good = write(dir.path(), "good.toml", "[sources]\ncount = 4\n");
+    let o = tessera(&["check", &good, "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["problems"].as_array().unwrap().len(), 0);
+    assert_eq!(v["units"].as_array().unwrap().len(), 5); // 2 readout units, 2 builders, recorder
+
+    let bad = write(
+        dir.path(),
+        "bad.toml",
+        "[sources]\ncount = 4\n[[monitor.station]]\nname = \"s\"\nrestore = \"next\"\n",
+    );
+    let o = tessera(&["check", &bad]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("monitor.station[0].restore"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -1015,7 +1015,7 @@ impl Topology {
                     &format!("readout[{i}].buffer"),
                     format!(
                         "{} over {} links leaves {} per link; each link needs at least two read chunks ({} each, from read_chunk and run.max_fragment_size): raise buffer to {} or more",
-                        ru.buffer, ru_sources[i].len(), ByteSize(per_link), ru.read_chunk, ByteSize(2 * ru.read_chunk.0 * ru_sources[i].len() as u64)
+                        ru.buffer, ru_sources[i].len(), ByteSize(per_link), ru.read_chunk, ByteSize((2 * ru.read_chunk.0 * ru_sources[i].len() as u64).div_ceil(1 << 20) << 20)
                     ),
                 ));
             }

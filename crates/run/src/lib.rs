@@ -8,6 +8,7 @@
 //! bounds the whole stop; whatever is left then is reported as still buffered or unaccounted,
 //! never hidden.
 
+pub mod check;
 pub mod report;
 mod status;
 

@@ -1,0 +1,276 @@
+//! `tessera check CONFIG`: a dry run. Everything the topology file promises is checked before
+//! anything starts: the file itself (keys, IDs, sources, as loading does), the fixed ports (free
+//! here, and not given twice), and the buffers against the configured rates and timeouts. It says
+//! what it expects of each unit (memory, bytes per second per link) so an operator can compare
+//! with the machines.
+
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use tessera_config::{Mode, Resolved, TriggerMode};
+
+/// One finding, with the key it is about.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct Finding {
+    pub key: String,
+    pub reason: String,
+}
+
+/// What a unit is expected to need.
+#[derive(Clone, Debug, Serialize)]
+pub struct UnitExpectation {
+    pub unit: String,
+    pub links: usize,
+    pub bytes_per_s_in: Option<f64>,
+    pub bytes_per_s_per_link: Option<f64>,
+    pub memory_bytes: u64,
+    /// How long the unit's memory holds its input at the expected rate.
+    pub buffer_holds_ms: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct CheckReport {
+    pub config: String,
+    pub mode: String,
+    /// Errors: the run would fail or be refused.
+    pub problems: Vec<Finding>,
+    /// Legal but likely trouble (a buffer that runs full before its timeout ends).
+    pub warnings: Vec<Finding>,
+    pub events_per_s: Option<f64>,
+    pub mean_event_bytes: f64,
+    pub units: Vec<UnitExpectation>,
+}
+
+impl CheckReport {
+    pub fn ok(&self) -> bool {
+        self.problems.is_empty()
+    }
+
+    pub fn summary(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "tessera check {}: {} ({} problem(s), {} warning(s))",
+            self.config,
+            if self.ok() { "OK" } else { "NOT OK" },
+            self.problems.len(),
+            self.warnings.len()
+        );
+        let rate = match self.events_per_s {
+            Some(r) => format!(
+                "{r:.0} events/s of {} ({} built)",
+                human(self.mean_event_bytes),
+                human_rate(r * self.mean_event_bytes)
+            ),
+            None => format!(
+                "unlimited trigger: as fast as the system goes; events of {} (rate checks need a rate)",
+                human(self.mean_event_bytes)
+            ),
+        };
+        let _ = writeln!(s, "  {} mode; {rate}", self.mode);
+        for u in &self.units {
+            let mut line = format!("  {:<14} {:>3} link(s)", u.unit, u.links);
+            if let Some(b) = u.bytes_per_s_in {
+                let _ = write!(line, ", {} in", human_rate(b));
+            }
+            if let Some(b) = u.bytes_per_s_per_link {
+                let _ = write!(line, " ({} per link)", human_rate(b));
+            }
+            let _ = write!(line, ", memory {}", human(u.memory_bytes as f64));
+            if let Some(ms) = u.buffer_holds_ms {
+                let _ = write!(line, " = {ms:.0} ms of its input");
+            }
+            let _ = writeln!(s, "{line}");
+        }
+        for f in &self.problems {
+            let _ = writeln!(s, "  problem: {}: {}", f.key, f.reason);
+        }
+        for f in &self.warnings {
+            let _ = writeln!(s, "  warning: {}: {}", f.key, f.reason);
+        }
+        s
+    }
+}
+
+fn human(b: f64) -> String {
+    crate::report::human_bytes(b)
+}
+
+fn human_rate(b: f64) -> String {
+    format!("{}/s", human(b))
+}
+
+/// Checks a loaded topology (loading already checked keys, IDs and sources).
+pub fn check(r: &Resolved) -> CheckReport {
+    let t = &r.topology;
+    let mut problems = Vec::new();
+    let mut warnings = Vec::new();
+
+    // Fixed ports: each given once, and free on this host now. Port 0 takes a free one at start.
+    let mut listens: Vec<(String, String)> = Vec::new();
+    for (i, u) in t.readout_units.iter().enumerate() {
+        listens.push((format!("readout[{i}].listen"), u.listen.clone()));
+    }
+    for (i, b) in t.builders.iter().enumerate() {
+        listens.push((format!("builder[{i}].listen"), b.listen.clone()));
+    }
+    if t.recorder.enabled {
+        listens.push(("recorder.listen".into(), t.recorder.listen.clone()));
+        if t.monitor.enabled {
+            listens.push(("monitor.listen".into(), t.monitor.listen.clone()));
+        }
+    }
+    if t.run.mode == Mode::Request {
+        listens.push((
+            "event_manager.listen".into(),
+            t.event_manager.listen.clone(),
+        ));
+    }
+    let mut seen: BTreeMap<String, String> = BTreeMap::new();
+    for (key, addr) in &listens {
+        let fixed = addr.rsplit_once(':').is_some_and(|(_, p)| p != "0");
+        if !fixed {
+            continue;
+        }
+        if let Some(first) = seen.insert(addr.clone(), key.clone()) {
+            problems.push(Finding {
+                key: key.clone(),
+                reason: format!("{addr} is also {first}'s address"),
+            });
+            continue;
+        }
+        if let Err(e) = std::net::TcpListener::bind(addr.as_str()) {
+            problems.push(Finding {
+                key: key.clone(),
+                reason: format!("cannot listen on {addr} here: {e}"),
+            });
+        }
+    }
+
+    // Rates.
+    let s = &t.sources;
+    let events_per_s = match s.trigger {
+        TriggerMode::Unlimited => None,
+        TriggerMode::Periodic | TriggerMode::Poisson => Some(s.rate_hz),
+    };
+    let frag_wire = tessera_format::wire::fragment_wire_size(s.fragment_size.0 as usize) as f64;
+    let per_link = events_per_s.map(|r| r * frag_wire);
+    let n_sources = r.source_ru.len().max(1);
+    let mean_event = 48.0 + n_sources as f64 * (4.0 + frag_wire);
+    let mut units = Vec::new();
+
+    for (i, u) in t.readout_units.iter().enumerate() {
+        let links = r.ru_sources[i].len().max(1);
+        let bytes_in = per_link.map(|b| b * links as f64);
+        let share = u.buffer.0 as f64 / links as f64;
+        let holds = per_link.map(|b| share / b * 1e3);
+        if let Some(ms) = holds {
+            // In push mode a link waits for its slowest peer up to the event timeout; in request
+            // mode fragments wait for builders and clears. A share that fills first makes the
+            // unit BUSY on a single late link.
+            let wait = match t.run.mode {
+                Mode::Push => u.event_timeout_ms as f64,
+                Mode::Request => t.request.builder_timeout_ms as f64,
+            };
+            if ms < wait {
+                warnings.push(Finding {
+                    key: format!("readout[{i}].buffer"),
+                    reason: format!(
+                        "a link's share ({}) holds {ms:.0} ms of its data at {}, less than the {wait:.0} ms an event may wait: one late link makes the unit BUSY before the timeout; give it at least {}",
+                        human(share),
+                        human_rate(per_link.unwrap_or(0.0)),
+                        human(per_link.unwrap_or(0.0) * wait / 1e3 * links as f64)
+                    ),
+                });
+            }
+        }
+        units.push(UnitExpectation {
+            unit: format!("readout {}", u.id),
+            links,
+            bytes_per_s_in: bytes_in,
+            bytes_per_s_per_link: per_link,
+            memory_bytes: u.buffer.0 + 2 * links as u64 * u.read_chunk.0,
+            buffer_holds_ms: holds,
+        });
+    }
+
+    let n_builders = t.builders.len().max(1) as f64;
+    for (i, b) in t.builders.iter().enumerate() {
+        let links = t.readout_units.len().max(1);
+        let bytes_in = events_per_s.map(|r| r * mean_event / n_builders);
+        let holds = bytes_in.map(|bps| b.buffer.0 as f64 / bps * 1e3);
+        if let Some(ms) = holds {
+            let wait = match t.run.mode {
+                Mode::Push => b.event_timeout_ms as f64,
+                Mode::Request => t.request.builder_timeout_ms as f64,
+            };
+            if ms < wait {
+                warnings.push(Finding {
+                    key: format!("builder[{i}].buffer"),
+                    reason: format!(
+                        "{} holds {ms:.0} ms of its share of events ({}), less than the {wait:.0} ms an event may wait for its last readout unit; give it at least {}",
+                        human(b.buffer.0 as f64),
+                        human_rate(bytes_in.unwrap_or(0.0)),
+                        human(bytes_in.unwrap_or(0.0) * wait / 1e3)
+                    ),
+                });
+            }
+        }
+        units.push(UnitExpectation {
+            unit: format!("builder {}", b.id),
+            links,
+            bytes_per_s_in: bytes_in,
+            bytes_per_s_per_link: bytes_in.map(|x| x / links as f64),
+            memory_bytes: b.buffer.0,
+            buffer_holds_ms: holds,
+        });
+    }
+
+    if t.recorder.enabled {
+        let bytes_in = events_per_s.map(|r| r * mean_event);
+        let monitor_bytes: u64 = if t.monitor.enabled {
+            t.monitor
+                .chain()
+                .iter()
+                .map(|st| st.queue as u64)
+                .sum::<u64>()
+                * mean_event as u64
+        } else {
+            0
+        };
+        if let Some(bps) = bytes_in {
+            if t.recorder.throttle.0 > 0 && (t.recorder.throttle.0 as f64) < bps {
+                warnings.push(Finding {
+                    key: "recorder.throttle".into(),
+                    reason: format!(
+                        "{} is below the expected {}: back-pressure will hold the sources",
+                        human_rate(t.recorder.throttle.0 as f64),
+                        human_rate(bps)
+                    ),
+                });
+            }
+        }
+        units.push(UnitExpectation {
+            unit: "recorder".into(),
+            links: t.builders.len(),
+            bytes_per_s_in: bytes_in,
+            bytes_per_s_per_link: bytes_in.map(|x| x / n_builders),
+            memory_bytes: t.recorder.queue.0 + t.recorder.block_size.0 + monitor_bytes,
+            buffer_holds_ms: bytes_in.map(|bps| t.recorder.queue.0 as f64 / bps * 1e3),
+        });
+    }
+
+    CheckReport {
+        config: r.origin.clone(),
+        mode: match t.run.mode {
+            Mode::Push => "push".into(),
+            Mode::Request => "request".into(),
+        },
+        problems,
+        warnings,
+        events_per_s,
+        mean_event_bytes: mean_event,
+        units,
+    }
+}
