@@ -187,6 +187,17 @@ impl Station {
     fn blocking(&self) -> bool {
         self.config.mode == StationMode::Blocking
     }
+
+    /// Queues the event (copying the record if nobody has yet) and wakes a consumer.
+    fn enqueue(&mut self, seq: u64, header: &Arc<EventRecordHeader>, pending: &mut Pending<'_>) {
+        self.queue.push_back(Event {
+            seq,
+            header: header.clone(),
+            bytes: pending.materialize(),
+        });
+        self.counters.queued += 1;
+        self.data.notify_one();
+    }
 }
 
 struct Consumer {
@@ -398,30 +409,14 @@ impl Monitor {
                 if self.inner.closed.load(Ordering::Acquire) {
                     break;
                 }
-                let bytes = pending.materialize();
-                let st = &mut g.stations[index];
-                st.queue.push_back(Event {
-                    seq,
-                    header: header.clone(),
-                    bytes,
-                });
-                st.counters.queued += 1;
-                st.data.notify_one();
+                g.stations[index].enqueue(seq, header, pending);
                 return;
             }
             let st = &mut g.stations[index];
             if st.full() {
                 st.counters.dropped_full += 1;
             } else {
-                let bytes = pending.materialize();
-                let st = &mut g.stations[index];
-                st.queue.push_back(Event {
-                    seq,
-                    header: header.clone(),
-                    bytes,
-                });
-                st.counters.queued += 1;
-                st.data.notify_one();
+                st.enqueue(seq, header, pending);
             }
             p += 1;
         }
