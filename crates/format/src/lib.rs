@@ -10,6 +10,7 @@ pub mod bytes;
 pub mod crc;
 pub mod event;
 pub mod file;
+mod frame;
 pub mod link;
 pub mod monitor;
 pub mod pattern;

@@ -11,12 +11,12 @@
 //! Nothing here trusts the peer: sizes are checked against the input and a configured maximum,
 //! and a malformed message is an error, never a panic.
 
-use crate::bytes::{put_u16, put_u32, put_u64, u16_at, u32_at, u64_at};
-use crate::crc::crc32c;
+use crate::bytes::{put_u32, put_u64, u32_at, u64_at};
+use crate::frame;
 
 pub const MONITOR_MAGIC: u32 = 0xEE4D_4EEE;
 pub const MONITOR_VERSION: u16 = 1;
-pub const HEADER_SIZE: usize = 16;
+pub use crate::frame::HEADER_SIZE;
 /// Most events one `Events` or `Put` message may carry.
 pub const MAX_BATCH: usize = 65_536;
 /// Size of one entry of an `Events` or `Put` table.
@@ -151,16 +151,14 @@ pub enum ProtocolError {
 }
 
 fn seal(b: &mut [u8], kind: Kind, total: usize, covered: usize) {
-    put_u32(b, 0, MONITOR_MAGIC);
-    put_u16(b, 4, MONITOR_VERSION);
-    put_u16(b, 6, kind as u16);
-    put_u32(b, 8, total as u32);
-    let crc = header_crc(b, covered);
-    put_u32(b, 12, crc);
-}
-
-fn header_crc(b: &[u8], covered: usize) -> u32 {
-    crate::crc::crc32c_append(crc32c(&b[..12]), &b[HEADER_SIZE..covered])
+    frame::seal(
+        b,
+        MONITOR_MAGIC,
+        MONITOR_VERSION,
+        kind as u16,
+        total,
+        covered,
+    )
 }
 
 /// Appends the header and table of an `Events` or `Put` message whose records (`entries[i].len`
@@ -277,17 +275,12 @@ pub fn decode(b: &[u8], max_message: usize) -> Result<Decoded, ProtocolError> {
     if b.len() < HEADER_SIZE {
         return Ok(Decoded::NeedMore(HEADER_SIZE));
     }
-    let magic = u32_at(b, 0);
-    if magic != MONITOR_MAGIC {
-        return Err(ProtocolError::BadMagic(magic));
-    }
-    let version = u16_at(b, 4);
-    if version != MONITOR_VERSION {
-        return Err(ProtocolError::BadVersion(version));
-    }
-    let kind = Kind::from_u16(u16_at(b, 6)).ok_or(ProtocolError::BadKind(u16_at(b, 6)))?;
-    let total = u32_at(b, 8) as usize;
-    if total < HEADER_SIZE || total > max_message.max(HEADER_SIZE + 64) {
+    let (kind, total) = frame::head(b, MONITOR_MAGIC, MONITOR_VERSION).map_err(|f| match f {
+        frame::HeadFault::Magic(m) => ProtocolError::BadMagic(m),
+        frame::HeadFault::Version(v) => ProtocolError::BadVersion(v),
+    })?;
+    let kind = Kind::from_u16(kind).ok_or(ProtocolError::BadKind(kind))?;
+    if !frame::total_ok(total, max_message) {
         return Err(ProtocolError::BadSize("message"));
     }
     let fixed = |n: usize, what: &'static str| {
@@ -324,7 +317,7 @@ pub fn decode(b: &[u8], max_message: usize) -> Result<Decoded, ProtocolError> {
     if b.len() < covered {
         return Ok(Decoded::NeedMore(covered));
     }
-    if header_crc(b, covered) != u32_at(b, 12) {
+    if !frame::crc_ok(b, covered) {
         return Err(ProtocolError::BadCrc);
     }
     let message = match kind {

@@ -11,11 +11,11 @@
 //! and a malformed message is an error, never a panic.
 
 use crate::bytes::{put_u16, put_u32, put_u64, u16_at, u32_at, u64_at};
-use crate::crc::crc32c;
+use crate::frame;
 
 pub const REQUEST_MAGIC: u32 = 0xEE52_51EE;
 pub const REQUEST_VERSION: u16 = 1;
-pub const HEADER_SIZE: usize = 16;
+pub use crate::frame::HEADER_SIZE;
 /// Fixed part of an answer, header included; missing source IDs and fragments follow.
 pub const ANSWER_FIXED_SIZE: usize = HEADER_SIZE + 32;
 /// Most event IDs or source IDs one message may list.
@@ -178,20 +178,15 @@ pub enum ProtocolError {
     BadCrc,
 }
 
-/// Writes the common header: `total` bytes in all, the CRC over the header and bytes
-/// 16..`covered`.
 fn seal(b: &mut [u8], kind: Kind, total: usize, covered: usize) {
-    put_u32(b, 0, REQUEST_MAGIC);
-    put_u16(b, 4, REQUEST_VERSION);
-    put_u16(b, 6, kind as u16);
-    put_u32(b, 8, total as u32);
-    let crc = header_crc(b, covered);
-    put_u32(b, 12, crc);
-}
-
-/// CRC32C of the header's first 12 bytes followed by bytes 16..`covered`.
-fn header_crc(b: &[u8], covered: usize) -> u32 {
-    crate::crc::crc32c_append(crc32c(&b[..12]), &b[HEADER_SIZE..covered])
+    frame::seal(
+        b,
+        REQUEST_MAGIC,
+        REQUEST_VERSION,
+        kind as u16,
+        total,
+        covered,
+    )
 }
 
 fn list_message(out: &mut Vec<u8>, count: usize, item: usize) -> usize {
@@ -315,17 +310,12 @@ pub fn decode(b: &[u8], max_message: usize) -> Result<Decoded, ProtocolError> {
     if b.len() < HEADER_SIZE {
         return Ok(Decoded::NeedMore(HEADER_SIZE));
     }
-    let magic = u32_at(b, 0);
-    if magic != REQUEST_MAGIC {
-        return Err(ProtocolError::BadMagic(magic));
-    }
-    let version = u16_at(b, 4);
-    if version != REQUEST_VERSION {
-        return Err(ProtocolError::BadVersion(version));
-    }
-    let kind = Kind::from_u16(u16_at(b, 6)).ok_or(ProtocolError::BadKind(u16_at(b, 6)))?;
-    let total = u32_at(b, 8) as usize;
-    if total < HEADER_SIZE || total > max_message.max(HEADER_SIZE + 64) {
+    let (kind, total) = frame::head(b, REQUEST_MAGIC, REQUEST_VERSION).map_err(|f| match f {
+        frame::HeadFault::Magic(m) => ProtocolError::BadMagic(m),
+        frame::HeadFault::Version(v) => ProtocolError::BadVersion(v),
+    })?;
+    let kind = Kind::from_u16(kind).ok_or(ProtocolError::BadKind(kind))?;
+    if !frame::total_ok(total, max_message) {
         return Err(ProtocolError::BadSize("message"));
     }
     // Fixed-size messages are checked before waiting for their bytes, so that a bad size is an
@@ -361,7 +351,7 @@ pub fn decode(b: &[u8], max_message: usize) -> Result<Decoded, ProtocolError> {
     if b.len() < covered {
         return Ok(Decoded::NeedMore(covered));
     }
-    if header_crc(b, covered) != u32_at(b, 12) {
+    if !frame::crc_ok(b, covered) {
         return Err(ProtocolError::BadCrc);
     }
     let list = |item: usize, what: &'static str| -> Result<usize, ProtocolError> {
