@@ -190,6 +190,8 @@ impl Shared {
 
     fn build(&self, ev: Assembled<Part>) -> Built {
         let st = &self.stats;
+        st.latency
+            .observe_ns(self.now_ns().saturating_sub(ev.first_seen_ns));
         let mut rec = record::Record::default();
         let mut missing: Vec<u32> = Vec::new();
         for (slot, part) in ev.parts.into_iter().enumerate() {

@@ -84,6 +84,8 @@ impl Record {
             for s in &missing {
                 *m.entry(*s).or_default() += 1;
             }
+            drop(m);
+            st.recent_incomplete.lock().push(event_id, &missing);
         }
         let fragments: Vec<ChunkSlice> = self.fragments.into_iter().map(|f| f.1).collect();
         let body: usize = fragments.iter().map(|f| f.len()).sum();

@@ -1,7 +1,7 @@
 //! The builder unit's live counters.
 
 use parking_lot::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use tessera_net::Budget;
 
@@ -51,6 +51,99 @@ pub struct BuilderStats {
     /// Request mode: events assigned and not yet done.
     pub events_in_flight: AtomicU64,
     pub manager_error: Mutex<Option<String>>,
+    /// Time from an event's first part at this builder to its build (waiting for the slowest
+    /// readout unit or answer included).
+    pub latency: Histogram,
+    /// The most recent incomplete events and their missing sources, for "why is event N
+    /// incomplete"; bounded.
+    pub recent_incomplete: Mutex<RecentIncomplete>,
+}
+
+/// Incomplete events remembered, oldest first, at most [`RecentIncomplete::CAPACITY`].
+#[derive(Debug, Default)]
+pub struct RecentIncomplete {
+    pub events: std::collections::VecDeque<(u64, Vec<u32>)>,
+    /// The highest event ID forgotten to make room (0: none yet): an event at or below it that
+    /// is not remembered may have been incomplete.
+    pub forgotten_up_to: u64,
+}
+
+impl RecentIncomplete {
+    pub const CAPACITY: usize = 4096;
+
+    pub fn push(&mut self, event_id: u64, missing: &[u32]) {
+        if self.events.len() == Self::CAPACITY {
+            if let Some((old, _)) = self.events.pop_front() {
+                self.forgotten_up_to = self.forgotten_up_to.max(old);
+            }
+        }
+        self.events.push_back((event_id, missing.to_vec()));
+    }
+
+    pub fn get(&self, event_id: u64) -> Option<&[u32]> {
+        self.events
+            .iter()
+            .rev()
+            .find(|(e, _)| *e == event_id)
+            .map(|(_, m)| m.as_slice())
+    }
+}
+
+/// A latency histogram with power-of-two bucket bounds from 1 us to 64 s, lock-free to fill.
+#[derive(Debug)]
+pub struct Histogram {
+    buckets: [AtomicU64; Histogram::BUCKETS],
+    sum_ns: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+            sum_ns: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Histogram {
+    /// Bucket `i` counts values up to 2^i microseconds; the last is unbounded.
+    pub const BUCKETS: usize = 28;
+
+    pub fn observe_ns(&self, ns: u64) {
+        let us = ns / 1000;
+        let i = if us <= 1 {
+            0
+        } else {
+            (64 - (us - 1).leading_zeros()) as usize
+        };
+        self.buckets[i.min(Self::BUCKETS - 1)].fetch_add(1, Relaxed);
+        self.sum_ns.fetch_add(ns, Relaxed);
+        self.count.fetch_add(1, Relaxed);
+    }
+
+    /// (upper bound in seconds, cumulative count) per bucket, the last bound infinite; the sum
+    /// in seconds; the count.
+    pub fn snapshot(&self) -> (Vec<(f64, u64)>, f64, u64) {
+        let mut acc = 0;
+        let b = (0..Self::BUCKETS)
+            .map(|i| {
+                acc += self.buckets[i].load(Relaxed);
+                let bound = if i + 1 == Self::BUCKETS {
+                    f64::INFINITY
+                } else {
+                    (1u64 << i) as f64 * 1e-6
+                };
+                (bound, acc)
+            })
+            .collect();
+        (
+            b,
+            self.sum_ns.load(Relaxed) as f64 * 1e-9,
+            self.count.load(Relaxed),
+        )
+    }
 }
 
 impl BuilderStats {
@@ -90,6 +183,8 @@ impl BuilderStats {
             requests: AtomicU64::new(0),
             events_in_flight: AtomicU64::new(0),
             manager_error: Mutex::new(None),
+            latency: Histogram::default(),
+            recent_incomplete: Mutex::new(RecentIncomplete::default()),
         }
     }
 

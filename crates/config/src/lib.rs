@@ -48,6 +48,69 @@ pub struct Topology {
     pub injections: Vec<Injection>,
     /// Online event distribution: stations that consumers attach to.
     pub monitor: MonitorSection,
+    /// The stages of a stop and their deadlines.
+    pub stop: StopSection,
+    /// The run control: HTTP API, dashboard, metrics, run database.
+    pub control: ControlSection,
+}
+
+/// `[stop]`: a stop drains in stages, in the direction of the data. Each stage waits at most its
+/// deadline, then gives up on what it still holds (reported, never hidden) and the next begins.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StopSection {
+    /// Sources send up to their common last trigger and end their streams, in milliseconds.
+    pub sources_ms: u64,
+    /// Readout units send on what they hold and close their builder links, in milliseconds.
+    pub readout_ms: u64,
+    /// Builders finish their events and hand them to the recorder, in milliseconds.
+    pub builders_ms: u64,
+    /// The recorder writes what it has and closes its files, in milliseconds.
+    pub recorder_ms: u64,
+    /// After a stage's deadline, how long its components get to act on the abort, in
+    /// milliseconds.
+    pub abort_grace_ms: u64,
+}
+
+impl Default for StopSection {
+    fn default() -> Self {
+        StopSection {
+            sources_ms: 10_000,
+            readout_ms: 10_000,
+            builders_ms: 10_000,
+            recorder_ms: 10_000,
+            abort_grace_ms: 3_000,
+        }
+    }
+}
+
+/// `[control]`: the run control's HTTP service (API, dashboard, `/metrics`) and run database.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ControlSection {
+    /// Address of the HTTP service of `tessera run`; empty: none. Port 0 takes a free port,
+    /// written to `control.addr` in the output directory. An address other than loopback needs
+    /// `token`.
+    pub listen: String,
+    /// Bearer token that state-changing calls must present (`Authorization: Bearer ...`);
+    /// required when `listen` is not a loopback address. The environment variable
+    /// `TESSERA_TOKEN` overrides it, so that it need not be written in the file.
+    pub token: String,
+    /// The run database (SQLite), relative to `run.output`.
+    pub database: PathBuf,
+    /// How often the dashboard's rates are sampled, in milliseconds.
+    pub sample_interval_ms: u64,
+}
+
+impl Default for ControlSection {
+    fn default() -> Self {
+        ControlSection {
+            listen: "127.0.0.1:8080".into(),
+            token: String::new(),
+            database: PathBuf::from("runs.sqlite"),
+            sample_interval_ms: 500,
+        }
+    }
 }
 
 /// `[run]`: the run as a whole.
@@ -66,9 +129,6 @@ pub struct RunSection {
     pub max_fragment_size: ByteSize,
     /// How often the live status line is refreshed, in milliseconds.
     pub status_interval_ms: u64,
-    /// How long a stop may take to drain everything in flight before what is left is reported
-    /// as still buffered, in milliseconds.
-    pub drain_timeout_ms: u64,
     /// How events are built: `push` (each readout unit sends every event to the builder the
     /// assignment names) or `request` (readout units hold fragments until builders ask for them;
     /// an event manager hands events to builders with credit and clears what is done).
@@ -92,7 +152,6 @@ impl Default for RunSection {
             duration_s: 0.0,
             max_fragment_size: ByteSize(1 << 20),
             status_interval_ms: 1000,
-            drain_timeout_ms: 30_000,
             mode: Mode::Push,
         }
     }

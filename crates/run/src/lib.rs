@@ -13,6 +13,8 @@ pub mod report;
 mod status;
 
 use anyhow::{bail, Context, Result};
+use parking_lot::Mutex;
+use serde::Serialize;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -59,6 +61,9 @@ pub struct Options {
     pub ready: Option<std::sync::mpsc::SyncSender<Vec<(u32, String)>>>,
     /// Run only this role (a per-role daemon, `tessera serve`); `None`: the whole topology.
     pub only: Option<Role>,
+    /// The run number, allocated by the caller (the run database); `None`: `run.number`, else
+    /// one more than the output directory's `last_run`.
+    pub run_number: Option<u64>,
 }
 
 /// One role of a topology, to run as its own process.
@@ -103,6 +108,7 @@ impl Default for Options {
             manifest: true,
             ready: None,
             only: None,
+            run_number: None,
         }
     }
 }
@@ -121,13 +127,104 @@ pub(crate) struct Running {
     pub manager: Option<tessera_manager::EventManager>,
 }
 
-/// Runs the topology to its end and returns the report (also written as the run manifest).
-pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
+/// A running topology (or the roles of it this process runs): started by [`Session::start`],
+/// watched by [`Session::end_reason`] and [`Session::failure`], held by [`Session::pause`],
+/// ended by [`Session::stop`] and [`Session::finish`]. The run control drives one per run.
+pub struct Session {
+    r: Resolved,
+    events: u64,
+    duration: f64,
+    only: Option<Role>,
+    manifest: bool,
+    output: PathBuf,
+    run_number: u64,
+    started_unix_ns: u64,
+    t0: Instant,
+    pub(crate) running: Running,
+    monitor: Option<(tessera_monitor::Monitor, Mutex<Option<tessera_monitor::Server>>)>,
+    status: Mutex<status::Status>,
+    stop_flag: Arc<AtomicBool>,
+    stop_begun: AtomicBool,
+    paused_at: Mutex<Option<Instant>>,
+    paused_total: Mutex<Duration>,
+}
+
+/// What a component is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ComponentState {
+    Running,
+    Paused,
+    Stopping,
+    Finished,
+    Failed,
+}
+
+/// One component of the running topology and its state.
+#[derive(Clone, Debug, Serialize)]
+pub struct Component {
+    pub name: String,
+    pub kind: &'static str,
+    pub state: ComponentState,
+    /// Why it failed; empty otherwise.
+    pub detail: String,
+}
+
+/// The deadline of each stage of a stop (`[stop]` in the topology).
+#[derive(Clone, Debug)]
+pub struct StopDeadlines {
+    pub sources_ms: u64,
+    pub readout_ms: u64,
+    pub builders_ms: u64,
+    pub recorder_ms: u64,
+    /// After a stage's deadline, how long its components get to act on the abort.
+    pub abort_grace_ms: u64,
+}
+
+impl From<&tessera_config::StopSection> for StopDeadlines {
+    fn from(s: &tessera_config::StopSection) -> Self {
+        StopDeadlines {
+            sources_ms: s.sources_ms,
+            readout_ms: s.readout_ms,
+            builders_ms: s.builders_ms,
+            recorder_ms: s.recorder_ms,
+            abort_grace_ms: s.abort_grace_ms,
+        }
+    }
+}
+
+/// How one stage of a stop went.
+#[derive(Clone, Debug, Serialize)]
+pub struct StageReport {
+    pub stage: &'static str,
+    pub deadline_ms: u64,
+    pub elapsed_ms: u64,
+    /// Whether it finished before its deadline.
+    pub finished: bool,
+    /// What it left when it did not.
+    pub left: String,
+}
+
+/// How a stop went, stage by stage.
+#[derive(Clone, Debug, Serialize)]
+pub struct StopReport {
+    pub stages: Vec<StageReport>,
+    /// Every stage finished in time: nothing was given up.
+    pub drained: bool,
+    /// Every component's threads ended (false: some ignored even the abort and are left to the
+    /// end of the process).
+    pub all_finished: bool,
+}
+
+impl Session {
+    /// Starts every component of the topology (sink first) and returns once all listen and the
+    /// sources are connected.
+    pub fn start(r: &Resolved, opts: &Options) -> Result<Session> {
     let t = &r.topology;
     let output = opts.output.clone().unwrap_or_else(|| t.run.output.clone());
     std::fs::create_dir_all(&output)
         .with_context(|| format!("creating output directory {}", output.display()))?;
-    let run_number = match t.run.number {
+    let run_number = match opts.run_number.or(t.run.number) {
         Some(n) => n,
         None if opts.only.is_some() => bail!("{}: run.number: a role run as its own process needs the run number (set run.number or pass --run)", r.origin),
         None if opts.manifest => next_run_number(&output)?,
@@ -395,155 +492,522 @@ pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
             external_addrs.join(", ")
         ));
     }
+    Ok(Session {
+        r: r.clone(),
+        events,
+        duration,
+        only: opts.only,
+        manifest: opts.manifest,
+        output,
+        run_number,
+        started_unix_ns,
+        t0: Instant::now(),
+        stop_begun: AtomicBool::new(false),
+        running,
+        monitor: monitor.map(|(m, s)| (m, Mutex::new(Some(s)))),
+        status: Mutex::new(status),
+        stop_flag: opts.stop.clone(),
+        paused_at: Mutex::new(None),
+        paused_total: Mutex::new(Duration::ZERO),
+    })
+    }
 
-    let t0 = Instant::now();
-    let stop_reason = loop {
-        std::thread::sleep(Duration::from_millis(5));
-        status.tick(&running, t0.elapsed(), "running");
-        if opts.stop.load(Ordering::Relaxed) {
-            break "interrupted";
+    pub fn run_number(&self) -> u64 {
+        self.run_number
+    }
+
+    pub fn output(&self) -> &Path {
+        &self.output
+    }
+
+    pub fn resolved(&self) -> &Resolved {
+        &self.r
+    }
+
+    /// Time since the start, paused time included.
+    pub fn elapsed(&self) -> Duration {
+        self.t0.elapsed()
+    }
+
+    /// The monitor of this run, if it has one (in the recorder's process).
+    pub fn monitor(&self) -> Option<&tessera_monitor::Monitor> {
+        self.monitor.as_ref().map(|(m, _)| m)
+    }
+
+    /// Redraws the status line if its interval has passed.
+    pub fn tick_status(&self, phase: &str) {
+        self.status
+            .lock()
+            .tick(&self.running, self.t0.elapsed(), phase);
+    }
+
+    pub fn note(&self, msg: &str) {
+        self.status.lock().note(msg);
+    }
+
+    /// Why the run should end now, if it should: its duration passed, every source ended its
+    /// stream, a stop was asked for from outside. `None`: it goes on.
+    pub fn end_reason(&self) -> Option<&'static str> {
+        let running = &self.running;
+        if self.stop_flag.load(Ordering::Relaxed) {
+            return Some("interrupted");
         }
-        if duration > 0.0 && t0.elapsed().as_secs_f64() >= duration {
-            break "duration";
+        let active = self
+            .t0
+            .elapsed()
+            .saturating_sub(self.paused_for());
+        if self.duration > 0.0 && active.as_secs_f64() >= self.duration {
+            return Some("duration");
         }
         // A role run alone (other than the sources) ends when it has finished: its upstream
         // peers ended their streams and it passed everything on.
-        if opts.only.is_some_and(|role| role != Role::Sources) {
-            if all_finished(&running) {
-                break "finished";
-            }
-            continue;
+        if self.only.is_some_and(|role| role != Role::Sources) {
+            return all_finished(running).then_some("finished");
         }
         // The run ends by itself once every source has ended its stream: the emulated ones when
         // they reach their event count, external ones when they send their end of stream (or
         // drop their connection). An external source that has not ended keeps the run going
-        // until the duration or Ctrl-C.
+        // until the duration or a stop.
         let emulated_done = running.sources.as_ref().is_none_or(|s| s.all_finished());
-        if emulated_done && external_links_done(&running, r) {
-            break if events > 0 && running.sources.is_some() {
+        if emulated_done && external_links_done(running, &self.r) {
+            return Some(if self.events > 0 && running.sources.is_some() {
                 "events"
             } else {
                 "sources ended"
-            };
+            });
         }
-        if let Some(rec) = &running.recorder {
+        None
+    }
+
+    /// The first component found failed, with the reason: the run cannot go on as configured.
+    /// A component that ended by itself while the run goes on has failed too.
+    pub fn failure(&self) -> Option<String> {
+        self.components()
+            .into_iter()
+            .find(|c| c.state == ComponentState::Failed)
+            .map(|c| format!("{}: {}", c.name, c.detail))
+    }
+
+    /// Every component and its state.
+    pub fn components(&self) -> Vec<Component> {
+        let run = &self.running;
+        let stopping = self.stop_begun.load(Ordering::Relaxed);
+        let state = |finished: bool, error: Option<String>| match (error, finished) {
+            (Some(e), _) => (ComponentState::Failed, e),
+            (None, true) if !stopping => (
+                ComponentState::Failed,
+                "ended by itself while the run goes on".to_string(),
+            ),
+            (None, true) => (ComponentState::Finished, String::new()),
+            (None, false) if stopping => (ComponentState::Stopping, String::new()),
+            (None, false) => (ComponentState::Running, String::new()),
+        };
+        let mut v = Vec::new();
+        if let Some(s) = &run.sources {
+            let finished = s.threads_finished();
+            let (st, detail) = if finished {
+                (ComponentState::Finished, String::new())
+            } else if s.paused() {
+                (ComponentState::Paused, String::new())
+            } else if stopping {
+                (ComponentState::Stopping, String::new())
+            } else {
+                (ComponentState::Running, String::new())
+            };
+            v.push(Component {
+                name: "sources".into(),
+                kind: "sources",
+                state: st,
+                detail,
+            });
+        }
+        let request_mode = self.r.topology.run.mode == tessera_config::Mode::Request;
+        for u in &run.readout_units {
+            // A readout unit ends with its sources' streams: finishing is normal once they did.
+            let sources_done = run.sources.as_ref().is_none_or(|s| s.all_finished());
+            let err = if request_mode {
+                u.stats.requests.manager_error.lock().clone().map(|e| format!("event manager link: {e}"))
+            } else {
+                u.stats.builder_error.lock().clone().map(|e| format!("builder link: {e}"))
+            };
+            let (st, detail) = state(u.is_finished() && !sources_done, err);
+            let st = if u.is_finished() && sources_done && st != ComponentState::Failed {
+                ComponentState::Finished
+            } else {
+                st
+            };
+            v.push(Component {
+                name: format!("readout unit {}", u.stats.id),
+                kind: "readout",
+                state: st,
+                detail,
+            });
+        }
+        for b in &run.builders {
+            let err = b
+                .stats
+                .recorder_error
+                .lock()
+                .clone()
+                .map(|e| format!("recorder link: {e}"));
+            let (st, detail) = state(b.is_finished() && !all_ru_finished(run), err);
+            let st = if b.is_finished() && all_ru_finished(run) && st != ComponentState::Failed {
+                ComponentState::Finished
+            } else {
+                st
+            };
+            v.push(Component {
+                name: format!("builder {}", b.stats.id),
+                kind: "builder",
+                state: st,
+                detail,
+            });
+        }
+        if let Some(rec) = &run.recorder {
+            let builders_done = run.builders.iter().all(|b| b.is_finished());
+            let err = rec.stats.error.lock().clone();
+            let (st, detail) = state(rec.is_finished() && !builders_done, err);
+            let st = if rec.is_finished() && builders_done && st != ComponentState::Failed {
+                ComponentState::Finished
+            } else {
+                st
+            };
+            v.push(Component {
+                name: "recorder".into(),
+                kind: "recorder",
+                state: st,
+                detail,
+            });
+        }
+        if let Some(m) = &run.manager {
+            let (st, detail) = state(m.is_finished() && !all_ru_finished(run), None);
+            v.push(Component {
+                name: "event manager".into(),
+                kind: "event_manager",
+                state: if m.is_finished() && all_ru_finished(run) {
+                    ComponentState::Finished
+                } else {
+                    st
+                },
+                detail,
+            });
+        }
+        v
+    }
+
+    /// Holds the triggers of the emulated sources (external sources cannot be told: the wire
+    /// protocol has no pause). Everything already triggered is still built and recorded.
+    pub fn pause(&self) {
+        if let Some(s) = &self.running.sources {
+            s.pause();
+        }
+        let mut p = self.paused_at.lock();
+        if p.is_none() {
+            *p = Some(Instant::now());
+        }
+    }
+
+    pub fn resume(&self) {
+        if let Some(s) = &self.running.sources {
+            s.resume();
+        }
+        if let Some(t) = self.paused_at.lock().take() {
+            *self.paused_total.lock() += t.elapsed();
+        }
+    }
+
+    fn paused_for(&self) -> Duration {
+        *self.paused_total.lock() + self.paused_at.lock().map_or(Duration::ZERO, |t| t.elapsed())
+    }
+
+    /// Stops in stages, in the direction of the data: sources end their streams, readout units
+    /// send what they hold, builders finish, the recorder closes its files. Each stage waits at
+    /// most its deadline and then gives up on what it still holds, which the stage's report names;
+    /// so a stop ends even when every queue is full and nothing moves.
+    pub fn stop(&self, deadlines: &StopDeadlines) -> StopReport {
+        self.stop_begun.store(true, Ordering::Relaxed);
+        let run = &self.running;
+        // A paused run has its triggers held: let the sources reach their common last trigger.
+        if let Some(s) = &run.sources {
+            s.resume();
+            s.stop();
+        }
+        // Every unit is told now; each finishes once its upstream has ended (a stop is not an
+        // abort), so telling all at once loses nothing and lets the stages overlap.
+        for u in &run.readout_units {
+            u.stop();
+        }
+        for b in &run.builders {
+            b.stop();
+        }
+        if let Some(m) = &run.manager {
+            m.stop();
+        }
+        if let Some(rec) = &run.recorder {
+            rec.stop();
+        }
+        let mut stages = Vec::new();
+        let grace = Duration::from_millis(deadlines.abort_grace_ms);
+
+        // 1. Sources.
+        let t = Instant::now();
+        let done = self.wait_stage(deadlines.sources_ms, "stopping: sources", || {
+            run.sources.as_ref().is_none_or(|s| s.threads_finished())
+        });
+        stages.push(StageReport {
+            stage: "sources",
+            deadline_ms: deadlines.sources_ms,
+            elapsed_ms: t.elapsed().as_millis() as u64,
+            finished: done,
+            left: if done {
+                String::new()
+            } else {
+                let held: Vec<String> = run
+                    .sources
+                    .iter()
+                    .flat_map(|s| s.stats.iter())
+                    .filter(|s| !s.finished.load(Ordering::Relaxed))
+                    .map(|s| s.id.to_string())
+                    .collect();
+                format!(
+                    "sources {} still held by back-pressure; their readout links are cut",
+                    held.join(",")
+                )
+            },
+        });
+
+        // 2. Readout units.
+        let t = Instant::now();
+        let done = self.wait_stage(deadlines.readout_ms, "stopping: readout units", || {
+            all_ru_finished(run)
+        });
+        let mut left = String::new();
+        if !done {
+            let held: u64 = run
+                .readout_units
+                .iter()
+                .map(|u| {
+                    u.stats.held_fragments.load(Ordering::Relaxed)
+                        + u.stats.queued_fragments.load(Ordering::Relaxed)
+                        + u.stats.requests.stored_fragments.load(Ordering::Relaxed)
+                })
+                .sum();
+            let open: Vec<String> = run
+                .readout_units
+                .iter()
+                .filter(|u| !u.is_finished())
+                .map(|u| u.stats.id.to_string())
+                .collect();
+            left = format!(
+                "readout units {} had {held} fragments buffered; links aborted",
+                open.join(",")
+            );
+            for u in &run.readout_units {
+                u.abort();
+            }
+            if let Some(m) = &run.manager {
+                m.abort();
+            }
+            wait_until(grace, || all_ru_finished(run));
+        }
+        stages.push(StageReport {
+            stage: "readout",
+            deadline_ms: deadlines.readout_ms,
+            elapsed_ms: t.elapsed().as_millis() as u64,
+            finished: done,
+            left,
+        });
+
+        // 3. Builders.
+        let t = Instant::now();
+        let done = self.wait_stage(deadlines.builders_ms, "stopping: builders", || {
+            run.builders.iter().all(|b| b.is_finished())
+                && run.manager.as_ref().is_none_or(|m| m.is_finished())
+        });
+        let mut left = String::new();
+        if !done {
+            let (pending, queued) = run.builders.iter().fold((0, 0), |a, b| {
+                (
+                    a.0 + b.stats.pending_events.load(Ordering::Relaxed),
+                    a.1 + b.stats.queued_fragments.load(Ordering::Relaxed),
+                )
+            });
+            left = format!(
+                "{pending} events still being assembled and {queued} fragments not handed to the recorder; builders aborted"
+            );
+            for b in run.builders.iter().filter(|b| !b.is_finished()) {
+                b.abort();
+            }
+            if let Some(m) = &run.manager {
+                m.abort();
+            }
+            wait_until(grace, || run.builders.iter().all(|b| b.is_finished()));
+        }
+        stages.push(StageReport {
+            stage: "builders",
+            deadline_ms: deadlines.builders_ms,
+            elapsed_ms: t.elapsed().as_millis() as u64,
+            finished: done,
+            left,
+        });
+
+        // 4. Recorder. A consumer of a blocking station that stopped taking events must not
+        // hold the stop: past the deadline the monitor lets the recorder go on without it.
+        let t = Instant::now();
+        let done = self.wait_stage(deadlines.recorder_ms, "stopping: recorder", || {
+            run.recorder.as_ref().is_none_or(|r| r.is_finished())
+        });
+        let mut left = String::new();
+        if !done {
+            if let Some((m, _)) = &self.monitor {
+                m.close();
+            }
+            if wait_until(grace, || {
+                run.recorder.as_ref().is_none_or(|r| r.is_finished())
+            }) {
+                left = "held by a blocking monitor station; the monitor was closed and the recorder finished".into();
+            } else if let Some(rec) = &run.recorder {
+                left = format!(
+                    "{} fragments not written; the open file is left unfinished; recorder aborted",
+                    rec.stats.queued_fragments.load(Ordering::Relaxed)
+                );
+                rec.abort();
+                wait_until(grace, || rec.is_finished());
+            }
+        }
+        stages.push(StageReport {
+            stage: "recorder",
+            deadline_ms: deadlines.recorder_ms,
+            elapsed_ms: t.elapsed().as_millis() as u64,
+            finished: done,
+            left,
+        });
+        let drained = stages.iter().all(|s| s.finished);
+        if !drained {
+            self.note("stop: a stage passed its deadline; what it left is in the report");
+        }
+        StopReport {
+            stages,
+            drained,
+            all_finished: all_finished(run),
+        }
+    }
+
+    fn wait_stage(&self, ms: u64, phase: &str, done: impl Fn() -> bool) -> bool {
+        let deadline = Instant::now() + Duration::from_millis(ms);
+        loop {
+            if done() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+            self.tick_status(phase);
+        }
+    }
+
+    /// What every component counted so far (live, while the run goes on), as the report.
+    pub fn report(&self, stop_reason: &str, drained: bool) -> Report {
+        let mut report = report::Report::collect(
+            &self.r,
+            &self.running,
+            report::RunInfo {
+                run_number: self.run_number,
+                started_unix_ns: self.started_unix_ns,
+                duration_s: self.t0.elapsed().as_secs_f64(),
+                stop_reason: stop_reason.into(),
+                drained,
+                output: self.output.display().to_string(),
+                partial: self.only.is_some(),
+            },
+        );
+        report.monitor = self.monitor.as_ref().map(|(m, _)| m.status());
+        report
+    }
+
+    /// Ends the session after [`stop`](Self::stop): closes the monitor, joins what finished,
+    /// writes the manifest. Components that ignored even the abort are left to the end of the
+    /// process rather than joined: a stop must not hang.
+    pub fn finish(self, stop_reason: &str, stop: StopReport) -> Result<Report> {
+        self.status.lock().finish(&self.running, self.t0.elapsed());
+        let mut report = self.report(stop_reason, stop.drained);
+        report.stop = Some(stop);
+        if let Some((m, server)) = &self.monitor {
+            m.close();
+            if let Some(mut s) = server.lock().take() {
+                s.stop();
+            }
+        }
+        let Session {
+            running,
+            manifest,
+            output,
+            run_number,
+            ..
+        } = self;
+        let Running {
+            sources,
+            readout_units,
+            builders,
+            recorder,
+            manager,
+        } = running;
+        if let Some(m) = manager.filter(|m| m.is_finished()) {
+            m.join();
+        }
+        if let Some(s) = sources.filter(|s| s.threads_finished()) {
+            s.join();
+        }
+        for u in readout_units.into_iter().filter(|u| u.is_finished()) {
+            u.join();
+        }
+        for b in builders.into_iter().filter(|b| b.is_finished()) {
+            b.join();
+        }
+        if let Some(rec) = recorder.filter(|r| r.is_finished()) {
+            rec.join();
+        }
+        if manifest {
+            let path = output.join(format!("run{run_number:06}.manifest.json"));
+            let json = serde_json::to_vec_pretty(&report)?;
+            tessera_recorder::file_write_atomic(&path, &json)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(report)
+    }
+}
+
+/// Runs the topology to its end and returns the report (also written as the run manifest).
+pub fn run(r: &Resolved, opts: &Options) -> Result<Report> {
+    let session = Session::start(r, opts)?;
+    let stop_reason = loop {
+        std::thread::sleep(Duration::from_millis(5));
+        session.tick_status("running");
+        if let Some(reason) = session.end_reason() {
+            break reason;
+        }
+        if let Some(rec) = &session.running.recorder {
             if rec.stats.error.lock().is_some() {
                 break "recorder error";
             }
         }
     };
-    // Drain: sources end their streams; the rest follows the data.
-    if let Some(s) = &running.sources {
-        s.stop();
-    }
-    for u in &running.readout_units {
-        u.stop();
-    }
-    for b in &running.builders {
-        b.stop();
-    }
-    if let Some(m) = &running.manager {
-        m.stop();
-    }
-    if let Some(rec) = &running.recorder {
-        rec.stop();
-    }
-    let deadline = Instant::now() + Duration::from_millis(t.run.drain_timeout_ms);
-    let mut drained = true;
-    while !all_finished(&running) {
-        if Instant::now() >= deadline {
-            drained = false;
-            status.note("drain deadline passed: giving up on what is still in flight");
-            // In stages, downstream last: readout units give up on their open links and send on
-            // what they hold; builders and recorder are cut off only if they still have not
-            // finished after a grace period. Each wait is bounded.
-            let grace = Duration::from_secs(3);
-            for u in &running.readout_units {
-                u.abort();
-            }
-            if let Some(m) = &running.manager {
-                m.abort();
-            }
-            // A consumer of a blocking station that stopped taking events must not hold the
-            // stop: the monitor lets the recorder go on without it.
-            if let Some((m, _)) = &monitor {
-                m.close();
-            }
-            wait_until(grace, || {
-                running.readout_units.iter().all(|u| u.is_finished())
-            });
-            for b in running.builders.iter().filter(|b| !b.is_finished()) {
-                b.abort();
-            }
-            wait_until(grace, || running.builders.iter().all(|b| b.is_finished()));
-            if let Some(rec) = running.recorder.as_ref().filter(|r| !r.is_finished()) {
-                rec.abort();
-            }
-            wait_until(grace, || all_finished(&running));
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-        status.tick(&running, t0.elapsed(), "draining");
-    }
-    let elapsed = t0.elapsed();
-    status.finish(&running, elapsed);
-    let monitor_status = monitor.as_ref().map(|(m, _)| m.status());
-    if let Some((m, mut server)) = monitor {
-        m.close();
-        server.stop();
-    }
-    let mut report = report::Report::collect(
-        r,
-        &running,
-        report::RunInfo {
-            run_number,
-            started_unix_ns,
-            duration_s: elapsed.as_secs_f64(),
-            stop_reason: stop_reason.into(),
-            drained,
-            output: output.display().to_string(),
-            partial: opts.only.is_some(),
-        },
-    );
-    report.monitor = monitor_status;
-    let Running {
-        sources,
-        readout_units,
-        builders,
-        recorder,
-        manager,
-    } = running;
-    if let Some(m) = manager.filter(|m| m.is_finished()) {
-        m.join();
-    }
-    // Components that ignored even the abort are left to the end of the process rather than
-    // joined: a stop must not hang.
-    if let Some(s) = sources.filter(|s| s.threads_finished()) {
-        s.join();
-    }
-    for u in readout_units.into_iter().filter(|u| u.is_finished()) {
-        u.join();
-    }
-    for b in builders.into_iter().filter(|b| b.is_finished()) {
-        b.join();
-    }
-    if let Some(rec) = recorder.filter(|r| r.is_finished()) {
-        rec.join();
-    }
-    if opts.manifest {
-        let path = output.join(format!("run{run_number:06}.manifest.json"));
-        let json = serde_json::to_vec_pretty(&report)?;
-        tessera_recorder::file_write_atomic(&path, &json)
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-    Ok(report)
+    let stop = session.stop(&StopDeadlines::from(&r.topology.stop));
+    session.finish(stop_reason, stop)
 }
 
-fn wait_until(limit: Duration, done: impl Fn() -> bool) {
+/// Waits until `done` or `limit`; whether it is done.
+fn wait_until(limit: Duration, done: impl Fn() -> bool) -> bool {
     let t = Instant::now();
     while !done() && t.elapsed() < limit {
         std::thread::sleep(Duration::from_millis(5));
     }
+    done()
+}
+
+fn all_ru_finished(r: &Running) -> bool {
+    r.readout_units.iter().all(|u| u.is_finished())
 }
 
 /// A role run alone reaches its peers at their configured addresses: those need fixed ports.

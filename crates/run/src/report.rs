@@ -173,6 +173,9 @@ pub struct Report {
     /// The monitor's stations and counters at the end of the run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub monitor: Option<tessera_monitor::MonitorStatus>,
+    /// How the stop went, stage by stage (absent while the run goes on).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop: Option<crate::StopReport>,
 }
 
 fn frac(ns: u64, secs: f64) -> f64 {
@@ -471,6 +474,7 @@ impl Report {
             },
             recorder_shortfall,
             monitor: None,
+            stop: None,
         }
     }
 

@@ -429,7 +429,11 @@ fn a_source_that_never_ends_cannot_hang_the_stop() {
         r#"
 [run]
 duration_s = 0.5
-drain_timeout_ms = 500
+[stop]
+sources_ms = 500
+readout_ms = 500
+builders_ms = 500
+recorder_ms = 500
 [sources]
 count = 2
 external = [9]

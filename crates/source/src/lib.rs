@@ -60,29 +60,40 @@ pub struct RunningSources {
     control: Arc<Control>,
 }
 
-/// The trigger stop, shared by all driver threads. A driver claims each batch of triggers before
-/// sending it; claiming and seeing a stop are one step under the lock, so once the stop is set
-/// the highest claimed trigger is final and every source sends exactly up to it.
+/// The trigger gate, shared by all driver threads. A driver claims each batch of triggers before
+/// sending it; claiming and seeing a stop or a pause are one step under the lock, so once either
+/// is set the highest claimed trigger is final and every source sends exactly up to it: a pause
+/// or a stop never leaves an event sent by only some sources.
 #[derive(Default)]
 struct Control {
-    /// (stopping, one past the highest claimed event ID)
-    state: Mutex<(bool, u64)>,
+    gate: Mutex<Gate>,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Gate {
+    stopping: bool,
+    /// One past the highest claimed event ID.
+    claimed: u64,
+    paused_since: Option<Instant>,
+    /// Time spent paused before `paused_since`: the trigger schedule's clock stands still while
+    /// paused, so a resume does not fire the missed triggers in one burst.
+    paused_total: Duration,
 }
 
 impl Control {
     /// Claims triggers up to `end` (exclusive); returns how far this driver may send.
     fn claim(&self, end: u64) -> u64 {
-        let mut g = self.state.lock();
-        if g.0 {
-            g.1
+        let mut g = self.gate.lock();
+        if g.stopping || g.paused_since.is_some() {
+            g.claimed
         } else {
-            g.1 = g.1.max(end);
+            g.claimed = g.claimed.max(end);
             end
         }
     }
 
-    fn state(&self) -> (bool, u64) {
-        *self.state.lock()
+    fn state(&self) -> Gate {
+        *self.gate.lock()
     }
 }
 
@@ -91,7 +102,29 @@ impl RunningSources {
     /// event ID (the highest any source has claimed), ends its stream and closes, so a stop
     /// leaves no event built from only some sources.
     pub fn stop(&self) {
-        self.control.state.lock().0 = true;
+        self.control.gate.lock().stopping = true;
+    }
+
+    /// Holds the triggers (a run pause): every source sends up to the highest trigger already
+    /// claimed, then waits with its connection open.
+    pub fn pause(&self) {
+        let mut g = self.control.gate.lock();
+        if g.paused_since.is_none() {
+            g.paused_since = Some(Instant::now());
+        }
+    }
+
+    /// Releases the triggers held by [`pause`](Self::pause); the schedule goes on from where it
+    /// stood.
+    pub fn resume(&self) {
+        let mut g = self.control.gate.lock();
+        if let Some(t) = g.paused_since.take() {
+            g.paused_total += t.elapsed();
+        }
+    }
+
+    pub fn paused(&self) -> bool {
+        self.control.gate.lock().paused_since.is_some()
     }
 
     pub fn join(self) {
@@ -196,17 +229,28 @@ fn drive(plan: &SourcePlan, mut links: Vec<Link>, control: &Control, t0: Instant
     let mut next_event = 0u64;
     let mut pending: Option<(u64, u64)> = None; // (event, time) peeked from the schedule
     loop {
-        let (stopping, final_end) = control.state();
+        let g = control.state();
+        let stopping = g.stopping;
         let end = if stopping {
-            final_end.min(hard_end)
+            g.claimed.min(hard_end)
+        } else if g.paused_since.is_some() {
+            // Paused: catch up to what other drivers claimed, then wait.
+            g.claimed.min(hard_end)
         } else {
             hard_end
         };
-        if next_event >= end || links.iter().all(|l| l.stream.is_none()) {
+        if links.iter().all(|l| l.stream.is_none()) || (stopping && next_event >= end) {
             break;
         }
+        if next_event >= end {
+            if next_event >= hard_end {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
+        }
         let mut due: Vec<(u64, u64)> = Vec::with_capacity(batch_events as usize);
-        let now = t0.elapsed().as_nanos() as u64;
+        let now = t0.elapsed().saturating_sub(g.paused_total).as_nanos() as u64;
         while (due.len() as u64) < batch_events && next_event < end {
             let (ev, t) = pending.take().unwrap_or_else(|| sched.next_trigger());
             // After a stop, triggers other sources already sent are due at once.

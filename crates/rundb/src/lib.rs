@@ -1,0 +1,454 @@
+//! The run database: one SQLite file in the data directory that keeps, for every run, its number
+//! (allocated here at start, so that two runs never share one), the full configuration, start
+//! and stop times, what it counted, the files it wrote with their checksums, the operator's
+//! comment, and every state-changing action with who asked for it.
+//!
+//! SQLite because a run database is small, written a few times per run and read by people and
+//! scripts: one file, no server, readable with `sqlite3` when Tessera is not at hand. The schema
+//! is versioned by `PRAGMA user_version`.
+
+use rusqlite::{params, Connection, OptionalExtension};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// The schema this code writes and reads.
+pub const SCHEMA_VERSION: i64 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("run database {path}: {source}")]
+    Sqlite {
+        path: PathBuf,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("run database {path}: schema version {found}, this tessera reads version {SCHEMA_VERSION}")]
+    Schema { path: PathBuf, found: i64 },
+    #[error("run database: no run {0}")]
+    NoRun(u64),
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS runs (
+    number          INTEGER PRIMARY KEY,
+    state           TEXT NOT NULL,          -- running, stopped, error
+    config_origin   TEXT NOT NULL,
+    config_sha256   TEXT NOT NULL,
+    config          TEXT NOT NULL,          -- the full topology, TOML
+    started_unix_ns INTEGER NOT NULL,
+    stopped_unix_ns INTEGER,
+    stop_reason     TEXT,
+    error           TEXT,
+    comment         TEXT NOT NULL DEFAULT '',
+    events          INTEGER NOT NULL DEFAULT 0,
+    incomplete      INTEGER NOT NULL DEFAULT 0,
+    bytes           INTEGER NOT NULL DEFAULT 0,
+    recorded_events INTEGER NOT NULL DEFAULT 0,
+    balance_holds   INTEGER,
+    report          TEXT                    -- the run report, JSON, as the manifest
+);
+CREATE TABLE IF NOT EXISTS rejected (
+    run     INTEGER NOT NULL REFERENCES runs(number),
+    reason  TEXT NOT NULL,
+    count   INTEGER NOT NULL,
+    PRIMARY KEY (run, reason)
+);
+CREATE TABLE IF NOT EXISTS files (
+    run         INTEGER NOT NULL REFERENCES runs(number),
+    name        TEXT NOT NULL,
+    size_bytes  INTEGER NOT NULL,
+    events      INTEGER NOT NULL,
+    crc32c      TEXT NOT NULL,
+    PRIMARY KEY (run, name)
+);
+CREATE TABLE IF NOT EXISTS actions (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    unix_ns     INTEGER NOT NULL,
+    who         TEXT NOT NULL,
+    action      TEXT NOT NULL,
+    from_state  TEXT NOT NULL,
+    to_state    TEXT NOT NULL,
+    result      TEXT NOT NULL,          -- ok, or why it was refused
+    run         INTEGER
+);
+";
+
+/// The run database, shared by the threads of one process.
+pub struct RunDb {
+    path: PathBuf,
+    conn: Mutex<Connection>,
+}
+
+/// One row of the run list.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct RunSummary {
+    pub number: u64,
+    pub state: String,
+    pub started_unix_ns: u64,
+    pub stopped_unix_ns: Option<u64>,
+    pub stop_reason: Option<String>,
+    pub error: Option<String>,
+    pub comment: String,
+    pub events: u64,
+    pub incomplete: u64,
+    pub bytes: u64,
+    pub recorded_events: u64,
+    pub balance_holds: Option<bool>,
+    pub config_origin: String,
+}
+
+/// A file a run wrote.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct FileRow {
+    pub name: String,
+    pub size_bytes: u64,
+    pub events: u64,
+    pub crc32c: String,
+}
+
+/// A state-changing action.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct ActionRow {
+    pub unix_ns: u64,
+    pub who: String,
+    pub action: String,
+    pub from_state: String,
+    pub to_state: String,
+    pub result: String,
+    pub run: Option<u64>,
+}
+
+/// Everything about one run.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunRecord {
+    #[serde(flatten)]
+    pub summary: RunSummary,
+    pub config_sha256: String,
+    /// The full topology, TOML.
+    pub config: String,
+    pub rejected: BTreeMap<String, u64>,
+    pub files: Vec<FileRow>,
+    pub actions: Vec<ActionRow>,
+    /// The run report (JSON), once the run stopped.
+    pub report: Option<serde_json::Value>,
+}
+
+/// What a run is started with.
+pub struct RunStart<'a> {
+    pub config_origin: &'a str,
+    pub config_sha256: &'a str,
+    pub config: &'a str,
+    pub started_unix_ns: u64,
+    pub comment: &'a str,
+}
+
+/// What a run ended with.
+pub struct RunEnd<'a> {
+    pub state: &'a str,
+    pub stopped_unix_ns: u64,
+    pub stop_reason: &'a str,
+    pub error: Option<&'a str>,
+    pub events: u64,
+    pub incomplete: u64,
+    pub bytes: u64,
+    pub recorded_events: u64,
+    pub balance_holds: Option<bool>,
+    pub rejected: &'a BTreeMap<String, u64>,
+    pub files: &'a [FileRow],
+    pub report_json: &'a str,
+}
+
+impl RunDb {
+    /// Opens (creating if absent) the database at `path`.
+    pub fn open(path: &Path) -> Result<RunDb, DbError> {
+        let err = |source| DbError::Sqlite {
+            path: path.to_path_buf(),
+            source,
+        };
+        let conn = Connection::open(path).map_err(err)?;
+        // Several processes (a run, `tessera runs`) may open it at once.
+        conn.busy_timeout(Duration::from_secs(10)).map_err(err)?;
+        let version: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .map_err(err)?;
+        if version > SCHEMA_VERSION {
+            return Err(DbError::Schema {
+                path: path.to_path_buf(),
+                found: version,
+            });
+        }
+        conn.execute_batch(SCHEMA).map_err(err)?;
+        conn.execute_batch(&format!("PRAGMA user_version = {SCHEMA_VERSION}"))
+            .map_err(err)?;
+        Ok(RunDb {
+            path: path.to_path_buf(),
+            conn: Mutex::new(conn),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn err(&self, source: rusqlite::Error) -> DbError {
+        DbError::Sqlite {
+            path: self.path.clone(),
+            source,
+        }
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+        // A panic while holding the lock leaves the connection usable: SQLite rolled back.
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Allocates the next run number (above every run here and above `at_least - 1`) and
+    /// records the run as running, in one transaction: two processes cannot take one number.
+    pub fn begin_run(&self, at_least: u64, s: &RunStart) -> Result<u64, DbError> {
+        let mut c = self.conn();
+        let tx = c
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+            .map_err(|e| self.err(e))?;
+        let max: Option<i64> = tx
+            .query_row("SELECT MAX(number) FROM runs", [], |r| r.get(0))
+            .map_err(|e| self.err(e))?;
+        let number = (max.unwrap_or(0) as u64 + 1).max(at_least);
+        tx.execute(
+            "INSERT INTO runs (number, state, config_origin, config_sha256, config, started_unix_ns, comment)
+             VALUES (?1, 'running', ?2, ?3, ?4, ?5, ?6)",
+            params![
+                number as i64,
+                s.config_origin,
+                s.config_sha256,
+                s.config,
+                s.started_unix_ns as i64,
+                s.comment
+            ],
+        )
+        .map_err(|e| self.err(e))?;
+        tx.commit().map_err(|e| self.err(e))?;
+        Ok(number)
+    }
+
+    /// Records how a run ended: state, times, counts, rejections by reason, files.
+    pub fn end_run(&self, number: u64, e: &RunEnd) -> Result<(), DbError> {
+        let mut c = self.conn();
+        let tx = c.transaction().map_err(|x| self.err(x))?;
+        let n = tx
+            .execute(
+                "UPDATE runs SET state = ?2, stopped_unix_ns = ?3, stop_reason = ?4, error = ?5,
+                 events = ?6, incomplete = ?7, bytes = ?8, recorded_events = ?9, balance_holds = ?10,
+                 report = ?11 WHERE number = ?1",
+                params![
+                    number as i64,
+                    e.state,
+                    e.stopped_unix_ns as i64,
+                    e.stop_reason,
+                    e.error,
+                    e.events as i64,
+                    e.incomplete as i64,
+                    e.bytes as i64,
+                    e.recorded_events as i64,
+                    e.balance_holds,
+                    e.report_json
+                ],
+            )
+            .map_err(|x| self.err(x))?;
+        if n == 0 {
+            return Err(DbError::NoRun(number));
+        }
+        for (reason, count) in e.rejected {
+            tx.execute(
+                "INSERT OR REPLACE INTO rejected (run, reason, count) VALUES (?1, ?2, ?3)",
+                params![number as i64, reason, *count as i64],
+            )
+            .map_err(|x| self.err(x))?;
+        }
+        for f in e.files {
+            tx.execute(
+                "INSERT OR REPLACE INTO files (run, name, size_bytes, events, crc32c) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![number as i64, f.name, f.size_bytes as i64, f.events as i64, f.crc32c],
+            )
+            .map_err(|x| self.err(x))?;
+        }
+        tx.commit().map_err(|x| self.err(x))
+    }
+
+    /// Sets the operator's comment of a run.
+    pub fn set_comment(&self, number: u64, comment: &str) -> Result<(), DbError> {
+        let n = self
+            .conn()
+            .execute(
+                "UPDATE runs SET comment = ?2 WHERE number = ?1",
+                params![number as i64, comment],
+            )
+            .map_err(|e| self.err(e))?;
+        if n == 0 {
+            return Err(DbError::NoRun(number));
+        }
+        Ok(())
+    }
+
+    /// Logs a state-changing action (accepted or refused).
+    pub fn log_action(&self, a: &ActionRow) -> Result<(), DbError> {
+        self.conn()
+            .execute(
+                "INSERT INTO actions (unix_ns, who, action, from_state, to_state, result, run)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                params![
+                    a.unix_ns as i64,
+                    a.who,
+                    a.action,
+                    a.from_state,
+                    a.to_state,
+                    a.result,
+                    a.run.map(|r| r as i64)
+                ],
+            )
+            .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    /// The most recent runs, newest first.
+    pub fn list(&self, limit: usize) -> Result<Vec<RunSummary>, DbError> {
+        let c = self.conn();
+        let mut st = c
+            .prepare(&format!(
+                "SELECT {SUMMARY_COLUMNS} FROM runs ORDER BY number DESC LIMIT ?1"
+            ))
+            .map_err(|e| self.err(e))?;
+        let rows = st
+            .query_map([limit as i64], summary_row)
+            .map_err(|e| self.err(e))?;
+        rows.collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.err(e))
+    }
+
+    /// Everything about run `number`.
+    pub fn get(&self, number: u64) -> Result<RunRecord, DbError> {
+        let c = self.conn();
+        let row = c
+            .query_row(
+                &format!(
+                    "SELECT {SUMMARY_COLUMNS}, config_sha256, config, report FROM runs WHERE number = ?1"
+                ),
+                [number as i64],
+                |r| {
+                    Ok((
+                        summary_row(r)?,
+                        r.get::<_, String>(13)?,
+                        r.get::<_, String>(14)?,
+                        r.get::<_, Option<String>>(15)?,
+                    ))
+                },
+            )
+            .optional()
+            .map_err(|e| self.err(e))?;
+        let Some((summary, config_sha256, config, report)) = row else {
+            return Err(DbError::NoRun(number));
+        };
+        let mut rejected = BTreeMap::new();
+        let mut st = c
+            .prepare("SELECT reason, count FROM rejected WHERE run = ?1 ORDER BY reason")
+            .map_err(|e| self.err(e))?;
+        for r in st
+            .query_map([number as i64], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?))
+            })
+            .map_err(|e| self.err(e))?
+        {
+            let (k, v) = r.map_err(|e| self.err(e))?;
+            rejected.insert(k, v as u64);
+        }
+        let mut st = c
+            .prepare(
+                "SELECT name, size_bytes, events, crc32c FROM files WHERE run = ?1 ORDER BY name",
+            )
+            .map_err(|e| self.err(e))?;
+        let files = st
+            .query_map([number as i64], |r| {
+                Ok(FileRow {
+                    name: r.get(0)?,
+                    size_bytes: r.get::<_, i64>(1)? as u64,
+                    events: r.get::<_, i64>(2)? as u64,
+                    crc32c: r.get(3)?,
+                })
+            })
+            .map_err(|e| self.err(e))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.err(e))?;
+        let mut st = c
+            .prepare(
+                "SELECT unix_ns, who, action, from_state, to_state, result, run FROM actions
+                 WHERE run = ?1 ORDER BY id",
+            )
+            .map_err(|e| self.err(e))?;
+        let actions = st
+            .query_map([number as i64], action_row)
+            .map_err(|e| self.err(e))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.err(e))?;
+        Ok(RunRecord {
+            summary,
+            config_sha256,
+            config,
+            rejected,
+            files,
+            actions,
+            // The report was written by this code as JSON; one that does not parse is shown as
+            // absent rather than failing the whole record.
+            report: report.and_then(|s| serde_json::from_str(&s).ok()),
+        })
+    }
+
+    /// The most recent actions, newest first (all runs, and those outside any run).
+    pub fn actions(&self, limit: usize) -> Result<Vec<ActionRow>, DbError> {
+        let c = self.conn();
+        let mut st = c
+            .prepare(
+                "SELECT unix_ns, who, action, from_state, to_state, result, run FROM actions
+                 ORDER BY id DESC LIMIT ?1",
+            )
+            .map_err(|e| self.err(e))?;
+        let rows = st
+            .query_map([limit as i64], action_row)
+            .map_err(|e| self.err(e))?;
+        rows.collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.err(e))
+    }
+}
+
+const SUMMARY_COLUMNS: &str = "number, state, started_unix_ns, stopped_unix_ns, stop_reason, error, comment, events, incomplete, bytes, recorded_events, balance_holds, config_origin";
+
+fn summary_row(r: &rusqlite::Row) -> rusqlite::Result<RunSummary> {
+    Ok(RunSummary {
+        number: r.get::<_, i64>(0)? as u64,
+        state: r.get(1)?,
+        started_unix_ns: r.get::<_, i64>(2)? as u64,
+        stopped_unix_ns: r.get::<_, Option<i64>>(3)?.map(|v| v as u64),
+        stop_reason: r.get(4)?,
+        error: r.get(5)?,
+        comment: r.get(6)?,
+        events: r.get::<_, i64>(7)? as u64,
+        incomplete: r.get::<_, i64>(8)? as u64,
+        bytes: r.get::<_, i64>(9)? as u64,
+        recorded_events: r.get::<_, i64>(10)? as u64,
+        balance_holds: r.get(11)?,
+        config_origin: r.get(12)?,
+    })
+}
+
+fn action_row(r: &rusqlite::Row) -> rusqlite::Result<ActionRow> {
+    Ok(ActionRow {
+        unix_ns: r.get::<_, i64>(0)? as u64,
+        who: r.get(1)?,
+        action: r.get(2)?,
+        from_state: r.get(3)?,
+        to_state: r.get(4)?,
+        result: r.get(5)?,
+        run: r.get::<_, Option<i64>>(6)?.map(|v| v as u64),
+    })
+}
