@@ -9,7 +9,7 @@
 
 pub mod pull;
 mod record;
-mod stats;
+pub mod stats;
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 use parking_lot::Mutex;

@@ -411,7 +411,8 @@ impl Pull {
 
     fn build(&self, e: u64, b: Building) {
         let st = &self.stats;
-        st.latency.observe_ns(self.now_ns().saturating_sub(b.since_ns));
+        st.latency
+            .observe_ns(self.now_ns().saturating_sub(b.since_ns));
         let mut rec = crate::record::Record::default();
         if b.rebuild {
             rec.flags |= EventFlags::REBUILT;

@@ -8,6 +8,8 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+mod control;
+
 #[derive(Parser)]
 #[command(
     name = "tessera",
@@ -40,6 +42,27 @@ enum Cmd {
         /// No live status line.
         #[arg(long)]
         quiet: bool,
+        /// Address of the HTTP service (dashboard, API, /metrics), or `off` (overrides
+        /// control.listen; the environment variable TESSERA_HTTP does too).
+        #[arg(long)]
+        http: Option<String>,
+        /// Run control mode: configure, then wait for start/pause/resume/stop from the dashboard
+        /// or the API; stay up across runs until Ctrl-C.
+        #[arg(long)]
+        control: bool,
+        /// The operator's comment for the run, kept in the run database.
+        #[arg(long)]
+        comment: Option<String>,
+    },
+    /// The run database: list runs, show one, set a run's comment.
+    Runs {
+        #[command(subcommand)]
+        cmd: Option<RunsCmd>,
+        /// Data directory holding the run database (runs.sqlite).
+        #[arg(long, default_value = "data", global = true)]
+        data: PathBuf,
+        #[arg(long, global = true)]
+        json: bool,
     },
     /// Run one role of a topology as its own process: a per-role daemon, for many hosts. Peers
     /// are reached at the `listen` addresses of the topology, which then need fixed ports.
@@ -103,6 +126,19 @@ enum Cmd {
     },
     /// The live monitor: list stations and consumers, tail events, change stations.
     Monitor(tessera_monitor::console::MonitorArgs),
+}
+
+#[derive(Subcommand)]
+enum RunsCmd {
+    /// The most recent runs (the default).
+    List {
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+    },
+    /// Everything about one run: configuration, counts, rejections, files and checksums, actions.
+    Show { number: u64 },
+    /// Set a run's comment.
+    Comment { number: u64, text: String },
 }
 
 fn main() -> ExitCode {
@@ -188,13 +224,21 @@ fn real_main() -> Result<ExitCode> {
             output,
             json,
             quiet,
-        } => {
-            let resolved = match &config {
-                Some(p) => tessera_config::Topology::load(p)?,
-                None => tessera_config::Topology::demo(),
-            };
-            run_topology(resolved, None, events, duration, output, json, quiet)
-        }
+            http,
+            control,
+            comment,
+        } => control::run(control::RunArgs {
+            config,
+            events,
+            duration,
+            output,
+            json,
+            quiet,
+            http,
+            control,
+            comment,
+        }),
+        Cmd::Runs { cmd, data, json } => control::runs(cmd, &data, json),
         Cmd::Serve {
             role,
             config,

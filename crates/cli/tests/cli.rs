@@ -5,6 +5,7 @@ use std::process::{Command, Output};
 
 fn tessera(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .env("TESSERA_HTTP", "127.0.0.1:0")
         .args(args)
         .output()
         .expect("tessera runs")
@@ -220,6 +221,7 @@ fn every_role_as_its_own_process() {
             args.extend_from_slice(r);
             args.extend_from_slice(&[&cfg, "--json", "--quiet"]);
             Command::new(env!("CARGO_BIN_EXE_tessera"))
+                .env("TESSERA_HTTP", "127.0.0.1:0")
                 .args(&args)
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())
@@ -323,6 +325,7 @@ fn a_builder_killed_mid_run_loses_no_event() {
         args.extend_from_slice(r);
         args.extend_from_slice(&[&cfg, "--json", "--quiet"]);
         Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .env("TESSERA_HTTP", "127.0.0.1:0")
             .args(&args)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())

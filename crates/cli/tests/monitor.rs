@@ -15,6 +15,7 @@ fn start_run(dir: &Path, cfg: &str) -> Child {
     let p = dir.join("topology.toml");
     std::fs::write(&p, cfg).unwrap();
     Command::new(exe())
+        .env("TESSERA_HTTP", "127.0.0.1:0")
         .args(["run", p.to_str().unwrap(), "--quiet", "--json"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -39,6 +40,7 @@ fn monitor_addr(out: &Path) -> String {
 /// until killed. Returns once it says it holds them.
 fn consumer(addr: &str, station: &str, events: u32) -> Child {
     let mut c = Command::new(exe())
+        .env("TESSERA_HTTP", "127.0.0.1:0")
         .args([
             "bench",
             "monitor",
@@ -162,6 +164,7 @@ fn sleeping_and_dead_sampling_consumers_do_not_lower_the_recorded_count() {
 
 fn monitor_status(addr: &str) -> serde_json::Value {
     let o = Command::new(exe())
+        .env("TESSERA_HTTP", "127.0.0.1:0")
         .args(["monitor", "--addr", addr, "stations", "--json"])
         .output()
         .unwrap();
@@ -177,6 +180,7 @@ fn monitor_subcommands_list_change_and_tail() {
     let run = start_run(dir.path(), &cfg);
     let addr = monitor_addr(&out);
     let o = Command::new(exe())
+        .env("TESSERA_HTTP", "127.0.0.1:0")
         .args([
             "monitor",
             "--addr",
@@ -190,6 +194,7 @@ fn monitor_subcommands_list_change_and_tail() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let o = Command::new(exe())
+        .env("TESSERA_HTTP", "127.0.0.1:0")
         .args([
             "monitor",
             "--addr",
@@ -217,12 +222,14 @@ fn monitor_subcommands_list_change_and_tail() {
         "{text}"
     );
     let o = Command::new(exe())
+        .env("TESSERA_HTTP", "127.0.0.1:0")
         .args(["monitor", "--addr", &addr, "set", "calib", "restore=next"])
         .output()
         .unwrap();
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("sampling"));
     let o = Command::new(exe())
+        .env("TESSERA_HTTP", "127.0.0.1:0")
         .args(["monitor", "--addr", &addr, "stations", "--interval", "0.2"])
         .output()
         .unwrap();

@@ -29,6 +29,8 @@ pub trait Outgoing: Send {
 pub struct BatchOutcome {
     pub units: u64,
     pub fragments: u64,
+    /// Bytes of the batch on the wire (headers and fragments).
+    pub bytes: u64,
     /// False once the link has failed: the batch was dropped (and must be counted as lost).
     pub written: bool,
 }
@@ -62,6 +64,11 @@ pub fn send_loop<T: Outgoing>(
             }
         }
         let nfrag: u64 = batch.iter().map(|u| u.fragments().len() as u64).sum();
+        let mut nbytes: u64 = batch
+            .iter()
+            .flat_map(|u| u.fragments())
+            .map(|f| f.len() as u64)
+            .sum();
         if ok {
             headers.clear();
             offsets.clear();
@@ -70,6 +77,7 @@ pub fn send_loop<T: Outgoing>(
                 u.encode_header(&mut headers);
                 offsets.push((start, headers.len()));
             }
+            nbytes += headers.len() as u64;
             let mut io: Vec<IoSlice> = Vec::with_capacity(batch.len() * 9);
             for (u, &(s, e)) in batch.iter().zip(&offsets) {
                 io.push(IoSlice::new(&headers[s..e]));
@@ -88,6 +96,7 @@ pub fn send_loop<T: Outgoing>(
             BatchOutcome {
                 units: batch.len() as u64,
                 fragments: nfrag,
+                bytes: nbytes,
                 written: ok,
             },
             &batch,

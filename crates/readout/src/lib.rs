@@ -565,6 +565,7 @@ fn send_to_builder(
             st.super_fragments.fetch_add(o.units, Ordering::Relaxed);
             st.fragments_forwarded
                 .fetch_add(o.fragments, Ordering::Relaxed);
+            st.bytes_forwarded.fetch_add(o.bytes, Ordering::Relaxed);
         } else {
             st.builder_lost.fetch_add(o.fragments, Ordering::Relaxed);
         }

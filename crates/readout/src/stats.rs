@@ -168,6 +168,8 @@ pub struct ReadoutStats {
     pub super_fragments: AtomicU64,
     pub incomplete_super_fragments: AtomicU64,
     pub fragments_forwarded: AtomicU64,
+    /// Bytes sent to builders (push mode; request mode: `requests.bytes_sent`).
+    pub bytes_forwarded: AtomicU64,
     /// Fragments in events the assembler still holds.
     pub held_fragments: AtomicU64,
     pub pending_events: AtomicU64,
@@ -236,6 +238,7 @@ impl ReadoutStats {
             super_fragments: AtomicU64::new(0),
             incomplete_super_fragments: AtomicU64::new(0),
             fragments_forwarded: AtomicU64::new(0),
+            bytes_forwarded: AtomicU64::new(0),
             held_fragments: AtomicU64::new(0),
             pending_events: AtomicU64::new(0),
             queued_fragments: AtomicU64::new(0),

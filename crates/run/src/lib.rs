@@ -9,6 +9,7 @@
 //! never hidden.
 
 pub mod check;
+pub mod live;
 pub mod report;
 mod status;
 
@@ -141,7 +142,10 @@ pub struct Session {
     started_unix_ns: u64,
     t0: Instant,
     pub(crate) running: Running,
-    monitor: Option<(tessera_monitor::Monitor, Mutex<Option<tessera_monitor::Server>>)>,
+    monitor: Option<(
+        tessera_monitor::Monitor,
+        Mutex<Option<tessera_monitor::Server>>,
+    )>,
     status: Mutex<status::Status>,
     stop_flag: Arc<AtomicBool>,
     stop_begun: AtomicBool,
@@ -220,296 +224,296 @@ impl Session {
     /// Starts every component of the topology (sink first) and returns once all listen and the
     /// sources are connected.
     pub fn start(r: &Resolved, opts: &Options) -> Result<Session> {
-    let t = &r.topology;
-    let output = opts.output.clone().unwrap_or_else(|| t.run.output.clone());
-    std::fs::create_dir_all(&output)
-        .with_context(|| format!("creating output directory {}", output.display()))?;
-    let run_number = match opts.run_number.or(t.run.number) {
+        let t = &r.topology;
+        let output = opts.output.clone().unwrap_or_else(|| t.run.output.clone());
+        std::fs::create_dir_all(&output)
+            .with_context(|| format!("creating output directory {}", output.display()))?;
+        let run_number = match opts.run_number.or(t.run.number) {
         Some(n) => n,
         None if opts.only.is_some() => bail!("{}: run.number: a role run as its own process needs the run number (set run.number or pass --run)", r.origin),
         None if opts.manifest => next_run_number(&output)?,
         None => 0,
     };
-    if let Some(role) = opts.only {
-        check_daemon_addresses(r, role)?;
-    }
-    let events = opts.events.unwrap_or(t.run.events);
-    let duration = opts.duration_s.unwrap_or(t.run.duration_s);
-    let max_payload = t.run.max_fragment_size.0 as usize;
-    let frag_wire = max_fragment_wire(max_payload);
-    let max_ru_links = r.ru_sources.iter().map(Vec::len).max().unwrap_or(1);
-    let max_sf = 64 + max_ru_links * (4 + frag_wire);
-    let n_sources = r.source_ru.len();
-    let max_event = 64 + n_sources * (4 + frag_wire);
-    let started_unix_ns = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
+        if let Some(role) = opts.only {
+            check_daemon_addresses(r, role)?;
+        }
+        let events = opts.events.unwrap_or(t.run.events);
+        let duration = opts.duration_s.unwrap_or(t.run.duration_s);
+        let max_payload = t.run.max_fragment_size.0 as usize;
+        let frag_wire = max_fragment_wire(max_payload);
+        let max_ru_links = r.ru_sources.iter().map(Vec::len).max().unwrap_or(1);
+        let max_sf = 64 + max_ru_links * (4 + frag_wire);
+        let n_sources = r.source_ru.len();
+        let max_event = 64 + n_sources * (4 + frag_wire);
+        let started_unix_ns = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
 
-    let bind = |addr: &str, what: &str| {
-        TcpListener::bind(addr).with_context(|| format!("{what}: cannot listen on {addr}"))
-    };
+        let bind = |addr: &str, what: &str| {
+            TcpListener::bind(addr).with_context(|| format!("{what}: cannot listen on {addr}"))
+        };
 
-    // Recorder.
-    let recording = !opts.sink_at_builders && t.recorder.enabled;
-    let recorder_addr = recording.then(|| t.recorder.listen.clone());
-    // The monitor lives with the recorder, which offers it every event it records.
-    let mut monitor = None;
-    if recording && Role::runs_recorder(opts.only) && t.monitor.enabled {
-        let m = tessera_monitor::Monitor::new(&t.monitor)
-            .map_err(|e| anyhow::anyhow!("{}: monitor: {e}", r.origin))?;
-        let l = bind(&t.monitor.listen, "monitor")?;
-        let server = tessera_monitor::Server::start(
-            l,
-            m.clone(),
-            tessera_monitor::ServerOptions {
-                heartbeat: Duration::from_millis(t.monitor.heartbeat_ms as u64),
-                consumer_timeout: Duration::from_millis(t.monitor.consumer_timeout_ms as u64),
-                sampling_idle_priority: t.monitor.sampling_idle_priority,
-            },
-        )
-        .context("starting the monitor")?;
-        // Consumers of a run with an ephemeral port find it here.
-        let addr_file = output.join("monitor.addr");
-        std::fs::write(&addr_file, format!("{}\n", server.addr))
-            .with_context(|| format!("writing {}", addr_file.display()))?;
-        monitor = Some((m, server));
-    }
-    let recorder = if !recording || !Role::runs_recorder(opts.only) {
-        None
-    } else {
-        let l = bind(&t.recorder.listen, "recorder")?;
-        let addr = l.local_addr()?.to_string();
-        let rec = Recorder::start(RecorderConfig {
-            listener: l,
-            builders: t.builders.iter().map(|b| b.id as u16).collect(),
-            output: output.clone(),
-            run_number,
-            config_digest: r.digest,
-            pattern: r.pattern.name().into(),
-            sources: r.all_sources(),
-            pattern_sources: r.emulated_sources().collect(),
-            settings: t.recorder.clone(),
-            max_message: max_event,
-            monitor: monitor.as_ref().map(|(m, _)| m.clone()),
-        })?;
-        Some((rec, addr))
-    };
-    let request_mode = t.run.mode == tessera_config::Mode::Request;
-    let recorder_for_builders = recorder
-        .as_ref()
-        .map(|(_, a)| a.clone())
-        .or_else(|| recorder_addr.clone());
-    // Request mode: the event manager listens before anyone connects to it.
-    let mut manager = None;
-    let mut manager_addr = t.event_manager.listen.clone();
-    if request_mode && Role::runs_manager(opts.only) {
-        let l = bind(&t.event_manager.listen, "event_manager")?;
-        manager_addr = l.local_addr()?.to_string();
-        let m = &t.event_manager;
-        manager = Some(
-            tessera_manager::EventManager::start(tessera_manager::ManagerConfig {
-                listener: l,
-                readout_units: t.readout_units.iter().map(|u| u.id).collect(),
-                settings: tessera_manager::Settings {
-                    clear_group: m.clear_group as usize,
-                    clear_delay_ns: m.clear_delay_ms * 1_000_000,
-                    heartbeat_timeout_ns: m.heartbeat_timeout_ms * 1_000_000,
-                    busy_threshold: m.busy_threshold as usize,
-                    done_memory: 1 << 20,
+        // Recorder.
+        let recording = !opts.sink_at_builders && t.recorder.enabled;
+        let recorder_addr = recording.then(|| t.recorder.listen.clone());
+        // The monitor lives with the recorder, which offers it every event it records.
+        let mut monitor = None;
+        if recording && Role::runs_recorder(opts.only) && t.monitor.enabled {
+            let m = tessera_monitor::Monitor::new(&t.monitor)
+                .map_err(|e| anyhow::anyhow!("{}: monitor: {e}", r.origin))?;
+            let l = bind(&t.monitor.listen, "monitor")?;
+            let server = tessera_monitor::Server::start(
+                l,
+                m.clone(),
+                tessera_monitor::ServerOptions {
+                    heartbeat: Duration::from_millis(t.monitor.heartbeat_ms as u64),
+                    consumer_timeout: Duration::from_millis(t.monitor.consumer_timeout_ms as u64),
+                    sampling_idle_priority: t.monitor.sampling_idle_priority,
                 },
-            })
-            .context("starting the event manager")?,
-        );
-    }
-    let max_answer = 64 + 4 * max_ru_links + max_ru_links * (4 + frag_wire);
-    // Builders (push mode: they listen, readout units connect to them).
-    let mut builders = Vec::new();
-    let mut builder_addrs = Vec::new();
-    for (i, b) in t.builders.iter().enumerate() {
-        if request_mode || !Role::runs_builder(opts.only, b.id) {
-            builder_addrs.push(b.listen.clone());
-            continue;
+            )
+            .context("starting the monitor")?;
+            // Consumers of a run with an ephemeral port find it here.
+            let addr_file = output.join("monitor.addr");
+            std::fs::write(&addr_file, format!("{}\n", server.addr))
+                .with_context(|| format!("writing {}", addr_file.display()))?;
+            monitor = Some((m, server));
         }
-        let l = bind(&b.listen, &format!("builder[{i}]"))?;
-        builder_addrs.push(l.local_addr()?.to_string());
-        builders.push(
-            BuilderUnit::start(BuilderConfig {
-                id: b.id as u16,
+        let recorder = if !recording || !Role::runs_recorder(opts.only) {
+            None
+        } else {
+            let l = bind(&t.recorder.listen, "recorder")?;
+            let addr = l.local_addr()?.to_string();
+            let rec = Recorder::start(RecorderConfig {
                 listener: l,
-                readout_units: t
-                    .readout_units
-                    .iter()
-                    .zip(&r.ru_sources)
-                    .map(|(ru, s)| (ru.id, s.clone()))
-                    .collect(),
-                recorder: recorder_for_builders.clone(),
-                buffer: b.buffer.0,
-                read_chunk: b.read_chunk.0 as usize,
-                event_timeout: Duration::from_millis(b.event_timeout_ms),
-                max_message: max_sf,
-            })
-            .with_context(|| format!("starting builder {}", b.id))?,
-        );
-    }
-    // Readout units.
-    let mut rus = Vec::new();
-    let mut ru_addrs = Vec::new();
-    for (i, ru) in t.readout_units.iter().enumerate() {
-        if !Role::runs_readout(opts.only, ru.id) {
-            ru_addrs.push(ru.listen.clone());
-            continue;
+                builders: t.builders.iter().map(|b| b.id as u16).collect(),
+                output: output.clone(),
+                run_number,
+                config_digest: r.digest,
+                pattern: r.pattern.name().into(),
+                sources: r.all_sources(),
+                pattern_sources: r.emulated_sources().collect(),
+                settings: t.recorder.clone(),
+                max_message: max_event,
+                monitor: monitor.as_ref().map(|(m, _)| m.clone()),
+            })?;
+            Some((rec, addr))
+        };
+        let request_mode = t.run.mode == tessera_config::Mode::Request;
+        let recorder_for_builders = recorder
+            .as_ref()
+            .map(|(_, a)| a.clone())
+            .or_else(|| recorder_addr.clone());
+        // Request mode: the event manager listens before anyone connects to it.
+        let mut manager = None;
+        let mut manager_addr = t.event_manager.listen.clone();
+        if request_mode && Role::runs_manager(opts.only) {
+            let l = bind(&t.event_manager.listen, "event_manager")?;
+            manager_addr = l.local_addr()?.to_string();
+            let m = &t.event_manager;
+            manager = Some(
+                tessera_manager::EventManager::start(tessera_manager::ManagerConfig {
+                    listener: l,
+                    readout_units: t.readout_units.iter().map(|u| u.id).collect(),
+                    settings: tessera_manager::Settings {
+                        clear_group: m.clear_group as usize,
+                        clear_delay_ns: m.clear_delay_ms * 1_000_000,
+                        heartbeat_timeout_ns: m.heartbeat_timeout_ms * 1_000_000,
+                        busy_threshold: m.busy_threshold as usize,
+                        done_memory: 1 << 20,
+                    },
+                })
+                .context("starting the event manager")?,
+            );
         }
-        let l = bind(&ru.listen, &format!("readout[{i}]"))?;
-        ru_addrs.push(l.local_addr()?.to_string());
-        let q = &t.request;
-        rus.push(
-            ReadoutUnit::start(ReadoutConfig {
-                id: ru.id,
-                listener: l,
-                sources: r.ru_sources[i].clone(),
-                builders: builder_addrs.clone(),
-                assignment: t.assignment.clone(),
-                buffer: ru.buffer.0,
-                read_chunk: ru.read_chunk.0 as usize,
-                event_timeout: Duration::from_millis(ru.event_timeout_ms),
-                max_payload,
-                quarantine: ru.quarantine.then(|| {
-                    (
-                        output
-                            .join("quarantine")
-                            .join(format!("run{run_number:06}_ru{}.dump", ru.id)),
-                        ru.quarantine_limit.0,
-                    )
-                }),
-                request_mode: request_mode.then(|| tessera_readout::RequestMode {
-                    page_size: q.page_size.0 as usize,
-                    descriptors: q.descriptors as usize,
-                    timeout: Duration::from_millis(q.timeout_ms),
-                    event_manager: manager_addr.clone(),
-                    builders: t.builders.iter().map(|b| b.id).collect(),
-                }),
-            })
-            .with_context(|| format!("starting readout unit {}", ru.id))?,
-        );
-    }
-    // Request-mode builders connect to the readout units and the event manager.
-    if request_mode {
-        let filter: Arc<dyn tessera_filter::Filter> =
-            Arc::new(tessera_filter::Builtin::new(&t.filter, r.roi.clone()));
-        for b in &t.builders {
-            if !Role::runs_builder(opts.only, b.id) {
+        let max_answer = 64 + 4 * max_ru_links + max_ru_links * (4 + frag_wire);
+        // Builders (push mode: they listen, readout units connect to them).
+        let mut builders = Vec::new();
+        let mut builder_addrs = Vec::new();
+        for (i, b) in t.builders.iter().enumerate() {
+            if request_mode || !Role::runs_builder(opts.only, b.id) {
+                builder_addrs.push(b.listen.clone());
                 continue;
             }
-            let q = &t.request;
+            let l = bind(&b.listen, &format!("builder[{i}]"))?;
+            builder_addrs.push(l.local_addr()?.to_string());
             builders.push(
-                BuilderUnit::start_pull(tessera_builder::PullConfig {
+                BuilderUnit::start(BuilderConfig {
                     id: b.id as u16,
-                    event_manager: manager_addr.clone(),
+                    listener: l,
                     readout_units: t
                         .readout_units
                         .iter()
                         .zip(&r.ru_sources)
-                        .zip(&ru_addrs)
-                        .map(|((ru, s), a)| (ru.id, a.clone(), s.clone()))
+                        .map(|(ru, s)| (ru.id, s.clone()))
                         .collect(),
                     recorder: recorder_for_builders.clone(),
-                    credits: q.credits,
-                    heartbeat: Duration::from_millis(t.event_manager.heartbeat_ms),
-                    event_timeout: Duration::from_millis(q.builder_timeout_ms),
-                    filter: filter.clone(),
-                    max_message: max_answer,
                     buffer: b.buffer.0,
                     read_chunk: b.read_chunk.0 as usize,
+                    event_timeout: Duration::from_millis(b.event_timeout_ms),
+                    max_message: max_sf,
                 })
                 .with_context(|| format!("starting builder {}", b.id))?,
             );
         }
-    }
-    // Sources.
-    let emulated: Vec<(u32, String)> = r
-        .emulated_sources()
-        .map(|s| (s, ru_addrs[r.source_ru[&s]].clone()))
-        .collect();
-    let sources = if emulated.is_empty() || !Role::runs_sources(opts.only) {
-        None
-    } else {
-        Some(
-            tessera_source::start(SourcePlan {
-                settings: t.sources.clone(),
-                pattern: r.pattern,
-                max_payload,
-                sources: emulated,
-                injections: t.injections.clone(),
-                events,
-            })
-            .context("connecting the emulated sources")?,
-        )
-    };
-    let (recorder, _) = match recorder {
-        Some((rec, a)) => (Some(rec), a),
-        None => (None, String::new()),
-    };
-    if let Some(tx) = &opts.ready {
-        let _ = tx.try_send(
-            r.source_ru
-                .iter()
-                .map(|(s, ru)| (*s, ru_addrs[*ru].clone()))
-                .collect(),
-        );
-    }
-    let running = Running {
-        sources,
-        readout_units: rus,
-        builders,
-        recorder,
-        manager,
-    };
-    let mut status =
-        status::Status::new(opts.status, Duration::from_millis(t.run.status_interval_ms));
-    let external_addrs: Vec<String> = t
-        .sources
-        .external
-        .iter()
-        .map(|s| format!("source {s} -> {}", ru_addrs[r.source_ru[s]]))
-        .collect();
-    if let Some((m, server)) = &monitor {
-        let names: Vec<String> = m
-            .status()
-            .stations
-            .iter()
-            .map(|s| s.config.name.clone())
+        // Readout units.
+        let mut rus = Vec::new();
+        let mut ru_addrs = Vec::new();
+        for (i, ru) in t.readout_units.iter().enumerate() {
+            if !Role::runs_readout(opts.only, ru.id) {
+                ru_addrs.push(ru.listen.clone());
+                continue;
+            }
+            let l = bind(&ru.listen, &format!("readout[{i}]"))?;
+            ru_addrs.push(l.local_addr()?.to_string());
+            let q = &t.request;
+            rus.push(
+                ReadoutUnit::start(ReadoutConfig {
+                    id: ru.id,
+                    listener: l,
+                    sources: r.ru_sources[i].clone(),
+                    builders: builder_addrs.clone(),
+                    assignment: t.assignment.clone(),
+                    buffer: ru.buffer.0,
+                    read_chunk: ru.read_chunk.0 as usize,
+                    event_timeout: Duration::from_millis(ru.event_timeout_ms),
+                    max_payload,
+                    quarantine: ru.quarantine.then(|| {
+                        (
+                            output
+                                .join("quarantine")
+                                .join(format!("run{run_number:06}_ru{}.dump", ru.id)),
+                            ru.quarantine_limit.0,
+                        )
+                    }),
+                    request_mode: request_mode.then(|| tessera_readout::RequestMode {
+                        page_size: q.page_size.0 as usize,
+                        descriptors: q.descriptors as usize,
+                        timeout: Duration::from_millis(q.timeout_ms),
+                        event_manager: manager_addr.clone(),
+                        builders: t.builders.iter().map(|b| b.id).collect(),
+                    }),
+                })
+                .with_context(|| format!("starting readout unit {}", ru.id))?,
+            );
+        }
+        // Request-mode builders connect to the readout units and the event manager.
+        if request_mode {
+            let filter: Arc<dyn tessera_filter::Filter> =
+                Arc::new(tessera_filter::Builtin::new(&t.filter, r.roi.clone()));
+            for b in &t.builders {
+                if !Role::runs_builder(opts.only, b.id) {
+                    continue;
+                }
+                let q = &t.request;
+                builders.push(
+                    BuilderUnit::start_pull(tessera_builder::PullConfig {
+                        id: b.id as u16,
+                        event_manager: manager_addr.clone(),
+                        readout_units: t
+                            .readout_units
+                            .iter()
+                            .zip(&r.ru_sources)
+                            .zip(&ru_addrs)
+                            .map(|((ru, s), a)| (ru.id, a.clone(), s.clone()))
+                            .collect(),
+                        recorder: recorder_for_builders.clone(),
+                        credits: q.credits,
+                        heartbeat: Duration::from_millis(t.event_manager.heartbeat_ms),
+                        event_timeout: Duration::from_millis(q.builder_timeout_ms),
+                        filter: filter.clone(),
+                        max_message: max_answer,
+                        buffer: b.buffer.0,
+                        read_chunk: b.read_chunk.0 as usize,
+                    })
+                    .with_context(|| format!("starting builder {}", b.id))?,
+                );
+            }
+        }
+        // Sources.
+        let emulated: Vec<(u32, String)> = r
+            .emulated_sources()
+            .map(|s| (s, ru_addrs[r.source_ru[&s]].clone()))
             .collect();
-        status.note(&format!(
+        let sources = if emulated.is_empty() || !Role::runs_sources(opts.only) {
+            None
+        } else {
+            Some(
+                tessera_source::start(SourcePlan {
+                    settings: t.sources.clone(),
+                    pattern: r.pattern,
+                    max_payload,
+                    sources: emulated,
+                    injections: t.injections.clone(),
+                    events,
+                })
+                .context("connecting the emulated sources")?,
+            )
+        };
+        let (recorder, _) = match recorder {
+            Some((rec, a)) => (Some(rec), a),
+            None => (None, String::new()),
+        };
+        if let Some(tx) = &opts.ready {
+            let _ = tx.try_send(
+                r.source_ru
+                    .iter()
+                    .map(|(s, ru)| (*s, ru_addrs[*ru].clone()))
+                    .collect(),
+            );
+        }
+        let running = Running {
+            sources,
+            readout_units: rus,
+            builders,
+            recorder,
+            manager,
+        };
+        let mut status =
+            status::Status::new(opts.status, Duration::from_millis(t.run.status_interval_ms));
+        let external_addrs: Vec<String> = t
+            .sources
+            .external
+            .iter()
+            .map(|s| format!("source {s} -> {}", ru_addrs[r.source_ru[s]]))
+            .collect();
+        if let Some((m, server)) = &monitor {
+            let names: Vec<String> = m
+                .status()
+                .stations
+                .iter()
+                .map(|s| s.config.name.clone())
+                .collect();
+            status.note(&format!(
             "monitor: consumers attach at {} (stations: {}; `tessera monitor stations --addr {}`)",
             server.addr,
             names.join(", "),
             server.addr
         ));
-    }
-    if !external_addrs.is_empty() {
-        status.note(&format!(
-            "waiting for external sources: {}",
-            external_addrs.join(", ")
-        ));
-    }
-    Ok(Session {
-        r: r.clone(),
-        events,
-        duration,
-        only: opts.only,
-        manifest: opts.manifest,
-        output,
-        run_number,
-        started_unix_ns,
-        t0: Instant::now(),
-        stop_begun: AtomicBool::new(false),
-        running,
-        monitor: monitor.map(|(m, s)| (m, Mutex::new(Some(s)))),
-        status: Mutex::new(status),
-        stop_flag: opts.stop.clone(),
-        paused_at: Mutex::new(None),
-        paused_total: Mutex::new(Duration::ZERO),
-    })
+        }
+        if !external_addrs.is_empty() {
+            status.note(&format!(
+                "waiting for external sources: {}",
+                external_addrs.join(", ")
+            ));
+        }
+        Ok(Session {
+            r: r.clone(),
+            events,
+            duration,
+            only: opts.only,
+            manifest: opts.manifest,
+            output,
+            run_number,
+            started_unix_ns,
+            t0: Instant::now(),
+            stop_begun: AtomicBool::new(false),
+            running,
+            monitor: monitor.map(|(m, s)| (m, Mutex::new(Some(s)))),
+            status: Mutex::new(status),
+            stop_flag: opts.stop.clone(),
+            paused_at: Mutex::new(None),
+            paused_total: Mutex::new(Duration::ZERO),
+        })
     }
 
     pub fn run_number(&self) -> u64 {
@@ -552,10 +556,7 @@ impl Session {
         if self.stop_flag.load(Ordering::Relaxed) {
             return Some("interrupted");
         }
-        let active = self
-            .t0
-            .elapsed()
-            .saturating_sub(self.paused_for());
+        let active = self.t0.elapsed().saturating_sub(self.paused_for());
         if self.duration > 0.0 && active.as_secs_f64() >= self.duration {
             return Some("duration");
         }
@@ -626,9 +627,18 @@ impl Session {
             // A readout unit ends with its sources' streams: finishing is normal once they did.
             let sources_done = run.sources.as_ref().is_none_or(|s| s.all_finished());
             let err = if request_mode {
-                u.stats.requests.manager_error.lock().clone().map(|e| format!("event manager link: {e}"))
+                u.stats
+                    .requests
+                    .manager_error
+                    .lock()
+                    .clone()
+                    .map(|e| format!("event manager link: {e}"))
             } else {
-                u.stats.builder_error.lock().clone().map(|e| format!("builder link: {e}"))
+                u.stats
+                    .builder_error
+                    .lock()
+                    .clone()
+                    .map(|e| format!("builder link: {e}"))
             };
             let (st, detail) = state(u.is_finished() && !sources_done, err);
             let st = if u.is_finished() && sources_done && st != ComponentState::Failed {
@@ -717,7 +727,11 @@ impl Session {
     }
 
     fn paused_for(&self) -> Duration {
-        *self.paused_total.lock() + self.paused_at.lock().map_or(Duration::ZERO, |t| t.elapsed())
+        *self.paused_total.lock()
+            + self
+                .paused_at
+                .lock()
+                .map_or(Duration::ZERO, |t| t.elapsed())
     }
 
     /// Stops in stages, in the direction of the data: sources end their streams, readout units

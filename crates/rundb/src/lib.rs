@@ -25,7 +25,9 @@ pub enum DbError {
         #[source]
         source: rusqlite::Error,
     },
-    #[error("run database {path}: schema version {found}, this tessera reads version {SCHEMA_VERSION}")]
+    #[error(
+        "run database {path}: schema version {found}, this tessera reads version {SCHEMA_VERSION}"
+    )]
     Schema { path: PathBuf, found: i64 },
     #[error("run database: no run {0}")]
     NoRun(u64),
@@ -323,8 +325,7 @@ impl RunDb {
         let rows = st
             .query_map([limit as i64], summary_row)
             .map_err(|e| self.err(e))?;
-        rows.collect::<Result<Vec<_>, _>>()
-            .map_err(|e| self.err(e))
+        rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
     }
 
     /// Everything about run `number`.
@@ -416,8 +417,7 @@ impl RunDb {
         let rows = st
             .query_map([limit as i64], action_row)
             .map_err(|e| self.err(e))?;
-        rows.collect::<Result<Vec<_>, _>>()
-            .map_err(|e| self.err(e))
+        rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
     }
 }
 

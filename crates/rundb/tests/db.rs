@@ -78,10 +78,7 @@ fn numbers_are_unique_across_handles_and_records_read_back() {
     assert_eq!(r.actions.len(), 1);
     assert_eq!(r.config, "[run]\nevents = 5\n");
     assert_eq!(r.report.unwrap()["run_number"], 1);
-    assert!(matches!(
-        a.get(99),
-        Err(tessera_rundb::DbError::NoRun(99))
-    ));
+    assert!(matches!(a.get(99), Err(tessera_rundb::DbError::NoRun(99))));
     assert!(a.set_comment(99, "x").is_err());
 }
 
@@ -95,6 +92,8 @@ fn a_newer_schema_is_refused() {
         .unwrap()
         .execute_batch("PRAGMA user_version = 7")
         .unwrap();
-    let e = RunDb::open(&p).err().expect("a newer schema must be refused");
+    let e = RunDb::open(&p)
+        .err()
+        .expect("a newer schema must be refused");
     assert!(e.to_string().contains("schema version 7"), "{e}");
 }

@@ -1,0 +1,287 @@
+//! `tessera run` through the run control, and `tessera runs`.
+
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tessera_control::controller::{ControlOptions, Controller};
+use tessera_control::state::{State, Transition};
+
+pub struct RunArgs {
+    pub config: Option<PathBuf>,
+    pub events: Option<u64>,
+    pub duration: Option<f64>,
+    pub output: Option<PathBuf>,
+    pub json: bool,
+    pub quiet: bool,
+    pub http: Option<String>,
+    pub control: bool,
+    pub comment: Option<String>,
+}
+
+const WHO: &str = "command line";
+
+pub fn run(a: RunArgs) -> Result<ExitCode> {
+    let interrupt = Arc::new(AtomicBool::new(false));
+    let quit = Arc::new(AtomicBool::new(false));
+    {
+        let interrupt = interrupt.clone();
+        let quit = quit.clone();
+        // The first Ctrl-C stops the run (draining in stages); a second one exits at once.
+        ctrlc::set_handler(move || {
+            if quit.swap(true, Ordering::Relaxed) {
+                std::process::exit(130);
+            }
+            interrupt.store(true, Ordering::Relaxed);
+            eprintln!("\nstopping: draining what is in flight (Ctrl-C again to abort)");
+        })
+        .context("installing the Ctrl-C handler")?;
+    }
+    let status = if a.quiet || a.json {
+        tessera_run::StatusMode::Off
+    } else {
+        tessera_run::StatusMode::Auto
+    };
+    let ctl = Controller::new(
+        ControlOptions {
+            config: a.config.clone(),
+            events: a.events,
+            duration_s: a.duration,
+            output: a.output.clone(),
+            status: Some(status),
+        },
+        interrupt.clone(),
+    );
+    ctl.request(Transition::Configure, WHO, None)?;
+    let resolved = ctl.resolved().context("configured")?;
+    let t = &resolved.topology;
+    let listen = a
+        .http
+        .clone()
+        .or_else(|| std::env::var("TESSERA_HTTP").ok())
+        .unwrap_or_else(|| t.control.listen.clone());
+    let token = std::env::var("TESSERA_TOKEN")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| Some(t.control.token.clone()).filter(|s| !s.is_empty()));
+    let _http = if listen.is_empty() || listen == "off" {
+        None
+    } else {
+        let server = tessera_control::http::serve(ctl.clone(), &listen, token)?;
+        // Clients of a run on an ephemeral port find it here.
+        let addr_file = t.run.output.join("control.addr");
+        std::fs::write(&addr_file, format!("{}\n", server.addr))
+            .with_context(|| format!("writing {}", addr_file.display()))?;
+        if !a.quiet && !a.json {
+            eprintln!(
+                "control: dashboard and API at http://{} (metrics at /metrics)",
+                server.addr
+            );
+        }
+        Some(server)
+    };
+    if !a.quiet && !a.json {
+        eprintln!("tessera: running {}", resolved.origin);
+    }
+    if a.control {
+        if !a.quiet && !a.json {
+            eprintln!("run control mode: start, pause, resume and stop from the dashboard or the API; Ctrl-C to leave");
+        }
+        while !quit.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // A run still open stops by the interrupt; wait for it to finish its stop.
+        let end = ctl.wait_for(
+            &[
+                State::Stopped,
+                State::Error,
+                State::Configured,
+                State::Initial,
+            ],
+            None,
+        );
+        ctl.close();
+        return Ok(if end == State::Error {
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        });
+    }
+    ctl.request(Transition::Start, WHO, a.comment.as_deref())?;
+    let end = ctl.wait_for(&[State::Stopped, State::Error], None);
+    ctl.close();
+    let Some(report) = ctl.last_report() else {
+        bail!(
+            "the run ended in error: {}",
+            ctl.view().error.unwrap_or_default()
+        );
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&*report)?);
+    } else {
+        print!("{}", report.summary());
+    }
+    if end == State::Error {
+        eprintln!("error: {}", ctl.view().error.unwrap_or_default());
+        return Ok(ExitCode::from(1));
+    }
+    Ok(if report.ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+pub fn runs(cmd: Option<crate::RunsCmd>, data: &Path, json: bool) -> Result<ExitCode> {
+    let path = data.join("runs.sqlite");
+    if !path.exists() {
+        bail!(
+            "no run database at {} (runs started by `tessera run` are kept there; --data DIR names another data directory)",
+            path.display()
+        );
+    }
+    let db = tessera_rundb::RunDb::open(&path)?;
+    match cmd.unwrap_or(crate::RunsCmd::List { limit: 20 }) {
+        crate::RunsCmd::List { limit } => {
+            let runs = db.list(limit)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&runs)?);
+            } else {
+                println!(
+                    "{:>6}  {:<8} {:<20} {:>9} {:>10} {:>10} {:>10}  {:<8} {:<14} comment",
+                    "run",
+                    "state",
+                    "started (UTC)",
+                    "duration",
+                    "events",
+                    "incomplete",
+                    "bytes",
+                    "balance",
+                    "stop"
+                );
+                for r in runs {
+                    let dur = r
+                        .stopped_unix_ns
+                        .map(|s| {
+                            format!("{:.1}s", (s.saturating_sub(r.started_unix_ns)) as f64 / 1e9)
+                        })
+                        .unwrap_or_else(|| "-".into());
+                    println!(
+                        "{:>6}  {:<8} {:<20} {:>9} {:>10} {:>10} {:>10}  {:<8} {:<14} {}",
+                        r.number,
+                        r.state,
+                        utc(r.started_unix_ns),
+                        dur,
+                        r.events,
+                        r.incomplete,
+                        tessera_run::report::human_bytes(r.bytes as f64),
+                        match r.balance_holds {
+                            Some(true) => "holds",
+                            Some(false) => "BROKEN",
+                            None => "-",
+                        },
+                        r.stop_reason.unwrap_or_default(),
+                        r.comment
+                    );
+                }
+            }
+        }
+        crate::RunsCmd::Show { number } => {
+            let r = db.get(number)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                let s = &r.summary;
+                println!("run {}: {}", s.number, s.state);
+                println!(
+                    "  configuration  {} (sha256 {})",
+                    s.config_origin, r.config_sha256
+                );
+                println!("  started        {}", utc(s.started_unix_ns));
+                if let Some(t) = s.stopped_unix_ns {
+                    println!(
+                        "  stopped        {} ({})",
+                        utc(t),
+                        s.stop_reason.clone().unwrap_or_default()
+                    );
+                }
+                if let Some(e) = &s.error {
+                    println!("  error          {e}");
+                }
+                println!("  comment        {}", s.comment);
+                println!(
+                    "  events         {} ({} incomplete), {} built, {} recorded in files",
+                    s.events,
+                    s.incomplete,
+                    tessera_run::report::human_bytes(s.bytes as f64),
+                    s.recorded_events
+                );
+                if !r.rejected.is_empty() {
+                    let v: Vec<String> =
+                        r.rejected.iter().map(|(k, n)| format!("{k} {n}")).collect();
+                    println!("  rejected       {}", v.join(", "));
+                }
+                for f in &r.files {
+                    println!(
+                        "  file           {}  {} events  {}  crc32c {}",
+                        f.name,
+                        f.events,
+                        tessera_run::report::human_bytes(f.size_bytes as f64),
+                        f.crc32c
+                    );
+                }
+                for a in &r.actions {
+                    println!(
+                        "  action         {} {} by {}: {} -> {} ({})",
+                        utc(a.unix_ns),
+                        a.action,
+                        a.who,
+                        a.from_state,
+                        a.to_state,
+                        a.result
+                    );
+                }
+                println!("  (the full configuration: tessera runs show {number} --json)");
+            }
+        }
+        crate::RunsCmd::Comment { number, text } => {
+            db.set_comment(number, &text)?;
+            let user = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+            db.log_action(&tessera_rundb::ActionRow {
+                unix_ns: tessera_control::controller::unix_ns(),
+                who: format!("{user} (tessera runs comment)"),
+                action: "comment".into(),
+                from_state: "-".into(),
+                to_state: "-".into(),
+                result: "ok".into(),
+                run: Some(number),
+            })?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `YYYY-MM-DD HH:MM:SS` in UTC, from Unix nanoseconds (civil-from-days).
+fn utc(ns: u64) -> String {
+    let secs = ns / 1_000_000_000;
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + (m <= 2) as i64;
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}

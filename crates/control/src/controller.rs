@@ -1,0 +1,619 @@
+//! The controller: carries out transitions on the whole system, watches the running session
+//! (a run that ends by itself, a component that fails), and records every run and every
+//! state-changing action in the run database.
+//!
+//! One transition at a time: a second request while one is under way is refused (`busy`), not
+//! queued, so that an operator never sees a stale click carried out later.
+
+use anyhow::{anyhow, Context, Result};
+use parking_lot::{Condvar, Mutex};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tessera_config::Resolved;
+use tessera_run::{Report, Session, StopDeadlines, StopReport};
+use tessera_rundb::{ActionRow, FileRow, RunDb, RunEnd, RunStart};
+
+use crate::sampler::Sampler;
+use crate::state::{State, Transition};
+
+/// Where the controller takes its topology from, and what the command line overrides.
+#[derive(Clone, Debug, Default)]
+pub struct ControlOptions {
+    /// Topology file; `None`: the built-in demo. Read again at every `configure`, so that an
+    /// edited file takes effect without restarting.
+    pub config: Option<PathBuf>,
+    pub events: Option<u64>,
+    pub duration_s: Option<f64>,
+    pub output: Option<PathBuf>,
+    pub status: Option<tessera_run::StatusMode>,
+}
+
+/// A refused or failed transition.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("cannot {transition} in state {state}; allowed here: {allowed}")]
+    Illegal {
+        transition: Transition,
+        state: State,
+        allowed: String,
+    },
+    #[error("a {0} is under way; try again when it is done")]
+    Busy(Transition),
+    #[error("{transition} failed: {reason}")]
+    Failed {
+        transition: Transition,
+        reason: String,
+    },
+    #[error("no run is open")]
+    NoRun,
+}
+
+/// The state as the API shows it.
+#[derive(Clone, Debug, Serialize)]
+pub struct StateView {
+    pub state: State,
+    /// A transition under way (a stop can take up to the sum of its stages' deadlines).
+    pub busy: Option<Transition>,
+    pub allowed: Vec<Transition>,
+    /// The open run, or the last one.
+    pub run_number: Option<u64>,
+    /// Why the system is in error.
+    pub error: Option<String>,
+    pub since_unix_ns: u64,
+    pub config_origin: Option<String>,
+    pub components: Vec<tessera_run::Component>,
+    /// How the last stop went, stage by stage.
+    pub last_stop: Option<StopReport>,
+}
+
+struct Ctl {
+    state: State,
+    busy: Option<Transition>,
+    resolved: Option<Resolved>,
+    session: Option<Arc<Session>>,
+    run_number: Option<u64>,
+    error: Option<String>,
+    since_unix_ns: u64,
+    last_stop: Option<StopReport>,
+    last_report: Option<Arc<Report>>,
+    db: Option<Arc<RunDb>>,
+}
+
+pub(crate) struct Shared {
+    opts: ControlOptions,
+    ctl: Mutex<Ctl>,
+    changed: Condvar,
+    /// Raised by Ctrl-C: the open run stops as if asked.
+    pub interrupt: Arc<AtomicBool>,
+    pub sampler: Mutex<Sampler>,
+    closing: AtomicBool,
+}
+
+/// The run control of one process. Cheap to clone; every clone drives the same system.
+#[derive(Clone)]
+pub struct Controller {
+    pub(crate) shared: Arc<Shared>,
+}
+
+pub fn unix_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+impl Controller {
+    /// A controller in state `initial`, with its watcher thread.
+    pub fn new(opts: ControlOptions, interrupt: Arc<AtomicBool>) -> Controller {
+        let shared = Arc::new(Shared {
+            opts,
+            ctl: Mutex::new(Ctl {
+                state: State::Initial,
+                busy: None,
+                resolved: None,
+                session: None,
+                run_number: None,
+                error: None,
+                since_unix_ns: unix_ns(),
+                last_stop: None,
+                last_report: None,
+                db: None,
+            }),
+            changed: Condvar::new(),
+            interrupt,
+            sampler: Mutex::new(Sampler::default()),
+            closing: AtomicBool::new(false),
+        });
+        let c = Controller { shared };
+        let w = c.clone();
+        std::thread::Builder::new()
+            .name("run-control".into())
+            .spawn(move || w.watch())
+            .expect("spawn the run control's watcher");
+        c
+    }
+
+    /// Ends the watcher thread (the process is about to exit).
+    pub fn close(&self) {
+        self.shared.closing.store(true, Ordering::Relaxed);
+    }
+
+    pub fn state(&self) -> State {
+        self.shared.ctl.lock().state
+    }
+
+    pub fn view(&self) -> StateView {
+        let (mut v, session) = {
+            let c = self.shared.ctl.lock();
+            (
+                StateView {
+                    state: c.state,
+                    busy: c.busy,
+                    allowed: c.state.allowed(),
+                    run_number: c.run_number,
+                    error: c.error.clone(),
+                    since_unix_ns: c.since_unix_ns,
+                    config_origin: c.resolved.as_ref().map(|r| r.origin.clone()),
+                    components: Vec::new(),
+                    last_stop: c.last_stop.clone(),
+                },
+                c.session.clone(),
+            )
+        };
+        if let Some(s) = session {
+            v.components = s.components();
+        }
+        v
+    }
+
+    /// The open session, if a run is open.
+    pub fn session(&self) -> Option<Arc<Session>> {
+        self.shared.ctl.lock().session.clone()
+    }
+
+    pub fn resolved(&self) -> Option<Resolved> {
+        self.shared.ctl.lock().resolved.clone()
+    }
+
+    pub fn db(&self) -> Option<Arc<RunDb>> {
+        self.shared.ctl.lock().db.clone()
+    }
+
+    /// The report of the last run that ended.
+    pub fn last_report(&self) -> Option<Arc<Report>> {
+        self.shared.ctl.lock().last_report.clone()
+    }
+
+    /// Waits until the state is one of `states` (or `timeout` passes); the state then.
+    pub fn wait_for(&self, states: &[State], timeout: Option<Duration>) -> State {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut c = self.shared.ctl.lock();
+        loop {
+            if states.contains(&c.state) && c.busy.is_none() {
+                return c.state;
+            }
+            match deadline {
+                Some(d) => {
+                    if self.shared.changed.wait_until(&mut c, d).timed_out() {
+                        return c.state;
+                    }
+                }
+                None => self.shared.changed.wait(&mut c),
+            }
+        }
+    }
+
+    /// Carries out transition `t` for `who` (logged with the result). `comment` is the
+    /// operator's comment of the run a `start` opens (or of the run a `stop` closes).
+    pub fn request(
+        &self,
+        t: Transition,
+        who: &str,
+        comment: Option<&str>,
+    ) -> Result<StateView, ControlError> {
+        let (from, to) = {
+            let mut c = self.shared.ctl.lock();
+            if let Some(b) = c.busy {
+                let e = ControlError::Busy(b);
+                drop(c);
+                self.log(who, t, "-", "-", &e.to_string(), None);
+                return Err(e);
+            }
+            let from = c.state;
+            let Some(to) = from.after(t) else {
+                let e = ControlError::Illegal {
+                    transition: t,
+                    state: from,
+                    allowed: names(&from.allowed()),
+                };
+                let run = c.run_number;
+                drop(c);
+                self.log(who, t, from.name(), from.name(), &e.to_string(), run);
+                return Err(e);
+            };
+            c.busy = Some(t);
+            (from, to)
+        };
+        tracing::info!(who, transition = %t, from = %from, "transition requested");
+        let result = match t {
+            Transition::Configure => self.configure(),
+            Transition::Start => self.start(comment.unwrap_or("")),
+            Transition::Pause => self.with_session(|s| s.pause()),
+            Transition::Resume => self.with_session(|s| s.resume()),
+            Transition::Stop => self.stop_run("stopped by operator", comment).map(|_| ()),
+            Transition::Reset => {
+                let mut c = self.shared.ctl.lock();
+                c.resolved = None;
+                c.error = None;
+                Ok(())
+            }
+        };
+        let run = self.shared.ctl.lock().run_number;
+        match result {
+            Ok(()) => {
+                self.set_state(to, None);
+                self.log(who, t, from.name(), to.name(), "ok", run);
+                Ok(self.view())
+            }
+            Err(e) => {
+                let reason = format!("{e:#}");
+                // A transition that could not be carried out leaves the system in error: what
+                // it did half-way is not a state an operator can reason about.
+                self.set_state(State::Error, Some(format!("{t} failed: {reason}")));
+                self.log(who, t, from.name(), "error", &reason, run);
+                Err(ControlError::Failed {
+                    transition: t,
+                    reason,
+                })
+            }
+        }
+    }
+
+    fn set_state(&self, s: State, error: Option<String>) {
+        let mut c = self.shared.ctl.lock();
+        c.state = s;
+        c.busy = None;
+        if error.is_some() || s == State::Initial {
+            c.error = error;
+        }
+        c.since_unix_ns = unix_ns();
+        drop(c);
+        self.shared.changed.notify_all();
+    }
+
+    fn log(&self, who: &str, t: Transition, from: &str, to: &str, result: &str, run: Option<u64>) {
+        if result == "ok" {
+            tracing::info!(who, transition = %t, from, to, "transition done");
+        } else {
+            tracing::warn!(who, transition = %t, from, result, "transition refused or failed");
+        }
+        let db = self.shared.ctl.lock().db.clone();
+        if let Some(db) = db {
+            let row = ActionRow {
+                unix_ns: unix_ns(),
+                who: who.into(),
+                action: t.name().into(),
+                from_state: from.into(),
+                to_state: to.into(),
+                result: result.into(),
+                run,
+            };
+            if let Err(e) = db.log_action(&row) {
+                tracing::error!(error = %e, "cannot log an action in the run database");
+            }
+        }
+    }
+
+    fn with_session(&self, f: impl FnOnce(&Session)) -> Result<()> {
+        let s = self.session().ok_or(ControlError::NoRun)?;
+        f(&s);
+        Ok(())
+    }
+
+    fn configure(&self) -> Result<()> {
+        let o = &self.shared.opts;
+        let mut r = match &o.config {
+            Some(p) => tessera_config::Topology::load(p)?,
+            None => tessera_config::Topology::demo(),
+        };
+        if let Some(out) = &o.output {
+            r.topology.run.output = out.clone();
+        }
+        let t = &r.topology;
+        std::fs::create_dir_all(&t.run.output)
+            .with_context(|| format!("creating output directory {}", t.run.output.display()))?;
+        let db_path = t.run.output.join(&t.control.database);
+        let db = RunDb::open(&db_path)?;
+        let mut c = self.shared.ctl.lock();
+        c.resolved = Some(r);
+        c.db = Some(Arc::new(db));
+        Ok(())
+    }
+
+    fn start(&self, comment: &str) -> Result<()> {
+        let (r, db) = {
+            let c = self.shared.ctl.lock();
+            (
+                c.resolved
+                    .clone()
+                    .ok_or_else(|| anyhow!("not configured"))?,
+                c.db.clone().ok_or_else(|| anyhow!("no run database"))?,
+            )
+        };
+        let o = &self.shared.opts;
+        let t = &r.topology;
+        let output = t.run.output.clone();
+        // Run numbers keep rising across the database and the `last_run` file that runs
+        // without the run control (`tessera serve`, tests) advance.
+        let last_file = output.join("last_run");
+        let last = std::fs::read_to_string(&last_file)
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        let at_least = t.run.number.unwrap_or(0).max(last + 1);
+        let config = toml::to_string(t).context("writing the configuration as TOML")?;
+        let started = unix_ns();
+        let number = db.begin_run(
+            at_least,
+            &RunStart {
+                config_origin: &r.origin,
+                config_sha256: &hex::encode(r.digest),
+                config: &config,
+                started_unix_ns: started,
+                comment,
+            },
+        )?;
+        tessera_recorder::file_write_atomic(&last_file, format!("{number}\n").as_bytes())
+            .with_context(|| format!("writing {}", last_file.display()))?;
+        self.shared.interrupt.store(false, Ordering::Relaxed);
+        let opts = tessera_run::Options {
+            events: o.events,
+            duration_s: o.duration_s,
+            output: Some(output),
+            status: o.status.unwrap_or(tessera_run::StatusMode::Off),
+            stop: self.shared.interrupt.clone(),
+            run_number: Some(number),
+            ..Default::default()
+        };
+        let session = match Session::start(&r, &opts) {
+            Ok(s) => s,
+            Err(e) => {
+                let reason = format!("{e:#}");
+                let _ = db.end_run(
+                    number,
+                    &RunEnd {
+                        state: "error",
+                        stopped_unix_ns: unix_ns(),
+                        stop_reason: "start failed",
+                        error: Some(&reason),
+                        events: 0,
+                        incomplete: 0,
+                        bytes: 0,
+                        recorded_events: 0,
+                        balance_holds: None,
+                        rejected: &Default::default(),
+                        files: &[],
+                        report_json: "null",
+                    },
+                );
+                self.shared.ctl.lock().run_number = Some(number);
+                return Err(e);
+            }
+        };
+        self.shared.sampler.lock().reset();
+        let mut c = self.shared.ctl.lock();
+        c.session = Some(Arc::new(session));
+        c.run_number = Some(number);
+        c.last_stop = None;
+        Ok(())
+    }
+
+    /// Stops the open run in stages and records it. Returns the report.
+    fn stop_run(&self, reason: &str, comment: Option<&str>) -> Result<Arc<Report>> {
+        let (session, db, r) = {
+            let c = self.shared.ctl.lock();
+            (
+                c.session.clone().ok_or(ControlError::NoRun)?,
+                c.db.clone(),
+                c.resolved.clone(),
+            )
+        };
+        let deadlines = r
+            .as_ref()
+            .map(|r| StopDeadlines::from(&r.topology.stop))
+            .unwrap_or_else(|| StopDeadlines::from(&tessera_config::StopSection::default()));
+        let stop = session.stop(&deadlines);
+        drop(session);
+        // Readers of the session (API calls) hold it only for a moment.
+        let session = {
+            let s = self
+                .shared
+                .ctl
+                .lock()
+                .session
+                .take()
+                .ok_or(ControlError::NoRun)?;
+            let mut s = s;
+            let mut tries = 0;
+            loop {
+                match Arc::try_unwrap(s) {
+                    Ok(x) => break x,
+                    Err(back) if tries < 5000 => {
+                        s = back;
+                        tries += 1;
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    Err(_) => return Err(anyhow!("the run's session is still in use")),
+                }
+            }
+        };
+        let number = session.run_number();
+        let report = session.finish(reason, stop.clone())?;
+        let report = Arc::new(report);
+        if let Some(db) = db {
+            let failed = self.shared.ctl.lock().error.clone();
+            record_end(&db, number, &report, failed.as_deref())?;
+            if let Some(c) = comment.filter(|c| !c.is_empty()) {
+                db.set_comment(number, c)?;
+            }
+        }
+        let mut c = self.shared.ctl.lock();
+        c.last_stop = Some(stop);
+        c.last_report = Some(report.clone());
+        Ok(report)
+    }
+
+    /// Watches the open run: ends it when it ends by itself, puts the system in error when a
+    /// component fails; feeds the sampler.
+    fn watch(&self) {
+        let mut last_sample = Instant::now() - Duration::from_secs(60);
+        while !self.shared.closing.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(10));
+            let (state, busy, session, interval) = {
+                let c = self.shared.ctl.lock();
+                (
+                    c.state,
+                    c.busy,
+                    c.session.clone(),
+                    c.resolved
+                        .as_ref()
+                        .map_or(500, |r| r.topology.control.sample_interval_ms),
+                )
+            };
+            let Some(session) = session else { continue };
+            if last_sample.elapsed() >= Duration::from_millis(interval) {
+                last_sample = Instant::now();
+                let live = session.live();
+                self.shared.sampler.lock().push(&live);
+            }
+            if busy.is_some() || !matches!(state, State::Running | State::Paused) {
+                continue;
+            }
+            session.tick_status(if state == State::Paused {
+                "paused"
+            } else {
+                "running"
+            });
+            if let Some(why) = session.failure() {
+                drop(session);
+                self.fail(&why);
+            } else if let Some(reason) = session.end_reason() {
+                drop(session);
+                self.end_by_itself(reason);
+            }
+        }
+    }
+
+    /// Claims the controller for an internal transition, unless an operator's is under way.
+    fn claim(&self, t: Transition) -> Option<State> {
+        let mut c = self.shared.ctl.lock();
+        if c.busy.is_some() || !matches!(c.state, State::Running | State::Paused) {
+            return None;
+        }
+        c.busy = Some(t);
+        Some(c.state)
+    }
+
+    fn end_by_itself(&self, reason: &str) {
+        let Some(from) = self.claim(Transition::Stop) else {
+            return;
+        };
+        let who = format!("tessera (run ended: {reason})");
+        match self.stop_run(reason, None) {
+            Ok(_) => {
+                self.set_state(State::Stopped, None);
+                self.log(
+                    &who,
+                    Transition::Stop,
+                    from.name(),
+                    "stopped",
+                    "ok",
+                    self.run(),
+                );
+            }
+            Err(e) => {
+                let why = format!("stop failed: {e:#}");
+                self.set_state(State::Error, Some(why.clone()));
+                self.log(
+                    &who,
+                    Transition::Stop,
+                    from.name(),
+                    "error",
+                    &why,
+                    self.run(),
+                );
+            }
+        }
+    }
+
+    fn fail(&self, why: &str) {
+        let Some(from) = self.claim(Transition::Stop) else {
+            return;
+        };
+        tracing::error!(reason = why, "a component failed: the system goes to error");
+        self.shared.ctl.lock().error = Some(why.to_string());
+        let result = self.stop_run(&format!("error: {why}"), None);
+        let why = match result {
+            Ok(_) => why.to_string(),
+            Err(e) => format!("{why}; then the stop failed: {e:#}"),
+        };
+        self.set_state(State::Error, Some(why.clone()));
+        self.log(
+            "tessera (component failure)",
+            Transition::Stop,
+            from.name(),
+            "error",
+            &why,
+            self.run(),
+        );
+    }
+
+    fn run(&self) -> Option<u64> {
+        self.shared.ctl.lock().run_number
+    }
+}
+
+fn names(t: &[Transition]) -> String {
+    if t.is_empty() {
+        "nothing".into()
+    } else {
+        t.iter().map(|t| t.name()).collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// Writes how a run ended into the database.
+fn record_end(db: &RunDb, number: u64, report: &Report, error: Option<&str>) -> Result<()> {
+    let files: Vec<FileRow> = report
+        .recorder
+        .iter()
+        .flat_map(|r| r.files.iter())
+        .map(|f| FileRow {
+            name: f.file.clone(),
+            size_bytes: f.size_bytes,
+            events: f.events,
+            crc32c: f.file_crc32c.clone(),
+        })
+        .collect();
+    let json = serde_json::to_string(report)?;
+    db.end_run(
+        number,
+        &RunEnd {
+            state: if error.is_some() { "error" } else { "stopped" },
+            stopped_unix_ns: unix_ns(),
+            stop_reason: &report.stop_reason,
+            error,
+            events: report.events_complete + report.events_incomplete,
+            incomplete: report.events_incomplete,
+            bytes: report.bytes_built,
+            recorded_events: report.recorder.as_ref().map_or(0, |r| r.events_in_files),
+            balance_holds: Some(report.balance.holds),
+            rejected: &report.balance.rejected,
+            files: &files,
+            report_json: &json,
+        },
+    )?;
+    Ok(())
+}

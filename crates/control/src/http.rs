@@ -1,0 +1,542 @@
+//! The HTTP service of the run control: the JSON API (`docs/openapi.json` describes it), the
+//! Prometheus metrics and the dashboard. It runs on its own small runtime, apart from the data
+//! path's threads; calls that take long (a stop) run on blocking threads.
+//!
+//! Access: reading is open to whoever reaches the address (loopback by default). A call that
+//! changes state needs the bearer token when one is set, and a token must be set for any address
+//! other than loopback. Every state-changing call is logged (and kept in the run database) with
+//! who asked: the operator's name from `X-Tessera-Operator`, the peer address, and how it was
+//! let in.
+
+use anyhow::{bail, Context, Result};
+use axum::extract::{ConnectInfo, Path, Query, State as AxState};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use axum::{Json, Router};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+
+use crate::controller::{ControlError, Controller};
+use crate::state::Transition;
+
+/// The OpenAPI document of this API, served at `/openapi.json`.
+pub const OPENAPI: &str = include_str!("../../../docs/openapi.json");
+
+struct App {
+    ctl: Controller,
+    token: Option<String>,
+    sample: Mutex<SampleTap>,
+}
+
+/// The dashboard's own sampling station, attached on first use and per run.
+#[derive(Default)]
+struct SampleTap {
+    run: Option<u64>,
+    consumer: Option<tessera_monitor::LocalConsumer>,
+    last: Option<Sample>,
+}
+
+/// The station the dashboard samples from (sampling: it never holds the data path).
+pub const SAMPLE_STATION: &str = "dashboard";
+
+/// A running HTTP service; dropped or [`stop`](Self::stop)ped, it ends.
+pub struct HttpServer {
+    pub addr: SocketAddr,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl HttpServer {
+    pub fn stop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for HttpServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Whether `listen` names only this host.
+pub fn is_loopback(listen: &str) -> bool {
+    let host = listen.rsplit_once(':').map_or(listen, |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Starts the service on `listen`. A non-loopback address without a token is refused.
+pub fn serve(ctl: Controller, listen: &str, token: Option<String>) -> Result<HttpServer> {
+    let token = token.filter(|t| !t.is_empty());
+    if !is_loopback(listen) && token.is_none() {
+        bail!("control.listen = {listen} is not a loopback address: set control.token (or TESSERA_TOKEN) so that only holders of the token can change the run's state");
+    }
+    let std_listener = TcpListener::bind(listen)
+        .with_context(|| format!("control: cannot listen on {listen} (another tessera run? use --http ADDR, or --http off)"))?;
+    std_listener.set_nonblocking(true)?;
+    let addr = std_listener.local_addr()?;
+    let app = Arc::new(App {
+        ctl,
+        token,
+        sample: Mutex::new(SampleTap::default()),
+    });
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .max_blocking_threads(4)
+        .thread_name("http")
+        .enable_all()
+        .build()
+        .context("starting the HTTP runtime")?;
+    let thread = std::thread::Builder::new()
+        .name("http".into())
+        .spawn(move || {
+            rt.block_on(async move {
+                let listener = match tokio::net::TcpListener::from_std(std_listener) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        tracing::error!(error = %e, "HTTP listener");
+                        return;
+                    }
+                };
+                let router = router(app);
+                let _ = axum::serve(
+                    listener,
+                    router.into_make_service_with_connect_info::<SocketAddr>(),
+                )
+                .with_graceful_shutdown(async {
+                    let _ = rx.await;
+                })
+                .await;
+            });
+        })?;
+    Ok(HttpServer {
+        addr,
+        shutdown: Some(tx),
+        thread: Some(thread),
+    })
+}
+
+fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/", get(dashboard::index))
+        .route("/assets/{file}", get(dashboard::asset))
+        .route("/openapi.json", get(openapi))
+        .route("/metrics", get(metrics))
+        .route("/api/state", get(state))
+        .route("/api/transitions/{name}", post(transition))
+        .route("/api/topology", get(topology))
+        .route("/api/live", get(live))
+        .route("/api/report", get(report))
+        .route("/api/runs", get(runs))
+        .route("/api/runs/{number}", get(run))
+        .route("/api/runs/{number}/comment", put(comment))
+        .route("/api/actions", get(actions))
+        .route("/api/events/{event_id}/why", get(why))
+        .route("/api/sample", get(sample))
+        .with_state(app)
+}
+
+#[derive(Serialize)]
+struct ErrorBody {
+    error: String,
+}
+
+fn err(code: StatusCode, msg: impl ToString) -> Response {
+    (
+        code,
+        Json(ErrorBody {
+            error: msg.to_string(),
+        }),
+    )
+        .into_response()
+}
+
+/// Who asked, for the log; or the refusal.
+fn who(app: &App, peer: SocketAddr, headers: &HeaderMap) -> Result<String, Response> {
+    let how = match &app.token {
+        Some(t) => {
+            let given = headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "));
+            if given.is_none_or(|g| !constant_time_eq(g.as_bytes(), t.as_bytes())) {
+                return Err(err(
+                    StatusCode::UNAUTHORIZED,
+                    "this call changes state: it needs `Authorization: Bearer <token>`",
+                ));
+            }
+            "token"
+        }
+        None => "loopback",
+    };
+    let name: String = headers
+        .get("x-tessera-operator")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("anonymous")
+        .chars()
+        .filter(|c| !c.is_control())
+        .take(64)
+        .collect();
+    Ok(format!("{name} from {peer} ({how})"))
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn openapi() -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI)
+}
+
+async fn metrics(AxState(app): AxState<Arc<App>>) -> Response {
+    let ctl = app.ctl.clone();
+    match tokio::task::spawn_blocking(move || crate::metrics::render(&ctl)).await {
+        Ok(text) => (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, e),
+    }
+}
+
+async fn state(AxState(app): AxState<Arc<App>>) -> Response {
+    Json(app.ctl.view()).into_response()
+}
+
+#[derive(Deserialize, Default)]
+struct TransitionBody {
+    #[serde(default)]
+    comment: Option<String>,
+}
+
+async fn transition(
+    AxState(app): AxState<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let who = match who(&app, peer, &headers) {
+        Ok(w) => w,
+        Err(r) => return r,
+    };
+    let Some(t) = Transition::parse(&name) else {
+        return err(
+            StatusCode::NOT_FOUND,
+            format!("no transition `{name}`: configure, start, pause, resume, stop or reset"),
+        );
+    };
+    let body: TransitionBody = if body.is_empty() {
+        TransitionBody::default()
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(b) => b,
+            Err(e) => return err(StatusCode::BAD_REQUEST, format!("body: {e}")),
+        }
+    };
+    let ctl = app.ctl.clone();
+    let r =
+        tokio::task::spawn_blocking(move || ctl.request(t, &who, body.comment.as_deref())).await;
+    match r {
+        Ok(Ok(view)) => Json(view).into_response(),
+        Ok(Err(
+            e @ (ControlError::Illegal { .. } | ControlError::Busy(_) | ControlError::NoRun),
+        )) => err(StatusCode::CONFLICT, e),
+        // Tried and failed: not a fault of the HTTP service; the system is now in error.
+        Ok(Err(e)) => err(StatusCode::UNPROCESSABLE_ENTITY, e),
+        Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, e),
+    }
+}
+
+async fn topology(AxState(app): AxState<Arc<App>>) -> Response {
+    let Some(r) = app.ctl.resolved() else {
+        return err(StatusCode::NOT_FOUND, "not configured");
+    };
+    let t = &r.topology;
+    let readout_units: Vec<serde_json::Value> = t
+        .readout_units
+        .iter()
+        .zip(&r.ru_sources)
+        .map(|(u, s)| serde_json::json!({"id": u.id, "listen": u.listen, "sources": s}))
+        .collect();
+    Json(serde_json::json!({
+        "origin": r.origin,
+        "config_sha256": hex::encode(r.digest),
+        "mode": match t.run.mode { tessera_config::Mode::Push => "push", tessera_config::Mode::Request => "request" },
+        "sources": r.all_sources(),
+        "emulated_sources": r.emulated_sources().collect::<Vec<_>>(),
+        "external_sources": t.sources.external,
+        "readout_units": readout_units,
+        "builders": t.builders.iter().map(|b| serde_json::json!({"id": b.id, "listen": b.listen})).collect::<Vec<_>>(),
+        "recorder": {"enabled": t.recorder.enabled, "listen": t.recorder.listen},
+        "config": t,
+    }))
+    .into_response()
+}
+
+async fn live(AxState(app): AxState<Arc<App>>) -> Response {
+    let ctl = app.ctl.clone();
+    let r = tokio::task::spawn_blocking(move || {
+        let live = ctl.session().map(|s| s.live());
+        let s = ctl.shared.sampler.lock();
+        serde_json::json!({
+            "state": ctl.view(),
+            "live": live,
+            "rates": s.rates,
+            "history": s.history,
+        })
+    })
+    .await;
+    match r {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, e),
+    }
+}
+
+async fn report(AxState(app): AxState<Arc<App>>) -> Response {
+    let ctl = app.ctl.clone();
+    let r = tokio::task::spawn_blocking(move || match ctl.session() {
+        Some(s) => serde_json::to_value(s.report("running", false)).ok(),
+        None => ctl
+            .last_report()
+            .and_then(|r| serde_json::to_value(&*r).ok()),
+    })
+    .await;
+    match r {
+        Ok(Some(v)) => Json(v).into_response(),
+        Ok(None) => err(StatusCode::NOT_FOUND, "no run yet"),
+        Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, e),
+    }
+}
+
+#[derive(Deserialize)]
+struct Limit {
+    limit: Option<usize>,
+}
+
+fn db_call<T: Serialize>(
+    app: &App,
+    f: impl FnOnce(&tessera_rundb::RunDb) -> Result<T, tessera_rundb::DbError>,
+) -> Response {
+    let Some(db) = app.ctl.db() else {
+        return err(StatusCode::NOT_FOUND, "not configured: no run database yet");
+    };
+    match f(&db) {
+        Ok(v) => Json(v).into_response(),
+        Err(e @ tessera_rundb::DbError::NoRun(_)) => err(StatusCode::NOT_FOUND, e),
+        Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, e),
+    }
+}
+
+async fn runs(AxState(app): AxState<Arc<App>>, Query(q): Query<Limit>) -> Response {
+    let limit = q.limit.unwrap_or(50).min(10_000);
+    db_call(&app, |db| db.list(limit))
+}
+
+async fn run(AxState(app): AxState<Arc<App>>, Path(number): Path<u64>) -> Response {
+    db_call(&app, |db| db.get(number))
+}
+
+async fn actions(AxState(app): AxState<Arc<App>>, Query(q): Query<Limit>) -> Response {
+    let limit = q.limit.unwrap_or(50).min(10_000);
+    db_call(&app, |db| db.actions(limit))
+}
+
+#[derive(Deserialize)]
+struct CommentBody {
+    comment: String,
+}
+
+async fn comment(
+    AxState(app): AxState<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    Path(number): Path<u64>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let who = match who(&app, peer, &headers) {
+        Ok(w) => w,
+        Err(r) => return r,
+    };
+    let body: CommentBody = match serde_json::from_slice(&body) {
+        Ok(b) => b,
+        Err(e) => return err(StatusCode::BAD_REQUEST, format!("body: {e}")),
+    };
+    let Some(db) = app.ctl.db() else {
+        return err(StatusCode::NOT_FOUND, "not configured: no run database yet");
+    };
+    let r = db.set_comment(number, &body.comment);
+    tracing::info!(who, run = number, comment = body.comment, "run comment set");
+    let _ = db.log_action(&tessera_rundb::ActionRow {
+        unix_ns: crate::controller::unix_ns(),
+        who,
+        action: "comment".into(),
+        from_state: "-".into(),
+        to_state: "-".into(),
+        result: match &r {
+            Ok(()) => "ok".into(),
+            Err(e) => e.to_string(),
+        },
+        run: Some(number),
+    });
+    match r {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e @ tessera_rundb::DbError::NoRun(_)) => err(StatusCode::NOT_FOUND, e),
+        Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, e),
+    }
+}
+
+async fn why(AxState(app): AxState<Arc<App>>, Path(event_id): Path<u64>) -> Response {
+    match app.ctl.session() {
+        Some(s) => Json(s.why_incomplete(event_id)).into_response(),
+        None => err(
+            StatusCode::NOT_FOUND,
+            "no run is open: for a finished run, `tessera dump --from N` shows the event's missing sources",
+        ),
+    }
+}
+
+/// A sampled event: its header and the first bytes of its record in hex.
+#[derive(Clone, Serialize)]
+struct Sample {
+    run_number: u64,
+    seq: u64,
+    event_id: u64,
+    trigger_type: u16,
+    builder_id: u16,
+    fragment_count: u32,
+    record_size: u32,
+    flags: Vec<&'static str>,
+    missing: Vec<u32>,
+    /// `tessera monitor tail`'s view of it: header line, then one line per fragment with hex.
+    text: String,
+    /// The record's first bytes, hex, 16 per line.
+    hex: Vec<String>,
+}
+
+async fn sample(AxState(app): AxState<Arc<App>>) -> Response {
+    let a = app.clone();
+    let r = tokio::task::spawn_blocking(move || take_sample(&a)).await;
+    match r {
+        Ok(Ok(Some(s))) => Json(s).into_response(),
+        Ok(Ok(None)) => err(StatusCode::NOT_FOUND, "no event sampled yet"),
+        Ok(Err(e)) => err(StatusCode::NOT_FOUND, e),
+        Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, e),
+    }
+}
+
+fn take_sample(app: &App) -> Result<Option<Sample>, String> {
+    let Some(session) = app.ctl.session() else {
+        return Ok(app.sample.lock().last.clone());
+    };
+    let Some(monitor) = session.monitor() else {
+        return Err("this run has no monitor (monitor.enabled = false, or no recorder)".into());
+    };
+    let run = session.run_number();
+    let mut tap = app.sample.lock();
+    if tap.run != Some(run) {
+        tap.consumer = None;
+        tap.last = None;
+        tap.run = Some(run);
+    }
+    if tap.consumer.is_none() {
+        let st = tessera_config::StationSection {
+            name: SAMPLE_STATION.into(),
+            queue: 4,
+            ..Default::default()
+        };
+        let exists = monitor
+            .status()
+            .stations
+            .iter()
+            .any(|s| s.config.name == SAMPLE_STATION);
+        if !exists {
+            monitor.create_station(st).map_err(|e| e.to_string())?;
+        }
+        tap.consumer = Some(
+            monitor
+                .attach(SAMPLE_STATION, "dashboard")
+                .map_err(|e| e.to_string())?,
+        );
+    }
+    let tap = &mut *tap;
+    let c = tap.consumer.as_ref().expect("attached above");
+    let events = c
+        .get(16, tessera_monitor::Wait::Timed(200))
+        .map_err(|e| e.to_string())?;
+    if let Some(e) = events.last() {
+        let h = &e.header;
+        let hex = e
+            .bytes
+            .chunks(16)
+            .take(16)
+            .map(|row| {
+                row.iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .collect();
+        tap.last = Some(Sample {
+            run_number: run,
+            seq: e.seq,
+            event_id: h.event_id,
+            trigger_type: h.trigger_type,
+            builder_id: h.builder_id,
+            fragment_count: h.fragment_count,
+            record_size: h.record_size,
+            flags: h.flags.names(),
+            missing: h.missing.clone(),
+            text: tessera_monitor::console::describe(e.seq, &e.bytes, 16),
+            hex,
+        });
+    }
+    if !events.is_empty() {
+        let _ = c.put(events);
+    }
+    Ok(tap.last.clone())
+}
+
+mod dashboard {
+    use axum::extract::Path;
+    use axum::http::{header, StatusCode};
+    use axum::response::{IntoResponse, Response};
+
+    const INDEX: &str = include_str!("../../../web/index.html");
+    const APP_JS: &str = include_str!("../../../web/dashboard.js");
+    const APP_CSS: &str = include_str!("../../../web/dashboard.css");
+    // uPlot, from npm (web/package.json, web/package-lock.json); build.rs puts it in OUT_DIR.
+    const UPLOT_JS: &str = include_str!(concat!(env!("OUT_DIR"), "/uPlot.iife.min.js"));
+    const UPLOT_CSS: &str = include_str!(concat!(env!("OUT_DIR"), "/uPlot.min.css"));
+
+    pub async fn index() -> Response {
+        ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], INDEX).into_response()
+    }
+
+    pub async fn asset(Path(file): Path<String>) -> Response {
+        let (ct, body) = match file.as_str() {
+            "dashboard.js" => ("text/javascript; charset=utf-8", APP_JS),
+            "dashboard.css" => ("text/css; charset=utf-8", APP_CSS),
+            "uPlot.iife.min.js" => ("text/javascript; charset=utf-8", UPLOT_JS),
+            "uPlot.min.css" => ("text/css; charset=utf-8", UPLOT_CSS),
+            _ => return (StatusCode::NOT_FOUND, "no such asset").into_response(),
+        };
+        ([(header::CONTENT_TYPE, ct)], body).into_response()
+    }
+}

@@ -1,0 +1,467 @@
+//! `/metrics`: every component's counters in the OpenMetrics text format, names prefixed
+//! `tessera_`. Read at scrape time from the open run's atomics (no second set of counters to
+//! keep in step); rates and fractions over the last sampling interval come from the sampler,
+//! for dashboards that do not compute `rate()` themselves.
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+use tessera_run::live::{Live, LiveHistogram};
+
+use crate::controller::Controller;
+use crate::sampler::Rates;
+use crate::state::State;
+
+type Labels = Vec<(&'static str, String)>;
+
+#[derive(Debug)]
+struct Snapshot {
+    state: State,
+    run_number: Option<u64>,
+    live: Option<Live>,
+    rates: Option<Rates>,
+}
+
+/// The metrics of `c` now, as OpenMetrics text.
+pub fn render(c: &Controller) -> String {
+    let view = c.view();
+    let live = c.session().map(|s| s.live());
+    let rates = c.shared.sampler.lock().rates.clone();
+    let mut reg = Registry::default();
+    reg.register_collector(Box::new(Snapshot {
+        state: view.state,
+        run_number: view.run_number,
+        rates: live.as_ref().and(rates),
+        live,
+    }));
+    let mut out = String::new();
+    // Writing to a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut out, &reg);
+    out
+}
+
+struct Enc<'a, 'b>(&'a mut DescriptorEncoder<'b>);
+
+impl Enc<'_, '_> {
+    fn counter(&mut self, name: &str, help: &str, v: &[(Labels, u64)]) -> std::fmt::Result {
+        if v.is_empty() {
+            return Ok(());
+        }
+        let mut d = self
+            .0
+            .encode_descriptor(name, help, None, MetricType::Counter)?;
+        for (l, x) in v {
+            ConstCounter::new(*x).encode(d.encode_family(l)?)?;
+        }
+        Ok(())
+    }
+
+    fn counter_f(&mut self, name: &str, help: &str, v: &[(Labels, f64)]) -> std::fmt::Result {
+        if v.is_empty() {
+            return Ok(());
+        }
+        let mut d = self
+            .0
+            .encode_descriptor(name, help, None, MetricType::Counter)?;
+        for (l, x) in v {
+            ConstCounter::new(*x).encode(d.encode_family(l)?)?;
+        }
+        Ok(())
+    }
+
+    fn gauge(&mut self, name: &str, help: &str, v: &[(Labels, f64)]) -> std::fmt::Result {
+        if v.is_empty() {
+            return Ok(());
+        }
+        let mut d = self
+            .0
+            .encode_descriptor(name, help, None, MetricType::Gauge)?;
+        for (l, x) in v {
+            ConstGauge::new(*x).encode(d.encode_family(l)?)?;
+        }
+        Ok(())
+    }
+
+    fn histogram(
+        &mut self,
+        name: &str,
+        help: &str,
+        v: &[(Labels, &LiveHistogram)],
+    ) -> std::fmt::Result {
+        if v.is_empty() {
+            return Ok(());
+        }
+        let mut d = self
+            .0
+            .encode_descriptor(name, help, None, MetricType::Histogram)?;
+        for (l, h) in v {
+            // The encoder takes per-bucket counts and f64::MAX for the +Inf bound.
+            let mut prev = 0;
+            let buckets: Vec<(f64, u64)> = h
+                .buckets
+                .iter()
+                .map(|(le, cum)| {
+                    let n = cum - prev;
+                    prev = *cum;
+                    (le.unwrap_or(f64::MAX), n)
+                })
+                .collect();
+            d.encode_family(l)?
+                .encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+                    h.sum_s, h.count, &buckets, None,
+                )?;
+        }
+        Ok(())
+    }
+}
+
+fn l1(k: &'static str, v: impl ToString) -> Labels {
+    vec![(k, v.to_string())]
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let mut e = Enc(&mut encoder);
+        let states = [
+            State::Initial,
+            State::Configured,
+            State::Running,
+            State::Paused,
+            State::Stopped,
+            State::Error,
+        ];
+        e.gauge(
+            "tessera_state",
+            "1 for the run control's current state, 0 for the others",
+            &states
+                .iter()
+                .map(|s| (l1("state", s.name()), (*s == self.state) as u8 as f64))
+                .collect::<Vec<_>>(),
+        )?;
+        if let Some(n) = self.run_number {
+            e.gauge(
+                "tessera_run_number",
+                "the open run, or the last one",
+                &[(vec![], n as f64)],
+            )?;
+        }
+        let Some(live) = &self.live else {
+            return Ok(());
+        };
+        e.gauge(
+            "tessera_run_elapsed_seconds",
+            "time since the open run started",
+            &[(vec![], live.elapsed_s)],
+        )?;
+
+        // Sources.
+        let src = |s: &tessera_run::live::LiveSource| -> Labels {
+            vec![
+                ("source", s.id.to_string()),
+                ("readout_unit", s.readout_unit.to_string()),
+            ]
+        };
+        e.counter(
+            "tessera_source_fragments",
+            "fragments read from each source's link (good or rejected at the wire)",
+            &live
+                .sources
+                .iter()
+                .map(|s| (src(s), s.received))
+                .collect::<Vec<_>>(),
+        )?;
+        e.counter(
+            "tessera_source_bytes",
+            "bytes each emulated source put on the wire",
+            &live
+                .sources
+                .iter()
+                .filter_map(|s| Some((src(s), s.bytes_sent?)))
+                .collect::<Vec<_>>(),
+        )?;
+        e.counter_f(
+            "tessera_source_dead_time_seconds",
+            "time each emulated source was held by back-pressure (dead time)",
+            &live
+                .sources
+                .iter()
+                .filter_map(|s| Some((src(s), s.held_ns? as f64 * 1e-9)))
+                .collect::<Vec<_>>(),
+        )?;
+        let mut rejected = Vec::new();
+        let mut by_reason = std::collections::BTreeMap::<String, u64>::new();
+        for s in &live.sources {
+            for (reason, n) in &s.rejected {
+                let mut l = src(s);
+                l.push(("reason", reason.clone()));
+                rejected.push((l, *n));
+                *by_reason.entry(reason.clone()).or_default() += n;
+            }
+        }
+        e.counter(
+            "tessera_source_rejected_fragments",
+            "fragments each readout link rejected, by reason",
+            &rejected,
+        )?;
+        e.counter(
+            "tessera_rejected_fragments",
+            "fragments rejected over all links, by reason",
+            &by_reason
+                .into_iter()
+                .map(|(r, n)| (l1("reason", r), n))
+                .collect::<Vec<_>>(),
+        )?;
+        e.gauge(
+            "tessera_source_last_event_id",
+            "event ID of each link's last good fragment (alignment across sources)",
+            &live
+                .sources
+                .iter()
+                .filter_map(|s| Some((src(s), s.last_event_id? as f64)))
+                .collect::<Vec<_>>(),
+        )?;
+
+        // Readout units.
+        let ru = |id: u32| l1("readout_unit", id);
+        let rus = &live.readout_units;
+        e.counter(
+            "tessera_readout_fragments",
+            "fragments each readout unit sent to builders",
+            &rus.iter()
+                .map(|u| (ru(u.id), u.fragments_forwarded))
+                .collect::<Vec<_>>(),
+        )?;
+        e.counter(
+            "tessera_readout_bytes",
+            "bytes each readout unit sent to builders",
+            &rus.iter()
+                .map(|u| (ru(u.id), u.bytes_forwarded))
+                .collect::<Vec<_>>(),
+        )?;
+        e.gauge(
+            "tessera_readout_buffer_bytes",
+            "buffer each readout unit holds now",
+            &rus.iter()
+                .map(|u| (ru(u.id), u.buffer_used as f64))
+                .collect::<Vec<_>>(),
+        )?;
+        e.gauge(
+            "tessera_readout_buffer_limit_bytes",
+            "buffer bound of each readout unit",
+            &rus.iter()
+                .map(|u| (ru(u.id), u.buffer_limit as f64))
+                .collect::<Vec<_>>(),
+        )?;
+        e.gauge(
+            "tessera_readout_buffer_occupancy",
+            "fraction of each readout unit's buffer in use",
+            &rus.iter()
+                .map(|u| {
+                    (
+                        ru(u.id),
+                        u.buffer_used as f64 / u.buffer_limit.max(1) as f64,
+                    )
+                })
+                .collect::<Vec<_>>(),
+        )?;
+        e.counter_f(
+            "tessera_readout_busy_seconds",
+            "time links of each readout unit could not read for lack of buffer, summed over links",
+            &rus.iter()
+                .map(|u| (ru(u.id), u.busy_ns as f64 * 1e-9))
+                .collect::<Vec<_>>(),
+        )?;
+        e.gauge(
+            "tessera_readout_busy",
+            "1 while the readout unit asserts BUSY",
+            &rus.iter()
+                .map(|u| (ru(u.id), u.busy as u8 as f64))
+                .collect::<Vec<_>>(),
+        )?;
+
+        // Builders.
+        let bu = |id: u16| l1("builder", id);
+        let bus = &live.builders;
+        let mut events = Vec::new();
+        for b in bus {
+            for (outcome, n) in [
+                ("complete", b.events_complete),
+                ("incomplete", b.events_incomplete),
+                ("rejected", b.events_rejected),
+            ] {
+                events.push((
+                    vec![
+                        ("builder", b.id.to_string()),
+                        ("outcome", outcome.to_string()),
+                    ],
+                    n,
+                ));
+            }
+        }
+        e.counter(
+            "tessera_builder_events",
+            "events each builder built, by outcome (rejected: by the filter)",
+            &events,
+        )?;
+        e.counter(
+            "tessera_incomplete_events",
+            "events built with a source missing, over all builders",
+            &[(vec![], bus.iter().map(|b| b.events_incomplete).sum())],
+        )?;
+        e.counter(
+            "tessera_builder_bytes",
+            "bytes of events each builder built",
+            &bus.iter()
+                .map(|b| (bu(b.id), b.bytes_built))
+                .collect::<Vec<_>>(),
+        )?;
+        e.gauge(
+            "tessera_builder_buffer_occupancy",
+            "fraction of each builder's buffer in use",
+            &bus.iter()
+                .map(|b| {
+                    (
+                        bu(b.id),
+                        b.buffer_used as f64 / b.buffer_limit.max(1) as f64,
+                    )
+                })
+                .collect::<Vec<_>>(),
+        )?;
+        e.counter_f(
+            "tessera_builder_busy_seconds",
+            "time links of each builder could not read for lack of buffer, summed over links",
+            &bus.iter()
+                .map(|b| (bu(b.id), b.busy_ns as f64 * 1e-9))
+                .collect::<Vec<_>>(),
+        )?;
+        e.gauge(
+            "tessera_builder_pending_events",
+            "events each builder is assembling",
+            &bus.iter()
+                .map(|b| (bu(b.id), b.pending_events as f64))
+                .collect::<Vec<_>>(),
+        )?;
+        e.histogram(
+            "tessera_builder_event_latency_seconds",
+            "time from an event's first part at the builder to its build",
+            &bus.iter()
+                .map(|b| (bu(b.id), &b.latency))
+                .collect::<Vec<_>>(),
+        )?;
+
+        // Recorder.
+        if let Some(r) = &live.recorder {
+            e.counter(
+                "tessera_recorder_events",
+                "events the recorder received",
+                &[(vec![], r.events)],
+            )?;
+            e.counter(
+                "tessera_recorder_bytes",
+                "bytes the recorder took in (record) and wrote to files (file, after compression)",
+                &[
+                    (l1("kind", "record"), r.record_bytes),
+                    (l1("kind", "file"), r.file_bytes),
+                ],
+            )?;
+            e.counter(
+                "tessera_recorder_files",
+                "files the recorder finished",
+                &[(vec![], r.files)],
+            )?;
+            e.gauge(
+                "tessera_recorder_buffer_occupancy",
+                "fraction of the recorder's buffer in use",
+                &[(vec![], r.buffer_used as f64 / r.buffer_limit.max(1) as f64)],
+            )?;
+            e.counter_f(
+                "tessera_recorder_write_seconds",
+                "time the recorder spent in write and fsync calls",
+                &[(vec![], r.write_ns as f64 * 1e-9)],
+            )?;
+        }
+
+        // Rates and fractions over the last sampling interval.
+        if let Some(rt) = &self.rates {
+            e.gauge(
+                "tessera_source_fragments_per_second",
+                "fragments per second read from each source's link, last interval",
+                &rt.per_source_fragments_per_s
+                    .iter()
+                    .map(|(s, v)| (l1("source", s), *v))
+                    .collect::<Vec<_>>(),
+            )?;
+            e.gauge(
+                "tessera_source_dead_time_fraction",
+                "fraction of the last interval each emulated source was held by back-pressure",
+                &rt.per_source_dead_fraction
+                    .iter()
+                    .map(|(s, v)| (l1("source", s), *v))
+                    .collect::<Vec<_>>(),
+            )?;
+            e.gauge(
+                "tessera_readout_bytes_per_second",
+                "bytes per second each readout unit sent, last interval",
+                &rt.per_readout_bytes_per_s
+                    .iter()
+                    .map(|(s, v)| (ru(*s), *v))
+                    .collect::<Vec<_>>(),
+            )?;
+            e.gauge(
+                "tessera_readout_busy_fraction",
+                "fraction of the last interval each readout unit's links could not read",
+                &rt.per_readout_busy_fraction
+                    .iter()
+                    .map(|(s, v)| (ru(*s), *v))
+                    .collect::<Vec<_>>(),
+            )?;
+            e.gauge(
+                "tessera_builder_events_per_second",
+                "events per second each builder built, last interval",
+                &rt.per_builder_events_per_s
+                    .iter()
+                    .map(|(s, v)| (bu(*s), *v))
+                    .collect::<Vec<_>>(),
+            )?;
+            e.gauge(
+                "tessera_builder_bytes_per_second",
+                "bytes per second each builder built, last interval",
+                &rt.per_builder_bytes_per_s
+                    .iter()
+                    .map(|(s, v)| (bu(*s), *v))
+                    .collect::<Vec<_>>(),
+            )?;
+            e.gauge(
+                "tessera_builder_busy_fraction",
+                "fraction of the last interval each builder's links could not read",
+                &rt.per_builder_busy_fraction
+                    .iter()
+                    .map(|(s, v)| (bu(*s), *v))
+                    .collect::<Vec<_>>(),
+            )?;
+            e.gauge(
+                "tessera_recorder_busy_fraction",
+                "fraction of the last interval the recorder's links could not read",
+                &[(vec![], rt.recorder_busy_fraction)],
+            )?;
+            e.gauge(
+                "tessera_stage_blocked",
+                "1 for a stage held by the stage after it, last interval",
+                &rt.stages
+                    .iter()
+                    .map(|s| {
+                        (
+                            l1("stage", s.stage),
+                            (s.condition == "blocked") as u8 as f64,
+                        )
+                    })
+                    .collect::<Vec<_>>(),
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,385 @@
+//! What a running session looks like now: raw counters (monotonic, for rates and Prometheus)
+//! and gauges (buffers, states) of every component, and the answer to "why is event N
+//! incomplete". Read from the components' own atomics: taking one costs no data-path time.
+
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering::Relaxed;
+
+use crate::Session;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LiveSource {
+    pub id: u32,
+    /// `emulated` or `external`.
+    pub kind: &'static str,
+    pub readout_unit: u32,
+    /// Fragments and bytes the source put on the wire (emulated sources only: an external one
+    /// is seen at its readout link).
+    pub fragments_sent: Option<u64>,
+    pub bytes_sent: Option<u64>,
+    /// Nanoseconds held by back-pressure (dead time; emulated sources only).
+    pub held_ns: Option<u64>,
+    /// Fragments its readout link read (good or rejected at the wire).
+    pub received: u64,
+    pub rejected: BTreeMap<String, u64>,
+    pub link_state: String,
+    /// Event ID of the link's last good fragment (`None`: none yet).
+    pub last_event_id: Option<u64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LiveReadout {
+    pub id: u32,
+    pub super_fragments: u64,
+    pub fragments_forwarded: u64,
+    pub bytes_forwarded: u64,
+    pub buffer_used: u64,
+    pub buffer_limit: u64,
+    /// Nanoseconds links spent unable to read for lack of buffer, summed over links.
+    pub busy_ns: u64,
+    pub links: usize,
+    /// BUSY asserted now (a link out of buffer, or throttled by the event manager).
+    pub busy: bool,
+    pub pending_events: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LiveHistogram {
+    /// (upper bound in seconds, cumulative count); the last bound is +Inf (serialised as null).
+    pub buckets: Vec<(Option<f64>, u64)>,
+    pub sum_s: f64,
+    pub count: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LiveBuilder {
+    pub id: u16,
+    pub events_complete: u64,
+    pub events_incomplete: u64,
+    pub events_rejected: u64,
+    pub bytes_built: u64,
+    pub buffer_used: u64,
+    pub buffer_limit: u64,
+    pub busy_ns: u64,
+    pub links: usize,
+    pub pending_events: u64,
+    /// Fragments of built events not yet handed to the recorder.
+    pub queued_fragments: u64,
+    /// From an event's first part at the builder to its build.
+    pub latency: LiveHistogram,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LiveRecorder {
+    pub events: u64,
+    pub incomplete_events: u64,
+    pub record_bytes: u64,
+    pub file_bytes: u64,
+    pub files: u64,
+    pub buffer_used: u64,
+    pub buffer_limit: u64,
+    pub busy_ns: u64,
+    pub links: usize,
+    pub write_ns: u64,
+    pub queued_fragments: u64,
+    pub error: Option<String>,
+}
+
+/// A snapshot of every component's counters.
+#[derive(Clone, Debug, Serialize)]
+pub struct Live {
+    pub run_number: u64,
+    pub elapsed_s: f64,
+    pub mode: &'static str,
+    pub paused: bool,
+    pub sources: Vec<LiveSource>,
+    pub readout_units: Vec<LiveReadout>,
+    pub builders: Vec<LiveBuilder>,
+    pub recorder: Option<LiveRecorder>,
+    pub components: Vec<crate::Component>,
+}
+
+/// The answer to "why is event N incomplete".
+#[derive(Clone, Debug, Serialize)]
+pub struct WhyIncomplete {
+    pub event_id: u64,
+    /// `incomplete` (built without `missing`), `complete` (built with every source, as far as
+    /// the builders remember), `pending` (not built yet: `missing` are the sources whose links
+    /// have not reached it), `forgotten` (older than what the builders remember).
+    pub status: &'static str,
+    pub builder: Option<u16>,
+    pub missing: Vec<u32>,
+    /// Every source's link, the missing ones first.
+    pub links: Vec<LinkView>,
+    pub explanation: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LinkView {
+    pub source: u32,
+    pub readout_unit: u32,
+    pub missing: bool,
+    pub link_state: String,
+    pub last_event_id: Option<u64>,
+    pub rejected: BTreeMap<String, u64>,
+}
+
+fn histogram(h: &tessera_builder::stats::Histogram) -> LiveHistogram {
+    let (b, sum_s, count) = h.snapshot();
+    LiveHistogram {
+        buckets: b
+            .into_iter()
+            .map(|(le, n)| (le.is_finite().then_some(le), n))
+            .collect(),
+        sum_s,
+        count,
+    }
+}
+
+impl Session {
+    /// Every component's counters now.
+    pub fn live(&self) -> Live {
+        let run = &self.running;
+        let r = &self.r;
+        let emulated: BTreeMap<u32, &tessera_source::SourceStats> = run
+            .sources
+            .as_ref()
+            .map(|s| s.stats.iter().map(|x| (x.id, x.as_ref())).collect())
+            .unwrap_or_default();
+        let mut sources = Vec::new();
+        for u in &run.readout_units {
+            for l in &u.stats.links {
+                let e = emulated.get(&l.source_id);
+                let mut rejected = BTreeMap::new();
+                for (i, c) in l.rejected.iter().enumerate() {
+                    let n = c.load(Relaxed);
+                    if n > 0 {
+                        rejected.insert(
+                            tessera_readout::Rejection::from_index(i)
+                                .label()
+                                .to_string(),
+                            n,
+                        );
+                    }
+                }
+                let received = l.received();
+                sources.push(LiveSource {
+                    id: l.source_id,
+                    kind: if e.is_some() { "emulated" } else { "external" },
+                    readout_unit: u.stats.id,
+                    fragments_sent: e.map(|s| s.fragments.load(Relaxed)),
+                    bytes_sent: e.map(|s| s.bytes.load(Relaxed)),
+                    held_ns: e.map(|s| s.held_ns.load(Relaxed)),
+                    received,
+                    rejected,
+                    link_state: l.state().label().to_string(),
+                    last_event_id: (l.fragments.load(Relaxed) > 0)
+                        .then(|| l.last_event.load(Relaxed)),
+                });
+            }
+        }
+        sources.sort_by_key(|s| s.id);
+        let readout_units = run
+            .readout_units
+            .iter()
+            .map(|u| {
+                let s = &u.stats;
+                let q = &s.requests;
+                let total = q.total_pages.load(Relaxed);
+                // Request mode: the occupancy that matters is the paged buffers'.
+                let (used, limit) = if total > 0 {
+                    let page = (s.buffer_use().1 / total.max(1)).max(1);
+                    (
+                        (total - q.free_pages.load(Relaxed).min(total)) * page,
+                        total * page,
+                    )
+                } else {
+                    s.buffer_use()
+                };
+                LiveReadout {
+                    id: s.id,
+                    super_fragments: s.super_fragments.load(Relaxed),
+                    fragments_forwarded: s.fragments_forwarded.load(Relaxed)
+                        + q.fragments_sent.load(Relaxed),
+                    bytes_forwarded: s.bytes_forwarded.load(Relaxed) + q.bytes_sent.load(Relaxed),
+                    buffer_used: used,
+                    buffer_limit: limit,
+                    busy_ns: s.busy_ns() + q.throttled_ns.load(Relaxed),
+                    links: s.links.len(),
+                    busy: s.busy(),
+                    pending_events: s.pending_events.load(Relaxed),
+                }
+            })
+            .collect();
+        let builders = run
+            .builders
+            .iter()
+            .map(|b| {
+                let s = &b.stats;
+                let (used, limit) = s.buffer_use();
+                LiveBuilder {
+                    id: s.id,
+                    events_complete: s.events_complete.load(Relaxed),
+                    events_incomplete: s.events_incomplete.load(Relaxed),
+                    events_rejected: s.events_rejected.load(Relaxed),
+                    bytes_built: s.bytes_built.load(Relaxed),
+                    buffer_used: used,
+                    buffer_limit: limit,
+                    busy_ns: s.busy_ns(),
+                    links: s.links.len(),
+                    pending_events: s.pending_events.load(Relaxed),
+                    queued_fragments: s.queued_fragments.load(Relaxed),
+                    latency: histogram(&s.latency),
+                }
+            })
+            .collect();
+        let recorder = run.recorder.as_ref().map(|rec| {
+            let s = &rec.stats;
+            let (used, limit) = s.buffer_use();
+            LiveRecorder {
+                events: s.events.load(Relaxed),
+                incomplete_events: s.incomplete_events.load(Relaxed),
+                record_bytes: s.record_bytes.load(Relaxed),
+                file_bytes: s.file_bytes.load(Relaxed),
+                files: s.files.lock().len() as u64,
+                buffer_used: used,
+                buffer_limit: limit,
+                busy_ns: s.busy_ns(),
+                links: s.links.lock().len(),
+                write_ns: s.write_ns.load(Relaxed),
+                queued_fragments: s.queued_fragments.load(Relaxed),
+                error: s.error.lock().clone(),
+            }
+        });
+        Live {
+            run_number: self.run_number,
+            elapsed_s: self.t0.elapsed().as_secs_f64(),
+            mode: match r.topology.run.mode {
+                tessera_config::Mode::Push => "push",
+                tessera_config::Mode::Request => "request",
+            },
+            paused: self.paused_at.lock().is_some(),
+            sources,
+            readout_units,
+            builders,
+            recorder,
+            components: self.components(),
+        }
+    }
+
+    /// Which sources are missing for event `event_id`, and the state of their links.
+    pub fn why_incomplete(&self, event_id: u64) -> WhyIncomplete {
+        let run = &self.running;
+        let mut found = None;
+        let mut forgotten = false;
+        let mut highest_built = None::<u64>;
+        for b in &run.builders {
+            let built = b.stats.events_complete.load(Relaxed)
+                + b.stats.events_incomplete.load(Relaxed)
+                + b.stats.events_rejected.load(Relaxed);
+            if built > 0 {
+                let last = b.stats.last_event.load(Relaxed);
+                highest_built = Some(highest_built.map_or(last, |h| h.max(last)));
+            }
+            let recent = b.stats.recent_incomplete.lock();
+            if let Some(m) = recent.get(event_id) {
+                found = Some((b.stats.id, m.to_vec()));
+                break;
+            }
+            if recent.forgotten_up_to > 0 && event_id <= recent.forgotten_up_to {
+                forgotten = true;
+            }
+        }
+        let all_links = || {
+            run.readout_units
+                .iter()
+                .flat_map(|u| u.stats.links.iter().map(move |l| (u.stats.id, l)))
+        };
+        let (status, builder, missing, explanation) = match found {
+            Some((b, m)) => (
+                "incomplete",
+                Some(b),
+                m.clone(),
+                format!(
+                    "built by builder {b} without source(s) {}: their fragments had not come when the event timed out, or were rejected",
+                    join(&m)
+                ),
+            ),
+            None if highest_built.is_none_or(|h| event_id > h) => {
+                let behind: Vec<u32> = all_links()
+                    .filter(|(_, l)| {
+                        l.fragments.load(Relaxed) == 0 || l.last_event.load(Relaxed) < event_id
+                    })
+                    .map(|(_, l)| l.source_id)
+                    .collect();
+                let explanation = if behind.is_empty() {
+                    "not built yet; every link has reached it, it is on its way".to_string()
+                } else {
+                    format!(
+                        "not built yet; waiting for source(s) {} whose links have not reached it",
+                        join(&behind)
+                    )
+                };
+                ("pending", None, behind, explanation)
+            }
+            None if forgotten => (
+                "forgotten",
+                None,
+                Vec::new(),
+                format!(
+                    "older than the {} most recent incomplete events each builder remembers; the recorded file says (tessera dump --from {event_id})",
+                    tessera_builder::stats::RecentIncomplete::CAPACITY
+                ),
+            ),
+            None => (
+                "complete",
+                None,
+                Vec::new(),
+                "no builder built it incomplete: it is complete (or was rejected by the filter)"
+                    .to_string(),
+            ),
+        };
+        let mut links: Vec<LinkView> = all_links()
+            .map(|(ru, l)| {
+                let mut rejected = BTreeMap::new();
+                for (i, c) in l.rejected.iter().enumerate() {
+                    let n = c.load(Relaxed);
+                    if n > 0 {
+                        rejected.insert(
+                            tessera_readout::Rejection::from_index(i)
+                                .label()
+                                .to_string(),
+                            n,
+                        );
+                    }
+                }
+                LinkView {
+                    source: l.source_id,
+                    readout_unit: ru,
+                    missing: missing.contains(&l.source_id),
+                    link_state: l.state().label().to_string(),
+                    last_event_id: (l.fragments.load(Relaxed) > 0)
+                        .then(|| l.last_event.load(Relaxed)),
+                    rejected,
+                }
+            })
+            .collect();
+        links.sort_by_key(|l| (!l.missing, l.source));
+        WhyIncomplete {
+            event_id,
+            status,
+            builder,
+            missing,
+            links,
+            explanation,
+        }
+    }
+}
+
+fn join(v: &[u32]) -> String {
+    v.iter()
+        .map(|s| s.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}

@@ -1,0 +1,183 @@
+// Tessera's dashboard: polls the run control's API and draws it. Plots by uPlot (from npm).
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const HISTORY = 300; // points on the plots
+
+function human(n, unit) {
+  const k = ["", "k", "M", "G", "T"];
+  let i = 0;
+  while (Math.abs(n) >= 1000 && i < k.length - 1) { n /= 1000; i++; }
+  return (i === 0 ? n.toFixed(0) : n.toFixed(1)) + " " + k[i] + unit;
+}
+function bytes(n) {
+  const k = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < k.length - 1) { n /= 1024; i++; }
+  return (i === 0 ? n.toFixed(0) : n.toFixed(1)) + " " + k[i];
+}
+function esc(s) {
+  return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+}
+function rows(tbody, html) { tbody.innerHTML = html.join(""); }
+async function getJSON(path) {
+  const r = await fetch(path, { cache: "no-store" });
+  if (!r.ok) { const e = new Error((await r.json().catch(() => ({}))).error || r.statusText); e.status = r.status; throw e; }
+  return r.json();
+}
+
+// Plots.
+function plot(el, title, series) {
+  const width = Math.max(300, el.parentElement.clientWidth - 30);
+  return new uPlot({
+    title, width, height: 180,
+    scales: { x: { time: false } },
+    axes: [{ label: "s" }, { size: 70 }],
+    series: [{ label: "t" }, ...series],
+  }, [[], ...series.map(() => [])], el);
+}
+const ratePlot = plot($("plot-rate"), "events/s", [
+  { label: "built", stroke: "#3b5bdb" },
+  { label: "incomplete", stroke: "#c5221f" },
+]);
+const throughputPlot = plot($("plot-throughput"), "MB/s", [
+  { label: "built", stroke: "#1e8e3e" },
+  { label: "recorded", stroke: "#b58900" },
+]);
+
+// Transitions.
+for (const b of document.querySelectorAll("#buttons button")) {
+  b.addEventListener("click", async () => {
+    const t = b.dataset.t;
+    $("message").textContent = t + "…";
+    const headers = { "Content-Type": "application/json" };
+    const op = $("operator").value.trim() || localStorage.getItem("tessera-operator") || "dashboard";
+    localStorage.setItem("tessera-operator", op);
+    headers["X-Tessera-Operator"] = op;
+    const token = localStorage.getItem("tessera-token");
+    if (token) headers["Authorization"] = "Bearer " + token;
+    const body = (t === "start" || t === "stop") && $("comment").value ? JSON.stringify({ comment: $("comment").value }) : "";
+    try {
+      const r = await fetch("/api/transitions/" + t, { method: "POST", headers, body });
+      const j = await r.json();
+      if (!r.ok) {
+        if (r.status === 401) {
+          const tok = prompt("This control needs its token to change state:");
+          if (tok) localStorage.setItem("tessera-token", tok);
+        }
+        $("message").textContent = j.error || r.statusText;
+      } else {
+        $("message").textContent = "";
+        if (t === "start") $("comment").value = "";
+      }
+    } catch (e) {
+      $("message").textContent = String(e);
+    }
+    refresh();
+    refreshRuns();
+  });
+}
+$("operator").value = localStorage.getItem("tessera-operator") || "";
+
+$("why-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const n = $("why-event").value;
+  if (n === "") return;
+  try {
+    const w = await getJSON("/api/events/" + n + "/why");
+    const lines = [`event ${w.event_id}: ${w.status}${w.builder != null ? " (builder " + w.builder + ")" : ""}`, w.explanation, ""];
+    for (const l of w.links) {
+      lines.push(`${l.missing ? "MISSING " : "        "}source ${l.source} RU ${l.readout_unit} link ${l.link_state} last event ${l.last_event_id ?? "-"}${Object.keys(l.rejected).length ? " rejected " + JSON.stringify(l.rejected) : ""}`);
+    }
+    $("why").textContent = lines.join("\n");
+  } catch (e) {
+    $("why").textContent = String(e.message);
+  }
+});
+
+function showState(s) {
+  const el = $("state");
+  el.textContent = s.state;
+  el.className = "state " + s.state;
+  $("run-number").textContent = s.run_number ?? "–";
+  $("busy").textContent = s.busy ? s.busy + " under way…" : (s.error ? "error: " + s.error : "");
+  for (const b of document.querySelectorAll("#buttons button")) {
+    b.disabled = !!s.busy || !s.allowed.includes(b.dataset.t);
+  }
+  rows($("components").tBodies[0], s.components.map((c) =>
+    `<tr><td>${esc(c.name)}</td><td class="${esc(c.state)}">${esc(c.state)}</td><td>${esc(c.detail)}</td></tr>`));
+  const ls = s.last_stop;
+  $("last-stop").innerHTML = ls ? "<h2>Last stop</h2>" + ls.stages.map((x) =>
+    `<div class="${x.finished ? "busy" : "blocked"}">${esc(x.stage)}: ${x.finished ? "done" : "deadline passed"} in ${x.elapsed_ms} ms (deadline ${x.deadline_ms} ms)${x.left ? " — " + esc(x.left) : ""}</div>`).join("") : "";
+}
+
+let lastRun = null;
+async function refresh() {
+  let v;
+  try { v = await getJSON("/api/live"); } catch (e) { $("message").textContent = "no answer from tessera: " + e.message; return; }
+  showState(v.state);
+  const h = v.history.slice(-HISTORY);
+  ratePlot.setData([h.map((p) => p.t), h.map((p) => p.events_per_s), h.map((p) => p.incomplete_per_s)]);
+  throughputPlot.setData([h.map((p) => p.t), h.map((p) => p.built_bytes_per_s / 1e6), h.map((p) => p.recorded_bytes_per_s / 1e6)]);
+  const last = h.length ? h[h.length - 1] : null;
+  $("events-rate").textContent = last ? human(last.events_per_s, "") : "0";
+  $("built-rate").textContent = last ? human(last.built_bytes_per_s, "B/s") : "0";
+  $("recorded-rate").textContent = last ? human(last.recorded_bytes_per_s, "B/s") : "0";
+  const live = v.live;
+  if (live) {
+    lastRun = live.run_number;
+    const ev = live.builders.reduce((a, b) => a + b.events_complete + b.events_incomplete, 0);
+    const inc = live.builders.reduce((a, b) => a + b.events_incomplete, 0);
+    const rej = live.sources.reduce((a, s) => a + Object.values(s.rejected).reduce((x, y) => x + y, 0), 0);
+    $("events-total").textContent = ev;
+    $("incomplete-total").textContent = inc;
+    $("rejected-total").textContent = rej;
+    $("ru-buffers").innerHTML = live.readout_units.map((u) => {
+      const f = u.buffer_limit ? u.buffer_used / u.buffer_limit : 0;
+      return `<div>RU ${u.id}${u.busy ? ' <span class="blocked">BUSY</span>' : ""}<div class="bar"><div style="width:${(100 * f).toFixed(1)}%"></div><span>${(100 * f).toFixed(1)}% of ${bytes(u.buffer_limit)}</span></div></div>`;
+    }).join("");
+    const maxEv = Math.max(0, ...live.sources.map((s) => s.last_event_id ?? 0));
+    rows($("alignment").tBodies[0], live.sources.map((s) => {
+      const behind = s.last_event_id == null ? "–" : maxEv - s.last_event_id;
+      const rj = Object.entries(s.rejected).map(([k, n]) => `${esc(k)} ${n}`).join(", ");
+      return `<tr><td>${s.id}${s.kind === "external" ? " (ext)" : ""}</td><td>${s.readout_unit}</td><td>${esc(s.link_state)}</td><td>${s.last_event_id ?? "–"}</td><td class="${behind > 1000 ? "blocked" : ""}">${behind}</td><td>${rj}</td></tr>`;
+    }));
+  }
+  const r = v.rates;
+  if (r && live) {
+    rows($("stages").tBodies[0], r.stages.map((s) =>
+      `<tr><td>${esc(s.stage)}</td><td class="${esc(s.condition)}">${esc(s.condition)}</td><td>${esc(s.why)}</td></tr>`));
+    $("bottleneck").textContent = "bottleneck: " + r.bottleneck;
+  }
+}
+
+async function refreshRuns() {
+  try {
+    const runs = await getJSON("/api/runs?limit=20");
+    rows($("runs").tBodies[0], runs.map((r) => {
+      const dur = r.stopped_unix_ns ? ((r.stopped_unix_ns - r.started_unix_ns) / 1e9).toFixed(1) + " s" : "running";
+      const bal = r.balance_holds == null ? "–" : (r.balance_holds ? "holds" : '<span class="blocked">broken</span>');
+      return `<tr data-run="${r.number}"><td>${r.number}</td><td class="${r.state === "error" ? "failed" : ""}">${esc(r.state)}</td><td>${new Date(r.started_unix_ns / 1e6).toLocaleString()}</td><td>${dur}</td><td>${r.events}</td><td>${r.incomplete}</td><td>${bytes(r.bytes)}</td><td>${bal}</td><td>${esc(r.stop_reason ?? "")}${r.error ? " — " + esc(r.error) : ""}</td><td>${esc(r.comment)}</td></tr>`;
+    }));
+  } catch (e) { /* not configured yet */ }
+  try {
+    const rep = await getJSON("/api/report");
+    const files = (rep.recorder && rep.recorder.files) || [];
+    rows($("files").tBodies[0], files.map((f) =>
+      `<tr><td>${esc(f.file)}</td><td>${f.events}</td><td>${bytes(f.size_bytes)}</td><td>${esc(f.file_crc32c)}</td></tr>`));
+  } catch (e) { /* no run yet */ }
+}
+
+async function refreshSample() {
+  try {
+    const s = await getJSON("/api/sample");
+    $("sample").textContent = `run ${s.run_number} event ${s.event_id} trigger ${s.trigger_type} builder ${s.builder_id} fragments ${s.fragment_count} size ${s.record_size}` +
+      (s.flags.length ? " [" + s.flags.join(",") + "]" : "") + (s.missing.length ? " missing " + s.missing.join(",") : "") +
+      "\n\n" + s.text + "\n\nrecord:\n" + s.hex.join("\n");
+  } catch (e) { /* none yet */ }
+}
+
+refresh(); refreshRuns(); refreshSample();
+setInterval(refresh, 1000);
+setInterval(refreshRuns, 3000);
+setInterval(refreshSample, 2000);
