@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# Runs started by the tests take a free port for their HTTP service, never the default 8080.
+os.environ.setdefault("TESSERA_HTTP", "127.0.0.1:0")
 
 
 def tessera_bin() -> str:

@@ -164,7 +164,7 @@ fn err(code: StatusCode, msg: impl ToString) -> Response {
 }
 
 /// Who asked, for the log; or the refusal.
-fn who(app: &App, peer: SocketAddr, headers: &HeaderMap) -> Result<String, Response> {
+fn who(app: &App, peer: SocketAddr, headers: &HeaderMap) -> Result<String, Box<Response>> {
     let how = match &app.token {
         Some(t) => {
             let given = headers
@@ -172,10 +172,10 @@ fn who(app: &App, peer: SocketAddr, headers: &HeaderMap) -> Result<String, Respo
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.strip_prefix("Bearer "));
             if given.is_none_or(|g| !constant_time_eq(g.as_bytes(), t.as_bytes())) {
-                return Err(err(
+                return Err(Box::new(err(
                     StatusCode::UNAUTHORIZED,
                     "this call changes state: it needs `Authorization: Bearer <token>`",
-                ));
+                )));
             }
             "token"
         }
@@ -220,9 +220,10 @@ async fn state(AxState(app): AxState<Arc<App>>) -> Response {
 }
 
 #[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
 struct TransitionBody {
     #[serde(default)]
-    comment: Option<String>,
+    comment: String,
 }
 
 async fn transition(
@@ -234,7 +235,7 @@ async fn transition(
 ) -> Response {
     let who = match who(&app, peer, &headers) {
         Ok(w) => w,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let Some(t) = Transition::parse(&name) else {
         return err(
@@ -251,8 +252,14 @@ async fn transition(
         }
     };
     let ctl = app.ctl.clone();
-    let r =
-        tokio::task::spawn_blocking(move || ctl.request(t, &who, body.comment.as_deref())).await;
+    let r = tokio::task::spawn_blocking(move || {
+        ctl.request(
+            t,
+            &who,
+            Some(body.comment.as_str()).filter(|c| !c.is_empty()),
+        )
+    })
+    .await;
     match r {
         Ok(Ok(view)) => Json(view).into_response(),
         Ok(Err(
@@ -326,6 +333,7 @@ async fn report(AxState(app): AxState<Arc<App>>) -> Response {
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Limit {
     limit: Option<usize>,
 }
@@ -359,6 +367,7 @@ async fn actions(AxState(app): AxState<Arc<App>>, Query(q): Query<Limit>) -> Res
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct CommentBody {
     comment: String,
 }
@@ -372,7 +381,7 @@ async fn comment(
 ) -> Response {
     let who = match who(&app, peer, &headers) {
         Ok(w) => w,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let body: CommentBody = match serde_json::from_slice(&body) {
         Ok(b) => b,

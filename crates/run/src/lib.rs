@@ -4,9 +4,12 @@
 //! Start order is sink first (recorder, builders, readout units, sources), so that every
 //! connection finds its listener. A stop drains in the same direction as the data: the sources
 //! end their streams, each readout unit sends what it holds and closes its builder links, each
-//! builder finishes and closes its recorder link, the recorder closes its file. A drain deadline
-//! bounds the whole stop; whatever is left then is reported as still buffered or unaccounted,
-//! never hidden.
+//! builder finishes and closes its recorder link, the recorder closes its file. Each of these
+//! stages has its own deadline (`[stop]`); past it the stage gives up on what it holds and says
+//! what that was, so a stop never hangs behind a full queue, and nothing left is hidden.
+//!
+//! [`Session`] is one run: the run control (`tessera-control`) drives one per run through its
+//! states; [`run`] drives one from start to end (`tessera serve`, tests, benchmarks).
 
 pub mod check;
 pub mod live;

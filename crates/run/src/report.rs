@@ -504,6 +504,18 @@ impl Report {
                 ", NOT fully drained"
             }
         );
+        for st in self
+            .stop
+            .iter()
+            .flat_map(|x| &x.stages)
+            .filter(|x| !x.finished)
+        {
+            let _ = writeln!(
+                s,
+                "  stop     {} passed its {} ms deadline: {}",
+                st.stage, st.deadline_ms, st.left
+            );
+        }
         let _ = writeln!(
             s,
             "  built    {} events ({} complete, {} incomplete), {:.0} events/s, {}/s",

@@ -1,0 +1,125 @@
+// The dashboard in headless Chromium, driven by Playwright: load it, press Start, see the rates
+// move, press Stop, see the run in the list. Runs `tessera run --control` for real.
+//
+//   TESSERA_BIN     the binary (default: target/release/tessera)
+//   SCREENSHOT      where to write the screenshot (default: target/dashboard.png)
+import { chromium } from "playwright-core";
+import { spawn } from "node:child_process";
+import { mkdtempSync, writeFileSync, readFileSync, existsSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join, resolve, dirname } from "node:path";
+import { fileURLToPath } from "node:url";
+import assert from "node:assert/strict";
+
+const root = resolve(dirname(fileURLToPath(import.meta.url)), "../..");
+const bin = process.env.TESSERA_BIN || join(root, "target/release/tessera");
+const shot = process.env.SCREENSHOT || join(root, "target/dashboard.png");
+const dir = mkdtempSync(join(tmpdir(), "tessera-dashboard-"));
+const out = join(dir, "data");
+writeFileSync(join(dir, "t.toml"), `
+[run]
+output = "${out}"
+[sources]
+count = 8
+fragment_size = "4 KiB"
+size_spread = "2 KiB"
+trigger = "poisson"
+rate_hz = 3000
+[[readout]]
+id = 0
+sources = "0-3"
+[[readout]]
+id = 1
+sources = "4-7"
+[recorder]
+compression = "lz4"
+fsync = false
+[stop]
+sources_ms = 5000
+readout_ms = 5000
+builders_ms = 5000
+recorder_ms = 5000
+`);
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+async function until(what, f, limit = 30000) {
+  const t0 = Date.now();
+  for (;;) {
+    const v = await f();
+    if (v) return v;
+    if (Date.now() - t0 > limit) throw new Error("timed out waiting for " + what);
+    await sleep(100);
+  }
+}
+
+const tessera = spawn(bin, ["run", join(dir, "t.toml"), "--control", "--quiet", "--http", "127.0.0.1:0"], { stdio: ["ignore", "inherit", "inherit"] });
+let exited = null;
+tessera.on("exit", (code) => { exited = code; });
+let browser;
+try {
+  const addrFile = join(out, "control.addr");
+  const addr = await until("control.addr", () => {
+    if (exited !== null) throw new Error("tessera run exited with " + exited);
+    return existsSync(addrFile) && readFileSync(addrFile, "utf8").trim();
+  });
+  browser = await chromium.launch({
+    executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
+    args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+      "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+    // Playwright gives every launch a new, empty profile directory of its own.
+  });
+  const page = await browser.newPage({ viewport: { width: 1400, height: 1300 } });
+  const errors = [];
+  page.on("pageerror", (e) => errors.push(String(e)));
+  await page.goto(`http://${addr}/`);
+  await until("the configured state", async () => (await page.textContent("#state")) === "configured");
+  assert.equal(await page.isDisabled("#btn-stop"), true, "stop is not offered before a start");
+
+  await page.fill("#operator", "playwright");
+  await page.fill("#comment", "dashboard test");
+  await page.click("#btn-start");
+  await until("the running state", async () => (await page.textContent("#state")) === "running");
+  // Rates move: the events/s figure leaves zero and the event count grows between two looks.
+  await until("a rate", async () => Number((await page.textContent("#events-rate")).replace(/[^0-9.]/g, "")) > 0);
+  const n1 = Number(await page.textContent("#events-total"));
+  await until("more events", async () => Number(await page.textContent("#events-total")) > n1);
+  await until("stages with a bottleneck", async () => (await page.textContent("#bottleneck")).startsWith("bottleneck:"));
+  await until("readout buffers", async () => (await page.locator("#ru-buffers .bar").count()) === 2);
+  await until("alignment rows", async () => (await page.locator("#alignment tbody tr").count()) === 8);
+  await until("a sampled event", async () => (await page.textContent("#sample")).startsWith("run 1 event"));
+  await until("files", async () => (await page.locator("#files tbody tr").count()) >= 0);
+  // The plots have data.
+  await until("plotted points", () => page.evaluate(() => document.querySelectorAll("#plot-rate canvas").length > 0));
+
+  await page.click("#btn-stop");
+  await until("the stopped state", async () => (await page.textContent("#state")) === "stopped");
+  const row = page.locator('#runs tbody tr[data-run="1"]');
+  await until("run 1 in the run list", async () => (await row.count()) === 1);
+  const cells = await row.locator("td").allTextContents();
+  assert.equal(cells[1], "stopped");
+  assert.ok(Number(cells[4]) > 0, "run 1 has events: " + cells);
+  assert.equal(cells[7], "holds", "balance: " + cells);
+  assert.equal(cells[9], "dashboard test");
+  await until("files of run 1", async () => (await page.locator("#files tbody tr").count()) > 0);
+  await page.fill("#why-event", "10");
+  await page.click("#why-form button");
+  await sleep(300);
+  assert.deepEqual(errors, [], "errors in the page");
+  // The actions were logged with who asked.
+  const actions = await (await fetch(`http://${addr}/api/runs/1`)).json();
+  assert.ok(actions.actions.some((a) => a.action === "start" && a.who.startsWith("playwright from 127.0.0.1")), JSON.stringify(actions.actions));
+
+  // Back to running for the picture: a dashboard with moving plots.
+  await page.click("#btn-start");
+  await until("run 2 running", async () => (await page.textContent("#run-number")) === "2");
+  await sleep(4000);
+  await page.screenshot({ path: shot, fullPage: true });
+  await page.click("#btn-stop");
+  await until("stopped again", async () => (await page.textContent("#state")) === "stopped");
+  console.log("dashboard test: ok (screenshot " + shot + ")");
+} finally {
+  if (browser) await browser.close();
+  tessera.kill("SIGINT");
+  await until("tessera to exit", () => exited !== null, 60000).catch(() => tessera.kill("SIGKILL"));
+  rmSync(dir, { recursive: true, force: true });
+}
