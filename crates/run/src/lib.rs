@@ -628,7 +628,15 @@ impl Session {
         let request_mode = self.r.topology.run.mode == tessera_config::Mode::Request;
         for u in &run.readout_units {
             // A readout unit ends with its sources' streams: finishing is normal once they did.
-            let sources_done = run.sources.as_ref().is_none_or(|s| s.all_finished());
+            let sources_done = u.stats.links.iter().all(|l| {
+                matches!(
+                    l.state(),
+                    tessera_readout::LinkState::Ended
+                        | tessera_readout::LinkState::Disconnected
+                        | tessera_readout::LinkState::Aborted
+                        | tessera_readout::LinkState::NeverConnected
+                )
+            });
             let err = if request_mode {
                 u.stats
                     .requests
