@@ -4,7 +4,7 @@
 //! for dashboards that do not compute `rate()` themselves.
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeCounterValue, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
@@ -47,20 +47,12 @@ pub fn render(c: &Controller) -> String {
 struct Enc<'a, 'b>(&'a mut DescriptorEncoder<'b>);
 
 impl Enc<'_, '_> {
-    fn counter(&mut self, name: &str, help: &str, v: &[(Labels, u64)]) -> std::fmt::Result {
-        if v.is_empty() {
-            return Ok(());
-        }
-        let mut d = self
-            .0
-            .encode_descriptor(name, help, None, MetricType::Counter)?;
-        for (l, x) in v {
-            ConstCounter::new(*x).encode(d.encode_family(l)?)?;
-        }
-        Ok(())
-    }
-
-    fn counter_f(&mut self, name: &str, help: &str, v: &[(Labels, f64)]) -> std::fmt::Result {
+    fn counter<N: EncodeCounterValue + std::fmt::Debug + Copy>(
+        &mut self,
+        name: &str,
+        help: &str,
+        v: &[(Labels, N)],
+    ) -> std::fmt::Result {
         if v.is_empty() {
             return Ok(());
         }
@@ -183,7 +175,7 @@ impl Collector for Snapshot {
                 .filter_map(|s| Some((src(s), s.bytes_sent?)))
                 .collect::<Vec<_>>(),
         )?;
-        e.counter_f(
+        e.counter(
             "tessera_source_dead_time_seconds",
             "time each emulated source was held by back-pressure (dead time)",
             &live
@@ -268,7 +260,7 @@ impl Collector for Snapshot {
                 })
                 .collect::<Vec<_>>(),
         )?;
-        e.counter_f(
+        e.counter(
             "tessera_readout_busy_seconds",
             "time links of each readout unit could not read for lack of buffer, summed over links",
             &rus.iter()
@@ -310,7 +302,7 @@ impl Collector for Snapshot {
         e.counter(
             "tessera_incomplete_events",
             "events built with a source missing, over all builders",
-            &[(vec![], bus.iter().map(|b| b.events_incomplete).sum())],
+            &[(vec![], bus.iter().map(|b| b.events_incomplete).sum::<u64>())],
         )?;
         e.counter(
             "tessera_builder_bytes",
@@ -331,7 +323,7 @@ impl Collector for Snapshot {
                 })
                 .collect::<Vec<_>>(),
         )?;
-        e.counter_f(
+        e.counter(
             "tessera_builder_busy_seconds",
             "time links of each builder could not read for lack of buffer, summed over links",
             &bus.iter()
@@ -378,7 +370,7 @@ impl Collector for Snapshot {
                 "fraction of the recorder's buffer in use",
                 &[(vec![], r.buffer_used as f64 / r.buffer_limit.max(1) as f64)],
             )?;
-            e.counter_f(
+            e.counter(
                 "tessera_recorder_write_seconds",
                 "time the recorder spent in write and fsync calls",
                 &[(vec![], r.write_ns as f64 * 1e-9)],

@@ -88,6 +88,17 @@ impl LinkState {
         }
     }
 
+    /// Whether the link is done for this run, cleanly or not.
+    pub fn ended(self) -> bool {
+        matches!(
+            self,
+            LinkState::Ended
+                | LinkState::Disconnected
+                | LinkState::Aborted
+                | LinkState::NeverConnected
+        )
+    }
+
     pub fn label(self) -> &'static str {
         match self {
             LinkState::Waiting => "waiting",
@@ -141,6 +152,17 @@ impl LinkStats {
 
     pub fn reject(&self, why: Rejection) {
         self.rejected[why.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Fragments rejected so far, by reason label; reasons with none left out.
+    pub fn rejected_by_reason(&self) -> std::collections::BTreeMap<String, u64> {
+        self.rejected
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (i, c.load(Ordering::Relaxed)))
+            .filter(|(_, n)| *n > 0)
+            .map(|(i, n)| (Rejection::from_index(i).label().to_string(), n))
+            .collect()
     }
 
     pub fn rejected_total(&self) -> u64 {

@@ -596,47 +596,46 @@ impl Session {
     pub fn components(&self) -> Vec<Component> {
         let run = &self.running;
         let stopping = self.stop_begun.load(Ordering::Relaxed);
-        let state = |finished: bool, error: Option<String>| match (error, finished) {
-            (Some(e), _) => (ComponentState::Failed, e),
-            (None, true) if !stopping => (
-                ComponentState::Failed,
-                "ended by itself while the run goes on".to_string(),
-            ),
-            (None, true) => (ComponentState::Finished, String::new()),
-            (None, false) if stopping => (ComponentState::Stopping, String::new()),
-            (None, false) => (ComponentState::Running, String::new()),
+        // A component finishes normally once what feeds it has (`upstream_done`) or a stop has
+        // begun; finishing otherwise is a failure.
+        let component = |name: String,
+                         kind: &'static str,
+                         finished: bool,
+                         upstream_done: bool,
+                         error: Option<String>| {
+            let (state, detail) = match error {
+                Some(e) => (ComponentState::Failed, e),
+                None if finished && !upstream_done && !stopping => (
+                    ComponentState::Failed,
+                    "ended by itself while the run goes on".to_string(),
+                ),
+                None if finished => (ComponentState::Finished, String::new()),
+                None if stopping => (ComponentState::Stopping, String::new()),
+                None => (ComponentState::Running, String::new()),
+            };
+            Component {
+                name,
+                kind,
+                state,
+                detail,
+            }
         };
         let mut v = Vec::new();
         if let Some(s) = &run.sources {
-            let finished = s.threads_finished();
-            let (st, detail) = if finished {
-                (ComponentState::Finished, String::new())
-            } else if s.paused() {
-                (ComponentState::Paused, String::new())
-            } else if stopping {
-                (ComponentState::Stopping, String::new())
-            } else {
-                (ComponentState::Running, String::new())
-            };
-            v.push(Component {
-                name: "sources".into(),
-                kind: "sources",
-                state: st,
-                detail,
-            });
+            let mut c = component(
+                "sources".into(),
+                "sources",
+                s.threads_finished(),
+                true,
+                None,
+            );
+            if c.state == ComponentState::Running && s.paused() {
+                c.state = ComponentState::Paused;
+            }
+            v.push(c);
         }
         let request_mode = self.r.topology.run.mode == tessera_config::Mode::Request;
         for u in &run.readout_units {
-            // A readout unit ends with its sources' streams: finishing is normal once they did.
-            let sources_done = u.stats.links.iter().all(|l| {
-                matches!(
-                    l.state(),
-                    tessera_readout::LinkState::Ended
-                        | tessera_readout::LinkState::Disconnected
-                        | tessera_readout::LinkState::Aborted
-                        | tessera_readout::LinkState::NeverConnected
-                )
-            });
             let err = if request_mode {
                 u.stats
                     .requests
@@ -651,18 +650,15 @@ impl Session {
                     .clone()
                     .map(|e| format!("builder link: {e}"))
             };
-            let (st, detail) = state(u.is_finished() && !sources_done, err);
-            let st = if u.is_finished() && sources_done && st != ComponentState::Failed {
-                ComponentState::Finished
-            } else {
-                st
-            };
-            v.push(Component {
-                name: format!("readout unit {}", u.stats.id),
-                kind: "readout",
-                state: st,
-                detail,
-            });
+            // A readout unit ends with its own links' streams.
+            let links_done = u.stats.links.iter().all(|l| l.state().ended());
+            v.push(component(
+                format!("readout unit {}", u.stats.id),
+                "readout",
+                u.is_finished(),
+                links_done,
+                err,
+            ));
         }
         for b in &run.builders {
             let err = b
@@ -671,47 +667,31 @@ impl Session {
                 .lock()
                 .clone()
                 .map(|e| format!("recorder link: {e}"));
-            let (st, detail) = state(b.is_finished() && !all_ru_finished(run), err);
-            let st = if b.is_finished() && all_ru_finished(run) && st != ComponentState::Failed {
-                ComponentState::Finished
-            } else {
-                st
-            };
-            v.push(Component {
-                name: format!("builder {}", b.stats.id),
-                kind: "builder",
-                state: st,
-                detail,
-            });
+            v.push(component(
+                format!("builder {}", b.stats.id),
+                "builder",
+                b.is_finished(),
+                all_ru_finished(run),
+                err,
+            ));
         }
         if let Some(rec) = &run.recorder {
-            let builders_done = run.builders.iter().all(|b| b.is_finished());
-            let err = rec.stats.error.lock().clone();
-            let (st, detail) = state(rec.is_finished() && !builders_done, err);
-            let st = if rec.is_finished() && builders_done && st != ComponentState::Failed {
-                ComponentState::Finished
-            } else {
-                st
-            };
-            v.push(Component {
-                name: "recorder".into(),
-                kind: "recorder",
-                state: st,
-                detail,
-            });
+            v.push(component(
+                "recorder".into(),
+                "recorder",
+                rec.is_finished(),
+                run.builders.iter().all(|b| b.is_finished()),
+                rec.stats.error.lock().clone(),
+            ));
         }
         if let Some(m) = &run.manager {
-            let (st, detail) = state(m.is_finished() && !all_ru_finished(run), None);
-            v.push(Component {
-                name: "event manager".into(),
-                kind: "event_manager",
-                state: if m.is_finished() && all_ru_finished(run) {
-                    ComponentState::Finished
-                } else {
-                    st
-                },
-                detail,
-            });
+            v.push(component(
+                "event manager".into(),
+                "event_manager",
+                m.is_finished(),
+                all_ru_finished(run),
+                None,
+            ));
         }
         v
     }
@@ -1122,22 +1102,13 @@ fn check_daemon_addresses(r: &Resolved, role: Role) -> Result<()> {
 
 /// Whether every external source's link has ended (cleanly or not).
 fn external_links_done(run: &Running, r: &Resolved) -> bool {
-    use tessera_readout::LinkState;
     let external: std::collections::HashSet<u32> =
         r.topology.sources.external.iter().copied().collect();
     run.readout_units
         .iter()
         .flat_map(|u| u.stats.links.iter())
         .filter(|l| external.contains(&l.source_id))
-        .all(|l| {
-            matches!(
-                l.state(),
-                LinkState::Ended
-                    | LinkState::Disconnected
-                    | LinkState::Aborted
-                    | LinkState::NeverConnected
-            )
-        })
+        .all(|l| l.state().ended())
 }
 
 fn all_finished(r: &Running) -> bool {

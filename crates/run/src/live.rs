@@ -151,18 +151,7 @@ impl Session {
         for u in &run.readout_units {
             for l in &u.stats.links {
                 let e = emulated.get(&l.source_id);
-                let mut rejected = BTreeMap::new();
-                for (i, c) in l.rejected.iter().enumerate() {
-                    let n = c.load(Relaxed);
-                    if n > 0 {
-                        rejected.insert(
-                            tessera_readout::Rejection::from_index(i)
-                                .label()
-                                .to_string(),
-                            n,
-                        );
-                    }
-                }
+                let rejected = l.rejected_by_reason();
                 let received = l.received();
                 sources.push(LiveSource {
                     id: l.source_id,
@@ -342,18 +331,7 @@ impl Session {
         };
         let mut links: Vec<LinkView> = all_links()
             .map(|(ru, l)| {
-                let mut rejected = BTreeMap::new();
-                for (i, c) in l.rejected.iter().enumerate() {
-                    let n = c.load(Relaxed);
-                    if n > 0 {
-                        rejected.insert(
-                            tessera_readout::Rejection::from_index(i)
-                                .label()
-                                .to_string(),
-                            n,
-                        );
-                    }
-                }
+                let rejected = l.rejected_by_reason();
                 LinkView {
                     source: l.source_id,
                     readout_unit: ru,

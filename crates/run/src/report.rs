@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 
 use tessera_config::Resolved;
-use tessera_readout::{LinkState, Rejection};
+use tessera_readout::LinkState;
 use tessera_recorder::FileInfo;
 
 use crate::Running;
@@ -207,14 +207,9 @@ impl Report {
         for u in &run.readout_units {
             let st = &u.stats;
             for l in &st.links {
-                let mut rej = BTreeMap::new();
-                for i in 0..Rejection::COUNT {
-                    let n = l.rejected[i].load(Ordering::Relaxed);
-                    if n > 0 {
-                        let label = Rejection::from_index(i).label();
-                        rej.insert(label.to_string(), n);
-                        add(label, n);
-                    }
+                let rej = l.rejected_by_reason();
+                for (label, n) in &rej {
+                    add(label, *n);
                 }
                 let received = l.received();
                 let (kind, sent, bytes, held, error) = match emulated.get(&l.source_id) {
