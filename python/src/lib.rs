@@ -149,7 +149,9 @@ fn fragments(buf: &[u8], offset: usize, size: usize) -> PyResult<Vec<FragmentTup
     let hs = h.header_size();
     let body = &rec[hs..];
     let base = offset + hs;
-    let mut out = Vec::with_capacity(h.fragment_count as usize);
+    // Bounded by the body: a header's count alone never sizes an allocation.
+    let most = body.len() / tessera_format::wire::FRAGMENT_OVERHEAD;
+    let mut out = Vec::with_capacity((h.fragment_count as usize).min(most));
     for f in Fragments::new(body) {
         let f = f.map_err(|e| PyValueError::new_err(e.to_string()))?;
         let p = f.payload_range();

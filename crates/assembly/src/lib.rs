@@ -2,13 +2,23 @@
 //!
 //! An [`Assembler`] has a fixed set of contributors (a readout unit's links, or a builder's
 //! readout units). Items arrive tagged with (contributor, event ID). An event is *ready* when every
-//! contributor has delivered its item or is closed (will never deliver again); it is *timed out*
-//! when it has waited longer than the timeout since its first item. Ready events come out
-//! complete or incomplete with the list of contributors that are missing.
+//! contributor has delivered its item or is closed (will never deliver again). Ready events come
+//! out complete or incomplete with the list of contributors that are missing.
+//!
+//! An event that waits longer than the timeout leaves incomplete only when every contributor it
+//! lacks *could have delivered and did not*: it is closed, it has moved past the event (its
+//! floor, the lowest event ID it may still deliver, is above the event's), or it was read and
+//! stayed silent for a whole timeout while the event waited. A contributor that Tessera itself
+//! stopped reading (its buffer full because downstream holds the data, or its reader starved of
+//! CPU) is none of these, so back-pressure turns into dead time, never into incomplete events.
+//! Silence is reported by the reader ([`Assembler::quiet`]) from reads that came back empty, so
+//! only the kernel's word that nothing arrived counts as silence.
 //!
 //! After an event leaves, the assembler remembers which contributors delivered it for a bounded
-//! number of events, so a late item (after the timeout) or a repeated one (a duplicated event ID)
-//! is reported as such instead of opening a new event that could only time out.
+//! number of events, so a late item or a repeated one (a duplicated event ID) is reported as
+//! such instead of opening a new event that could only time out. The table of open events is
+//! capped ([`Assembler::with_max_open`]): an item that would open one more is handed back
+//! ([`Offer::Full`]) and its contributor waits, which holds its link (back-pressure).
 
 mod recent;
 pub use recent::RecentSet;
@@ -48,6 +58,9 @@ pub enum Offer<T> {
     Late(T),
     /// The contributor is closed; nothing more is taken from it.
     Closed(T),
+    /// The item would open an event past the cap on open events: nothing was taken. Offer it
+    /// again once events have left (the contributor waits meanwhile: back-pressure).
+    Full(T),
 }
 
 struct Pending<T> {
@@ -72,6 +85,18 @@ impl Bits {
     }
 }
 
+/// What the assembler knows of one contributor's progress, for the timeout rule.
+#[derive(Clone, Copy, Debug, Default)]
+struct Progress {
+    /// The lowest event ID it may still deliver: from its items when its stream is ordered, or
+    /// promised by the peer.
+    floor: Option<u64>,
+    /// Start of its current silence (reads that came back empty), if it is silent.
+    quiet_since: Option<u64>,
+    /// When its reader last found it silent.
+    quiet_until: u64,
+}
+
 /// Counts kept over the assembler's life.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AssemblyStats {
@@ -80,6 +105,8 @@ pub struct AssemblyStats {
     pub timed_out: u64,
     pub duplicates: u64,
     pub late: u64,
+    /// Items handed back because the table of open events was full.
+    pub full: u64,
 }
 
 pub struct Assembler<T> {
@@ -95,6 +122,13 @@ pub struct Assembler<T> {
     done_order: VecDeque<u64>,
     memory: usize,
     held_items: usize,
+    progress: Vec<Progress>,
+    /// Items of an ordered contributor raise its floor (source links, read in order).
+    ordered: bool,
+    max_open: usize,
+    /// The contributor that kept the last aged event waiting: checked first by the next sweep,
+    /// so a long backlog behind one lagging link costs one look per event.
+    last_blocker: usize,
     pub stats: AssemblyStats,
 }
 
@@ -112,8 +146,86 @@ impl<T> Assembler<T> {
             done_order: VecDeque::new(),
             memory: memory.max(1),
             held_items: 0,
+            progress: vec![Progress::default(); contributors],
+            ordered: false,
+            max_open: usize::MAX,
+            last_blocker: 0,
             stats: AssemblyStats::default(),
         }
+    }
+
+    /// Caps the table of open (pending) events.
+    pub fn with_max_open(mut self, max_open: usize) -> Self {
+        self.max_open = max_open.max(1);
+        self
+    }
+
+    /// Contributors deliver event IDs in ascending order (a front-end's stream), so an item
+    /// raises its contributor's floor: it has moved past every lower event it did not deliver.
+    pub fn ordered(mut self, ordered: bool) -> Self {
+        self.ordered = ordered;
+        self
+    }
+
+    /// The reader of contributor `c` found nothing to read from `since_ns` to `until_ns` (a read
+    /// that waited and came back empty). Consecutive reports extend one silence.
+    pub fn quiet(&mut self, c: usize, since_ns: u64, until_ns: u64) {
+        let p = &mut self.progress[c];
+        if p.quiet_since.is_none() {
+            p.quiet_since = Some(since_ns);
+        }
+        p.quiet_until = p.quiet_until.max(until_ns);
+    }
+
+    /// Contributor `c` delivered bytes again: its silence is over.
+    pub fn heard(&mut self, c: usize) {
+        self.progress[c].quiet_since = None;
+    }
+
+    /// Contributor `c` promises it will deliver no event below `floor` (a readout unit's
+    /// progress message). Promises only ever raise the floor.
+    pub fn promise_floor(&mut self, c: usize, floor: u64) {
+        let p = &mut self.progress[c];
+        p.floor = Some(p.floor.map_or(floor, |f| f.max(floor)));
+    }
+
+    /// Whether `c` has been silent for at least a timeout (then it could have delivered).
+    fn long_silent(&self, c: usize) -> bool {
+        let p = &self.progress[c];
+        p.quiet_since
+            .is_some_and(|s| p.quiet_until.saturating_sub(s) >= self.timeout_ns)
+    }
+
+    /// Whether `c` not delivering event `ev` (first seen at `first_seen`) makes the event
+    /// incomplete: `c` could have delivered and did not.
+    fn excused(&self, c: usize, ev: u64, first_seen: u64) -> bool {
+        if self.closed[c] {
+            return true;
+        }
+        let p = &self.progress[c];
+        if p.floor.is_some_and(|f| f > ev) {
+            return true;
+        }
+        p.quiet_since
+            .is_some_and(|s| p.quiet_until >= s.max(first_seen).saturating_add(self.timeout_ns))
+    }
+
+    /// The lowest event ID this assembler may still let out: the lowest open event, and the floor
+    /// of every contributor that is open and not long silent. `None` while such a contributor
+    /// has not said where it is (it has delivered nothing yet). What a readout unit promises its
+    /// builders in its progress messages.
+    pub fn floor(&self) -> Option<u64> {
+        let mut f = u64::MAX;
+        for (c, p) in self.progress.iter().enumerate() {
+            if self.closed[c] || self.long_silent(c) {
+                continue;
+            }
+            f = f.min(p.floor?);
+        }
+        if let Some(&m) = self.pending.keys().min() {
+            f = f.min(m);
+        }
+        Some(f)
     }
 
     pub fn contributors(&self) -> usize {
@@ -143,6 +255,12 @@ impl<T> Assembler<T> {
         if self.closed[c] {
             return Offer::Closed(item);
         }
+        if self.ordered {
+            let p = &mut self.progress[c];
+            let next = event_id.saturating_add(1);
+            p.floor = Some(p.floor.map_or(next, |f| f.max(next)));
+        }
+        self.progress[c].quiet_since = None;
         if let Some(bits) = self.done.get(&event_id) {
             return if bits.get(c) {
                 self.stats.duplicates += 1;
@@ -153,6 +271,10 @@ impl<T> Assembler<T> {
             };
         }
         let n = self.contributors;
+        if self.pending.len() >= self.max_open && !self.pending.contains_key(&event_id) {
+            self.stats.full += 1;
+            return Offer::Full(item);
+        }
         let p = self.pending.entry(event_id).or_insert_with(|| {
             self.order.push_back((event_id, now_ns));
             Pending {
@@ -223,22 +345,70 @@ impl<T> Assembler<T> {
         }
     }
 
-    /// Events whose first item is older than the timeout, oldest first.
+    /// Events that waited past the timeout and whose missing contributors could all have
+    /// delivered (see the crate documentation), oldest first. Events still waiting for a
+    /// contributor that Tessera is not reading stay.
     pub fn expire(&mut self, now_ns: u64) -> Vec<Assembled<T>> {
         let mut out = Vec::new();
-        while let Some(&(ev, t)) = self.order.front() {
+        let mut i = 0;
+        while i < self.order.len() {
+            let (ev, t) = self.order[i];
             let live = self.pending.get(&ev).is_some_and(|p| p.first_seen_ns == t);
             if !live {
-                self.order.pop_front();
+                if i == 0 {
+                    self.order.pop_front();
+                } else {
+                    i += 1;
+                }
                 continue;
             }
             if now_ns.saturating_sub(t) < self.timeout_ns {
                 break;
             }
-            self.order.pop_front();
-            out.push(self.depart(ev, true));
+            if self.may_leave(ev, t) {
+                if i == 0 {
+                    self.order.pop_front();
+                } else {
+                    i += 1;
+                }
+                out.push(self.depart(ev, true));
+            } else {
+                i += 1;
+            }
+        }
+        // Entries of events that left from behind a waiting one are dropped now and then, so the
+        // order queue stays proportional to the open events.
+        if self.order.len() > 2 * self.pending.len() + 1024 {
+            let pending = &self.pending;
+            self.order
+                .retain(|(ev, t)| pending.get(ev).is_some_and(|p| p.first_seen_ns == *t));
         }
         out
+    }
+
+    /// Whether every contributor that event `ev` lacks is excused.
+    fn may_leave(&mut self, ev: u64, first_seen: u64) -> bool {
+        let p = &self.pending[&ev];
+        let hint = self.last_blocker;
+        if hint < self.contributors
+            && p.parts[hint].is_none()
+            && !self.excused(hint, ev, first_seen)
+        {
+            return false;
+        }
+        let blocker = p
+            .parts
+            .iter()
+            .enumerate()
+            .find(|(c, x)| x.is_none() && !self.excused(*c, ev, first_seen))
+            .map(|(c, _)| c);
+        match blocker {
+            Some(c) => {
+                self.last_blocker = c;
+                false
+            }
+            None => true,
+        }
     }
 
     /// The periodic step of a sweeper: events past their timeout leave; once every contributor is
@@ -251,14 +421,6 @@ impl<T> Assembler<T> {
             out.extend(self.flush());
         }
         (out, done)
-    }
-
-    /// When the oldest pending event will time out, if any.
-    pub fn next_deadline(&self) -> Option<u64> {
-        self.order
-            .iter()
-            .find(|(ev, t)| self.pending.get(ev).is_some_and(|p| p.first_seen_ns == *t))
-            .map(|(_, t)| t + self.timeout_ns)
     }
 
     /// Contributor `c` will deliver nothing more: events that waited only for it are ready now.
@@ -311,7 +473,9 @@ mod tests {
         let mut a = Assembler::new(3, 1000, 100);
         a.offer(0, 1, 0u8, 0);
         a.offer(1, 1, 0u8, 10);
+        a.quiet(2, 0, 999);
         assert!(a.expire(999).is_empty());
+        a.quiet(2, 999, 1000);
         let out = a.expire(1000);
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].missing, vec![2]);
@@ -345,6 +509,7 @@ mod tests {
         let (out, done) = a.sweep(50);
         assert!(out.is_empty() && !done);
         a.offer(0, 2, (), 60);
+        a.quiet(1, 0, 100);
         let (out, done) = a.sweep(100);
         assert_eq!(out.iter().map(|e| e.event_id).collect::<Vec<_>>(), vec![1]);
         assert!(!done);
@@ -360,9 +525,122 @@ mod tests {
         for c in 0..129 {
             a.offer(c, 7, c, 0);
         }
+        a.quiet(129, 0, 10);
         let out = a.expire(10);
         assert_eq!(out[0].missing, vec![129]);
         assert!(matches!(a.offer(128, 7, 0, 11), Offer::Duplicate(_)));
         assert!(matches!(a.offer(129, 7, 0, 11), Offer::Late(_)));
+    }
+
+    #[test]
+    fn a_link_that_is_not_being_read_never_times_an_event_out() {
+        // Contributor 1 is held (its buffer full, or its reader without CPU): no quiet reports,
+        // no items. However long the event waits, it stays.
+        let mut a = Assembler::new(2, 1000, 100);
+        a.offer(0, 1, (), 0);
+        assert!(a.expire(1_000_000_000).is_empty());
+        assert_eq!(a.pending_events(), 1);
+        match a.offer(1, 1, (), 1_000_000_001) {
+            Offer::Ready(e) => assert!(e.is_complete()),
+            o => panic!("{o:?}"),
+        }
+        assert_eq!(a.stats.late, 0);
+    }
+
+    #[test]
+    fn silence_counts_only_while_the_event_waits_and_only_unbroken() {
+        let mut a = Assembler::new(2, 1000, 100);
+        a.quiet(1, 0, 500);
+        a.offer(0, 1, (), 400);
+        a.heard(1);
+        // A new silence from 900: it must last a whole timeout from there.
+        a.quiet(1, 900, 1400);
+        assert!(a.expire(1400).is_empty());
+        a.quiet(1, 1400, 1899);
+        assert!(a.expire(1899).is_empty());
+        a.quiet(1, 1899, 1900);
+        let out = a.expire(1900);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].missing, vec![1]);
+    }
+
+    #[test]
+    fn silence_before_the_event_counts_when_it_goes_on() {
+        let mut a = Assembler::new(2, 1000, 100);
+        a.quiet(1, 0, 500);
+        a.offer(0, 1, (), 400);
+        a.quiet(1, 500, 1399);
+        assert!(
+            a.expire(1399).is_empty(),
+            "a timeout has not passed since the event came"
+        );
+        a.quiet(1, 1399, 1400);
+        assert_eq!(a.expire(1400).len(), 1);
+    }
+
+    #[test]
+    fn an_ordered_link_past_the_event_makes_it_incomplete_after_the_timeout() {
+        let mut a = Assembler::new(2, 1000, 100).ordered(true);
+        a.offer(0, 3, (), 0);
+        a.offer(1, 4, (), 10); // link 1 skipped event 3
+        assert!(a.expire(999).is_empty());
+        let out = a.expire(1000);
+        assert_eq!(out.iter().map(|e| e.event_id).collect::<Vec<_>>(), vec![3]);
+        assert_eq!(out[0].missing, vec![1]);
+        // Event 4 waits for link 0, which has not moved past it.
+        assert!(a.expire(1_000_000).is_empty());
+    }
+
+    #[test]
+    fn a_promised_floor_releases_events_the_peer_will_never_send() {
+        let mut a = Assembler::new(2, 1000, 100);
+        a.offer(0, 10, (), 0);
+        a.offer(0, 20, (), 0);
+        a.promise_floor(1, 15);
+        a.promise_floor(1, 12); // promises never go back
+        let out = a.expire(1000);
+        assert_eq!(out.iter().map(|e| e.event_id).collect::<Vec<_>>(), vec![10]);
+        assert_eq!(a.pending_events(), 1);
+    }
+
+    #[test]
+    fn a_waiting_event_does_not_hold_back_one_that_may_leave() {
+        let mut a = Assembler::new(3, 1000, 100);
+        a.offer(0, 1, (), 0);
+        a.offer(1, 1, (), 0); // event 1 waits for 2, which is held
+        a.offer(0, 2, (), 10);
+        a.offer(2, 2, (), 10); // event 2 waits for 1, which is silent
+        a.quiet(1, 0, 2000);
+        let out = a.expire(2000);
+        assert_eq!(out.iter().map(|e| e.event_id).collect::<Vec<_>>(), vec![2]);
+        assert_eq!(a.pending_events(), 1);
+    }
+
+    #[test]
+    fn the_open_event_table_is_capped_and_hands_items_back() {
+        let mut a = Assembler::new(2, 1000, 100).with_max_open(2);
+        assert!(matches!(a.offer(0, 1, 'a', 0), Offer::Held));
+        assert!(matches!(a.offer(0, 2, 'b', 0), Offer::Held));
+        assert!(matches!(a.offer(0, 3, 'c', 0), Offer::Full('c')));
+        // Items of open events still go in, and free room.
+        assert!(matches!(a.offer(1, 1, 'x', 0), Offer::Ready(_)));
+        assert!(matches!(a.offer(0, 3, 'c', 0), Offer::Held));
+        assert_eq!(a.stats.full, 1);
+    }
+
+    #[test]
+    fn floor_is_the_lowest_event_still_to_leave() {
+        let mut a = Assembler::new(2, 1000, 100).ordered(true);
+        assert_eq!(a.floor(), None, "nobody has said where it is");
+        a.offer(0, 5, (), 0);
+        assert_eq!(a.floor(), None);
+        a.offer(1, 7, (), 0);
+        assert_eq!(a.floor(), Some(5), "event 5 is still open");
+        a.offer(1, 5, (), 0);
+        assert_eq!(a.floor(), Some(6), "link 0 may still send 6");
+        a.quiet(0, 0, 1000);
+        assert_eq!(a.floor(), Some(7), "a long-silent link makes no claim");
+        a.close(1);
+        assert_eq!(a.floor(), Some(7), "event 7 waits for link 0");
     }
 }

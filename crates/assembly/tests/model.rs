@@ -7,9 +7,16 @@ use tessera_assembly::{Assembler, Offer};
 
 #[derive(Clone, Debug)]
 enum Op {
-    Offer { c: usize, ev: u64 },
+    Offer {
+        c: usize,
+        ev: u64,
+    },
     Tick(u64),
     Close(usize),
+    /// The contributor's reader found nothing for this long.
+    Quiet(usize, u64),
+    Heard(usize),
+    Promise(usize, u64),
 }
 
 fn op(n: usize) -> impl Strategy<Value = Op> {
@@ -17,13 +24,29 @@ fn op(n: usize) -> impl Strategy<Value = Op> {
         8 => (0..n, 0u64..20).prop_map(|(c, ev)| Op::Offer { c, ev }),
         2 => (1u64..50).prop_map(Op::Tick),
         1 => (0..n).prop_map(Op::Close),
+        2 => (0..n, 1u64..50).prop_map(|(c, d)| Op::Quiet(c, d)),
+        1 => (0..n).prop_map(Op::Heard),
+        1 => (0..n, 0u64..25).prop_map(|(c, f)| Op::Promise(c, f)),
+    ]
+}
+
+/// Operations that never excuse a contributor: items, time passing, nothing else.
+fn held_op(n: usize) -> impl Strategy<Value = Op> {
+    prop_oneof![
+        8 => (0..n, 0u64..20).prop_map(|(c, ev)| Op::Offer { c, ev }),
+        2 => (1u64..5000).prop_map(Op::Tick),
     ]
 }
 
 proptest! {
     #[test]
-    fn items_are_conserved(n in 1usize..6, ops in proptest::collection::vec(op(5), 0..200)) {
-        let mut a = Assembler::new(n, 30, 8);
+    fn items_are_conserved(
+        n in 1usize..6,
+        ordered in any::<bool>(),
+        max_open in 1usize..8,
+        ops in proptest::collection::vec(op(5), 0..200),
+    ) {
+        let mut a = Assembler::new(n, 30, 8).ordered(ordered).with_max_open(max_open);
         let mut now = 0u64;
         let mut offered = 0usize;
         let mut out_in_events = 0usize;
@@ -41,8 +64,11 @@ proptest! {
                             }
                             out_in_events += e.parts.iter().flatten().count();
                         }
-                        Offer::Duplicate(_) | Offer::Late(_) | Offer::Closed(_) => returned += 1,
+                        Offer::Duplicate(_) | Offer::Late(_) | Offer::Closed(_) | Offer::Full(_) => {
+                            returned += 1
+                        }
                     }
+                    prop_assert!(a.pending_events() <= max_open);
                 }
                 Op::Tick(dt) => {
                     now += dt;
@@ -54,11 +80,47 @@ proptest! {
                 Op::Close(c) => {
                     for e in a.close(c % n) { out_in_events += e.parts.iter().flatten().count(); }
                 }
+                Op::Quiet(c, d) => {
+                    a.quiet(c % n, now, now + d);
+                    now += d;
+                }
+                Op::Heard(c) => a.heard(c % n),
+                Op::Promise(c, f) => a.promise_floor(c % n, f),
             }
             prop_assert_eq!(offered, out_in_events + returned + a.held_items());
         }
         for e in a.flush() { out_in_events += e.parts.iter().flatten().count(); }
         prop_assert_eq!(a.held_items(), 0);
         prop_assert_eq!(offered, out_in_events + returned);
+    }
+}
+
+proptest! {
+    /// Back-pressure is not loss: when no contributor is ever silent, closed, past an event or
+    /// promised past it (they are only held), no event ever times out, however long it waits,
+    /// and no item is ever late.
+    #[test]
+    fn held_contributors_never_time_out(
+        n in 2usize..6,
+        ops in proptest::collection::vec(held_op(5), 0..300),
+    ) {
+        let mut a = Assembler::new(n, 30, 64);
+        let mut now = 0u64;
+        for o in ops {
+            match o {
+                Op::Offer { c, ev } => {
+                    if let Offer::Ready(e) = a.offer(c % n, ev, (), now) {
+                        prop_assert!(e.is_complete());
+                    }
+                }
+                Op::Tick(dt) => {
+                    now += dt;
+                    prop_assert!(a.expire(now).is_empty());
+                }
+                _ => unreachable!(),
+            }
+        }
+        prop_assert_eq!(a.stats.late, 0);
+        prop_assert_eq!(a.stats.incomplete, 0);
     }
 }

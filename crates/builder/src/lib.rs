@@ -37,6 +37,8 @@ pub struct BuilderConfig {
     pub buffer: u64,
     pub read_chunk: usize,
     pub event_timeout: Duration,
+    /// Cap on the events open at once.
+    pub max_open_events: usize,
     /// Largest super-fragment accepted.
     pub max_message: usize,
 }
@@ -107,11 +109,12 @@ impl BuilderUnit {
         let shared = Arc::new(Shared {
             id: cfg.id,
             rus: cfg.readout_units,
-            assembler: Mutex::new(Assembler::new(
-                n,
-                cfg.event_timeout.as_nanos() as u64,
-                1 << 16,
-            )),
+            // Readout units send events in the order they finish them, not by event ID: where
+            // they are comes from their progress messages instead.
+            assembler: Mutex::new(
+                Assembler::new(n, cfg.event_timeout.as_nanos() as u64, 1 << 16)
+                    .with_max_open(cfg.max_open_events),
+            ),
             to_recorder,
             stats: stats.clone(),
             t0: Instant::now(),
@@ -273,7 +276,9 @@ fn read_link(sh: &Shared, slot: usize, mut stream: TcpStream) {
     let mut reader = ChunkReader::new(link.budget.clone(), sh.read_chunk.max(2 * sh.max_message));
     let mut want = 0usize;
     let mut got: Vec<(u64, Part)> = Vec::new();
+    let mut progress: Vec<u64> = Vec::new();
     let mut done = false;
+    let mut silent = false;
     loop {
         loop {
             match decode_link(reader.window(), sh.max_message) {
@@ -283,6 +288,10 @@ fn read_link(sh: &Shared, slot: usize, mut stream: TcpStream) {
                     link.fragments
                         .fetch_add(h.fragment_count as u64, Ordering::Relaxed);
                     got.push((h.event_id, (h, sf)));
+                }
+                Ok((LinkItem::Progress(p), n)) => {
+                    reader.skip(n);
+                    progress.push(p.floor);
                 }
                 Ok((LinkItem::End(end), n)) => {
                     reader.skip(n);
@@ -313,13 +322,49 @@ fn read_link(sh: &Shared, slot: usize, mut stream: TcpStream) {
             }
         }
         if !got.is_empty() {
+            let t = Instant::now();
             offer(sh, slot, &mut got);
+            if !got.is_empty() {
+                // The table of open events is full: this link waits (back-pressure).
+                while !got.is_empty() && !sh.abort.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(1));
+                    offer(sh, slot, &mut got);
+                }
+                link.budget
+                    .busy_ns
+                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+        }
+        // A floor applies after the super-fragments that came before it.
+        if let Some(&floor) = progress.iter().max() {
+            progress.clear();
+            let ready = {
+                let mut a = sh.assembler.lock();
+                a.promise_floor(slot, floor);
+                let r = a.expire(sh.now_ns());
+                sh.publish_held(&a);
+                r
+            };
+            sh.finish(ready);
         }
         if done {
             break;
         }
         match reader.fill(&mut stream, want, &sh.abort) {
-            Ok(Fill::Data(_)) => {}
+            Ok(Fill::Data(0)) => {
+                // Nothing, not even a progress message, since the read began: silence.
+                if let Some(t) = reader.read_started {
+                    let since = t.saturating_duration_since(sh.t0).as_nanos() as u64;
+                    sh.assembler.lock().quiet(slot, since, sh.now_ns());
+                    silent = true;
+                }
+            }
+            Ok(Fill::Data(_)) => {
+                if silent {
+                    sh.assembler.lock().heard(slot);
+                    silent = false;
+                }
+            }
             Ok(Fill::Eof) => {
                 if !reader.window().is_empty() {
                     *link.error.lock() = Some("link closed inside a super-fragment".into());
@@ -344,12 +389,19 @@ fn offer(sh: &Shared, slot: usize, got: &mut Vec<(u64, Part)>) {
     let now = sh.now_ns();
     let mut ready = Vec::new();
     let st = &sh.stats;
+    let mut left = Vec::new();
     {
         let mut a = sh.assembler.lock();
-        for (ev, part) in got.drain(..) {
+        let mut items = got.drain(..);
+        for (ev, part) in items.by_ref() {
             let nf = part.0.fragment_count as u64;
             st.held_fragments.fetch_add(nf, Ordering::Relaxed);
             match a.offer(slot, ev, part, now) {
+                Offer::Full(part) => {
+                    st.held_fragments.fetch_sub(nf, Ordering::Relaxed);
+                    left.push((ev, part));
+                    break;
+                }
                 Offer::Held => {}
                 Offer::Ready(e) => ready.push(e),
                 Offer::Duplicate(_) => {
@@ -362,8 +414,10 @@ fn offer(sh: &Shared, slot: usize, got: &mut Vec<(u64, Part)>) {
                 }
             }
         }
+        left.extend(items);
         sh.publish_held(&a);
     }
+    *got = left;
     sh.finish(ready);
 }
 
@@ -371,7 +425,14 @@ fn sweep(sh: &Shared) {
     loop {
         let (ready, all_closed) = {
             let mut a = sh.assembler.lock();
-            let r = a.sweep(sh.now_ns());
+            let now = sh.now_ns();
+            // A readout unit that has not connected is listened for and says nothing: silence.
+            for (slot, l) in sh.stats.links.iter().enumerate() {
+                if !l.connected.load(Ordering::Relaxed) {
+                    a.quiet(slot, 0, now);
+                }
+            }
+            let r = a.sweep(now);
             sh.publish_held(&a);
             r
         };

@@ -31,7 +31,10 @@ impl Record {
         count: u32,
         st: &BuilderStats,
     ) -> bool {
-        let mut found = Vec::with_capacity(count as usize);
+        // The decoders bound `count` by the part's size; the capacity is bounded again here so
+        // that no count from a peer ever sizes an allocation on its own.
+        let most = body.len() / tessera_format::wire::FRAGMENT_OVERHEAD;
+        let mut found = Vec::with_capacity((count as usize).min(most));
         for f in Fragments::new(body) {
             match f {
                 Ok(f) if f.header.event_id == event_id => found.push(f),

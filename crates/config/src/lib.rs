@@ -279,8 +279,13 @@ pub struct ReadoutSection {
     pub buffer: ByteSize,
     /// Size of the blocks a link reads into; raised to hold two maximum-size fragments.
     pub read_chunk: ByteSize,
-    /// How long an event may wait for its last link before it is sent as incomplete, in ms.
+    /// How long an event may wait for a link that could deliver and does not, in ms: a link
+    /// that stays silent while it is read, or that has moved past the event. A link the unit
+    /// itself stops reading (its buffer full: back-pressure) never times an event out.
     pub event_timeout_ms: u64,
+    /// Most events open (waiting for links) at once. A fragment that would open one more waits,
+    /// holding its link (back-pressure); the wait counts as busy time.
+    pub max_open_events: usize,
     /// Write rejected fragments to `quarantine/ru<ID>.dump` under the output directory.
     pub quarantine: bool,
     /// Stop dumping (but keep counting) once a dump reaches this size.
@@ -296,6 +301,7 @@ impl Default for ReadoutSection {
             buffer: ByteSize(64 << 20),
             read_chunk: ByteSize(256 << 10),
             event_timeout_ms: 2000,
+            max_open_events: 65536,
             quarantine: true,
             quarantine_limit: ByteSize(16 << 20),
         }
@@ -314,9 +320,14 @@ pub struct BuilderSection {
     pub buffer: ByteSize,
     /// Size of the blocks a link reads into; raised to hold two maximum-size super-fragments.
     pub read_chunk: ByteSize,
-    /// How long an event may wait for its last readout unit, in ms. Must exceed the readout
-    /// units' own timeout, so that a unit's late partial super-fragment still arrives in time.
+    /// How long an event may wait for a readout unit that has gone silent (no super-fragment
+    /// and no progress message, which a live unit sends every 100 ms), in ms. A unit that is
+    /// alive but held never times an event out; one that says it moved past an event makes it
+    /// incomplete at once. Must exceed the readout units' own timeout.
     pub event_timeout_ms: u64,
+    /// Most events open (waiting for readout units) at once; a super-fragment that would open
+    /// one more waits, holding its link (back-pressure).
+    pub max_open_events: usize,
 }
 
 impl Default for BuilderSection {
@@ -327,6 +338,7 @@ impl Default for BuilderSection {
             buffer: ByteSize(128 << 20),
             read_chunk: ByteSize(1 << 20),
             event_timeout_ms: 5000,
+            max_open_events: 65536,
         }
     }
 }
@@ -1084,6 +1096,12 @@ impl Topology {
                     "must be at least 1 ms".into(),
                 ));
             }
+            if ru.max_open_events == 0 {
+                return Err(err(
+                    &format!("readout[{i}].max_open_events"),
+                    "must be at least 1".into(),
+                ));
+            }
         }
         let mut bids = BTreeSet::new();
         let max_ru_timeout = self
@@ -1118,6 +1136,12 @@ impl Topology {
                 return Err(err(
                     &format!("builder[{i}].event_timeout_ms"),
                     format!("{} ms must exceed the readout units' event_timeout_ms ({max_ru_timeout} ms), or partial super-fragments arrive after the builder gave up", bu.event_timeout_ms),
+                ));
+            }
+            if bu.max_open_events == 0 {
+                return Err(err(
+                    &format!("builder[{i}].max_open_events"),
+                    "must be at least 1".into(),
                 ));
             }
             bu.read_chunk = ByteSize(bu.read_chunk.0.max(sf_floor as u64));

@@ -75,6 +75,10 @@ pub enum EventError {
     BadRecordSize,
     #[error("event checksum mismatch")]
     BadChecksum,
+    /// More fragments declared than the record's size can hold (each takes at least its header
+    /// and trailer).
+    #[error("fragment count larger than the record can hold")]
+    BadFragmentCount,
 }
 
 impl EventRecordHeader {
@@ -154,6 +158,9 @@ impl EventRecordHeader {
         let rs = u32_at(b, 8) as usize;
         if rs < hs || rs > max_record {
             return Err(EventError::BadRecordSize);
+        }
+        if u32_at(b, 36) as usize > (rs - hs) / crate::wire::FRAGMENT_OVERHEAD {
+            return Err(EventError::BadFragmentCount);
         }
         if b.len() < hs {
             return Ok(None);

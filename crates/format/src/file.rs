@@ -276,6 +276,28 @@ pub fn decode_block(
 ) -> Result<(), FileError> {
     out.clear();
     let raw = h.raw_size as usize;
+    // The raw size is checked against what the stored bytes can expand to before it sizes a
+    // buffer: a corrupt header must not make a reader allocate a gigabyte.
+    let possible = match h.codec {
+        Codec::None => stored.len(),
+        // An lz4 block expands at most ~255 times (a match length grows by 255 per byte).
+        Codec::Lz4 => stored.len().saturating_mul(255).saturating_add(64),
+        // A zstd frame states its content size; the frames written here always do.
+        Codec::Zstd => match zstd::zstd_safe::get_frame_content_size(stored) {
+            Ok(Some(n)) => usize::try_from(n).unwrap_or(usize::MAX),
+            _ => {
+                return Err(FileError::Decompress(
+                    "zstd frame without a content size".into(),
+                ))
+            }
+        },
+    };
+    if raw > possible {
+        return Err(FileError::Decompress(format!(
+            "block claims {raw} raw bytes, its {} stored bytes cannot hold them",
+            stored.len()
+        )));
+    }
     let target: &mut Vec<u8> = if h.filter == Filter::Shuffle2 {
         scratch
     } else {

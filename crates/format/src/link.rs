@@ -12,10 +12,13 @@ use crate::wire::{
     FragmentHeader, FRAGMENT_HEADER_SIZE, MAX_HEADER_SIZE, START_MARKER, TRAILER_SIZE,
 };
 
-pub const LINK_VERSION: u16 = 1;
+/// Version 2 added the progress message (readout unit → builder unit).
+pub const LINK_VERSION: u16 = 2;
 pub const PEER_HELLO_MAGIC: u32 = 0xEE22_BBEE;
 pub const SUPER_FRAGMENT_MARKER: u32 = 0xEE53_46EE;
 pub const PEER_END_MARKER: u32 = 0xEE0E_0EEE;
+pub const PROGRESS_MARKER: u32 = 0xEE50_57EE;
+pub const PROGRESS_SIZE: usize = 24;
 pub const PEER_HELLO_SIZE: usize = 16;
 pub const PEER_END_SIZE: usize = 32;
 pub const SUPER_FRAGMENT_HEADER_SIZE: usize = 32;
@@ -82,6 +85,29 @@ impl PeerEnd {
     }
 }
 
+/// A readout unit's word to a builder, sent at least every progress interval whether or not
+/// super-fragments flow: it is alive (so the builder can tell a held unit from a dead one), and
+/// every super-fragment with an event ID below `floor` that it will ever send on this link has
+/// been sent before this message (so the builder need not wait for events the unit never had).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    pub readout_unit: u32,
+    /// 0: no promise yet (some link has not said where it is).
+    pub floor: u64,
+}
+
+impl Progress {
+    pub fn encode(&self) -> [u8; PROGRESS_SIZE] {
+        let mut b = [0u8; PROGRESS_SIZE];
+        put_u32(&mut b, 0, PROGRESS_MARKER);
+        put_u16(&mut b, 4, LINK_VERSION);
+        put_u16(&mut b, 6, PROGRESS_SIZE as u16);
+        put_u32(&mut b, 8, self.readout_unit);
+        put_u64(&mut b, 16, self.floor);
+        b
+    }
+}
+
 /// Header of the super-fragment a readout unit sends for one event: its links' fragments for
 /// that event, verbatim, and the list of its sources that did not deliver one.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -126,6 +152,7 @@ pub enum LinkItem {
     /// An event record of `consumed` bytes.
     Event(EventRecordHeader),
     End(PeerEnd),
+    Progress(Progress),
     NeedMore(usize),
     Idle,
 }
@@ -163,7 +190,9 @@ pub fn decode_link(b: &[u8], max_message: usize) -> Result<(LinkItem, usize), Li
     }
     let marker = u32_at(b, 0);
     let version = u16_at(b, 4);
-    if version != LINK_VERSION {
+    // An event record carries its own record version (checked by its decoder); every other
+    // message carries the link version.
+    if marker != EVENT_MARKER && version != LINK_VERSION {
         return Err(LinkError::BadVersion(version));
     }
     let size = u16_at(b, 6) as usize;
@@ -200,6 +229,21 @@ pub fn decode_link(b: &[u8], max_message: usize) -> Result<(LinkItem, usize), Li
             };
             Ok((LinkItem::End(end), size))
         }
+        PROGRESS_MARKER => {
+            if size != PROGRESS_SIZE {
+                return Err(LinkError::BadSize("progress"));
+            }
+            if b.len() < size {
+                return Ok((LinkItem::NeedMore(size), 0));
+            }
+            Ok((
+                LinkItem::Progress(Progress {
+                    readout_unit: u32_at(b, 8),
+                    floor: u64_at(b, 16),
+                }),
+                size,
+            ))
+        }
         SUPER_FRAGMENT_MARKER => {
             if b.len() < SUPER_FRAGMENT_HEADER_SIZE {
                 return Ok((LinkItem::NeedMore(SUPER_FRAGMENT_HEADER_SIZE), 0));
@@ -212,6 +256,12 @@ pub fn decode_link(b: &[u8], max_message: usize) -> Result<(LinkItem, usize), Li
             }
             if total < size || total > max_message {
                 return Err(LinkError::BadSize("super-fragment"));
+            }
+            // A count is checked against the bytes that must hold it before anyone sizes
+            // anything by it: every fragment takes at least its header and trailer.
+            let count = u32_at(b, 12) as usize;
+            if count > (total - size) / crate::wire::FRAGMENT_OVERHEAD {
+                return Err(LinkError::BadSize("super-fragment fragment count"));
             }
             if b.len() < total {
                 return Ok((LinkItem::NeedMore(total), 0));

@@ -344,6 +344,10 @@ pub fn decode(b: &[u8], max_message: usize) -> Result<Decoded, ProtocolError> {
         if n > MAX_LIST || ANSWER_FIXED_SIZE + 4 * n > total {
             return Err(ProtocolError::BadSize("answer missing list"));
         }
+        let count = u32_at(b, 36) as usize;
+        if count > (total - ANSWER_FIXED_SIZE - 4 * n) / crate::wire::FRAGMENT_OVERHEAD {
+            return Err(ProtocolError::BadSize("answer fragment count"));
+        }
         ANSWER_FIXED_SIZE + 4 * n
     } else {
         total
@@ -556,9 +560,11 @@ mod tests {
         fn answers_round_trip(
             tag in any::<u64>(), ev in any::<u64>(), ru in any::<u32>(),
             missing in proptest::collection::vec(any::<u32>(), 0..8),
-            body in proptest::collection::vec(any::<u8>(), 0..64)
+            body in proptest::collection::vec(any::<u8>(), 0..200)
         ) {
-            let mut h = AnswerHeader { tag, event_id: ev, readout_unit: ru, fragment_count: 1,
+            // The most fragments such a body can hold: a count beyond is refused (see below).
+            let count = (body.len() / crate::wire::FRAGMENT_OVERHEAD) as u32;
+            let mut h = AnswerHeader { tag, event_id: ev, readout_unit: ru, fragment_count: count,
                 total_size: 0, missing };
             h.total_size = (h.header_size() + body.len()) as u32;
             let mut b = Vec::new();
@@ -566,6 +572,26 @@ mod tests {
             b.extend_from_slice(&body);
             prop_assert_eq!(decode(&b, 1 << 20), Ok(Decoded::Message(Message::Answer(h), b.len())));
         }
+    }
+
+    #[test]
+    fn a_fragment_count_the_answer_cannot_hold_is_refused() {
+        let mut h = AnswerHeader {
+            tag: 1,
+            event_id: 2,
+            readout_unit: 3,
+            fragment_count: u32::MAX,
+            total_size: 0,
+            missing: vec![],
+        };
+        h.total_size = (h.header_size() + 48) as u32;
+        let mut b = Vec::new();
+        h.encode_into(&mut b, 48);
+        b.extend_from_slice(&[0u8; 48]);
+        assert_eq!(
+            decode(&b, 1 << 20),
+            Err(ProtocolError::BadSize("answer fragment count"))
+        );
     }
 
     #[test]

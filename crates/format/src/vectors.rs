@@ -5,7 +5,7 @@
 
 use crate::event::{EventFlags, EventRecordHeader};
 use crate::file::{BlockHeader, Codec, FileHeader, FileTrailer, Filter};
-use crate::link::{PeerEnd, PeerHello, PeerRole, SuperFragmentHeader};
+use crate::link::{PeerEnd, PeerHello, PeerRole, Progress, SuperFragmentHeader};
 use crate::wire::{encode_fragment, FragmentHeader, Hello, StreamEnd};
 
 /// (title, bytes) of every documented vector, in document order.
@@ -69,6 +69,15 @@ pub fn all() -> Vec<(&'static str, Vec<u8>)> {
     v.push((
         "super-fragment, readout unit 1, event 42, the fragment above, source 9 missing",
         (sf).to_vec(),
+    ));
+    v.push((
+        "progress, readout unit 1, floor 43",
+        (Progress {
+            readout_unit: 1,
+            floor: 43,
+        }
+        .encode())
+        .to_vec(),
     ));
     let mut ev = Vec::new();
     let mut eh = EventRecordHeader {

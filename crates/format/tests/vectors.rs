@@ -61,7 +61,7 @@ fn link_vectors() {
     .encode();
     assert_eq!(
         hex::encode(hello),
-        "eebb22ee0100100001000000".to_string() + "01000000"
+        "eebb22ee0200100001000000".to_string() + "01000000"
     );
     let end = PeerEnd {
         role: PeerRole::BuilderUnit,
@@ -72,7 +72,7 @@ fn link_vectors() {
     .encode();
     assert_eq!(
         hex::encode(end),
-        "ee0e0eee010020000200000000000000".to_string() + "02000000000000001000000000000000"
+        "ee0e0eee020020000200000000000000".to_string() + "02000000000000001000000000000000"
     );
     let mut sf = Vec::new();
     SuperFragmentHeader {
@@ -85,7 +85,7 @@ fn link_vectors() {
     .encode_into(&mut sf);
     assert_eq!(
         hex::encode(sf),
-        "ee4653ee0100240001000000010000002a00000000000000640000000100000009000000"
+        "ee4653ee0200240001000000010000002a00000000000000640000000100000009000000"
     );
 }
 

@@ -35,6 +35,9 @@ pub enum MonitorError {
     /// A put of an event this consumer does not hold.
     #[error("event {0} is not held by this consumer")]
     NotHeld(u64),
+    /// A put that names the same event twice.
+    #[error("event {0} is named twice in one put")]
+    Repeated(u64),
     /// A replacement record that is not one whole event record.
     #[error("replacement for event {0} is not an event record: {1}")]
     BadRecord(u64, String),
@@ -55,7 +58,7 @@ impl MonitorError {
             MonitorError::UnknownStation(_) => ErrorCode::UnknownStation,
             MonitorError::Refused { .. } => ErrorCode::Refused,
             MonitorError::NotHeld(_) => ErrorCode::NotHeld,
-            MonitorError::BadRecord(..) => ErrorCode::BadRequest,
+            MonitorError::BadRecord(..) | MonitorError::Repeated(_) => ErrorCode::BadRequest,
             MonitorError::Detached | MonitorError::Woken => ErrorCode::NotAttached,
             MonitorError::Closed => ErrorCode::Closed,
         }
@@ -538,11 +541,12 @@ impl Monitor {
                     // A sampled event is the consumer's copy from now on: its room is free.
                     st.counters.put += n as u64;
                 }
-                let c = g.consumers.get_mut(&consumer).expect("checked above");
-                c.got += n as u64;
-                if blocking {
-                    for e in &events {
-                        c.held.insert(e.seq, e.clone());
+                if let Some(c) = g.consumers.get_mut(&consumer) {
+                    c.got += n as u64;
+                    if blocking {
+                        for e in &events {
+                            c.held.insert(e.seq, e.clone());
+                        }
                     }
                 }
                 return Ok(events);
@@ -595,9 +599,14 @@ impl Monitor {
             return Ok(());
         }
         let mut headers = Vec::with_capacity(events.len());
+        let mut named = std::collections::HashSet::with_capacity(events.len());
         for (seq, rep) in &events {
             if !c.held.contains_key(seq) {
                 return Err(MonitorError::NotHeld(*seq));
+            }
+            // Checked before anything moves: a put is taken whole or not at all.
+            if !named.insert(*seq) {
+                return Err(MonitorError::Repeated(*seq));
             }
             headers.push(match rep {
                 Some(b) => match EventRecordHeader::decode_prefix(b, b.len()) {
@@ -612,9 +621,15 @@ impl Monitor {
         }
         let mut moving = Vec::with_capacity(events.len());
         {
-            let c = g.consumers.get_mut(&consumer).expect("checked above");
+            let c = g
+                .consumers
+                .get_mut(&consumer)
+                .ok_or(MonitorError::Detached)?;
             for ((seq, rep), h) in events.into_iter().zip(headers) {
-                let mut e = c.held.remove(&seq).expect("checked above");
+                // Every seq was found held and named once, under this same lock.
+                let Some(mut e) = c.held.remove(&seq) else {
+                    continue;
+                };
                 if let (Some(b), Some(h)) = (rep, h) {
                     e.bytes = b;
                     e.header = h;

@@ -450,3 +450,27 @@ fn closing_releases_a_producer_waiting_for_a_blocking_station() {
     m.close();
     producer.join().unwrap();
 }
+
+/// Issue 11, probe 13: a put naming the same event twice panicked a connection thread and left
+/// the event held for good. Now it is refused whole, and the events can still be put back.
+#[test]
+fn a_put_naming_an_event_twice_is_refused_whole() {
+    let m = monitor(vec![StationSection {
+        queue: 4,
+        ..station("b", StationMode::Blocking)
+    }]);
+    let c = m.attach("b", "twice").unwrap();
+    m.insert(&record(1, 1, 16));
+    m.insert(&record(2, 1, 16));
+    let got = c.get(2, Wait::Sleep).unwrap();
+    assert_eq!(got.len(), 2);
+    let seq = got[0].seq;
+    let err = c.put(vec![got[0].clone(), got[0].clone()]).unwrap_err();
+    assert!(
+        matches!(err, MonitorError::Repeated(s) if s == seq),
+        "{err:?}"
+    );
+    assert_eq!(m.status().stations[0].held, 2, "nothing moved");
+    c.put(got).unwrap();
+    assert_eq!(m.status().stations[0].held, 0);
+}

@@ -55,6 +55,8 @@ impl Chunk {
     /// borrow lives, and only one such borrow may exist at a time.
     #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn tail_mut(&self, from: usize) -> &mut [u8] {
+        // Checked in release builds too: one compare against a read syscall's cost.
+        assert!(from <= self.cap, "tail past the chunk");
         std::slice::from_raw_parts_mut(self.base().add(from), self.capacity() - from)
     }
 
@@ -63,6 +65,10 @@ impl Chunk {
     /// # Safety
     /// The region must be filled and never written again.
     pub(crate) unsafe fn bytes(&self, start: usize, len: usize) -> &[u8] {
+        assert!(
+            start <= self.cap && len <= self.cap - start,
+            "bytes outside the chunk"
+        );
         std::slice::from_raw_parts(self.base().add(start), len)
     }
 }
@@ -90,7 +96,10 @@ impl ChunkSlice {
     /// # Safety
     /// `[start, start+len)` must be filled and frozen (see [`Chunk`]).
     pub(crate) unsafe fn new(chunk: Arc<Chunk>, start: usize, len: usize) -> ChunkSlice {
-        debug_assert!(start + len <= chunk.capacity());
+        assert!(
+            start <= chunk.capacity() && len <= chunk.capacity() - start,
+            "slice outside the chunk"
+        );
         ChunkSlice { chunk, start, len }
     }
 
@@ -104,9 +113,14 @@ impl ChunkSlice {
         }
     }
 
-    /// A sub-slice `[off, off+len)` of this slice.
+    /// A sub-slice `[off, off+len)` of this slice. Panics when the range is not inside it (the
+    /// callers check lengths from peers before slicing; the check here keeps the unsafe read in
+    /// `Deref` sound whatever a caller passes, including `off + len` that would overflow).
     pub fn slice(&self, off: usize, len: usize) -> ChunkSlice {
-        assert!(off + len <= self.len, "sub-slice out of range");
+        assert!(
+            off <= self.len && len <= self.len - off,
+            "sub-slice out of range"
+        );
         ChunkSlice {
             chunk: self.chunk.clone(),
             start: self.start + off,
@@ -126,5 +140,22 @@ impl Deref for ChunkSlice {
 impl std::fmt::Debug for ChunkSlice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "ChunkSlice({} bytes)", self.len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slice_bounds_hold_even_when_the_sum_overflows() {
+        let s = ChunkSlice::copy_from(&[1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(&s.slice(2, 3)[..], &[3, 4, 5]);
+        assert_eq!(s.slice(8, 0).len(), 0);
+        for (off, len) in [(1, usize::MAX), (usize::MAX, 2), (9, 0), (4, 5)] {
+            let r =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.slice(off, len).len()));
+            assert!(r.is_err(), "slice({off}, {len}) must be refused");
+        }
     }
 }

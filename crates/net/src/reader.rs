@@ -9,6 +9,7 @@ use crate::chunk::{Chunk, ChunkSlice};
 use std::io::{self, Read};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// What a [`ChunkReader::fill`] call produced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,6 +30,9 @@ pub struct ChunkReader {
     filled: usize,
     /// Bytes read from the socket so far.
     pub bytes_read: u64,
+    /// When the last read system call began (after any wait for memory): a read that came back
+    /// empty proves the peer silent from then on, a wait for memory proves nothing.
+    pub read_started: Option<Instant>,
 }
 
 impl ChunkReader {
@@ -40,6 +44,7 @@ impl ChunkReader {
             pos: 0,
             filled: 0,
             bytes_read: 0,
+            read_started: None,
         }
     }
 
@@ -110,6 +115,7 @@ impl ChunkReader {
         let c = self.chunk.as_ref().expect("chunk present");
         // SAFETY: every slice handed out lies before `filled`; this is the only writer.
         let tail = unsafe { c.tail_mut(self.filled) };
+        self.read_started = Some(Instant::now());
         loop {
             match r.read(tail) {
                 Ok(0) => return Ok(Fill::Eof),

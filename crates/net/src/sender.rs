@@ -4,10 +4,10 @@
 //! chunks. It opens the link with a peer hello and, once the queue is closed, ends it with a
 //! peer end carrying the counts, then waits for the peer to close (it has then read everything).
 
-use crossbeam_channel::Receiver;
+use crossbeam_channel::{Receiver, RecvTimeoutError};
 use std::io::{self, IoSlice};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tessera_format::link::{PeerEnd, PeerHello};
 
@@ -35,27 +35,63 @@ pub struct BatchOutcome {
     pub written: bool,
 }
 
+/// A message the sender writes between batches at least every `every`, whether or not batches
+/// flow (a readout unit's progress message). `message` sees the queue, so that it can decline
+/// (return `None`) while units it must not overtake are still queued; it is asked again after
+/// the next batch or the next interval.
+pub struct Beat<'a, T> {
+    pub every: Duration,
+    #[allow(clippy::type_complexity)]
+    pub message: &'a mut dyn FnMut(&Receiver<Vec<T>>) -> Option<Vec<u8>>,
+}
+
 /// Runs the link until `rx` closes. `on_batch` is told the fate of every batch (after its write);
 /// `on_error` once, when the link fails.
 pub fn send_loop<T: Outgoing>(
+    stream: TcpStream,
+    rx: Receiver<Vec<T>>,
+    hello: PeerHello,
+    on_batch: impl FnMut(BatchOutcome, &[T]),
+    on_error: impl FnMut(&io::Error),
+) {
+    send_loop_beating(stream, rx, hello, on_batch, on_error, None)
+}
+
+/// [`send_loop`] with a [`Beat`].
+pub fn send_loop_beating<T: Outgoing>(
     mut stream: TcpStream,
     rx: Receiver<Vec<T>>,
     hello: PeerHello,
     mut on_batch: impl FnMut(BatchOutcome, &[T]),
     mut on_error: impl FnMut(&io::Error),
+    mut beat: Option<Beat<'_, T>>,
 ) {
-    let mut ok =
-        match crate::io::write_all_vectored(&mut stream, &mut [IoSlice::new(&hello.encode())]) {
-            Ok(()) => true,
-            Err(e) => {
-                on_error(&e);
-                false
-            }
+    let ok = match crate::io::write_all_vectored(&mut stream, &mut [IoSlice::new(&hello.encode())])
+    {
+        Ok(()) => true,
+        Err(e) => {
+            on_error(&e);
+            false
+        }
+    };
+    let mut st = LinkState {
+        ok,
+        units: 0,
+        fragments: 0,
+        headers: Vec::new(),
+        offsets: Vec::new(),
+    };
+    let mut last_beat = Instant::now();
+    loop {
+        let got = match &beat {
+            None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            Some(b) => rx.recv_timeout(b.every.saturating_sub(last_beat.elapsed())),
         };
-    let mut headers: Vec<u8> = Vec::new();
-    let mut offsets: Vec<(usize, usize)> = Vec::new();
-    let (mut units, mut fragments) = (0u64, 0u64);
-    while let Ok(mut batch) = rx.recv() {
+        let mut batch = match got {
+            Ok(batch) => batch,
+            Err(RecvTimeoutError::Disconnected) => break,
+            Err(RecvTimeoutError::Timeout) => Vec::new(),
+        };
         // Several batches per write when they are queued: fewer system calls under load.
         while batch.len() < COALESCE {
             match rx.try_recv() {
@@ -63,56 +99,97 @@ pub fn send_loop<T: Outgoing>(
                 Err(_) => break,
             }
         }
-        let nfrag: u64 = batch.iter().map(|u| u.fragments().len() as u64).sum();
-        let mut nbytes: u64 = batch
-            .iter()
-            .flat_map(|u| u.fragments())
-            .map(|f| f.len() as u64)
-            .sum();
-        if ok {
-            headers.clear();
-            offsets.clear();
-            for u in &batch {
-                let start = headers.len();
-                u.encode_header(&mut headers);
-                offsets.push((start, headers.len()));
-            }
-            nbytes += headers.len() as u64;
-            let mut io: Vec<IoSlice> = Vec::with_capacity(batch.len() * 9);
-            for (u, &(s, e)) in batch.iter().zip(&offsets) {
-                io.push(IoSlice::new(&headers[s..e]));
-                io.extend(u.fragments().iter().map(|f| IoSlice::new(f)));
-            }
-            if let Err(e) = crate::io::write_all_vectored(&mut stream, &mut io) {
-                on_error(&e);
-                ok = false;
+        if !batch.is_empty() {
+            send_batch(&mut stream, batch, &mut st, &mut on_batch, &mut on_error);
+        }
+        // After the batch: a beat must never overtake a unit taken from the queue.
+        if let Some(b) = &mut beat {
+            if st.ok && last_beat.elapsed() >= b.every {
+                if let Some(m) = (b.message)(&rx) {
+                    if let Err(e) =
+                        crate::io::write_all_vectored(&mut stream, &mut [IoSlice::new(&m)])
+                    {
+                        on_error(&e);
+                        st.ok = false;
+                    }
+                    last_beat = Instant::now();
+                }
             }
         }
-        if ok {
-            units += batch.len() as u64;
-            fragments += nfrag;
-        }
-        on_batch(
-            BatchOutcome {
-                units: batch.len() as u64,
-                fragments: nfrag,
-                bytes: nbytes,
-                written: ok,
-            },
-            &batch,
-        );
     }
-    if ok {
+    finish_link(&mut stream, hello, &st);
+}
+
+/// Counters and scratch of one link's sending side.
+struct LinkState {
+    ok: bool,
+    units: u64,
+    fragments: u64,
+    headers: Vec<u8>,
+    offsets: Vec<(usize, usize)>,
+}
+
+fn send_batch<T: Outgoing>(
+    stream: &mut TcpStream,
+    batch: Vec<T>,
+    st: &mut LinkState,
+    on_batch: &mut impl FnMut(BatchOutcome, &[T]),
+    on_error: &mut impl FnMut(&io::Error),
+) {
+    let nfrag: u64 = batch.iter().map(|u| u.fragments().len() as u64).sum();
+    let mut nbytes: u64 = batch
+        .iter()
+        .flat_map(|u| u.fragments())
+        .map(|f| f.len() as u64)
+        .sum();
+    if st.ok {
+        st.headers.clear();
+        st.offsets.clear();
+        for u in &batch {
+            let start = st.headers.len();
+            u.encode_header(&mut st.headers);
+            st.offsets.push((start, st.headers.len()));
+        }
+        nbytes += st.headers.len() as u64;
+        let mut io: Vec<IoSlice> = Vec::with_capacity(batch.len() * 9);
+        for (u, &(s, e)) in batch.iter().zip(&st.offsets) {
+            io.push(IoSlice::new(&st.headers[s..e]));
+            io.extend(u.fragments().iter().map(|f| IoSlice::new(f)));
+        }
+        if let Err(e) = crate::io::write_all_vectored(stream, &mut io) {
+            on_error(&e);
+            st.ok = false;
+        }
+    }
+    if st.ok {
+        st.units += batch.len() as u64;
+        st.fragments += nfrag;
+    }
+    on_batch(
+        BatchOutcome {
+            units: batch.len() as u64,
+            fragments: nfrag,
+            bytes: nbytes,
+            written: st.ok,
+        },
+        &batch,
+    );
+}
+
+/// Ends a link that did not fail with a peer end carrying the counts, then waits for the peer to
+/// close (it has then read everything).
+fn finish_link(stream: &mut TcpStream, hello: PeerHello, st: &LinkState) {
+    if st.ok {
         let end = PeerEnd {
             role: hello.role,
             id: hello.id,
-            units,
-            fragments,
+            units: st.units,
+            fragments: st.fragments,
         }
         .encode();
-        let _ = crate::io::write_all_vectored(&mut stream, &mut [IoSlice::new(&end)]);
+        let _ = crate::io::write_all_vectored(stream, &mut [IoSlice::new(&end)]);
         let _ = stream.shutdown(std::net::Shutdown::Write);
         let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
-        let _ = std::io::Read::read(&mut stream, &mut [0u8; 64]);
+        let _ = std::io::Read::read(stream, &mut [0u8; 64]);
     }
 }

@@ -23,7 +23,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 use parking_lot::Mutex;
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -53,6 +53,8 @@ pub struct ReadoutConfig {
     pub buffer: u64,
     pub read_chunk: usize,
     pub event_timeout: Duration,
+    /// Cap on the events open at once in push mode.
+    pub max_open_events: usize,
     pub max_payload: usize,
     /// Dump file for rejected fragments and its size limit.
     pub quarantine: Option<(PathBuf, u64)>,
@@ -112,8 +114,13 @@ impl LinkCtx {
 /// paged buffers.
 pub(crate) trait LinkSink: Send + Sync + 'static {
     fn ctx(&self) -> &LinkCtx;
-    /// Takes a read's worth of good fragments (the vector is left empty).
+    /// Takes a read's worth of good fragments. What it cannot take yet (the table of open
+    /// events is full) stays in the vector, to be offered again.
     fn offer(&self, slot: usize, good: &mut Vec<(u64, ChunkSlice)>);
+    /// The link was read and found silent from `since_ns` to `until_ns`.
+    fn quiet(&self, _slot: usize, _since_ns: u64, _until_ns: u64) {}
+    /// The link delivered bytes after a silence.
+    fn heard(&self, _slot: usize) {}
     /// The link will deliver nothing more.
     fn close_link(&self, slot: usize);
     /// Called before each read: returns once the link may be read (request mode waits while
@@ -126,6 +133,10 @@ struct Shared {
     assembler: Mutex<Assembler<ChunkSlice>>,
     to_builders: Vec<Sender<Vec<SuperFragment>>>,
     assignment: AssignmentSection,
+    /// Batches of departed events on their way into the builder queues. Raised under the
+    /// assembler lock, so a progress message computed under that lock while this is zero
+    /// cannot overtake an event that already left the assembler.
+    in_dispatch: AtomicUsize,
 }
 
 impl std::ops::Deref for Shared {
@@ -145,6 +156,12 @@ impl LinkSink for Shared {
     fn close_link(&self, slot: usize) {
         Shared::close_link(self, slot)
     }
+    fn quiet(&self, slot: usize, since_ns: u64, until_ns: u64) {
+        self.assembler.lock().quiet(slot, since_ns, until_ns);
+    }
+    fn heard(&self, slot: usize) {
+        self.assembler.lock().heard(slot);
+    }
 }
 
 impl Shared {
@@ -154,6 +171,18 @@ impl Shared {
         if ready.is_empty() {
             return;
         }
+        self.dispatch_batch(ready);
+        self.in_dispatch.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Marks, under the assembler lock, that `ready` is on its way to [`Self::dispatch`].
+    fn leaving(&self, ready: &[Assembled<ChunkSlice>]) {
+        if !ready.is_empty() {
+            self.in_dispatch.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    fn dispatch_batch(&self, ready: Vec<Assembled<ChunkSlice>>) {
         let n = self.to_builders.len();
         let mut per_builder: Vec<Vec<SuperFragment>> = (0..n).map(|_| Vec::new()).collect();
         for ev in ready {
@@ -197,6 +226,7 @@ impl Shared {
             let mut a = self.assembler.lock();
             let r = a.close(slot);
             self.publish_held(&a);
+            self.leaving(&r);
             r
         };
         self.dispatch(ready);
@@ -269,20 +299,25 @@ impl ReadoutUnit {
                 max_payload: cfg.max_payload,
                 read_chunk: cfg.read_chunk,
             },
-            assembler: Mutex::new(Assembler::new(
-                links,
-                cfg.event_timeout.as_nanos() as u64,
-                1 << 16,
-            )),
+            // Sources send their fragments in event-ID order, so a link's fragment for a
+            // later event means it will not send the earlier ones.
+            assembler: Mutex::new(
+                Assembler::new(links, cfg.event_timeout.as_nanos() as u64, 1 << 16)
+                    .ordered(true)
+                    .with_max_open(cfg.max_open_events),
+            ),
             to_builders,
             assignment: cfg.assignment.clone(),
+            in_dispatch: AtomicUsize::new(0),
         });
         for (b, (stream, rx)) in builder_streams.into_iter().zip(receivers).enumerate() {
             let st = stats.clone();
             let id = cfg.id;
+            // Weak: the senders end when the last reader and the sweeper let go of the unit.
+            let sh = Arc::downgrade(&shared);
             role.threads
                 .push(spawn(format!("ru{id}-to-bu{b}"), move || {
-                    send_to_builder(id, b, stream, rx, &st)
+                    send_to_builder(id, b, stream, rx, &st, sh)
                 }));
         }
         {
@@ -408,6 +443,7 @@ pub(crate) fn read_link<S: LinkSink>(sink: &S, slot: usize, mut stream: TcpStrea
     let mut good: Vec<(u64, ChunkSlice)> = Vec::new();
     let mut ended = false;
     let mut eof = false;
+    let mut silent = false;
     loop {
         // Parse everything the window holds.
         loop {
@@ -454,7 +490,7 @@ pub(crate) fn read_link<S: LinkSink>(sink: &S, slot: usize, mut stream: TcpStrea
             }
         }
         if !good.is_empty() {
-            sink.offer(slot, &mut good);
+            offer_until_taken(sink, slot, &mut good, &link.budget);
         }
         if ended || eof {
             break;
@@ -465,7 +501,21 @@ pub(crate) fn read_link<S: LinkSink>(sink: &S, slot: usize, mut stream: TcpStrea
             break;
         }
         match reader.fill(&mut stream, want, &sh.abort) {
-            Ok(Fill::Data(_)) => {}
+            Ok(Fill::Data(0)) => {
+                // The kernel's word that nothing came since the read began: silence. A wait
+                // for memory before the read is not silence, so it is not counted.
+                if let Some(t) = reader.read_started {
+                    let since = t.saturating_duration_since(sh.t0).as_nanos() as u64;
+                    sink.quiet(slot, since, sh.now_ns());
+                    silent = true;
+                }
+            }
+            Ok(Fill::Data(_)) => {
+                if silent {
+                    sink.heard(slot);
+                    silent = false;
+                }
+            }
             Ok(Fill::Eof) => {
                 dec.finish();
                 eof = true;
@@ -499,16 +549,42 @@ pub(crate) fn read_link<S: LinkSink>(sink: &S, slot: usize, mut stream: TcpStrea
     sink.close_link(slot);
 }
 
+/// Offers until the sink has taken everything: when the table of open events is full the link
+/// waits (back-pressure, counted as busy time like a wait for memory) until events leave.
+pub(crate) fn offer_until_taken<S: LinkSink>(
+    sink: &S,
+    slot: usize,
+    good: &mut Vec<(u64, ChunkSlice)>,
+    budget: &tessera_net::Budget,
+) {
+    sink.offer(slot, good);
+    if good.is_empty() {
+        return;
+    }
+    let t = Instant::now();
+    while !good.is_empty() && !sink.ctx().abort.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(1));
+        sink.offer(slot, good);
+    }
+    budget
+        .busy_ns
+        .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+}
+
 /// Offers a read's worth of good fragments under one lock, then dispatches what became ready.
+/// Fragments that would open an event past the cap stay in `good`, in order.
 fn offer(sh: &Shared, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
     let link = &sh.stats.links[slot];
     let now = sh.now_ns();
     let mut ready = Vec::new();
     let mut rejected = Vec::new();
-    let n = good.len() as u64;
+    let mut n = 0u64;
+    let mut left = Vec::new();
     {
         let mut a = sh.assembler.lock();
-        for (ev, frag) in good.drain(..) {
+        let mut items = good.drain(..);
+        for (ev, frag) in items.by_ref() {
+            n += 1;
             match a.offer(slot, ev, frag, now) {
                 Offer::Held => {}
                 Offer::Ready(e) => ready.push(e),
@@ -517,10 +593,18 @@ fn offer(sh: &Shared, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
                 // A link offers only until it closes itself, so this cannot happen; counted
                 // rather than trusted.
                 Offer::Closed(f) => rejected.push((Rejection::Late, f)),
+                Offer::Full(f) => {
+                    n -= 1;
+                    left.push((ev, f));
+                    break;
+                }
             }
         }
+        left.extend(items);
         sh.publish_held(&a);
+        sh.leaving(&ready);
     }
+    *good = left;
     link.fragments.fetch_add(n, Ordering::Relaxed);
     for (why, f) in rejected {
         if let Some(q) = &sh.quarantine {
@@ -535,8 +619,16 @@ fn sweep(sh: &Shared) {
     loop {
         let (ready, all_closed) = {
             let mut a = sh.assembler.lock();
-            let r = a.sweep(sh.now_ns());
+            let now = sh.now_ns();
+            // A source that has not connected is listened for and says nothing: silence.
+            for (slot, l) in sh.stats.links.iter().enumerate() {
+                if l.state() == LinkState::Waiting {
+                    a.quiet(slot, 0, now);
+                }
+            }
+            let r = a.sweep(now);
             sh.publish_held(&a);
+            sh.leaving(&r.0);
             r
         };
         sh.dispatch(ready);
@@ -549,12 +641,16 @@ fn sweep(sh: &Shared) {
     // finish their queues and close their links.
 }
 
+/// How often a readout unit tells each builder where it is (docs/wire-format.md, 2.3).
+pub const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
+
 fn send_to_builder(
     id: u32,
     b: usize,
     stream: TcpStream,
     rx: Receiver<Vec<SuperFragment>>,
     st: &ReadoutStats,
+    unit: std::sync::Weak<Shared>,
 ) {
     let hello = PeerHello {
         role: PeerRole::ReadoutUnit,
@@ -576,5 +672,37 @@ fn send_to_builder(
         tracing::error!(readout_unit = id, builder = b, error = %e, "builder link failed; its events are dropped and counted");
         *st.builder_error.lock() = Some(format!("builder {b}: {e}"));
     };
-    tessera_net::sender::send_loop(stream, rx, hello, on_batch, on_error);
+    // The progress message is also the unit's heartbeat, so it goes out every interval even
+    // when a new floor cannot be computed (an event between the assembler and a queue, or
+    // events still queued for this builder): then the last floor is said again, which stays
+    // true (everything below it had been sent when it was first said).
+    let mut last_floor = 0u64;
+    let mut progress = |rx: &Receiver<Vec<SuperFragment>>| {
+        let sh = unit.upgrade()?;
+        let floor = {
+            let a = sh.assembler.lock();
+            (sh.in_dispatch.load(Ordering::Acquire) == 0).then(|| a.floor())
+        };
+        if let Some(f) = floor {
+            if rx.is_empty() {
+                last_floor = last_floor.max(f.unwrap_or(0));
+            }
+        }
+        let p = tessera_format::link::Progress {
+            readout_unit: id,
+            floor: last_floor,
+        };
+        Some(p.encode().to_vec())
+    };
+    tessera_net::sender::send_loop_beating(
+        stream,
+        rx,
+        hello,
+        on_batch,
+        on_error,
+        Some(tessera_net::sender::Beat {
+            every: PROGRESS_INTERVAL,
+            message: &mut progress,
+        }),
+    );
 }

@@ -68,6 +68,7 @@ fn start_ru(
         buffer,
         read_chunk: 256 << 10,
         event_timeout: Duration::from_secs(1),
+        max_open_events: 1 << 16,
         max_payload: 1 << 20,
         quarantine: None,
         request_mode: Some(RequestMode {

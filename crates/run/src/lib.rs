@@ -353,6 +353,7 @@ impl Session {
                     buffer: b.buffer.0,
                     read_chunk: b.read_chunk.0 as usize,
                     event_timeout: Duration::from_millis(b.event_timeout_ms),
+                    max_open_events: b.max_open_events,
                     max_message: max_sf,
                 })
                 .with_context(|| format!("starting builder {}", b.id))?,
@@ -379,6 +380,7 @@ impl Session {
                     buffer: ru.buffer.0,
                     read_chunk: ru.read_chunk.0 as usize,
                     event_timeout: Duration::from_millis(ru.event_timeout_ms),
+                    max_open_events: ru.max_open_events,
                     max_payload,
                     quarantine: ru.quarantine.then(|| {
                         (

@@ -118,10 +118,17 @@ impl<R: Read> FileReader<R> {
             .read_exact(&mut hb[4..])
             .map_err(|_| FileError::Truncated)?;
         let bh = BlockHeader::decode(&hb, self.offset)?;
-        self.stored.resize(bh.stored_size as usize, 0);
-        self.r
-            .read_exact(&mut self.stored)
+        // Read as far as the file goes rather than sized from the header: a corrupt size in a
+        // cut file then costs what the file holds, not what the header claims.
+        self.stored.clear();
+        let want = bh.stored_size as u64;
+        let got = (&mut self.r)
+            .take(want)
+            .read_to_end(&mut self.stored)
             .map_err(|_| FileError::Truncated)?;
+        if got as u64 != want {
+            return Err(FileError::Truncated.into());
+        }
         self.crc = tessera_format::crc::crc32c_append(
             tessera_format::crc::crc32c_append(self.crc, &hb),
             &self.stored,

@@ -132,3 +132,24 @@ proptest! {
         let _ = verify_bytes(&junk);
     }
 }
+
+/// Issue 11, probe 15: a block header claiming a gigabyte in a cut file is a truncated file,
+/// read only as far as the file goes.
+#[test]
+fn a_block_size_past_the_end_of_the_file_is_truncation() {
+    use tessera_format::file::{BlockHeader, MAX_BLOCK_SIZE};
+    let mut bytes = valid_file(Codec::None, 3);
+    let at = tessera_format::file::FILE_HEADER_SIZE;
+    let mut h = [0u8; 32];
+    h.copy_from_slice(&bytes[at..at + 32]);
+    let mut bh = BlockHeader::decode(&h, at as u64).unwrap();
+    bh.stored_size = MAX_BLOCK_SIZE as u32;
+    bh.raw_size = MAX_BLOCK_SIZE as u32;
+    bytes[at..at + 32].copy_from_slice(&bh.encode());
+    let mut r = tessera_verify::FileReader::new(std::io::Cursor::new(bytes)).unwrap();
+    match r.next_block() {
+        Err(tessera_verify::ReadError::Format(tessera_format::file::FileError::Truncated)) => {}
+        Err(e) => panic!("expected truncation, got {e}"),
+        Ok(_) => panic!("a cut block was read"),
+    }
+}

@@ -1,0 +1,141 @@
+//! Back-pressure costs time, never data (issue 11, item 1): a run held for many times its
+//! timeouts by a blocking monitor station builds every event complete, rejects nothing as late,
+//! and shows the hold as the sources' dead time. The hold is the stimulus; what is asserted is
+//! counts and file contents, never timing.
+
+use std::time::{Duration, Instant};
+use tessera_config::Topology;
+use tessera_monitor::Wait;
+use tessera_run::{Options, Session, StatusMode, StopDeadlines};
+
+fn sent(s: &Session) -> u64 {
+    s.live()
+        .sources
+        .iter()
+        .filter_map(|x| x.fragments_sent)
+        .sum()
+}
+
+/// Whether nothing was sent for the whole `window`.
+fn stalled_for(s: &Session, window: Duration) -> bool {
+    let a = sent(s);
+    let t = Instant::now();
+    while t.elapsed() < window {
+        std::thread::sleep(Duration::from_millis(50));
+        if sent(s) != a {
+            return false;
+        }
+    }
+    true
+}
+
+#[test]
+fn a_run_held_far_past_its_timeouts_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let events = 20_000u64;
+    // Timeouts of 200 and 400 ms against a hold of several seconds; two builders, so that a
+    // readout unit held by one builder is still heard by the other.
+    let t = Topology::parse(
+        &format!(
+            r#"
+[run]
+events = {events}
+max_fragment_size = "16 KiB"
+[sources]
+count = 4
+fragment_size = 2048
+trigger = "unlimited"
+[[readout]]
+id = 0
+sources = "0-1"
+buffer = "1 MiB"
+read_chunk = "64 KiB"
+event_timeout_ms = 200
+[[readout]]
+id = 1
+sources = "2-3"
+buffer = "1 MiB"
+read_chunk = "64 KiB"
+event_timeout_ms = 200
+[[builder]]
+id = 0
+buffer = "2 MiB"
+read_chunk = "128 KiB"
+event_timeout_ms = 400
+[[builder]]
+id = 1
+buffer = "2 MiB"
+read_chunk = "128 KiB"
+event_timeout_ms = 400
+[recorder]
+queue = "2 MiB"
+fsync = false
+[monitor]
+[[monitor.station]]
+name = "hold"
+mode = "blocking"
+queue = 4
+"#
+        ),
+        "test.toml",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let opts = Options {
+        output: Some(dir.path().to_path_buf()),
+        status: StatusMode::Off,
+        ..Default::default()
+    };
+    let s = Session::start(&t, &opts).unwrap();
+    let consumer = s.monitor().unwrap().attach("hold", "held").unwrap();
+    // Hold until the whole system has stood still for well over every timeout, twice over.
+    let t0 = Instant::now();
+    let mut stalls = 0;
+    while stalls < 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the run never stalled behind the held station"
+        );
+        if stalled_for(&s, Duration::from_millis(1500)) {
+            stalls += 1;
+        } else {
+            stalls = 0;
+        }
+    }
+    assert!(
+        sent(&s) < 4 * events,
+        "the hold must stall the run before its end"
+    );
+    // Release: take and put back everything, until the run is over.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let got = consumer.get(256, Wait::Timed(50)).unwrap_or_default();
+                if !got.is_empty() {
+                    consumer.put(got).unwrap();
+                }
+            }
+        })
+    };
+    let stop_reason = loop {
+        if let Some(r) = s.end_reason() {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stop = s.stop(&StopDeadlines::from(&t.topology.stop));
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    reader.join().unwrap();
+    let rep = s.finish(stop_reason, stop).unwrap();
+    assert!(rep.ok(), "{}", rep.summary());
+    assert_eq!(rep.events_complete, events, "{}", rep.summary());
+    assert_eq!(rep.events_incomplete, 0, "{}", rep.summary());
+    assert_eq!(rep.balance.rejected_total, 0, "{}", rep.summary());
+    // The hold was paid in dead time at the sources.
+    assert!(rep.sources.iter().all(|x| x.held_fraction > 0.0));
+    let v = tessera_verify::verify_paths(&[dir.path().to_path_buf()]).unwrap();
+    assert!(v.ok(), "{}", v.summary());
+    assert_eq!(v.events, events);
+    assert_eq!(v.incomplete_events, 0);
+}
