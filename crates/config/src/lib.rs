@@ -59,17 +59,25 @@ pub struct Topology {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StopSection {
-    /// Sources send up to their common last trigger and end their streams, in milliseconds.
+    /// Sources send up to their common last trigger and end their streams: how long the stage
+    /// may go without any data moving, in milliseconds.
     pub sources_ms: u64,
-    /// Readout units send on what they hold and close their builder links, in milliseconds.
+    /// Readout units send on what they hold and close their builder links: how long the stage
+    /// may go without any data moving, in milliseconds.
     pub readout_ms: u64,
-    /// Builders finish their events and hand them to the recorder, in milliseconds.
+    /// Builders finish their events and hand them to the recorder: how long the stage may go
+    /// without any data moving, in milliseconds.
     pub builders_ms: u64,
-    /// The recorder writes what it has and closes its files, in milliseconds.
+    /// The recorder writes what it has and closes its files: how long the stage may go without
+    /// any data moving, in milliseconds.
     pub recorder_ms: u64,
     /// After a stage's deadline, how long its components get to act on the abort, in
     /// milliseconds.
     pub abort_grace_ms: u64,
+    /// A hard cap on the whole stop, in milliseconds, for an operator who wants one: past it the
+    /// stage under way gives up even while data still moves. 0: none (a stop that drains is
+    /// never cut short).
+    pub max_ms: u64,
 }
 
 impl Default for StopSection {
@@ -80,6 +88,7 @@ impl Default for StopSection {
             builders_ms: 10_000,
             recorder_ms: 10_000,
             abort_grace_ms: 3_000,
+            max_ms: 0,
         }
     }
 }

@@ -152,6 +152,8 @@ pub struct Session {
     status: Mutex<status::Status>,
     stop_flag: Arc<AtomicBool>,
     stop_begun: AtomicBool,
+    /// When the whole stop must end, if `[stop] max_ms` is set.
+    stop_cap: Mutex<Option<Instant>>,
     paused_at: Mutex<Option<Instant>>,
     paused_total: Mutex<Duration>,
 }
@@ -186,6 +188,8 @@ pub struct StopDeadlines {
     pub recorder_ms: u64,
     /// After a stage's deadline, how long its components get to act on the abort.
     pub abort_grace_ms: u64,
+    /// Cap on the whole stop; 0: none.
+    pub max_ms: u64,
 }
 
 impl From<&tessera_config::StopSection> for StopDeadlines {
@@ -196,6 +200,7 @@ impl From<&tessera_config::StopSection> for StopDeadlines {
             builders_ms: s.builders_ms,
             recorder_ms: s.recorder_ms,
             abort_grace_ms: s.abort_grace_ms,
+            max_ms: s.max_ms,
         }
     }
 }
@@ -512,6 +517,7 @@ impl Session {
             started_unix_ns,
             t0: Instant::now(),
             stop_begun: AtomicBool::new(false),
+            stop_cap: Mutex::new(None),
             running,
             monitor: monitor.map(|(m, s)| (m, Mutex::new(Some(s)))),
             status: Mutex::new(status),
@@ -728,11 +734,15 @@ impl Session {
     }
 
     /// Stops in stages, in the direction of the data: sources end their streams, readout units
-    /// send what they hold, builders finish, the recorder closes its files. Each stage waits at
-    /// most its deadline and then gives up on what it still holds, which the stage's report names;
-    /// so a stop ends even when every queue is full and nothing moves.
+    /// send what they hold, builders finish, the recorder closes its files. A stage's deadline
+    /// runs from the last time data moved anywhere in the system, so a stage that drains (a slow
+    /// disk working through a backlog) is never cut short; one that makes no progress for its
+    /// deadline gives up on what it still holds, which the stage's report names. So a stop ends
+    /// even when every queue is full and nothing moves. `max_ms`, when set, caps the whole stop.
     pub fn stop(&self, deadlines: &StopDeadlines) -> StopReport {
         self.stop_begun.store(true, Ordering::Relaxed);
+        *self.stop_cap.lock() = (deadlines.max_ms > 0)
+            .then(|| Instant::now() + Duration::from_millis(deadlines.max_ms));
         let run = &self.running;
         // A paused run has its triggers held: let the sources reach their common last trigger.
         if let Some(s) = &run.sources {
@@ -872,7 +882,7 @@ impl Session {
             if wait_until(grace, || {
                 run.recorder.as_ref().is_none_or(|r| r.is_finished())
             }) {
-                left = "held by a blocking monitor station; the monitor was closed and the recorder finished".into();
+                left = "the monitor was closed (a blocking station may have held the recorder) and the recorder finished".into();
             } else if let Some(rec) = &run.recorder {
                 left = format!(
                     "{} fragments not written; the open file is left unfinished; recorder aborted",
@@ -900,18 +910,58 @@ impl Session {
         }
     }
 
+    /// Waits until `done`, or until nothing moved for `ms` (or the stop's cap passed).
     fn wait_stage(&self, ms: u64, phase: &str, done: impl Fn() -> bool) -> bool {
-        let deadline = Instant::now() + Duration::from_millis(ms);
+        let quiet_for = Duration::from_millis(ms);
+        let cap = *self.stop_cap.lock();
+        let mut moved = self.moved();
+        let mut last_move = Instant::now();
         loop {
             if done() {
                 return true;
             }
-            if Instant::now() >= deadline {
+            let now = Instant::now();
+            let m = self.moved();
+            if m != moved {
+                moved = m;
+                last_move = now;
+            }
+            if now.duration_since(last_move) >= quiet_for || cap.is_some_and(|c| now >= c) {
                 return false;
             }
             std::thread::sleep(Duration::from_millis(2));
             self.tick_status(phase);
         }
+    }
+
+    /// Bytes moved so far by every stage: sent by sources, read and forwarded by readout units,
+    /// built, and recorded. Any change means the system still makes progress.
+    fn moved(&self) -> u64 {
+        let run = &self.running;
+        let mut m = 0u64;
+        if let Some(s) = &run.sources {
+            m += s
+                .stats
+                .iter()
+                .map(|x| x.bytes.load(Ordering::Relaxed))
+                .sum::<u64>();
+        }
+        for u in &run.readout_units {
+            m += u.stats.bytes_forwarded.load(Ordering::Relaxed);
+            m += u
+                .stats
+                .links
+                .iter()
+                .map(|l| l.fragments.load(Ordering::Relaxed))
+                .sum::<u64>();
+        }
+        for b in &run.builders {
+            m += b.stats.bytes_built.load(Ordering::Relaxed);
+        }
+        if let Some(r) = &run.recorder {
+            m += r.stats.record_bytes.load(Ordering::Relaxed);
+        }
+        m
     }
 
     /// What every component counted so far (live, while the run goes on), as the report.

@@ -235,6 +235,11 @@ impl Report {
                         )
                     }
                 };
+                // A link the stop aborted was cut with fragments its source had sent still in
+                // the kernel's buffers: they are named, not left unaccounted.
+                if l.state() == tessera_readout::LinkState::Aborted {
+                    add("unread_at_abort", sent.saturating_sub(received));
+                }
                 sources.push(SourceReport {
                     id: l.source_id,
                     kind,

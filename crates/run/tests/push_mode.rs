@@ -476,3 +476,54 @@ id = 0
     assert_eq!(rep.recorder_shortfall, 0, "{}", rep.summary());
     verify(dir.path());
 }
+
+/// Issue 11, item 2: a slow disk at the end of a run. The backlog in the buffers takes the
+/// throttled recorder longer than every stage deadline to write, but it keeps moving, so the
+/// stop waits for it: every built event is recorded, in finished files.
+#[test]
+fn a_stop_waits_for_a_slow_disk_that_keeps_draining() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = topology(
+        r#"
+[run]
+events = 3000
+max_fragment_size = "16 KiB"
+[sources]
+count = 4
+fragment_size = 4096
+trigger = "unlimited"
+[[readout]]
+id = 0
+buffer = "8 MiB"
+[[builder]]
+id = 0
+buffer = "8 MiB"
+[recorder]
+throttle = "12 MB"
+queue = "8 MiB"
+fsync = false
+[stop]
+sources_ms = 700
+readout_ms = 700
+builders_ms = 700
+recorder_ms = 700
+abort_grace_ms = 500
+"#,
+    );
+    let rep = run(&t, dir.path());
+    assert!(rep.ok(), "{}", rep.summary());
+    let stop = rep.stop.as_ref().unwrap();
+    assert!(stop.drained, "{}", rep.summary());
+    assert_eq!(rep.events_complete, 3000);
+    let rec = rep.recorder.as_ref().unwrap();
+    assert_eq!(rec.events, 3000, "{}", rep.summary());
+    assert!(rec.throttled_s > 0.0);
+    let v = verify(dir.path());
+    assert_eq!(v.events, 3000);
+    let parts: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "part"))
+        .collect();
+    assert!(parts.is_empty(), "{parts:?}");
+}
