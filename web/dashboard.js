@@ -21,7 +21,11 @@ function esc(s) {
 }
 function rows(tbody, html) { tbody.innerHTML = html.join(""); }
 async function getJSON(path) {
-  const r = await fetch(path, { cache: "no-store" });
+  // Reads that change state (the sampled event attaches a monitor consumer) need the token too.
+  const headers = {};
+  const token = localStorage.getItem("tessera-token");
+  if (token) headers["Authorization"] = "Bearer " + token;
+  const r = await fetch(path, { cache: "no-store", headers });
   if (!r.ok) { const e = new Error((await r.json().catch(() => ({}))).error || r.statusText); e.status = r.status; throw e; }
   return r.json();
 }

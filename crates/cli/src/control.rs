@@ -66,7 +66,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let token = std::env::var("TESSERA_TOKEN")
         .ok()
         .filter(|s| !s.is_empty())
-        .or_else(|| Some(t.control.token.clone()).filter(|s| !s.is_empty()));
+        .or_else(|| Some(t.control.token.expose().to_string()).filter(|s| !s.is_empty()));
     let _http = if listen.is_empty() || listen == "off" {
         None
     } else {

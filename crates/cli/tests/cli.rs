@@ -1,14 +1,16 @@
 //! The `tessera` command as a user meets it: real processes, real files.
 
+mod support;
 use std::path::Path;
 use std::process::{Command, Output};
+use support::{output, Proc, LIMIT};
 
 fn tessera(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tessera"))
-        .env("TESSERA_HTTP", "127.0.0.1:0")
-        .args(args)
-        .output()
-        .expect("tessera runs")
+    output(
+        Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .env("TESSERA_HTTP", "127.0.0.1:0")
+            .args(args),
+    )
 }
 
 fn stderr(o: &Output) -> String {
@@ -220,19 +222,19 @@ fn every_role_as_its_own_process() {
             let mut args = vec!["serve"];
             args.extend_from_slice(r);
             args.extend_from_slice(&[&cfg, "--json", "--quiet"]);
-            Command::new(env!("CARGO_BIN_EXE_tessera"))
-                .env("TESSERA_HTTP", "127.0.0.1:0")
-                .args(&args)
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
+            Proc::spawn(
+                Command::new(env!("CARGO_BIN_EXE_tessera"))
+                    .env("TESSERA_HTTP", "127.0.0.1:0")
+                    .args(&args)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped()),
+            )
         })
         .collect();
     let reports: Vec<serde_json::Value> = children
         .into_iter()
         .map(|c| {
-            let o = c.wait_with_output().unwrap();
+            let o = c.finish(LIMIT);
             assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
             serde_json::from_slice(&o.stdout).unwrap()
         })
@@ -324,13 +326,13 @@ fn a_builder_killed_mid_run_loses_no_event() {
         let mut args = vec!["serve"];
         args.extend_from_slice(r);
         args.extend_from_slice(&[&cfg, "--json", "--quiet"]);
-        Command::new(env!("CARGO_BIN_EXE_tessera"))
-            .env("TESSERA_HTTP", "127.0.0.1:0")
-            .args(&args)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap()
+        Proc::spawn(
+            Command::new(env!("CARGO_BIN_EXE_tessera"))
+                .env("TESSERA_HTTP", "127.0.0.1:0")
+                .args(&args)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped()),
+        )
     };
     let rec = spawn(&["recorder"]);
     let em = spawn(&["manager"]);
@@ -355,16 +357,11 @@ fn a_builder_killed_mid_run_loses_no_event() {
     }
     // Freeze it first (SIGSTOP), so that it holds the events the event manager keeps giving it
     // while its credit lasts, however fast the builders were: then kill it.
-    let stopped = Command::new("kill")
-        .args(["-STOP", &victim.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(stopped.success());
+    victim.signal("STOP");
     std::thread::sleep(std::time::Duration::from_millis(300));
-    victim.kill().unwrap();
-    let _ = victim.wait();
-    let report = |c: std::process::Child| -> serde_json::Value {
-        let o = c.wait_with_output().unwrap();
+    victim.kill();
+    let report = |c: Proc| -> serde_json::Value {
+        let o = c.finish(LIMIT);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         serde_json::from_slice(&o.stdout).unwrap()
     };

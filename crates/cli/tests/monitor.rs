@@ -2,25 +2,27 @@
 //! station killed with SIGKILL while it holds the data path, and sampling consumers that sleep
 //! or die, which must not cost the run a single event.
 
+mod support;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use support::{output, Proc, LIMIT};
 
 fn exe() -> &'static str {
     env!("CARGO_BIN_EXE_tessera")
 }
 
-fn start_run(dir: &Path, cfg: &str) -> Child {
+fn start_run(dir: &Path, cfg: &str) -> Proc {
     let p = dir.join("topology.toml");
     std::fs::write(&p, cfg).unwrap();
-    Command::new(exe())
-        .env("TESSERA_HTTP", "127.0.0.1:0")
-        .args(["run", p.to_str().unwrap(), "--quiet", "--json"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+    Proc::spawn(
+        Command::new(exe())
+            .env("TESSERA_HTTP", "127.0.0.1:0")
+            .args(["run", p.to_str().unwrap(), "--quiet", "--json"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )
 }
 
 fn monitor_addr(out: &Path) -> String {
@@ -38,31 +40,31 @@ fn monitor_addr(out: &Path) -> String {
 
 /// A consumer process that takes `events` events from `station` (0: never asks) and then sleeps
 /// until killed. Returns once it says it holds them.
-fn consumer(addr: &str, station: &str, events: u32) -> Child {
-    let mut c = Command::new(exe())
-        .env("TESSERA_HTTP", "127.0.0.1:0")
-        .args([
-            "bench",
-            "monitor",
-            "--hold-child",
-            addr,
-            "--hold-station",
-            station,
-        ])
-        .args(["--events", &events.to_string()])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+fn consumer(addr: &str, station: &str, events: u32) -> Proc {
+    let mut c = Proc::spawn(
+        Command::new(exe())
+            .env("TESSERA_HTTP", "127.0.0.1:0")
+            .args([
+                "bench",
+                "monitor",
+                "--hold-child",
+                addr,
+                "--hold-station",
+                station,
+            ])
+            .args(["--events", &events.to_string()])
+            .stdout(Stdio::piped()),
+    );
     let mut line = String::new();
-    BufReader::new(c.stdout.take().unwrap())
+    BufReader::new(c.take_stdout().unwrap())
         .read_line(&mut line)
         .unwrap();
     assert!(line.starts_with("held"), "{line:?}");
     c
 }
 
-fn finish(run: Child) -> serde_json::Value {
-    let o = run.wait_with_output().unwrap();
+fn finish(run: Proc) -> serde_json::Value {
+    let o = run.finish(LIMIT);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     serde_json::from_slice(&o.stdout).unwrap()
 }
@@ -111,8 +113,7 @@ fn a_blocking_consumer_killed_while_holding_the_data_path_loses_nothing() {
         std::thread::sleep(Duration::from_millis(10));
     };
     assert!(stalled_at < 20000);
-    holder.kill().unwrap(); // SIGKILL
-    holder.wait().unwrap();
+    holder.kill(); // SIGKILL
     let report = finish(run);
     assert_eq!(report["recorder"]["events"], 20000);
     assert_eq!(report["balance"]["holds"], true);
@@ -143,12 +144,11 @@ fn sleeping_and_dead_sampling_consumers_do_not_lower_the_recorded_count() {
             kids.push(consumer(&addr, "display2", 0));
             // ...and one of the sleepers dies mid-run.
             std::thread::sleep(Duration::from_millis(500));
-            kids[1].kill().unwrap();
+            kids[1].kill();
         }
         let report = finish(run);
         for mut k in kids {
-            let _ = k.kill();
-            let _ = k.wait();
+            k.kill();
         }
         assert_eq!(report["balance"]["holds"], true);
         if with_consumers {
@@ -163,11 +163,11 @@ fn sleeping_and_dead_sampling_consumers_do_not_lower_the_recorded_count() {
 }
 
 fn monitor_status(addr: &str) -> serde_json::Value {
-    let o = Command::new(exe())
-        .env("TESSERA_HTTP", "127.0.0.1:0")
-        .args(["monitor", "--addr", addr, "stations", "--json"])
-        .output()
-        .unwrap();
+    let o = output(
+        Command::new(exe())
+            .env("TESSERA_HTTP", "127.0.0.1:0")
+            .args(["monitor", "--addr", addr, "stations", "--json"]),
+    );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     serde_json::from_slice(&o.stdout).unwrap()
 }
@@ -179,36 +179,36 @@ fn monitor_subcommands_list_change_and_tail() {
     let cfg = BASE.replace("OUT", out.to_str().unwrap());
     let run = start_run(dir.path(), &cfg);
     let addr = monitor_addr(&out);
-    let o = Command::new(exe())
-        .env("TESSERA_HTTP", "127.0.0.1:0")
-        .args([
-            "monitor",
-            "--addr",
-            &addr,
-            "create",
-            "calib",
-            "trigger_types=2",
-            "prescale=2",
-        ])
-        .output()
-        .unwrap();
+    let o = output(
+        Command::new(exe())
+            .env("TESSERA_HTTP", "127.0.0.1:0")
+            .args([
+                "monitor",
+                "--addr",
+                &addr,
+                "create",
+                "calib",
+                "trigger_types=2",
+                "prescale=2",
+            ]),
+    );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let o = Command::new(exe())
-        .env("TESSERA_HTTP", "127.0.0.1:0")
-        .args([
-            "monitor",
-            "--addr",
-            &addr,
-            "tail",
-            "--station",
-            "calib",
-            "--count",
-            "5",
-            "--hex",
-            "4",
-        ])
-        .output()
-        .unwrap();
+    let o = output(
+        Command::new(exe())
+            .env("TESSERA_HTTP", "127.0.0.1:0")
+            .args([
+                "monitor",
+                "--addr",
+                &addr,
+                "tail",
+                "--station",
+                "calib",
+                "--count",
+                "5",
+                "--hex",
+                "4",
+            ]),
+    );
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(
@@ -221,18 +221,18 @@ fn monitor_subcommands_list_change_and_tail() {
         20,
         "{text}"
     );
-    let o = Command::new(exe())
-        .env("TESSERA_HTTP", "127.0.0.1:0")
-        .args(["monitor", "--addr", &addr, "set", "calib", "restore=next"])
-        .output()
-        .unwrap();
+    let o = output(
+        Command::new(exe())
+            .env("TESSERA_HTTP", "127.0.0.1:0")
+            .args(["monitor", "--addr", &addr, "set", "calib", "restore=next"]),
+    );
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("sampling"));
-    let o = Command::new(exe())
-        .env("TESSERA_HTTP", "127.0.0.1:0")
-        .args(["monitor", "--addr", &addr, "stations", "--interval", "0.2"])
-        .output()
-        .unwrap();
+    let o = output(
+        Command::new(exe())
+            .env("TESSERA_HTTP", "127.0.0.1:0")
+            .args(["monitor", "--addr", &addr, "stations", "--interval", "0.2"]),
+    );
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(
         text.contains("calib") && text.contains("trigger 2") && text.contains("sample"),

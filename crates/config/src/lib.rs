@@ -93,6 +93,48 @@ impl Default for StopSection {
     }
 }
 
+/// A value read from the configuration that must never leave the process: it serialises and
+/// prints as `<redacted>` (or empty when unset), so no topology written to the API, the run
+/// database, a manifest or a log can carry it.
+#[derive(Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Secret {
+        Secret(s.into())
+    }
+
+    /// The value itself, for the one place that checks it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn shown(&self) -> &'static str {
+        if self.0.is_empty() {
+            ""
+        } else {
+            "<redacted>"
+        }
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.shown())
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.shown())
+    }
+}
+
 /// `[control]`: the run control's HTTP service (API, dashboard, `/metrics`) and run database.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -103,8 +145,9 @@ pub struct ControlSection {
     pub listen: String,
     /// Bearer token that state-changing calls must present (`Authorization: Bearer ...`);
     /// required when `listen` is not a loopback address. The environment variable
-    /// `TESSERA_TOKEN` overrides it, so that it need not be written in the file.
-    pub token: String,
+    /// `TESSERA_TOKEN` overrides it, so that it need not be written in the file. Never shown:
+    /// the topology as the API, the run database and the manifest give it says `<redacted>`.
+    pub token: Secret,
     /// The run database (SQLite), relative to `run.output`.
     pub database: PathBuf,
     /// How often the dashboard's rates are sampled, in milliseconds.
@@ -115,7 +158,7 @@ impl Default for ControlSection {
     fn default() -> Self {
         ControlSection {
             listen: "127.0.0.1:8080".into(),
-            token: String::new(),
+            token: Secret::default(),
             database: PathBuf::from("runs.sqlite"),
             sample_interval_ms: 500,
         }
@@ -1355,6 +1398,20 @@ mod tests {
 
     fn parse(s: &str) -> Result<Resolved, ConfigError> {
         Topology::parse(s, "t.toml")
+    }
+
+    /// Issue 11, item 11: the token was returned by the topology API and the run database.
+    #[test]
+    fn the_token_never_leaves_in_a_serialised_topology() {
+        let r = parse("[control]\ntoken = \"hunter2-secret\"\n").unwrap();
+        assert_eq!(r.topology.control.token.expose(), "hunter2-secret");
+        let toml_text = toml::to_string(&r.topology).unwrap();
+        let json_text = serde_json::to_string(&r.topology).unwrap();
+        let debug_text = format!("{:?}", r.topology);
+        for text in [toml_text.as_str(), json_text.as_str(), debug_text.as_str()] {
+            assert!(!text.contains("hunter2"), "{text}");
+            assert!(text.contains("<redacted>"), "{text}");
+        }
     }
 
     #[test]

@@ -50,6 +50,9 @@ pub enum ControlError {
     },
     #[error("no run is open")]
     NoRun,
+    /// The request itself is refused before anything happens (a comment too long).
+    #[error("{0}")]
+    BadRequest(String),
 }
 
 /// The state as the API shows it.
@@ -214,6 +217,13 @@ impl Controller {
         who: &str,
         comment: Option<&str>,
     ) -> Result<StateView, ControlError> {
+        if let Some(c) = comment.filter(|c| c.len() > tessera_rundb::MAX_COMMENT) {
+            return Err(ControlError::BadRequest(format!(
+                "comment of {} bytes: at most {}",
+                c.len(),
+                tessera_rundb::MAX_COMMENT
+            )));
+        }
         let (from, to) = {
             let mut c = self.shared.ctl.lock();
             if let Some(b) = c.busy {

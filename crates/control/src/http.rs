@@ -163,8 +163,26 @@ fn err(code: StatusCode, msg: impl ToString) -> Response {
         .into_response()
 }
 
-/// Who asked, for the log; or the refusal.
+use tessera_rundb::MAX_COMMENT;
+
+/// A refused call: logged with the peer and the reason, answered with `code`.
+fn refuse(peer: SocketAddr, headers: &HeaderMap, code: StatusCode, why: &str) -> Box<Response> {
+    let origin = headers
+        .get(header::ORIGIN)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-");
+    tracing::warn!(%peer, origin, status = code.as_u16(), why, "refused a state-changing call");
+    Box::new(err(code, why))
+}
+
+/// Who asked, for the log; or the refusal. Every call that changes state passes here: it must
+/// come from the service's own page or a non-browser client (a page from another origin is
+/// refused even without a token: cross-site request forgery), and carry the token when one is
+/// set.
 fn who(app: &App, peer: SocketAddr, headers: &HeaderMap) -> Result<String, Box<Response>> {
+    if let Some(why) = cross_origin(headers) {
+        return Err(refuse(peer, headers, StatusCode::FORBIDDEN, &why));
+    }
     let how = match &app.token {
         Some(t) => {
             let given = headers
@@ -172,10 +190,12 @@ fn who(app: &App, peer: SocketAddr, headers: &HeaderMap) -> Result<String, Box<R
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.strip_prefix("Bearer "));
             if given.is_none_or(|g| !constant_time_eq(g.as_bytes(), t.as_bytes())) {
-                return Err(Box::new(err(
+                return Err(refuse(
+                    peer,
+                    headers,
                     StatusCode::UNAUTHORIZED,
                     "this call changes state: it needs `Authorization: Bearer <token>`",
-                )));
+                ));
             }
             "token"
         }
@@ -190,6 +210,62 @@ fn who(app: &App, peer: SocketAddr, headers: &HeaderMap) -> Result<String, Box<R
         .take(64)
         .collect();
     Ok(format!("{name} from {peer} ({how})"))
+}
+
+/// Why a request comes from a page of another origin, if it does. Browsers name the page's
+/// origin in `Origin` (and say `Sec-Fetch-Site`) on every state-changing request; command-line
+/// clients send neither.
+fn cross_origin(headers: &HeaderMap) -> Option<String> {
+    let get = |h: &str| headers.get(h).and_then(|v| v.to_str().ok());
+    if let Some(site) = get("sec-fetch-site") {
+        if site != "same-origin" && site != "none" {
+            return Some(format!(
+                "a page of another site may not change state here (Sec-Fetch-Site: {site})"
+            ));
+        }
+    }
+    let origin = get("origin")?;
+    let host = get("host").unwrap_or("");
+    let same = origin
+        .strip_prefix("http://")
+        .or_else(|| origin.strip_prefix("https://"))
+        .is_some_and(|o| !host.is_empty() && o.eq_ignore_ascii_case(host));
+    (!same).then(|| format!("a page of another origin ({origin}) may not change state here"))
+}
+
+/// A body must say it is JSON: a `text/plain` or form body is what a page of another origin can
+/// send without asking the browser first.
+fn json_body(peer: SocketAddr, headers: &HeaderMap, body: &[u8]) -> Result<(), Box<Response>> {
+    if body.is_empty() {
+        return Ok(());
+    }
+    let ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if ct
+        .split(';')
+        .next()
+        .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
+    {
+        Ok(())
+    } else {
+        Err(refuse(
+            peer,
+            headers,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "a body must be sent as `Content-Type: application/json`",
+        ))
+    }
+}
+
+/// Comments are bounded: they go into the run database and into one log line.
+fn comment_ok(c: &str) -> Result<(), String> {
+    if c.len() > MAX_COMMENT {
+        Err(format!("comment: {} bytes, at most {MAX_COMMENT}", c.len()))
+    } else {
+        Ok(())
+    }
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -233,7 +309,9 @@ async fn transition(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let who = match who(&app, peer, &headers) {
+    let who = match who(&app, peer, &headers)
+        .and_then(|w| json_body(peer, &headers, &body).map(|()| w))
+    {
         Ok(w) => w,
         Err(r) => return *r,
     };
@@ -251,6 +329,9 @@ async fn transition(
             Err(e) => return err(StatusCode::BAD_REQUEST, format!("body: {e}")),
         }
     };
+    if let Err(e) = comment_ok(&body.comment) {
+        return err(StatusCode::BAD_REQUEST, e);
+    }
     let ctl = app.ctl.clone();
     let r = tokio::task::spawn_blocking(move || {
         ctl.request(
@@ -265,6 +346,7 @@ async fn transition(
         Ok(Err(
             e @ (ControlError::Illegal { .. } | ControlError::Busy(_) | ControlError::NoRun),
         )) => err(StatusCode::CONFLICT, e),
+        Ok(Err(e @ ControlError::BadRequest(_))) => err(StatusCode::BAD_REQUEST, e),
         // Tried and failed: not a fault of the HTTP service; the system is now in error.
         Ok(Err(e)) => err(StatusCode::UNPROCESSABLE_ENTITY, e),
         Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, e),
@@ -379,7 +461,9 @@ async fn comment(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let who = match who(&app, peer, &headers) {
+    let who = match who(&app, peer, &headers)
+        .and_then(|w| json_body(peer, &headers, &body).map(|()| w))
+    {
         Ok(w) => w,
         Err(r) => return *r,
     };
@@ -387,6 +471,9 @@ async fn comment(
         Ok(b) => b,
         Err(e) => return err(StatusCode::BAD_REQUEST, format!("body: {e}")),
     };
+    if let Err(e) = comment_ok(&body.comment) {
+        return err(StatusCode::BAD_REQUEST, e);
+    }
     let Some(db) = app.ctl.db() else {
         return err(StatusCode::NOT_FOUND, "not configured: no run database yet");
     };
@@ -439,7 +526,16 @@ struct Sample {
     hex: Vec<String>,
 }
 
-async fn sample(AxState(app): AxState<Arc<App>>) -> Response {
+/// Reading the sample attaches a monitor consumer the first time: a state change, so it is
+/// guarded like one.
+async fn sample(
+    AxState(app): AxState<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(r) = who(&app, peer, &headers) {
+        return *r;
+    }
     let a = app.clone();
     let r = tokio::task::spawn_blocking(move || take_sample(&a)).await;
     match r {

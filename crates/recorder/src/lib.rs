@@ -211,7 +211,26 @@ fn accept(
 ) {
     let connected = std::cell::RefCell::new(vec![false; builders.len()]);
     let mut readers = Vec::new();
-    let missing = || connected.borrow().iter().any(|c| !c);
+    let ends = Arc::new(LinkEnds::default());
+    // A builder that has not connected by the time every connected builder has ended its link,
+    // at least one of them cleanly (the run is over), is not waited for: it died before it
+    // connected (its events were rebuilt elsewhere or counted lost upstream). Waiting would hang
+    // the recorder, and with it the run, for good.
+    let missing = || {
+        let c = connected.borrow();
+        let n = c.iter().filter(|x| **x).count();
+        let over = ends.clean.load(Ordering::Acquire) && ends.ended.load(Ordering::Acquire) == n;
+        if over && n < c.len() {
+            for (b, _) in builders.iter().zip(c.iter()).filter(|(_, x)| !**x) {
+                tracing::warn!(
+                    builder = b,
+                    "builder never connected; the recorder ends without it"
+                );
+            }
+            return false;
+        }
+        c.iter().any(|x| !x)
+    };
     tessera_net::io::accept_until(&listener, stop, missing, |mut s, peer| {
         let slot = tessera_net::peer::read_hello(&mut s, PeerRole::BuilderUnit).and_then(|h| {
             let slot = builders
@@ -227,9 +246,13 @@ fn accept(
             Ok(slot) => {
                 let budget = Arc::new(Budget::new(per_link));
                 st.links.lock().push((builders[slot], budget.clone()));
-                let (tx, st, abort) = (tx.clone(), st.clone(), abort.clone());
+                let (tx, st, abort, ends) = (tx.clone(), st.clone(), abort.clone(), ends.clone());
                 readers.push(spawn(format!("recorder-bu{}", builders[slot]), move || {
-                    read_builder(s, budget, max, tx, &st, &abort)
+                    let clean = read_builder(s, budget, max, tx, &st, &abort);
+                    if clean {
+                        ends.clean.store(true, Ordering::Release);
+                    }
+                    ends.ended.fetch_add(1, Ordering::AcqRel);
                 }));
             }
             Err(why) => tracing::warn!(%peer, %why, "recorder refused a connection"),
@@ -241,6 +264,15 @@ fn accept(
     }
 }
 
+/// How the builder links ended so far.
+#[derive(Default)]
+struct LinkEnds {
+    ended: std::sync::atomic::AtomicUsize,
+    /// Some link ended with its peer end.
+    clean: AtomicBool,
+}
+
+/// Reads one builder's link to its end; whether it ended cleanly (with a peer end).
 fn read_builder(
     mut s: TcpStream,
     budget: Arc<Budget>,
@@ -248,7 +280,8 @@ fn read_builder(
     tx: Sender<Batch>,
     st: &RecorderStats,
     abort: &AtomicBool,
-) {
+) -> bool {
+    let mut clean = false;
     let mut reader = ChunkReader::new(budget, RECORDER_CHUNK.max(max));
     let mut want = 0;
     loop {
@@ -269,6 +302,7 @@ fn read_builder(
                     ));
                 }
                 Ok((LinkItem::End(_), _)) => {
+                    clean = true;
                     done = true;
                     break;
                 }
@@ -305,6 +339,7 @@ fn read_builder(
         }
     }
     let _ = s.shutdown(std::net::Shutdown::Both);
+    clean
 }
 
 fn write_loop(

@@ -31,6 +31,20 @@ pub enum DbError {
     Schema { path: PathBuf, found: i64 },
     #[error("run database: no run {0}")]
     NoRun(u64),
+    /// A comment longer than [`MAX_COMMENT`].
+    #[error("comment of {0} bytes: at most {MAX_COMMENT}")]
+    CommentTooLong(usize),
+}
+
+/// Longest comment kept on a run, in bytes: comments go into the database and into one log line.
+pub const MAX_COMMENT: usize = 4096;
+
+fn check_comment(c: &str) -> Result<(), DbError> {
+    if c.len() > MAX_COMMENT {
+        Err(DbError::CommentTooLong(c.len()))
+    } else {
+        Ok(())
+    }
 }
 
 const SCHEMA: &str = "
@@ -210,6 +224,7 @@ impl RunDb {
     /// Allocates the next run number (above every run here and above `at_least - 1`) and
     /// records the run as running, in one transaction: two processes cannot take one number.
     pub fn begin_run(&self, at_least: u64, s: &RunStart) -> Result<u64, DbError> {
+        check_comment(s.comment)?;
         let mut c = self.conn();
         let tx = c
             .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
@@ -281,6 +296,7 @@ impl RunDb {
 
     /// Sets the operator's comment of a run.
     pub fn set_comment(&self, number: u64, comment: &str) -> Result<(), DbError> {
+        check_comment(comment)?;
         let n = self
             .conn()
             .execute(

@@ -1,0 +1,138 @@
+//! Child processes with deadlines: a test never waits on a child without a limit, and a child
+//! is killed when its test ends, passes or fails (a hung child must fail its test, not hang the
+//! suite).
+
+#![allow(dead_code)]
+
+use std::io::Read;
+use std::process::{Child, ChildStdout, Command, ExitStatus, Output, Stdio};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How long any child may take: far beyond what a healthy one needs on a loaded machine.
+pub const LIMIT: Duration = Duration::from_secs(240);
+
+/// A child process killed (SIGKILL) when dropped, unless it was waited for.
+pub struct Proc {
+    child: Option<Child>,
+    what: String,
+}
+
+impl Proc {
+    pub fn spawn(cmd: &mut Command) -> Proc {
+        let what = format!("{cmd:?}");
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
+        Proc {
+            child: Some(child),
+            what,
+        }
+    }
+
+    /// A command whose stdout and stderr are captured.
+    pub fn spawn_piped(cmd: &mut Command) -> Proc {
+        Proc::spawn(cmd.stdout(Stdio::piped()).stderr(Stdio::piped()))
+    }
+
+    pub fn id(&self) -> u32 {
+        self.child.as_ref().map_or(0, |c| c.id())
+    }
+
+    pub fn take_stdout(&mut self) -> Option<ChildStdout> {
+        self.child.as_mut().and_then(|c| c.stdout.take())
+    }
+
+    /// Sends `signal` (a name `kill` understands: TERM, STOP, ...).
+    pub fn signal(&self, signal: &str) {
+        let ok = Command::new("kill")
+            .args([&format!("-{signal}"), &self.id().to_string()])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(ok, "kill -{signal} {} failed", self.id());
+    }
+
+    /// SIGKILL, and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Waits at most `limit` for the exit; a child still running then is killed and the test
+    /// fails, naming it and showing what it printed.
+    pub fn finish(mut self, limit: Duration) -> Output {
+        let mut child = self.child.take().expect("not yet waited for");
+        let out = child.stdout.take().map(drain);
+        let err = child.stderr.take().map(drain);
+        let status = wait_within(&mut child, limit);
+        let stdout = out
+            .map(|h| h.join().unwrap_or_default())
+            .unwrap_or_default();
+        let stderr = err
+            .map(|h| h.join().unwrap_or_default())
+            .unwrap_or_default();
+        let Some(status) = status else {
+            panic!(
+                "{} did not exit within {limit:?}\nstdout: {}\nstderr: {}",
+                self.what,
+                String::from_utf8_lossy(&stdout),
+                String::from_utf8_lossy(&stderr)
+            );
+        };
+        Output {
+            status,
+            stdout,
+            stderr,
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn drain<R: Read + Send + 'static>(mut r: R) -> JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = r.read_to_end(&mut v);
+        v
+    })
+}
+
+/// The exit status, or `None` after killing a child that outlived `limit`.
+fn wait_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
+    let t = Instant::now();
+    loop {
+        if let Ok(Some(s)) = child.try_wait() {
+            return Some(s);
+        }
+        if t.elapsed() >= limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Runs `cmd` to its end (at most [`LIMIT`]) and returns what it printed.
+pub fn output(cmd: &mut Command) -> Output {
+    Proc::spawn_piped(cmd.stdin(Stdio::null())).finish(LIMIT)
+}
+
+/// Polls `cond` until it holds or `limit` passes; whether it holds.
+pub fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let t = Instant::now();
+    while !cond() {
+        if t.elapsed() >= limit {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    true
+}

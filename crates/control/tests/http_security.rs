@@ -1,0 +1,141 @@
+//! Issue 11, items 11 and 16: the HTTP service refuses state changes from pages of other origins
+//! even without a token, needs the token where one is set (reads that change state included),
+//! bounds comments, and never shows the token. Plain HTTP/1.1 over a real socket, as a browser
+//! or curl would send it.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tessera_control::controller::{ControlOptions, Controller};
+use tessera_control::state::{State, Transition};
+
+fn controller(dir: &Path) -> Controller {
+    let p = dir.join("t.toml");
+    std::fs::write(
+        &p,
+        "[sources]\ncount = 2\nfragment_size = 256\ntrigger = \"periodic\"\nrate_hz = 100\n\
+         [control]\ntoken = \"s3cret-token\"\n",
+    )
+    .unwrap();
+    Controller::new(
+        ControlOptions {
+            config: Some(p),
+            output: Some(dir.join("out")),
+            ..Default::default()
+        },
+        Arc::new(AtomicBool::new(false)),
+    )
+}
+
+/// Sends one request and returns (status, body).
+fn call(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req += &format!("{k}: {v}\r\n");
+    }
+    req += "\r\n";
+    req += body;
+    s.write_all(req.as_bytes()).unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let status = resp[9..12].parse().unwrap();
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|x| x.1)
+        .unwrap_or("")
+        .to_string();
+    (status, body)
+}
+
+#[test]
+fn state_changes_need_same_origin_json_and_the_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = controller(dir.path());
+    let server =
+        tessera_control::http::serve(c.clone(), "127.0.0.1:0", Some("s3cret-token".into()))
+            .unwrap();
+    let a = server.addr;
+    let auth = ("Authorization", "Bearer s3cret-token");
+    // No token: refused.
+    assert_eq!(
+        call(a, "POST", "/api/transitions/configure", &[], "").0,
+        401
+    );
+    // A page of another origin, even with the token (a stolen one in a script): refused.
+    let evil = ("Origin", "http://evil.example");
+    assert_eq!(
+        call(a, "POST", "/api/transitions/configure", &[auth, evil], "").0,
+        403
+    );
+    let site = ("Sec-Fetch-Site", "cross-site");
+    assert_eq!(
+        call(a, "POST", "/api/transitions/configure", &[auth, site], "").0,
+        403
+    );
+    // A text/plain body (what a form or a no-preflight fetch can send): refused.
+    let plain = ("Content-Type", "text/plain");
+    assert_eq!(
+        call(
+            a,
+            "POST",
+            "/api/transitions/configure",
+            &[auth, plain],
+            "{\"comment\":\"x\"}"
+        )
+        .0,
+        415
+    );
+    assert_eq!(
+        c.view().state,
+        State::Initial,
+        "nothing above changed the state"
+    );
+    // The service's own page, with the token and JSON: accepted.
+    let own = format!("http://{a}");
+    let origin = ("Origin", own.as_str());
+    let json = ("Content-Type", "application/json");
+    let (st, body) = call(
+        a,
+        "POST",
+        "/api/transitions/configure",
+        &[auth, origin, json],
+        "{}",
+    );
+    assert_eq!(st, 200, "{body}");
+    // The topology never shows the token.
+    let (st, body) = call(a, "GET", "/api/topology", &[], "");
+    assert_eq!(st, 200);
+    assert!(!body.contains("s3cret"), "{body}");
+    // A comment past the limit is refused, not stored and not logged whole.
+    let long = format!(
+        "{{\"comment\":\"{}\"}}",
+        "x".repeat(tessera_rundb::MAX_COMMENT + 1)
+    );
+    let (st, body) = call(a, "POST", "/api/transitions/start", &[auth, json], &long);
+    assert_eq!(st, 400, "{body}");
+    assert_eq!(c.view().state, State::Configured);
+    // The sampled event attaches a consumer: it needs the token.
+    assert_eq!(call(a, "GET", "/api/sample", &[], "").0, 401);
+    c.request(Transition::Start, "test", None).unwrap();
+    let (st, body) = call(a, "GET", "/api/runs/1", &[], "");
+    assert_eq!(st, 200, "{body}");
+    assert!(!body.contains("s3cret"), "{body}");
+    c.request(Transition::Stop, "test", None).unwrap();
+    drop(server);
+    c.close();
+}
