@@ -3,7 +3,7 @@
 mod support;
 use std::path::Path;
 use std::process::{Command, Output};
-use support::{output, Proc, LIMIT};
+use support::{output, Ports, Proc, LIMIT};
 
 fn tessera(args: &[&str]) -> Output {
     output(
@@ -180,18 +180,13 @@ fn bench_prints_one_json_object_per_point() {
 }
 
 /// Free loopback ports, found by binding port 0 (released again before use).
-fn free_ports(n: usize) -> Vec<u16> {
-    let ls: Vec<std::net::TcpListener> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    ls.iter().map(|l| l.local_addr().unwrap().port()).collect()
-}
-
 #[test]
 fn every_role_as_its_own_process() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
-    let p = free_ports(5);
+    // Bound here and handed to the roles that listen: never guessed.
+    let ports = Ports::bind(5);
+    let p: Vec<u16> = (0..5).map(|i| ports.port(i)).collect();
     let cfg = write(
         dir.path(),
         "dist.toml",
@@ -208,27 +203,26 @@ fn every_role_as_its_own_process() {
             p[4]
         ),
     );
-    let roles: [&[&str]; 6] = [
-        &["recorder"],
-        &["builder", "--id", "0"],
-        &["builder", "--id", "1"],
-        &["readout", "--id", "0"],
-        &["readout", "--id", "1"],
-        &["sources"],
+    // Each role with the index of the port it listens on.
+    let roles: [(&[&str], Option<usize>); 6] = [
+        (&["recorder"], Some(4)),
+        (&["builder", "--id", "0"], Some(2)),
+        (&["builder", "--id", "1"], Some(3)),
+        (&["readout", "--id", "0"], Some(0)),
+        (&["readout", "--id", "1"], Some(1)),
+        (&["sources"], None),
     ];
     let children: Vec<_> = roles
         .iter()
-        .map(|r| {
+        .map(|(r, port)| {
             let mut args = vec!["serve"];
             args.extend_from_slice(r);
             args.extend_from_slice(&[&cfg, "--json", "--quiet"]);
-            Proc::spawn(
-                Command::new(env!("CARGO_BIN_EXE_tessera"))
-                    .env("TESSERA_HTTP", "127.0.0.1:0")
-                    .args(&args)
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::piped()),
-            )
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+            if let Some(i) = port {
+                ports.hand_over(*i, &mut cmd);
+            }
+            Proc::spawn_piped(cmd.env("TESSERA_HTTP", "127.0.0.1:0").args(&args))
         })
         .collect();
     let reports: Vec<serde_json::Value> = children
@@ -302,7 +296,8 @@ fn a_builder_killed_mid_run_loses_no_event() {
     // what this test is about; a lost one is.
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
-    let p = free_ports(4);
+    let ports = Ports::bind(4);
+    let p: Vec<u16> = (0..4).map(|i| ports.port(i)).collect();
     let events = 12_000u64;
     let cfg = write(
         dir.path(),
@@ -322,26 +317,25 @@ fn a_builder_killed_mid_run_loses_no_event() {
             p[3]
         ),
     );
-    let spawn = |r: &[&str]| {
+    // Each role with the index of the port it listens on (bound here, handed over).
+    let spawn = |r: &[&str], port: Option<usize>| {
         let mut args = vec!["serve"];
         args.extend_from_slice(r);
         args.extend_from_slice(&[&cfg, "--json", "--quiet"]);
-        Proc::spawn(
-            Command::new(env!("CARGO_BIN_EXE_tessera"))
-                .env("TESSERA_HTTP", "127.0.0.1:0")
-                .args(&args)
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped()),
-        )
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+        if let Some(i) = port {
+            ports.hand_over(i, &mut cmd);
+        }
+        Proc::spawn_piped(cmd.env("TESSERA_HTTP", "127.0.0.1:0").args(&args))
     };
-    let rec = spawn(&["recorder"]);
-    let em = spawn(&["manager"]);
-    let ru0 = spawn(&["readout", "--id", "0"]);
-    let ru1 = spawn(&["readout", "--id", "1"]);
-    let bu0 = spawn(&["builder", "--id", "0"]);
-    let mut victim = spawn(&["builder", "--id", "1"]);
-    let bu2 = spawn(&["builder", "--id", "2"]);
-    let src = spawn(&["sources"]);
+    let rec = spawn(&["recorder"], Some(3));
+    let em = spawn(&["manager"], Some(2));
+    let ru0 = spawn(&["readout", "--id", "0"], Some(0));
+    let ru1 = spawn(&["readout", "--id", "1"], Some(1));
+    let bu0 = spawn(&["builder", "--id", "0"], None);
+    let mut victim = spawn(&["builder", "--id", "1"], None);
+    let bu2 = spawn(&["builder", "--id", "2"], None);
+    let src = spawn(&["sources"], None);
     // Kill the builder once events reach the recorder's file (not a timing assertion: the run
     // lasts about 6 s at 2 kHz, and the checks below hold whenever the kill lands).
     let t0 = std::time::Instant::now();
@@ -466,7 +460,9 @@ fn check_names_taken_and_doubled_ports_and_small_buffers() {
     let dir = tempfile::tempdir().unwrap();
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port();
-    let free = free_ports(1)[0];
+    // Only named twice, never bound by anything here: whether another test holds it does not
+    // change what is asserted (the doubling is found without binding).
+    let free = Ports::bind(1).port(0);
     let cfg = write(
         dir.path(),
         "ports.toml",

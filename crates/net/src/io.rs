@@ -137,3 +137,49 @@ pub fn accept_until(
         }
     }
 }
+
+/// The listening socket handed to this process by its starter (systemd socket activation, or
+/// a test harness that bound the port itself so that no other process can take it between a
+/// guess and a bind): `LISTEN_FDS` ≥ 1 and, if set, `LISTEN_PID` naming this process; the socket
+/// is descriptor 3 (`SD_LISTEN_FDS_START`). Taken at most once per process; `None` when nothing
+/// was handed over.
+pub fn inherited_listener() -> Option<io::Result<std::net::TcpListener>> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static TAKEN: AtomicBool = AtomicBool::new(false);
+    let n: u32 = std::env::var("LISTEN_FDS").ok()?.trim().parse().ok()?;
+    if n == 0 {
+        return None;
+    }
+    if let Ok(pid) = std::env::var("LISTEN_PID") {
+        if pid.trim().parse::<u32>().ok() != Some(std::process::id()) {
+            return None;
+        }
+    }
+    if TAKEN.swap(true, Ordering::AcqRel) {
+        return None;
+    }
+    const FIRST: i32 = 3;
+    // Check that descriptor 3 is a listening TCP socket before taking ownership of it.
+    let mut accepting: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `accepting`; a bad descriptor only
+    // makes it fail.
+    let rc = unsafe {
+        libc::getsockopt(
+            FIRST,
+            libc::SOL_SOCKET,
+            libc::SO_ACCEPTCONN,
+            (&mut accepting as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 || accepting == 0 {
+        return Some(Err(io::Error::other(
+            "LISTEN_FDS is set but descriptor 3 is not a listening socket",
+        )));
+    }
+    // SAFETY: by the socket-activation protocol descriptor 3 is this process's, open and
+    // listening (checked above); it is taken once (TAKEN), so no other owner exists.
+    let l = unsafe { <std::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(FIRST) };
+    Some(Ok(l))
+}

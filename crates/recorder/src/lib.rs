@@ -100,6 +100,10 @@ pub struct RecorderStats {
     pub files: Mutex<Vec<FileInfo>>,
     pub error: Mutex<Option<String>>,
     pub links: Mutex<Vec<(u16, Arc<Budget>)>>,
+    /// Builder links that ended with their peer end: their builders finished normally (read
+    /// by the run control, which must not take a recorder that finished after every builder
+    /// said goodbye for one that failed).
+    pub links_ended_clean: AtomicU64,
     /// Second copies of events, dropped (request mode, after a builder failover).
     pub duplicate_events: AtomicU64,
     pub duplicate_fragments: AtomicU64,
@@ -251,6 +255,7 @@ fn accept(
                     let clean = read_builder(s, budget, max, tx, &st, &abort);
                     if clean {
                         ends.clean.store(true, Ordering::Release);
+                        st.links_ended_clean.fetch_add(1, Ordering::AcqRel);
                     }
                     ends.ended.fetch_add(1, Ordering::AcqRel);
                 }));

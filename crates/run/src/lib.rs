@@ -260,6 +260,27 @@ impl Session {
         let bind = |addr: &str, what: &str| {
             TcpListener::bind(addr).with_context(|| format!("{what}: cannot listen on {addr}"))
         };
+        // A role run alone may be handed its listening socket (systemd socket activation, or a
+        // harness that bound it): then the configured port must be the one it is bound to.
+        let bind_own = |addr: &str, what: &str| -> Result<TcpListener> {
+            if opts.only.is_none() {
+                return bind(addr, what);
+            }
+            match tessera_net::io::inherited_listener() {
+                None => bind(addr, what),
+                Some(Err(e)) => Err(e).with_context(|| format!("{what}: the inherited socket")),
+                Some(Ok(l)) => {
+                    let got = l.local_addr()?;
+                    let want_port = addr
+                        .rsplit_once(':')
+                        .and_then(|(_, p)| p.parse::<u16>().ok());
+                    if want_port.is_some_and(|p| p != 0 && p != got.port()) {
+                        bail!("{what}: the inherited socket is bound to {got}, the topology says {addr}");
+                    }
+                    Ok(l)
+                }
+            }
+        };
 
         // Recorder.
         let recording = !opts.sink_at_builders && t.recorder.enabled;
@@ -289,7 +310,7 @@ impl Session {
         let recorder = if !recording || !Role::runs_recorder(opts.only) {
             None
         } else {
-            let l = bind(&t.recorder.listen, "recorder")?;
+            let l = bind_own(&t.recorder.listen, "recorder")?;
             let addr = l.local_addr()?.to_string();
             let rec = Recorder::start(RecorderConfig {
                 listener: l,
@@ -315,7 +336,7 @@ impl Session {
         let mut manager = None;
         let mut manager_addr = t.event_manager.listen.clone();
         if request_mode && Role::runs_manager(opts.only) {
-            let l = bind(&t.event_manager.listen, "event_manager")?;
+            let l = bind_own(&t.event_manager.listen, "event_manager")?;
             manager_addr = l.local_addr()?.to_string();
             let m = &t.event_manager;
             manager = Some(
@@ -342,7 +363,7 @@ impl Session {
                 builder_addrs.push(b.listen.clone());
                 continue;
             }
-            let l = bind(&b.listen, &format!("builder[{i}]"))?;
+            let l = bind_own(&b.listen, &format!("builder[{i}]"))?;
             builder_addrs.push(l.local_addr()?.to_string());
             builders.push(
                 BuilderUnit::start(BuilderConfig {
@@ -372,7 +393,7 @@ impl Session {
                 ru_addrs.push(ru.listen.clone());
                 continue;
             }
-            let l = bind(&ru.listen, &format!("readout[{i}]"))?;
+            let l = bind_own(&ru.listen, &format!("readout[{i}]"))?;
             ru_addrs.push(l.local_addr()?.to_string());
             let q = &t.request;
             rus.push(
@@ -675,11 +696,19 @@ impl Session {
                 .lock()
                 .clone()
                 .map(|e| format!("recorder link: {e}"));
+            // Its upstream is done when the readout units finished, or (push mode) when every
+            // unit's link brought its peer end: the units' own threads may finish a moment
+            // after the builder has read their goodbyes, and that is no failure.
+            let goodbyes = !request_mode
+                && b.stats
+                    .links
+                    .iter()
+                    .all(|l| l.declared_fragments.load(Ordering::Relaxed) != u64::MAX);
             v.push(component(
                 format!("builder {}", b.stats.id),
                 "builder",
                 b.is_finished(),
-                all_ru_finished(run),
+                goodbyes || all_ru_finished(run),
                 err,
             ));
         }
@@ -688,7 +717,9 @@ impl Session {
                 "recorder".into(),
                 "recorder",
                 rec.is_finished(),
-                run.builders.iter().all(|b| b.is_finished()),
+                run.builders.iter().all(|b| b.is_finished())
+                    || rec.stats.links_ended_clean.load(Ordering::Acquire)
+                        >= self.r.topology.builders.len() as u64,
                 rec.stats.error.lock().clone(),
             ));
         }

@@ -136,3 +136,45 @@ pub fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
     }
     true
 }
+
+/// Listening sockets bound by the test and handed to the children that serve them (the
+/// socket-activation protocol: descriptor 3 and `LISTEN_FDS`), so that no port is guessed, freed
+/// and bound again, where a test running beside this one could take it in between.
+pub struct Ports(Vec<std::net::TcpListener>);
+
+impl Ports {
+    pub fn bind(n: usize) -> Ports {
+        Ports(
+            (0..n)
+                .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+                .collect(),
+        )
+    }
+
+    pub fn port(&self, i: usize) -> u16 {
+        self.0[i].local_addr().unwrap().port()
+    }
+
+    /// Makes `cmd` start with listener `i` as its descriptor 3.
+    pub fn hand_over(&self, i: usize, cmd: &mut Command) {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::process::CommandExt;
+        let fd = self.0[i].as_raw_fd();
+        cmd.env("LISTEN_FDS", "1").env_remove("LISTEN_PID");
+        // SAFETY: between fork and exec only async-signal-safe calls (dup2, fcntl) are made, on
+        // descriptors the parent owns.
+        unsafe {
+            cmd.pre_exec(move || {
+                if fd == 3 {
+                    // dup2 onto itself keeps close-on-exec: clear it instead.
+                    if libc::fcntl(3, libc::F_SETFD, 0) == -1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                } else if libc::dup2(fd, 3) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+}
