@@ -168,6 +168,7 @@ impl Shared {
     }
 
     fn close_link(&self, slot: usize) {
+        self.stats.links[slot].closed.store(true, Ordering::Release);
         let ready = {
             let mut a = self.assembler.lock();
             let r = a.close(slot);
@@ -223,39 +224,52 @@ impl Shared {
     }
 }
 
+/// Accepts readout units until every link has ended (or the stop). Each hello is read on its own
+/// thread with its own deadline, so a silent connection holds nobody else's; a second
+/// connection for a unit already connected, an unknown unit, or a bad hello is refused, counted
+/// and logged with its address, also after every unit has connected.
 fn accept(sh: &Arc<Shared>, listener: TcpListener) {
-    let mut readers = Vec::new();
-    let missing = || {
+    let readers = Mutex::new(Vec::new());
+    let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let open = || {
         sh.stats
             .links
             .iter()
-            .any(|l| !l.connected.load(Ordering::Relaxed))
+            .any(|l| !l.closed.load(Ordering::Acquire))
     };
-    let end = tessera_net::io::accept_until(&listener, &sh.stop, missing, |mut stream, peer| {
-        match handshake(sh, &mut stream) {
-            Ok(slot) => {
-                let sh2 = sh.clone();
-                readers.push(spawn(
-                    format!("bu{}-ru{}", sh.id, sh.rus[slot].0),
-                    move || read_link(&sh2, slot, stream),
-                ));
-            }
-            Err(why) => {
-                tracing::warn!(builder = sh.id, %peer, %why, "refused a readout unit connection");
-                sh.stats.refused_connections.fetch_add(1, Ordering::Relaxed);
-            }
+    let end = tessera_net::io::accept_until(&listener, &sh.stop, open, |mut stream, peer| {
+        if pending.load(Ordering::Acquire) >= 64 {
+            refused(sh, peer, "too many connections are waiting to say hello");
+            return;
         }
+        pending.fetch_add(1, Ordering::AcqRel);
+        let (sh2, pending2) = (sh.clone(), pending.clone());
+        readers
+            .lock()
+            .push(spawn(format!("bu{}-link", sh.id), move || {
+                let r = handshake(&sh2, &mut stream);
+                pending2.fetch_sub(1, Ordering::AcqRel);
+                match r {
+                    Ok(slot) => read_link(&sh2, slot, stream),
+                    Err(why) => refused(&sh2, peer, &why),
+                }
+            }));
     });
     if end == tessera_net::io::AcceptEnd::Stopped {
         for (slot, l) in sh.stats.links.iter().enumerate() {
-            if !l.connected.load(Ordering::Relaxed) {
+            if !l.connected.swap(true, Ordering::AcqRel) {
                 sh.close_link(slot);
             }
         }
     }
-    for r in readers {
+    for r in readers.into_inner() {
         let _ = r.join();
     }
+}
+
+fn refused(sh: &Shared, peer: std::net::SocketAddr, why: &str) {
+    tracing::warn!(builder = sh.id, %peer, %why, "refused a readout unit connection");
+    sh.stats.refused_connections.fetch_add(1, Ordering::Relaxed);
 }
 
 fn handshake(sh: &Shared, stream: &mut TcpStream) -> Result<usize, String> {

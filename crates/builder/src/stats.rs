@@ -9,6 +9,8 @@ use tessera_net::Budget;
 pub struct RuLinkStats {
     pub readout_unit: u32,
     pub connected: AtomicBool,
+    /// The link will deliver nothing more (ended, broke, or never connected before the stop).
+    pub closed: AtomicBool,
     pub super_fragments: AtomicU64,
     pub fragments: AtomicU64,
     /// Fragments the readout unit declared in its end message (u64::MAX: none yet).
@@ -154,6 +156,7 @@ impl BuilderStats {
                 .map(|r| RuLinkStats {
                     readout_unit: r,
                     connected: AtomicBool::new(false),
+                    closed: AtomicBool::new(false),
                     super_fragments: AtomicU64::new(0),
                     fragments: AtomicU64::new(0),
                     declared_fragments: AtomicU64::new(u64::MAX),

@@ -74,6 +74,9 @@ struct Unit {
     manager_ended: AtomicBool,
     /// Link readers still running.
     open_links: AtomicUsize,
+    /// The builder connections open now, by (builder, channel): one each. A second hello for
+    /// one is refused, never allowed to take the first one's place.
+    claimed: Mutex<std::collections::HashSet<(u32, u8)>>,
 }
 
 impl std::ops::Deref for Unit {
@@ -125,6 +128,7 @@ pub(crate) fn start(
         to_manager,
         manager_ended: AtomicBool::new(false),
         open_links: AtomicUsize::new(n),
+        claimed: Mutex::new(std::collections::HashSet::new()),
         ctx,
     });
     {
@@ -363,63 +367,90 @@ impl Unit {
     }
 }
 
+/// Sources come until all are connected; builders may connect any time until the end. Each
+/// connection's hello is read on its own thread with its own deadline (a silent connection holds
+/// nobody else's hello); the thread then serves the connection.
 fn accept(u: &Arc<Unit>, listener: TcpListener) {
-    let mut threads = Vec::new();
-    // Sources come until all are connected; builders may connect any time until the end.
+    let threads = Mutex::new(Vec::new());
+    let pending = Arc::new(AtomicUsize::new(0));
     let end = tessera_net::io::accept_until(
         &listener,
         &u.stop,
         || !u.manager_ended.load(Ordering::Relaxed),
-        |mut stream, peer| {
-            let _ = tessera_net::io::tune(&stream, Some(Duration::from_millis(100)));
-            let mut h = [0u8; HELLO_SIZE];
-            if let Err(e) =
-                tessera_net::io::read_exact_patient(&mut stream, &mut h, Duration::from_secs(5))
-            {
-                crate::refused(u, peer, e.to_string());
+        |stream, peer| {
+            if pending.load(Ordering::Acquire) >= crate::MAX_PENDING_HELLOS {
+                crate::refused(
+                    u,
+                    peer,
+                    "too many connections are waiting to say hello".into(),
+                );
                 return;
             }
-            if u32::from_le_bytes(h[..4].try_into().expect("4 bytes")) == REQUEST_MAGIC {
-                match builder_hello(&mut stream, &h) {
-                    Ok((_, id)) if !u.builders.contains(&id) => crate::refused(
-                        u,
-                        peer,
-                        format!("builder {id} is not in this topology {:?}", u.builders),
-                    ),
-                    Ok((Channel::Control, id)) => {
-                        let u2 = u.clone();
-                        threads.push(spawn(format!("ru{}-req-bu{id}", u.id), move || {
-                            take_requests(&u2, id, stream)
-                        }));
-                    }
-                    Ok((Channel::Data, id)) => {
-                        let _ = stream.set_nodelay(false);
-                        let u2 = u.clone();
-                        threads.push(spawn(format!("ru{}-ans-bu{id}", u.id), move || {
-                            send_answers(&u2, id, stream)
-                        }));
-                    }
-                    Err(why) => crate::refused(u, peer, why),
-                }
-                return;
-            }
-            match crate::source_slot(u, &h) {
-                Ok(slot) => {
-                    let u2 = u.clone();
-                    threads.push(spawn(
-                        format!("ru{}-link{}", u.id, u.sources[slot]),
-                        move || crate::read_link(&*u2, slot, stream),
-                    ));
-                }
-                Err(why) => crate::refused(u, peer, why),
-            }
+            pending.fetch_add(1, Ordering::AcqRel);
+            let (u2, pending2) = (u.clone(), pending.clone());
+            threads
+                .lock()
+                .push(spawn(format!("ru{}-conn", u.id), move || {
+                    serve_connection(&u2, stream, peer, &pending2)
+                }));
         },
     );
     if end == tessera_net::io::AcceptEnd::Stopped {
         crate::close_never_connected(&**u);
     }
-    for t in threads {
+    for t in threads.into_inner() {
         let _ = t.join();
+    }
+}
+
+/// Reads one connection's hello (`pending` counts it until then) and serves it: a source's
+/// link, or a builder's control or data channel.
+fn serve_connection(
+    u: &Arc<Unit>,
+    mut stream: TcpStream,
+    peer: std::net::SocketAddr,
+    pending: &AtomicUsize,
+) {
+    let _ = tessera_net::io::tune(&stream, Some(Duration::from_millis(100)));
+    let mut h = [0u8; HELLO_SIZE];
+    let hello = tessera_net::io::read_exact_patient(&mut stream, &mut h, Duration::from_secs(5));
+    let is_builder = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) == REQUEST_MAGIC;
+    let builder = match hello {
+        Err(e) => Err(e.to_string()),
+        Ok(()) if is_builder => builder_hello(&mut stream, &h).map(Some),
+        Ok(()) => Ok(None),
+    };
+    pending.fetch_sub(1, Ordering::AcqRel);
+    match builder {
+        Err(why) => crate::refused(u, peer, why),
+        Ok(Some((_, id))) if !u.builders.contains(&id) => crate::refused(
+            u,
+            peer,
+            format!("builder {id} is not in this topology {:?}", u.builders),
+        ),
+        Ok(Some((channel, id))) => {
+            let key = (id, channel as u8);
+            if !u.claimed.lock().insert(key) {
+                crate::refused(
+                    u,
+                    peer,
+                    format!("builder {id} already has its {channel:?} connection open"),
+                );
+                return;
+            }
+            match channel {
+                Channel::Control => take_requests(u, id, stream),
+                Channel::Data => {
+                    let _ = stream.set_nodelay(false);
+                    send_answers(u, id, stream)
+                }
+            }
+            u.claimed.lock().remove(&key);
+        }
+        Ok(None) => match crate::source_slot(u, &h) {
+            Ok(slot) => crate::read_link(&**u, slot, stream),
+            Err(why) => crate::refused(u, peer, why),
+        },
     }
 }
 

@@ -527,3 +527,102 @@ abort_grace_ms = 500
         .collect();
     assert!(parts.is_empty(), "{parts:?}");
 }
+
+/// Issue 11, item 5: a connection that never says hello holds nobody else's hello; a second
+/// connection for a connected source, even after every source has connected, is refused,
+/// counted and never replaces the first; the honest sources lose nothing.
+#[test]
+fn silent_and_duplicate_connections_are_refused_without_costing_events() {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let t = topology(
+        r#"
+[run]
+events = 1000
+[sources]
+count = 0
+external = [0, 1]
+[[readout]]
+id = 0
+sources = [0, 1]
+[[builder]]
+id = 0
+"#,
+    );
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(u32, String)>>(1);
+    let opts = tessera_run::Options {
+        output: Some(dir.path().to_path_buf()),
+        status: StatusMode::Off,
+        ready: Some(tx),
+        ..Default::default()
+    };
+    // What the readout unit has read from source 0, seen from the test's side.
+    let received0 = Arc::new(AtomicU64::new(0));
+    let seen = received0.clone();
+    let clients = std::thread::spawn(move || {
+        let addr = rx.recv().unwrap()[0].1.clone();
+        // Connected first and silent for the whole run.
+        let silent = std::net::TcpStream::connect(&addr).unwrap();
+        let other = {
+            let addr = addr.clone();
+            std::thread::spawn(move || spec_source::send(&addr, 1, 1000))
+        };
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.write_all(&spec_source::hello(0)).unwrap();
+        for ev in 0..1000u64 {
+            s.write_all(&spec_source::fragment(0, ev, 1, &[ev as u8; 64]))
+                .unwrap();
+            if ev == 500 {
+                // Once the unit reads source 0, an impostor for it: refused (closed), whatever
+                // it sends.
+                while seen.load(Ordering::Relaxed) == 0 {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                let mut dup = std::net::TcpStream::connect(&addr).unwrap();
+                let _ = dup.write_all(&spec_source::hello(0));
+                let _ = dup.write_all(&spec_source::fragment(0, 501, 1, &[0; 64]));
+                dup.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+                    .unwrap();
+                let n = dup.read(&mut [0u8; 16]).unwrap_or(0);
+                assert_eq!(n, 0, "the impostor's connection was closed");
+            }
+        }
+        s.write_all(&spec_source::end(0, 1000)).unwrap();
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let _ = s.read(&mut [0u8; 8]);
+        other.join().unwrap();
+        drop(silent);
+    });
+    let session = tessera_run::Session::start(&t, &opts).unwrap();
+    let reason = loop {
+        let r0 = session
+            .live()
+            .sources
+            .iter()
+            .find(|x| x.id == 0)
+            .map_or(0, |x| x.received);
+        received0.store(r0, Ordering::Relaxed);
+        if let Some(r) = session.end_reason() {
+            break r;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    clients.join().unwrap();
+    let stop = session.stop(&tessera_run::StopDeadlines::from(&t.topology.stop));
+    let rep = session.finish(reason, stop).unwrap();
+    assert!(rep.ok(), "{}", rep.summary());
+    assert_eq!(rep.events_complete, 1000, "{}", rep.summary());
+    assert_eq!(rep.events_incomplete, 0);
+    assert_eq!(rep.balance.rejected_total, 0, "{}", rep.summary());
+    // The impostor, and the silent connection once its hello deadline passed or it closed.
+    assert_eq!(
+        rep.readout_units[0].refused_connections,
+        2,
+        "{}",
+        rep.summary()
+    );
+    let s0 = rep.sources.iter().find(|s| s.id == 0).unwrap();
+    assert_eq!((s0.sent, s0.received), (1000, 1000));
+}
