@@ -195,6 +195,24 @@ impl Collector for Snapshot {
             }
         }
         e.counter(
+            "tessera_source_skipped_bytes",
+            "bytes each readout link skipped while resynchronising after bad data",
+            &live
+                .sources
+                .iter()
+                .map(|s| (src(s), s.skipped_bytes))
+                .collect::<Vec<_>>(),
+        )?;
+        e.counter(
+            "tessera_source_bytes_after_end",
+            "bytes each source sent after its end of stream (a protocol error)",
+            &live
+                .sources
+                .iter()
+                .map(|s| (src(s), s.bytes_after_end))
+                .collect::<Vec<_>>(),
+        )?;
+        e.counter(
             "tessera_source_rejected_fragments",
             "fragments each readout link rejected, by reason",
             &rejected,

@@ -548,14 +548,26 @@ pub(crate) fn read_link<S: LinkSink>(sink: &S, slot: usize, mut stream: TcpStrea
     }
     if ended {
         link.set_state(LinkState::Ended);
-        // Bytes after the end-of-stream are a protocol error; read what is there so that they
-        // are counted rather than silently lost.
+        // Bytes after the end of stream are a protocol error: those already read with it and
+        // what arrives in a short look after are counted (as bytes: they may be anything, so
+        // they are no fragment of the balance) and logged, rather than silently dropped.
+        let mut after = reader.window().len() as u64;
         let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
         let mut tail = [0u8; 4096];
-        if let Ok(n) = std::io::Read::read(&mut stream, &mut tail) {
-            if n > 0 {
-                link.reject(Rejection::Wire(tessera_format::RejectReason::DataAfterEnd));
+        while let Ok(n) = std::io::Read::read(&mut stream, &mut tail) {
+            if n == 0 || after > 1 << 20 {
+                break;
             }
+            after += n as u64;
+        }
+        if after > 0 {
+            link.bytes_after_end.fetch_add(after, Ordering::Relaxed);
+            tracing::warn!(
+                readout_unit = sh.id,
+                source,
+                bytes = after,
+                "data after the end of stream"
+            );
         }
     } else if link.state() != LinkState::Aborted {
         link.set_state(LinkState::Disconnected);

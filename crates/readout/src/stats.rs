@@ -121,6 +121,9 @@ pub struct LinkStats {
     pub rejected: [AtomicU64; Rejection::COUNT],
     /// Bytes skipped while resynchronising after a rejection.
     pub skipped_bytes: AtomicU64,
+    /// Bytes the source sent after its end of stream (a protocol error): counted as bytes, not
+    /// as fragments, since they may be anything.
+    pub bytes_after_end: AtomicU64,
     /// The count the source declared in its end-of-stream message (u64::MAX: none yet).
     pub eos_fragments: AtomicU64,
     /// Event ID of the last good fragment, for the alignment view.
@@ -252,6 +255,7 @@ impl ReadoutStats {
                     fragments: AtomicU64::new(0),
                     rejected: Default::default(),
                     skipped_bytes: AtomicU64::new(0),
+                    bytes_after_end: AtomicU64::new(0),
                     eos_fragments: AtomicU64::new(u64::MAX),
                     last_event: AtomicU64::new(0),
                     budget: Arc::new(Budget::new(per_link_budget)),

@@ -26,6 +26,10 @@ pub struct LiveSource {
     pub link_state: String,
     /// Event ID of the link's last good fragment (`None`: none yet).
     pub last_event_id: Option<u64>,
+    /// Bytes skipped while resynchronising after bad data, and bytes sent after the end of
+    /// stream: neither is a fragment.
+    pub skipped_bytes: u64,
+    pub bytes_after_end: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -165,6 +169,8 @@ impl Session {
                     link_state: l.state().label().to_string(),
                     last_event_id: (l.fragments.load(Relaxed) > 0)
                         .then(|| l.last_event.load(Relaxed)),
+                    skipped_bytes: l.skipped_bytes.load(Relaxed),
+                    bytes_after_end: l.bytes_after_end.load(Relaxed),
                 });
             }
         }

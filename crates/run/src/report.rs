@@ -36,6 +36,11 @@ pub struct SourceReport {
     pub link_state: String,
     pub received: u64,
     pub rejected: BTreeMap<String, u64>,
+    /// Bytes skipped while resynchronising after bad data (not fragments: the bad fragment that
+    /// started the stretch is counted once under its reason).
+    pub skipped_bytes: u64,
+    /// Bytes sent after the end of stream (a protocol error; not fragments).
+    pub bytes_after_end: u64,
     pub error: Option<String>,
 }
 
@@ -137,8 +142,13 @@ pub struct Balance {
     pub rejected: BTreeMap<String, u64>,
     pub rejected_total: u64,
     pub still_buffered: u64,
-    /// sent − (complete + incomplete + rejected + buffered). Zero when every fragment is
-    /// accounted for.
+    /// Rejections a link counted beyond what its source sent (received − sent, per ended link):
+    /// bytes that were never a fragment (junk, a second hello) but had to be rejected as one,
+    /// since a reader cannot tell them from a fragment whose start was damaged. Named so that
+    /// the balance says what they were instead of going negative.
+    pub rejected_beyond_sent: u64,
+    /// sent + rejected beyond sent − (complete + incomplete + rejected + buffered). Zero when
+    /// every fragment is accounted for.
     pub unaccounted: i64,
     pub holds: bool,
 }
@@ -203,6 +213,7 @@ impl Report {
             .unwrap_or_default();
         let mut sources = Vec::new();
         let mut buffered = 0u64;
+        let mut beyond_sent = 0u64;
         let mut readout_units = Vec::new();
         for u in &run.readout_units {
             let st = &u.stats;
@@ -240,6 +251,9 @@ impl Report {
                 if l.state() == tessera_readout::LinkState::Aborted {
                     add("unread_at_abort", sent.saturating_sub(received));
                 }
+                if l.state().ended() {
+                    beyond_sent += received.saturating_sub(sent);
+                }
                 sources.push(SourceReport {
                     id: l.source_id,
                     kind,
@@ -249,6 +263,8 @@ impl Report {
                     link_state: l.state().label().into(),
                     received,
                     rejected: rej,
+                    skipped_bytes: l.skipped_bytes.load(Ordering::Relaxed),
+                    bytes_after_end: l.bytes_after_end.load(Ordering::Relaxed),
                     error,
                 });
             }
@@ -317,6 +333,8 @@ impl Report {
                     },
                     received: 0,
                     rejected: BTreeMap::new(),
+                    skipped_bytes: 0,
+                    bytes_after_end: 0,
                     error: st.error.lock().clone(),
                 });
             }
@@ -432,8 +450,8 @@ impl Report {
         });
         let sent: u64 = sources.iter().map(|s| s.sent).sum();
         let rejected_total: u64 = rejected.values().sum();
-        let unaccounted =
-            sent as i64 - (complete_f + incomplete_f + rejected_total + buffered) as i64;
+        let unaccounted = (sent + beyond_sent) as i64
+            - (complete_f + incomplete_f + rejected_total + buffered) as i64;
         Report {
             run_number: info.run_number,
             started_unix_ns: info.started_unix_ns,
@@ -469,6 +487,7 @@ impl Report {
                 rejected,
                 rejected_total,
                 still_buffered: buffered,
+                rejected_beyond_sent: beyond_sent,
                 unaccounted,
                 holds: unaccounted == 0,
             },
@@ -667,7 +686,15 @@ impl Report {
             );
             return s;
         }
-        let _ = writeln!(s, "  fragments: sent {} = in complete events {} + in incomplete events {} + rejected {} + still buffered {}{}", b.sent, b.in_complete_events, b.in_incomplete_events, b.rejected_total, b.still_buffered, if b.holds { "   [balance holds]".to_string() } else { format!("   [IMBALANCE: {} unaccounted]", b.unaccounted) });
+        let beyond = if b.rejected_beyond_sent > 0 {
+            format!(
+                " - rejections beyond what the sources sent (junk) {}",
+                b.rejected_beyond_sent
+            )
+        } else {
+            String::new()
+        };
+        let _ = writeln!(s, "  fragments: sent {} = in complete events {} + in incomplete events {} + rejected {} + still buffered {}{beyond}{}", b.sent, b.in_complete_events, b.in_incomplete_events, b.rejected_total, b.still_buffered, if b.holds { "   [balance holds]".to_string() } else { format!("   [IMBALANCE: {} unaccounted]", b.unaccounted) });
         if !b.rejected.is_empty() {
             let list: Vec<String> = b.rejected.iter().map(|(k, v)| format!("{k} {v}")).collect();
             let _ = writeln!(s, "  rejected by reason: {}", list.join(", "));

@@ -626,3 +626,60 @@ id = 0
     let s0 = rep.sources.iter().find(|s| s.id == 0).unwrap();
     assert_eq!((s0.sent, s0.received), (1000, 1000));
 }
+
+/// Issue 11, item 5: junk and a repeated hello on an honest source's link, and bytes after its
+/// end of stream. Every fragment it sent is built; the junk is counted as skipped bytes and its
+/// one rejection is named as beyond what the source sent, so the balance holds; the bytes after
+/// the end are counted.
+#[test]
+fn junk_a_second_hello_and_data_after_the_end_keep_the_balance() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let t = topology(
+        r#"
+[run]
+events = 400
+[sources]
+count = 0
+external = [5]
+[[readout]]
+id = 0
+sources = [5]
+[[builder]]
+id = 0
+"#,
+    );
+    let rep = run_with_external(&t, dir.path(), 5, |addr| {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.write_all(&spec_source::hello(5)).unwrap();
+        for ev in 0..400u64 {
+            if ev == 100 {
+                // 1 MiB of bytes with no marker in them.
+                let junk: Vec<u8> = (0..1u32 << 20).map(|i| (i % 200) as u8 + 1).collect();
+                s.write_all(&junk).unwrap();
+            }
+            if ev == 200 {
+                s.write_all(&spec_source::hello(5)).unwrap();
+            }
+            s.write_all(&spec_source::fragment(5, ev, 1, &[ev as u8; 32]))
+                .unwrap();
+        }
+        s.write_all(&spec_source::end(5, 400)).unwrap();
+        s.write_all(b"trailing bytes").unwrap();
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let _ = s.read(&mut [0u8; 8]);
+    });
+    assert!(rep.ok(), "{}", rep.summary());
+    assert_eq!(rep.events_complete, 400, "{}", rep.summary());
+    let src = &rep.sources[0];
+    assert_eq!(src.sent, 400);
+    assert!(src.skipped_bytes >= 1 << 20, "{}", src.skipped_bytes);
+    assert_eq!(src.bytes_after_end, 14);
+    assert_eq!(
+        rep.balance.rejected_beyond_sent,
+        rep.balance.rejected_total,
+        "{}",
+        rep.summary()
+    );
+    assert!(rep.balance.rejected_total >= 2, "{}", rep.summary());
+}
