@@ -256,6 +256,10 @@ fn accept(sh: &Arc<Shared>, listener: TcpListener) {
             }));
     });
     if end == tessera_net::io::AcceptEnd::Stopped {
+        // Connections taken before the stop are still saying hello (each within its deadline).
+        while pending.load(Ordering::Acquire) > 0 {
+            std::thread::sleep(Duration::from_millis(2));
+        }
         for (slot, l) in sh.stats.links.iter().enumerate() {
             if !l.connected.swap(true, Ordering::AcqRel) {
                 sh.close_link(slot);
@@ -462,6 +466,7 @@ fn send_to_recorder(id: u16, stream: TcpStream, rx: Receiver<Vec<Built>>, st: &B
     let hello = PeerHello {
         role: PeerRole::BuilderUnit,
         id: id as u32,
+        flags: 0,
     };
     let on_batch = |o: tessera_net::sender::BatchOutcome, _: &[_]| {
         if !o.written {

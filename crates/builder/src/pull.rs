@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use tessera_filter::{Filter, FragmentRef};
 use tessera_format::event::EventFlags;
-use tessera_format::link::{Fragments, PeerHello, PeerRole};
+use tessera_format::link::{decode_link, Fragments, LinkItem, PeerHello, PeerRole};
 use tessera_format::request::{
     self, AnswerHeader, Channel, Message, Outcome, Role, ASSIGN_REBUILD,
 };
@@ -165,9 +165,15 @@ impl BuilderUnit {
         if let Some(s) = to_recorder {
             let (tx, rx) = bounded::<Vec<Built>>(256);
             *pull.to_recorder.lock() = Some(tx);
-            let p = pull.clone();
+            let sent = Arc::new(Mutex::new(std::collections::VecDeque::new()));
+            let acks = s.try_clone()?;
+            let (p, sent2) = (pull.clone(), sent.clone());
             role.spawn(format!("bu{id}-to-rec"), move || {
-                send_to_recorder(&p, s, rx)
+                send_to_recorder(&p, s, rx, &sent2)
+            });
+            let p = pull.clone();
+            role.spawn(format!("bu{id}-rec-acks"), move || {
+                read_acks(&p, acks, &sent)
             });
         }
         {
@@ -561,23 +567,29 @@ fn sweep(p: &Pull, heartbeat: Duration) {
     }
 }
 
-fn send_to_recorder(p: &Pull, stream: TcpStream, rx: crossbeam_channel::Receiver<Vec<Built>>) {
+/// Event IDs written to the recorder link and not yet acknowledged by the recorder, in order.
+type Unacknowledged = Mutex<std::collections::VecDeque<u64>>;
+
+fn send_to_recorder(
+    p: &Pull,
+    stream: TcpStream,
+    rx: crossbeam_channel::Receiver<Vec<Built>>,
+    sent: &Unacknowledged,
+) {
     let st = &p.stats;
     let hello = PeerHello {
         role: PeerRole::BuilderUnit,
         id: p.id as u32,
+        flags: PeerHello::WANTS_ACKS,
     };
     let on_batch = |o: tessera_net::sender::BatchOutcome, batch: &[Built]| {
         st.queued_fragments
             .fetch_sub(o.fragments, Ordering::Relaxed);
         if o.written {
-            // Written to the recorder link: done. Dying after this point is covered by the
-            // recorder's deduplication of the rebuilt copy.
-            let ids: Vec<(u64, Outcome)> = batch
-                .iter()
-                .map(|b| (b.event_id, Outcome::Recorded))
-                .collect();
-            p.done(&ids);
+            // On the link, not yet done: an event is done (and then cleared from the readout
+            // units) only once the recorder says it is in its file (`read_acks`), so a recorder
+            // killed at any moment loses no event the readout units let go of.
+            sent.lock().extend(batch.iter().map(|b| b.event_id));
         } else {
             st.recorder_lost.fetch_add(o.fragments, Ordering::Relaxed);
         }
@@ -586,5 +598,62 @@ fn send_to_recorder(p: &Pull, stream: TcpStream, rx: crossbeam_channel::Receiver
         tracing::error!(builder = p.id, error = %e, "recorder link failed");
         *st.recorder_error.lock() = Some(e.to_string());
     };
-    tessera_net::sender::send_loop(stream, rx, hello, on_batch, on_error);
+    // The acknowledgement reader waits for the recorder to close the link.
+    tessera_net::sender::send_loop_beating(stream, rx, hello, on_batch, on_error, None, false);
+}
+
+/// Reads the recorder's acknowledgements and reports the written events done, in the order
+/// they were sent. Ends when the recorder closes the link (after its last acknowledgement).
+fn read_acks(p: &Pull, mut stream: TcpStream, sent: &Unacknowledged) {
+    let mut buf: Vec<u8> = Vec::with_capacity(4096);
+    let mut tmp = [0u8; 4096];
+    let mut done_so_far = 0u64;
+    loop {
+        loop {
+            match decode_link(&buf, 0) {
+                Ok((LinkItem::Ack(a), n)) => {
+                    buf.drain(..n);
+                    let mut ids = Vec::new();
+                    {
+                        let mut q = sent.lock();
+                        while done_so_far < a.records {
+                            let Some(id) = q.pop_front() else { break };
+                            ids.push((id, Outcome::Recorded));
+                            done_so_far += 1;
+                        }
+                    }
+                    if !ids.is_empty() {
+                        p.done(&ids);
+                    }
+                }
+                Ok((LinkItem::NeedMore(_), _)) | Ok((LinkItem::Idle, _)) => break,
+                Ok((other, _)) => {
+                    *p.stats.recorder_error.lock() =
+                        Some(format!("recorder sent {other:?} on the link"));
+                    return;
+                }
+                Err(e) => {
+                    *p.stats.recorder_error.lock() = Some(format!("recorder link: {e}"));
+                    return;
+                }
+            }
+        }
+        match std::io::Read::read(&mut stream, &mut tmp) {
+            Ok(0) => return,
+            Ok(n) => buf.extend_from_slice(&tmp[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) =>
+            {
+                if p.abort.load(Ordering::Relaxed) {
+                    return;
+                }
+            }
+            Err(_) => return,
+        }
+    }
 }

@@ -19,6 +19,8 @@ pub const SUPER_FRAGMENT_MARKER: u32 = 0xEE53_46EE;
 pub const PEER_END_MARKER: u32 = 0xEE0E_0EEE;
 pub const PROGRESS_MARKER: u32 = 0xEE50_57EE;
 pub const PROGRESS_SIZE: usize = 24;
+pub const ACK_MARKER: u32 = 0xEE41_4BEE;
+pub const ACK_SIZE: usize = 24;
 pub const PEER_HELLO_SIZE: usize = 16;
 pub const PEER_END_SIZE: usize = 32;
 pub const SUPER_FRAGMENT_HEADER_SIZE: usize = 32;
@@ -46,15 +48,22 @@ impl PeerRole {
 pub struct PeerHello {
     pub role: PeerRole,
     pub id: u32,
+    /// [`PeerHello::WANTS_ACKS`], or 0.
+    pub flags: u16,
 }
 
 impl PeerHello {
+    /// The opener asks to be told, with [`Ack`] messages, which of its units are written
+    /// (a request-mode builder, which reports an event done only once it is on disk).
+    pub const WANTS_ACKS: u16 = 1;
+
     pub fn encode(&self) -> [u8; PEER_HELLO_SIZE] {
         let mut b = [0u8; PEER_HELLO_SIZE];
         put_u32(&mut b, 0, PEER_HELLO_MAGIC);
         put_u16(&mut b, 4, LINK_VERSION);
         put_u16(&mut b, 6, PEER_HELLO_SIZE as u16);
         put_u16(&mut b, 8, self.role as u16);
+        put_u16(&mut b, 10, self.flags);
         put_u32(&mut b, 12, self.id);
         b
     }
@@ -108,6 +117,25 @@ impl Progress {
     }
 }
 
+/// The recorder's word to a builder that asked for it ([`PeerHello::WANTS_ACKS`]), sent back on
+/// the builder's own link: the first `records` event records the builder sent on this link are
+/// in the recorder's file (written, and synced when the recorder syncs). Counts only grow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ack {
+    pub records: u64,
+}
+
+impl Ack {
+    pub fn encode(&self) -> [u8; ACK_SIZE] {
+        let mut b = [0u8; ACK_SIZE];
+        put_u32(&mut b, 0, ACK_MARKER);
+        put_u16(&mut b, 4, LINK_VERSION);
+        put_u16(&mut b, 6, ACK_SIZE as u16);
+        put_u64(&mut b, 16, self.records);
+        b
+    }
+}
+
 /// Header of the super-fragment a readout unit sends for one event: its links' fragments for
 /// that event, verbatim, and the list of its sources that did not deliver one.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -153,6 +181,7 @@ pub enum LinkItem {
     Event(EventRecordHeader),
     End(PeerEnd),
     Progress(Progress),
+    Ack(Ack),
     NeedMore(usize),
     Idle,
 }
@@ -209,6 +238,7 @@ pub fn decode_link(b: &[u8], max_message: usize) -> Result<(LinkItem, usize), Li
                 LinkItem::Hello(PeerHello {
                     role,
                     id: u32_at(b, 12),
+                    flags: u16_at(b, 10),
                 }),
                 size,
             ))
@@ -228,6 +258,20 @@ pub fn decode_link(b: &[u8], max_message: usize) -> Result<(LinkItem, usize), Li
                 fragments: u64_at(b, 24),
             };
             Ok((LinkItem::End(end), size))
+        }
+        ACK_MARKER => {
+            if size != ACK_SIZE {
+                return Err(LinkError::BadSize("ack"));
+            }
+            if b.len() < size {
+                return Ok((LinkItem::NeedMore(size), 0));
+            }
+            Ok((
+                LinkItem::Ack(Ack {
+                    records: u64_at(b, 16),
+                }),
+                size,
+            ))
         }
         PROGRESS_MARKER => {
             if size != PROGRESS_SIZE {

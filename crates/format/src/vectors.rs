@@ -5,7 +5,7 @@
 
 use crate::event::{EventFlags, EventRecordHeader};
 use crate::file::{BlockHeader, Codec, FileHeader, FileTrailer, Filter};
-use crate::link::{PeerEnd, PeerHello, PeerRole, Progress, SuperFragmentHeader};
+use crate::link::{Ack, PeerEnd, PeerHello, PeerRole, Progress, SuperFragmentHeader};
 use crate::wire::{encode_fragment, FragmentHeader, Hello, StreamEnd};
 
 /// (title, bytes) of every documented vector, in document order.
@@ -41,6 +41,7 @@ pub fn all() -> Vec<(&'static str, Vec<u8>)> {
         (PeerHello {
             role: PeerRole::ReadoutUnit,
             id: 1,
+            flags: 0,
         }
         .encode())
         .to_vec(),
@@ -75,6 +76,20 @@ pub fn all() -> Vec<(&'static str, Vec<u8>)> {
         (Progress {
             readout_unit: 1,
             floor: 43,
+        }
+        .encode())
+        .to_vec(),
+    ));
+    v.push((
+        "ack, 1000 records written",
+        (Ack { records: 1000 }.encode()).to_vec(),
+    ));
+    v.push((
+        "peer hello, builder 2, asking for acks",
+        (PeerHello {
+            role: PeerRole::BuilderUnit,
+            id: 2,
+            flags: PeerHello::WANTS_ACKS,
         }
         .encode())
         .to_vec(),

@@ -57,6 +57,7 @@ fn link_vectors() {
     let hello = PeerHello {
         role: PeerRole::ReadoutUnit,
         id: 1,
+        flags: 0,
     }
     .encode();
     assert_eq!(

@@ -54,10 +54,12 @@ pub fn send_loop<T: Outgoing>(
     on_batch: impl FnMut(BatchOutcome, &[T]),
     on_error: impl FnMut(&io::Error),
 ) {
-    send_loop_beating(stream, rx, hello, on_batch, on_error, None)
+    send_loop_beating(stream, rx, hello, on_batch, on_error, None, true)
 }
 
-/// [`send_loop`] with a [`Beat`].
+/// [`send_loop`] with a [`Beat`]. `wait_close`: after the peer end, wait here for the peer to
+/// close the link (false when another thread reads the link, as a builder's acknowledgement
+/// reader does, and waits for the close itself).
 pub fn send_loop_beating<T: Outgoing>(
     mut stream: TcpStream,
     rx: Receiver<Vec<T>>,
@@ -65,6 +67,7 @@ pub fn send_loop_beating<T: Outgoing>(
     mut on_batch: impl FnMut(BatchOutcome, &[T]),
     mut on_error: impl FnMut(&io::Error),
     mut beat: Option<Beat<'_, T>>,
+    wait_close: bool,
 ) {
     let ok = match crate::io::write_all_vectored(&mut stream, &mut [IoSlice::new(&hello.encode())])
     {
@@ -117,7 +120,7 @@ pub fn send_loop_beating<T: Outgoing>(
             }
         }
     }
-    finish_link(&mut stream, hello, &st);
+    finish_link(&mut stream, hello, &st, wait_close);
 }
 
 /// Counters and scratch of one link's sending side.
@@ -178,7 +181,7 @@ fn send_batch<T: Outgoing>(
 
 /// Ends a link that did not fail with a peer end carrying the counts, then waits for the peer to
 /// close (it has then read everything).
-fn finish_link(stream: &mut TcpStream, hello: PeerHello, st: &LinkState) {
+fn finish_link(stream: &mut TcpStream, hello: PeerHello, st: &LinkState, wait_close: bool) {
     if st.ok {
         let end = PeerEnd {
             role: hello.role,
@@ -189,7 +192,9 @@ fn finish_link(stream: &mut TcpStream, hello: PeerHello, st: &LinkState) {
         .encode();
         let _ = crate::io::write_all_vectored(stream, &mut [IoSlice::new(&end)]);
         let _ = stream.shutdown(std::net::Shutdown::Write);
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
-        let _ = std::io::Read::read(stream, &mut [0u8; 64]);
+        if wait_close {
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
+            let _ = std::io::Read::read(stream, &mut [0u8; 64]);
+        }
     }
 }

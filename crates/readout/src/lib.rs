@@ -392,6 +392,11 @@ fn accept<S: LinkSink>(sh: &Arc<S>, listener: TcpListener) {
             }));
     });
     if end == tessera_net::io::AcceptEnd::Stopped {
+        // Connections taken before the stop are still saying hello (each within its deadline):
+        // they may be sources, which must not be taken for never connected.
+        while pending.load(Ordering::Acquire) > 0 {
+            std::thread::sleep(Duration::from_millis(2));
+        }
         close_never_connected(&**sh);
     }
     for r in readers.into_inner() {
@@ -682,6 +687,7 @@ fn send_to_builder(
     let hello = PeerHello {
         role: PeerRole::ReadoutUnit,
         id,
+        flags: 0,
     };
     let on_batch = |o: tessera_net::sender::BatchOutcome, _: &[_]| {
         if o.written {
@@ -731,5 +737,6 @@ fn send_to_builder(
             every: PROGRESS_INTERVAL,
             message: &mut progress,
         }),
+        true,
     );
 }

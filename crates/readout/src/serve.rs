@@ -396,6 +396,11 @@ fn accept(u: &Arc<Unit>, listener: TcpListener) {
         },
     );
     if end == tessera_net::io::AcceptEnd::Stopped {
+        // Connections taken before the stop are still saying hello (each within its deadline):
+        // they may be sources, which must not be taken for never connected.
+        while pending.load(Ordering::Acquire) > 0 {
+            std::thread::sleep(Duration::from_millis(2));
+        }
         crate::close_never_connected(&**u);
     }
     for t in threads.into_inner() {

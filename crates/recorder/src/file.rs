@@ -336,6 +336,11 @@ impl FileWriter {
         self.open = None;
     }
 
+    /// Records appended and not yet written to the file (in the partial block).
+    pub fn unwritten(&self) -> usize {
+        self.block.events as usize
+    }
+
     /// Writes the partial block, if any (the file stays open).
     pub fn flush(&mut self, st: &RecorderStats) -> io::Result<()> {
         self.flush_block(st)

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use tessera_config::RecorderSection;
 use tessera_format::event::EventFlags;
-use tessera_format::link::{decode_link, LinkItem, PeerRole};
+use tessera_format::link::{decode_link, Ack, LinkItem, PeerHello, PeerRole};
 use tessera_net::reader::Fill;
 use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::{Budget, ChunkReader, ChunkSlice};
@@ -132,7 +132,18 @@ pub const RECORDER_CHUNK: usize = 1 << 20;
 
 /// Records on their way to the writer: (record bytes, fragment count, incomplete, event ID,
 /// rebuilt).
-type Batch = Vec<(ChunkSlice, u32, bool, u64, bool)>;
+/// Event records from one builder link: (record, fragments, incomplete, event ID, rebuilt), and
+/// the link's slot (for its acknowledgements).
+type Batch = (usize, Vec<Record>);
+type Record = (ChunkSlice, u32, bool, u64, bool);
+
+/// Per builder slot: how many of the records it sent are written (in the file), for the acks.
+#[derive(Default)]
+struct Written {
+    per_link: Vec<AtomicU64>,
+    /// A link waits for its last acknowledgement: write the partial block now.
+    flush_wanted: AtomicBool,
+}
 
 /// Event IDs remembered for deduplication. A builder that fails after handing an event over gets
 /// it rebuilt elsewhere within moments; copies further apart than this are not caught.
@@ -165,11 +176,16 @@ impl Recorder {
             pattern_sources: cfg.pattern_sources.clone(),
             section: cfg.settings.clone(),
         };
+        let written = Arc::new(Written {
+            per_link: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            flush_wanted: AtomicBool::new(false),
+        });
         {
             let st = stats.clone();
             let monitor = cfg.monitor.clone();
+            let written = written.clone();
             role.threads.push(spawn("recorder-writer".into(), move || {
-                write_loop(settings, rx, &st, monitor.as_ref())
+                write_loop(settings, rx, &st, monitor.as_ref(), &written)
             }));
         }
         {
@@ -179,7 +195,13 @@ impl Recorder {
             let builders = cfg.builders.clone();
             let listener = cfg.listener;
             role.threads.push(spawn("recorder-accept".into(), move || {
-                accept(listener, builders, per_link, max, tx, &st, &stop, &abort)
+                let links = Links {
+                    per_link,
+                    max,
+                    tx,
+                    written,
+                };
+                accept(listener, builders, links, &st, &stop, &abort)
             }));
         }
         Ok(Recorder { stats, role })
@@ -202,17 +224,28 @@ impl Recorder {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn accept(
-    listener: TcpListener,
-    builders: Vec<u16>,
+/// What every builder link's reader shares.
+struct Links {
     per_link: u64,
     max: usize,
     tx: Sender<Batch>,
+    written: Arc<Written>,
+}
+
+fn accept(
+    listener: TcpListener,
+    builders: Vec<u16>,
+    links: Links,
     st: &Arc<RecorderStats>,
     stop: &AtomicBool,
     abort: &Arc<AtomicBool>,
 ) {
+    let Links {
+        per_link,
+        max,
+        tx,
+        written,
+    } = links;
     let connected = std::cell::RefCell::new(vec![false; builders.len()]);
     let mut readers = Vec::new();
     let ends = Arc::new(LinkEnds::default());
@@ -244,15 +277,20 @@ fn accept(
             if std::mem::replace(&mut connected.borrow_mut()[slot], true) {
                 return Err(format!("builder {} is already connected", h.id));
             }
-            Ok(slot)
+            Ok((slot, h.flags & PeerHello::WANTS_ACKS != 0))
         });
         match slot {
-            Ok(slot) => {
+            Ok((slot, acks)) => {
                 let budget = Arc::new(Budget::new(per_link));
                 st.links.lock().push((builders[slot], budget.clone()));
                 let (tx, st, abort, ends) = (tx.clone(), st.clone(), abort.clone(), ends.clone());
+                let written = written.clone();
                 readers.push(spawn(format!("recorder-bu{}", builders[slot]), move || {
-                    let clean = read_builder(s, budget, max, tx, &st, &abort);
+                    let link = BuilderLink {
+                        slot,
+                        acks: acks.then_some(written),
+                    };
+                    let clean = read_builder(s, budget, max, tx, &st, &abort, link);
                     if clean {
                         ends.clean.store(true, Ordering::Release);
                         st.links_ended_clean.fetch_add(1, Ordering::AcqRel);
@@ -277,7 +315,15 @@ struct LinkEnds {
     clean: AtomicBool,
 }
 
-/// Reads one builder's link to its end; whether it ended cleanly (with a peer end).
+/// Which builder link a reader reads, and whether its builder wants acknowledgements.
+struct BuilderLink {
+    slot: usize,
+    acks: Option<Arc<Written>>,
+}
+
+/// Reads one builder's link to its end; whether it ended cleanly (with a peer end). A builder
+/// that asked for them is told as its records reach the file ([`Ack`]); after its peer end it
+/// gets the last acknowledgement before the link closes.
 fn read_builder(
     mut s: TcpStream,
     budget: Arc<Budget>,
@@ -285,12 +331,24 @@ fn read_builder(
     tx: Sender<Batch>,
     st: &RecorderStats,
     abort: &AtomicBool,
+    link: BuilderLink,
 ) -> bool {
     let mut clean = false;
+    let mut received = 0u64;
+    let mut acked = 0u64;
+    let ack = |s: &mut TcpStream, acked: &mut u64| -> bool {
+        let Some(w) = &link.acks else { return true };
+        let now = w.per_link[link.slot].load(Ordering::Acquire);
+        if now > *acked {
+            *acked = now;
+            return std::io::Write::write_all(s, &Ack { records: now }.encode()).is_ok();
+        }
+        true
+    };
     let mut reader = ChunkReader::new(budget, RECORDER_CHUNK.max(max));
     let mut want = 0;
     loop {
-        let mut batch: Batch = Vec::new();
+        let mut batch: Vec<Record> = Vec::new();
         let mut done = false;
         loop {
             match decode_link(reader.window(), max) {
@@ -332,10 +390,14 @@ fn read_builder(
                 }
             }
         }
-        if !batch.is_empty() && tx.send(batch).is_err() {
+        received += batch.len() as u64;
+        if !batch.is_empty() && tx.send((link.slot, batch)).is_err() {
             break;
         }
         if done {
+            break;
+        }
+        if !ack(&mut s, &mut acked) {
             break;
         }
         match reader.fill(&mut s, want, abort) {
@@ -343,8 +405,56 @@ fn read_builder(
             Ok(Fill::Eof) | Ok(Fill::Stopped) | Err(_) => break,
         }
     }
+    if clean {
+        if let Some(w) = &link.acks {
+            // The builder reports its last events done only when they are written: wait for the
+            // writer (which is asked to write its partial block now), unless it failed or the
+            // run aborts, then say so.
+            while w.per_link[link.slot].load(Ordering::Acquire) < received
+                && !abort.load(Ordering::Relaxed)
+                && st.error.lock().is_none()
+            {
+                w.flush_wanted.store(true, Ordering::Release);
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            ack(&mut s, &mut acked);
+        }
+    }
     let _ = s.shutdown(std::net::Shutdown::Both);
     clean
+}
+
+/// The link of every record the writer took, in order, until it is in the file. Records are
+/// written in the order they are appended, so all but the newest `unwritten` appended ones are
+/// on disk. A second copy dropped by deduplication is acknowledged once everything taken before
+/// it (its first copy included) is written.
+#[derive(Default)]
+struct InFlight {
+    /// (link slot, appended to the file).
+    queue: std::collections::VecDeque<(usize, bool)>,
+    appended: usize,
+}
+
+impl InFlight {
+    fn take(&mut self, slot: usize, appended: bool) {
+        self.queue.push_back((slot, appended));
+        self.appended += appended as usize;
+    }
+
+    /// Counts as written what the file now holds, `unwritten` being the appended records still
+    /// in the partial block.
+    fn acknowledge(&mut self, unwritten: usize, written: &Written) {
+        while let Some(&(slot, appended)) = self.queue.front() {
+            if appended {
+                if self.appended <= unwritten {
+                    break;
+                }
+                self.appended -= 1;
+            }
+            self.queue.pop_front();
+            written.per_link[slot].fetch_add(1, Ordering::AcqRel);
+        }
+    }
 }
 
 fn write_loop(
@@ -352,11 +462,17 @@ fn write_loop(
     rx: Receiver<Batch>,
     st: &RecorderStats,
     monitor: Option<&tessera_monitor::Monitor>,
+    written: &Written,
 ) {
     let enabled = settings.section.enabled;
     let mut w = FileWriter::new(settings);
     let mut failed = false;
     let mut seen = tessera_assembly::RecentSet::new(DEDUP_WINDOW);
+    // The link of every record taken, in order, until it is in the file: records are written in
+    // the order they are taken, so the oldest `taken - unwritten` of them are on disk. A second
+    // copy dropped by deduplication queues here too, so it is acknowledged only once everything
+    // before it (its first copy included) is written.
+    let mut in_flight = InFlight::default();
     loop {
         // A partial block is written out after a quiet spell, so that at low rates events reach
         // the disk (and release their buffer memory) without waiting for a full block.
@@ -370,13 +486,19 @@ fn write_loop(
                         w.abandon();
                     }
                 }
+                if !failed {
+                    in_flight.acknowledge(if enabled { w.unwritten() } else { 0 }, written);
+                }
                 continue;
             }
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
         };
+        let (slot, batch) = batch;
         for (rec, nf, incomplete, event_id, rebuilt) in batch {
             let len = rec.len() as u64;
-            if !seen.insert(event_id) {
+            let first_copy = seen.insert(event_id);
+            in_flight.take(slot, first_copy);
+            if !first_copy {
                 // A second copy of an event (rebuilt after its first builder was declared dead,
                 // though that one had delivered it): each event is written exactly once.
                 st.duplicate_events.fetch_add(1, Ordering::Relaxed);
@@ -412,6 +534,16 @@ fn write_loop(
                     .fetch_add(nf as u64, Ordering::Relaxed);
             }
             st.queued_fragments.fetch_sub(nf as u64, Ordering::Relaxed);
+        }
+        if written.flush_wanted.swap(false, Ordering::AcqRel) && enabled && !failed {
+            if let Err(e) = w.flush(st) {
+                *st.error.lock() = Some(format!("writing: {e}"));
+                failed = true;
+                w.abandon();
+            }
+        }
+        if !failed {
+            in_flight.acknowledge(if enabled { w.unwritten() } else { 0 }, written);
         }
     }
     if enabled && !failed {
