@@ -104,6 +104,9 @@ pub struct RecorderStats {
     /// by the run control, which must not take a recorder that finished after every builder
     /// said goodbye for one that failed).
     pub links_ended_clean: AtomicU64,
+    /// Records (first or second copies) counted as written in the file, the sum of what the
+    /// builders' acknowledgements say.
+    pub records_written: AtomicU64,
     /// Second copies of events, dropped (request mode, after a builder failover).
     pub duplicate_events: AtomicU64,
     pub duplicate_fragments: AtomicU64,
@@ -443,7 +446,7 @@ impl InFlight {
 
     /// Counts as written what the file now holds, `unwritten` being the appended records still
     /// in the partial block.
-    fn acknowledge(&mut self, unwritten: usize, written: &Written) {
+    fn acknowledge(&mut self, unwritten: usize, written: &Written, st: &RecorderStats) {
         while let Some(&(slot, appended)) = self.queue.front() {
             if appended {
                 if self.appended <= unwritten {
@@ -453,6 +456,7 @@ impl InFlight {
             }
             self.queue.pop_front();
             written.per_link[slot].fetch_add(1, Ordering::AcqRel);
+            st.records_written.fetch_add(1, Ordering::AcqRel);
         }
     }
 }
@@ -487,7 +491,7 @@ fn write_loop(
                     }
                 }
                 if !failed {
-                    in_flight.acknowledge(if enabled { w.unwritten() } else { 0 }, written);
+                    in_flight.acknowledge(if enabled { w.unwritten() } else { 0 }, written, st);
                 }
                 continue;
             }
@@ -543,7 +547,7 @@ fn write_loop(
             }
         }
         if !failed {
-            in_flight.acknowledge(if enabled { w.unwritten() } else { 0 }, written);
+            in_flight.acknowledge(if enabled { w.unwritten() } else { 0 }, written, st);
         }
     }
     if enabled && !failed {

@@ -132,6 +132,9 @@ pub struct RecorderReport {
     pub duplicate_events: u64,
     /// Events recorded with the rebuilt flag.
     pub rebuilt_events: u64,
+    /// Records counted as written to the file (what the recorder acknowledges to builders that
+    /// ask: request mode reports an event done only then).
+    pub records_written: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -410,6 +413,7 @@ impl Report {
                 error: st.error.lock().clone(),
                 duplicate_events: st.duplicate_events.load(Ordering::Relaxed),
                 rebuilt_events: st.rebuilt_events.load(Ordering::Relaxed),
+                records_written: st.records_written.load(Ordering::Acquire),
             }
         });
         // Request mode: an event may be built twice (after a failover) but is recorded once;

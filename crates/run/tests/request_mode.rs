@@ -141,3 +141,65 @@ fsync = false
     let v = tessera_verify::verify_paths(&[dir.path().to_path_buf()]).unwrap();
     assert!(v.ok(), "{}", v.summary());
 }
+
+/// Issue 11, item 8: an event is done (and so cleared from the readout units) only once the
+/// recorder has it in its file. Watched through a run whose recorder is slow and keeps large
+/// partial blocks: at every look the event manager's done count is at most what the recorder
+/// has written (the manager is read first; the recorder's count only grows).
+#[test]
+fn events_are_done_only_once_the_recorder_wrote_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let events = 3000u64;
+    let t = topology(&format!(
+        r#"
+[run]
+mode = "request"
+events = {events}
+[sources]
+count = 4
+fragment_size = 1024
+trigger = "periodic"
+rate_hz = 3000
+[[readout]]
+id = 0
+[[builder]]
+id = 0
+[[builder]]
+id = 1
+[recorder]
+fsync = false
+block_size = "4 MiB"
+throttle = "2 MB"
+"#
+    ));
+    let opts = Options {
+        output: Some(dir.path().to_path_buf()),
+        status: StatusMode::Off,
+        ..Default::default()
+    };
+    let s = tessera_run::Session::start(&t, &opts).unwrap();
+    let mut looks = 0;
+    let mut ahead_of_disk = 0u64;
+    let reason = loop {
+        let r = s.report("running", false);
+        let done = r.event_manager.as_ref().unwrap().recorded;
+        let written = s.report("running", false).recorder.unwrap().records_written;
+        if done > written {
+            ahead_of_disk = ahead_of_disk.max(done - written);
+        }
+        looks += 1;
+        if let Some(reason) = s.end_reason() {
+            break reason;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let stop = s.stop(&tessera_run::StopDeadlines::from(&t.topology.stop));
+    let rep = s.finish(reason, stop).unwrap();
+    assert!(looks > 10, "the run was watched");
+    assert_eq!(ahead_of_disk, 0, "events done before they were written");
+    assert!(rep.ok(), "{}", rep.summary());
+    let rec = rep.recorder.as_ref().unwrap();
+    assert_eq!(rec.events_in_files, events);
+    assert_eq!(rec.records_written, events);
+    pages_all_back(&rep);
+}
