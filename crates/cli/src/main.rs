@@ -102,6 +102,16 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Close what a crash left open in an output directory: every unfinished file (`.part`) is
+    /// rewritten under its final name with the whole blocks it holds (sidecar marked
+    /// `recovered`), and runs the run database still calls running are closed as crashed.
+    /// `tessera run` does this by itself when it starts on the directory.
+    Recover {
+        /// The output directory (`run.output`).
+        dir: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
     /// Show the events of a file.
     Dump {
         file: PathBuf,
@@ -269,6 +279,40 @@ fn real_main() -> Result<ExitCode> {
                 resolved.topology.run.number = run;
             }
             run_topology(resolved, Some(role), events, duration, output, json, quiet)
+        }
+        Cmd::Recover { dir, json } => {
+            let _lock = tessera_control::recovery::lock_output(&dir)?;
+            let db_path = dir.join("runs.sqlite");
+            let db = if db_path.exists() {
+                Some(tessera_rundb::RunDb::open(&db_path)?)
+            } else {
+                None
+            };
+            let closed = tessera_control::recovery::close_crashed(&dir, db.as_ref())?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&closed)?);
+            } else {
+                for r in &closed.recovered_files {
+                    println!(
+                        "recovered {}: {} events in {} whole blocks, {} bytes of a cut block dropped{}",
+                        r.file,
+                        r.events,
+                        r.blocks,
+                        r.dropped_bytes,
+                        r.stopped_at
+                            .as_ref()
+                            .map(|w| format!(" ({w})"))
+                            .unwrap_or_default()
+                    );
+                }
+                for (run, events) in &closed.crashed_runs {
+                    println!("run {run}: closed as crashed, {events} events in its files");
+                }
+                if closed.recovered_files.is_empty() && closed.crashed_runs.is_empty() {
+                    println!("nothing to recover in {}", dir.display());
+                }
+            }
+            Ok(ExitCode::SUCCESS)
         }
         Cmd::Verify { paths, json } => {
             let rep = tessera_verify::verify_paths(&paths)?;

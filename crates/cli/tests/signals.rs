@@ -82,3 +82,95 @@ fn sigterm_stops_a_run_like_ctrl_c() {
     let v = output(Command::new(exe()).args(["verify", out.to_str().unwrap()]));
     assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stdout));
 }
+
+fn part_size(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".part"))
+                .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// Issue 11, item 4: SIGKILL leaves a `.part` and a run the database calls running. The next
+/// `tessera run` on the directory closes both: the file with every whole block it held, marked
+/// recovered and verifiable, the run as crashed; then it runs its own run.
+#[test]
+fn a_run_killed_with_sigkill_is_closed_at_the_next_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("data");
+    let cfg = dir.path().join("t.toml");
+    std::fs::write(
+        &cfg,
+        "[sources]\ncount = 4\nfragment_size = 1024\ntrigger = \"periodic\"\nrate_hz = 2000\n\
+         [recorder]\nfsync = false\nblock_size = \"64 KiB\"\n",
+    )
+    .unwrap();
+    let args = |extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "run",
+            cfg.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+            "--quiet",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let mut run = Proc::spawn_piped(
+        Command::new(exe())
+            .env("TESSERA_HTTP", "127.0.0.1:0")
+            .args(args(&["--duration", "600"])),
+    );
+    // Several whole blocks in the open file.
+    assert!(
+        eventually(Duration::from_secs(60), || part_size(&out) > 400_000),
+        "the recorder wrote no blocks"
+    );
+    run.kill();
+    assert!(part_size(&out) > 0, "the kill left the open file");
+    let db = |n: &str| -> serde_json::Value {
+        let o = output(Command::new(exe()).args([
+            "runs",
+            "show",
+            n,
+            "--data",
+            out.to_str().unwrap(),
+            "--json",
+        ]));
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    assert_eq!(db("1")["state"], "running");
+    // The next run closes what the crash left.
+    let o = output(
+        Command::new(exe())
+            .env("TESSERA_HTTP", "127.0.0.1:0")
+            .args(args(&["--events", "200"])),
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.success(),
+        "{}{err}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    assert!(err.contains("recovered: "), "{err}");
+    assert!(err.contains("run 1 was left running by a crash"), "{err}");
+    assert_eq!(part_size(&out), 0);
+    let r1 = db("1");
+    assert_eq!(r1["state"], "crashed", "{r1}");
+    let events = r1["events"].as_u64().unwrap();
+    assert!(events > 0, "{r1}");
+    assert_eq!(db("2")["state"], "stopped");
+    let v = output(Command::new(exe()).args(["verify", out.to_str().unwrap(), "--json"]));
+    assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stdout));
+    let vj: serde_json::Value = serde_json::from_slice(&v.stdout).unwrap();
+    assert_eq!(vj["events"].as_u64().unwrap(), events + 200, "{vj}");
+    let sidecar = std::fs::read_to_string(out.join("run000001_0001.tsr.json")).unwrap();
+    assert!(sidecar.contains("\"recovered\": true"), "{sidecar}");
+}

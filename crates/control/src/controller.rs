@@ -84,6 +84,8 @@ struct Ctl {
     last_stop: Option<StopReport>,
     last_report: Option<Arc<Report>>,
     db: Option<Arc<RunDb>>,
+    /// This process's hold on the output directory (see `recovery::lock_output`).
+    output_lock: Option<(std::path::PathBuf, std::fs::File)>,
 }
 
 pub(crate) struct Shared {
@@ -124,6 +126,7 @@ impl Controller {
                 last_stop: None,
                 last_report: None,
                 db: None,
+                output_lock: None,
             }),
             changed: Condvar::new(),
             interrupt,
@@ -337,6 +340,36 @@ impl Controller {
             .with_context(|| format!("creating output directory {}", t.run.output.display()))?;
         let db_path = t.run.output.join(&t.control.database);
         let db = RunDb::open(&db_path)?;
+        // The directory is this process's from here on (kept across configures of the same
+        // one); what a crash left in it is closed before anything else is written there.
+        let held = self
+            .shared
+            .ctl
+            .lock()
+            .output_lock
+            .as_ref()
+            .is_some_and(|(p, _)| *p == t.run.output);
+        if !held {
+            let lock = crate::recovery::lock_output(&t.run.output)?;
+            let closed = crate::recovery::close_crashed(&t.run.output, Some(&db))?;
+            for r in &closed.recovered_files {
+                eprintln!(
+                    "recovered: {} ({} events in {} whole blocks{})",
+                    r.file,
+                    r.events,
+                    r.blocks,
+                    if r.dropped_bytes > 0 {
+                        format!("; {} bytes of a cut block dropped", r.dropped_bytes)
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+            for (run, events) in &closed.crashed_runs {
+                eprintln!("run {run} was left running by a crash: closed as crashed ({events} events in its files)");
+            }
+            self.shared.ctl.lock().output_lock = Some((t.run.output.clone(), lock));
+        }
         let mut c = self.shared.ctl.lock();
         c.resolved = Some(r);
         c.db = Some(Arc::new(db));

@@ -1,5 +1,6 @@
 pub mod controller;
 pub mod http;
 pub mod metrics;
+pub mod recovery;
 pub mod sampler;
 pub mod state;

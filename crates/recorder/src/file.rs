@@ -311,6 +311,7 @@ impl FileWriter {
             pattern: self.s.pattern.clone(),
             sources: self.s.sources.clone(),
             pattern_sources: self.s.pattern_sources.clone(),
+            recovered: false,
         };
         let json = serde_json::to_vec_pretty(&info).map_err(io::Error::other)?;
         write_atomic(

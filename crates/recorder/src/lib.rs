@@ -80,6 +80,10 @@ pub struct FileInfo {
     /// The sources whose payloads follow `pattern` (the emulated ones).
     #[serde(default)]
     pub pattern_sources: Vec<u32>,
+    /// Closed by recovery after a crash (`tessera recover`), not by its recorder: it holds the
+    /// whole blocks the crash left, its `end_time_unix_ns` is 0.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub recovered: bool,
 }
 
 #[derive(Debug, Default)]

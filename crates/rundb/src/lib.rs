@@ -294,6 +294,20 @@ impl RunDb {
         tx.commit().map_err(|x| self.err(x))
     }
 
+    /// Runs whose state is still `running`: left so by a process that ended without stopping
+    /// them (a crash, a SIGKILL, a power cut), once no process runs them any more.
+    pub fn open_runs(&self) -> Result<Vec<u64>, DbError> {
+        let c = self.conn();
+        let mut st = c
+            .prepare("SELECT number FROM runs WHERE state = 'running' ORDER BY number")
+            .map_err(|x| self.err(x))?;
+        let rows = st
+            .query_map([], |r| r.get::<_, i64>(0))
+            .map_err(|x| self.err(x))?;
+        rows.map(|r| r.map(|n| n as u64).map_err(|x| self.err(x)))
+            .collect()
+    }
+
     /// Sets the operator's comment of a run.
     pub fn set_comment(&self, number: u64, comment: &str) -> Result<(), DbError> {
         check_comment(comment)?;

@@ -137,7 +137,14 @@ impl<R: Read> FileReader<R> {
         decode_block(&bh, &self.stored, &mut self.scratch, &mut self.raw)?;
         Ok(Some((bh, &self.raw)))
     }
+
+    /// The stored (on-disk) bytes of the block [`Self::next_block`] last returned.
+    pub fn stored(&self) -> &[u8] {
+        &self.stored
+    }
 }
+
+pub mod recover;
 
 /// Splits a block's raw bytes into event records.
 pub fn events_in(raw: &[u8]) -> impl Iterator<Item = Result<Event<'_>, ReadError>> {
