@@ -564,6 +564,14 @@ pub struct RecorderSection {
     pub fsync: bool,
     /// Bound on event bytes queued between the recorder's links and its writer.
     pub queue: ByteSize,
+    /// Free space on the output file system below which the recorder raises the disk alarm and
+    /// slows its writes (the run sees it as busy, attributed to the disk), in bytes.
+    pub disk_soft_free: ByteSize,
+    /// Free space below which the run is stopped cleanly (drained, files finished, manifest and
+    /// run database written) while there is still room for that. Must hold what is in flight:
+    /// the buffers of every readout unit, builder and the recorder's queue, and the kernel's
+    /// socket buffers (several MiB per connection).
+    pub disk_hard_free: ByteSize,
 }
 
 impl Default for RecorderSection {
@@ -579,6 +587,8 @@ impl Default for RecorderSection {
             throttle: ByteSize(0),
             fsync: true,
             queue: ByteSize(64 << 20),
+            disk_soft_free: ByteSize(2 << 30),
+            disk_hard_free: ByteSize(1 << 30),
         }
     }
 }

@@ -393,6 +393,16 @@ impl Collector for Snapshot {
                 "time the recorder spent in write and fsync calls",
                 &[(vec![], r.write_ns as f64 * 1e-9)],
             )?;
+            e.gauge(
+                "tessera_recorder_disk_free_bytes",
+                "free bytes on the output file system at the recorder's last look",
+                &[(vec![], r.disk_free as f64)],
+            )?;
+            e.gauge(
+                "tessera_recorder_disk_alarm",
+                "1 below the soft free-space watermark (writes slowed), 2 below the hard one (the run stops), else 0",
+                &[(vec![], if r.disk_full { 2.0 } else if r.disk_low { 1.0 } else { 0.0 })],
+            )?;
         }
 
         // Rates and fractions over the last sampling interval.

@@ -257,7 +257,38 @@ impl FileWriter {
     }
 
     /// Sleeps as needed so that the average write rate stays under the throttle.
+    /// Looks at the free space of the output file system after each block: below the soft
+    /// watermark the disk alarm goes on and each block is followed by a pause (the run feels it
+    /// as back-pressure from the disk); below the hard one the run is asked to stop while there
+    /// is room left for its drain, trailers, manifest and database.
+    fn watch_disk(&mut self, st: &RecorderStats) {
+        let Some(free) = free_bytes(&self.s.dir) else {
+            return;
+        };
+        st.disk_free.store(free, Ordering::Relaxed);
+        let soft = self.s.section.disk_soft_free.0;
+        let hard = self.s.section.disk_hard_free.0;
+        if free < hard && !st.disk_full.swap(true, Ordering::AcqRel) {
+            tracing::error!(free, hard, dir = %self.s.dir.display(), "disk below its hard watermark: the run stops");
+        }
+        let low = free < soft;
+        if low != st.disk_low.swap(low, Ordering::AcqRel) {
+            if low {
+                tracing::warn!(free, soft, dir = %self.s.dir.display(), "disk alarm: below the soft watermark, writes slowed");
+            } else {
+                tracing::info!(free, soft, "disk alarm off");
+            }
+        }
+        if low {
+            let pause = Duration::from_millis(20);
+            std::thread::sleep(pause);
+            st.throttled_ns
+                .fetch_add(pause.as_nanos() as u64, Ordering::Relaxed);
+        }
+    }
+
     fn throttle(&mut self, n: u64, st: &RecorderStats) {
+        self.watch_disk(st);
         let rate = self.s.section.throttle.0;
         if rate == 0 {
             return;
@@ -352,6 +383,18 @@ impl FileWriter {
         self.flush_block(st)?;
         self.finish_file(st)
     }
+}
+
+/// Free bytes for an unprivileged writer on the file system holding `dir`.
+pub fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut v: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid NUL-terminated path and `v` a writable statvfs.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut v) } != 0 {
+        return None;
+    }
+    Some((v.f_bavail as u64).saturating_mul(v.f_frsize as u64))
 }
 
 /// Writes `bytes` to `path` through a temporary name, so readers never see a partial file.

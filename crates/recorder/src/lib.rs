@@ -26,7 +26,7 @@ use tessera_net::reader::Fill;
 use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::{Budget, ChunkReader, ChunkSlice};
 
-pub use file::{file_name, FileSettings, FileWriter};
+pub use file::{file_name, free_bytes, FileSettings, FileWriter};
 
 /// Writes a small file durably under its final name (temporary name, fsync, rename).
 pub fn file_write_atomic(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
@@ -111,6 +111,12 @@ pub struct RecorderStats {
     /// Records (first or second copies) counted as written in the file, the sum of what the
     /// builders' acknowledgements say.
     pub records_written: AtomicU64,
+    /// Free bytes on the output file system at the last look (u64::MAX: not looked at yet).
+    pub disk_free: AtomicU64,
+    /// Below `recorder.disk_soft_free`: the disk alarm is on and writes are slowed.
+    pub disk_low: AtomicBool,
+    /// Below `recorder.disk_hard_free`: the run must stop (the run control does so cleanly).
+    pub disk_full: AtomicBool,
     /// Second copies of events, dropped (request mode, after a builder failover).
     pub duplicate_events: AtomicU64,
     pub duplicate_fragments: AtomicU64,
@@ -164,6 +170,17 @@ pub struct Recorder {
 impl Recorder {
     pub fn start(cfg: RecorderConfig) -> std::io::Result<Recorder> {
         let stats = Arc::new(RecorderStats::default());
+        // A run that starts on a disk already below its watermarks says so at once.
+        if let Some(free) = file::free_bytes(&cfg.output) {
+            stats.disk_free.store(free, Ordering::Relaxed);
+            stats
+                .disk_low
+                .store(free < cfg.settings.disk_soft_free.0, Ordering::Relaxed);
+            if free < cfg.settings.disk_hard_free.0 {
+                tracing::error!(free, dir = %cfg.output.display(), "disk below its hard watermark at the start: the run stops");
+                stats.disk_full.store(true, Ordering::Relaxed);
+            }
+        }
         let mut role = RoleThreads::default();
         let stop = role.stop.clone();
         let abort = role.abort.clone();

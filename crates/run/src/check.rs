@@ -251,6 +251,64 @@ pub fn check(r: &Resolved) -> CheckReport {
                 });
             }
         }
+        // The run's expected volume against the free space of its output file system, and the
+        // hard watermark against what can be in flight when it is reached.
+        let volume = if t.run.events > 0 {
+            Some(t.run.events as f64 * mean_event)
+        } else if t.run.duration_s > 0.0 {
+            bytes_in.map(|b| b * t.run.duration_s)
+        } else {
+            None
+        };
+        let dir = if t.run.output.exists() {
+            t.run.output.clone()
+        } else {
+            t.run
+                .output
+                .ancestors()
+                .find(|p| p.exists())
+                .map(|p| p.to_path_buf())
+                .unwrap_or_else(|| ".".into())
+        };
+        if let Some(free) = tessera_recorder::free_bytes(&dir) {
+            let usable = free.saturating_sub(t.recorder.disk_hard_free.0) as f64;
+            if let Some(v) = volume {
+                if v > usable {
+                    warnings.push(Finding {
+                        key: "run.output".into(),
+                        reason: format!(
+                            "the run is expected to write {} but {} has {} free above recorder.disk_hard_free: it would stop at the watermark",
+                            human(v),
+                            dir.display(),
+                            human(usable)
+                        ),
+                    });
+                }
+            }
+            if free < t.recorder.disk_soft_free.0 {
+                warnings.push(Finding {
+                    key: "recorder.disk_soft_free".into(),
+                    reason: format!(
+                        "{} has only {} free: the disk alarm would be on from the start",
+                        dir.display(),
+                        human(free as f64)
+                    ),
+                });
+            }
+        }
+        let in_flight: u64 = t.readout_units.iter().map(|u| u.buffer.0).sum::<u64>()
+            + t.builders.iter().map(|b| b.buffer.0).sum::<u64>()
+            + t.recorder.queue.0;
+        if t.recorder.disk_hard_free.0 < in_flight {
+            warnings.push(Finding {
+                key: "recorder.disk_hard_free".into(),
+                reason: format!(
+                    "{} is less than the buffers that drain after the run stops ({}, before the kernel's socket buffers): the disk could fill during the drain",
+                    human(t.recorder.disk_hard_free.0 as f64),
+                    human(in_flight as f64)
+                ),
+            });
+        }
         units.push(UnitExpectation {
             unit: "recorder".into(),
             links: t.builders.len(),

@@ -588,6 +588,15 @@ impl Session {
         if self.stop_flag.load(Ordering::Relaxed) {
             return Some("interrupted");
         }
+        // The disk fell below its hard watermark: stop now, cleanly, while there is room for
+        // what is in flight, the trailers, the manifest and the run database.
+        if running
+            .recorder
+            .as_ref()
+            .is_some_and(|r| r.stats.disk_full.load(Ordering::Acquire))
+        {
+            return Some("disk full");
+        }
         let active = self.t0.elapsed().saturating_sub(self.paused_for());
         if self.duration > 0.0 && active.as_secs_f64() >= self.duration {
             return Some("duration");

@@ -88,6 +88,11 @@ pub struct LiveRecorder {
     pub write_ns: u64,
     pub queued_fragments: u64,
     pub error: Option<String>,
+    /// Free bytes on the output file system at the recorder's last look.
+    pub disk_free: u64,
+    /// Below the soft watermark (writes slowed) / below the hard one (the run stops).
+    pub disk_low: bool,
+    pub disk_full: bool,
 }
 
 /// A snapshot of every component's counters.
@@ -245,6 +250,9 @@ impl Session {
                 write_ns: s.write_ns.load(Relaxed),
                 queued_fragments: s.queued_fragments.load(Relaxed),
                 error: s.error.lock().clone(),
+                disk_free: s.disk_free.load(Relaxed),
+                disk_low: s.disk_low.load(Relaxed),
+                disk_full: s.disk_full.load(Relaxed),
             }
         });
         Live {

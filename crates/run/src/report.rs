@@ -135,6 +135,10 @@ pub struct RecorderReport {
     /// Records counted as written to the file (what the recorder acknowledges to builders that
     /// ask: request mode reports an event done only then).
     pub records_written: u64,
+    /// Free bytes on the output file system at the end, and whether the disk alarm (below the
+    /// soft watermark) was on then.
+    pub disk_free_bytes: u64,
+    pub disk_alarm: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -414,6 +418,9 @@ impl Report {
                 duplicate_events: st.duplicate_events.load(Ordering::Relaxed),
                 rebuilt_events: st.rebuilt_events.load(Ordering::Relaxed),
                 records_written: st.records_written.load(Ordering::Acquire),
+                disk_free_bytes: st.disk_free.load(Ordering::Relaxed),
+                disk_alarm: st.disk_low.load(Ordering::Relaxed)
+                    || st.disk_full.load(Ordering::Relaxed),
             }
         });
         // Request mode: an event may be built twice (after a failover) but is recorded once;
@@ -587,6 +594,18 @@ impl Report {
             );
             if r.throttled_s > 0.0 {
                 let _ = writeln!(s, "  recorder throttled for {:.1} s", r.throttled_s);
+            }
+            if r.disk_alarm || self.stop_reason == "disk full" {
+                let _ = writeln!(
+                    s,
+                    "  DISK ALARM: {} free on the output file system at the end{}",
+                    human_bytes(r.disk_free_bytes as f64),
+                    if self.stop_reason == "disk full" {
+                        "; the run was stopped at the hard watermark (recorder.disk_hard_free)"
+                    } else {
+                        "; below recorder.disk_soft_free, writes were slowed"
+                    }
+                );
             }
             if let Some(e) = &r.error {
                 let _ = writeln!(s, "  RECORDER ERROR: {e}");
