@@ -484,6 +484,40 @@ impl Session {
             Some((rec, a)) => (Some(rec), a),
             None => (None, String::new()),
         };
+        // Where every role of this process listens, for programs (external sources, consumers,
+        // scripts) to read: `addresses.json`, or `addresses.<role>.json` for a role run alone.
+        {
+            let file = match opts.only {
+                None => "addresses.json".to_string(),
+                Some(Role::Recorder) => "addresses.recorder.json".into(),
+                Some(Role::Builder(i)) => format!("addresses.builder{i}.json"),
+                Some(Role::Readout(i)) => format!("addresses.readout{i}.json"),
+                Some(Role::Sources) => "addresses.sources.json".into(),
+                Some(Role::EventManager) => "addresses.manager.json".into(),
+            };
+            let json = serde_json::json!({
+                "run": run_number,
+                "readout_units": t.readout_units.iter().zip(&ru_addrs)
+                    .filter(|(u, _)| Role::runs_readout(opts.only, u.id))
+                    .map(|(u, a)| serde_json::json!({"id": u.id, "listen": a}))
+                    .collect::<Vec<_>>(),
+                "sources": r.source_ru.iter()
+                    .filter(|(_, ru)| Role::runs_readout(opts.only, t.readout_units[**ru].id))
+                    .map(|(s, ru)| serde_json::json!({"id": s, "connect": ru_addrs[*ru]}))
+                    .collect::<Vec<_>>(),
+                "builders": builders.iter()
+                    .map(|b| serde_json::json!({"id": b.stats.id}))
+                    .zip(&builder_addrs)
+                    .map(|(mut v, a)| { v["listen"] = a.clone().into(); v })
+                    .collect::<Vec<_>>(),
+                "recorder": recorder.as_ref().and(recorder_for_builders.clone()),
+                "monitor": monitor.as_ref().map(|(_, s)| s.addr.to_string()),
+                "event_manager": manager.as_ref().map(|_| manager_addr.clone()),
+            });
+            let path = output.join(&file);
+            tessera_recorder::file_write_atomic(&path, &serde_json::to_vec_pretty(&json)?)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
         if let Some(tx) = &opts.ready {
             let _ = tx.try_send(
                 r.source_ru
@@ -713,13 +747,30 @@ impl Session {
                     .links
                     .iter()
                     .all(|l| l.declared_fragments.load(Ordering::Relaxed) != u64::MAX);
-            v.push(component(
+            // Request mode: a builder the event manager declared dead (late heartbeats on a
+            // loaded machine, say) has had its events given to the others: once it ends, that
+            // is the failover doing its work, not a failure of the run.
+            let dismissed = request_mode
+                && b.is_finished()
+                && run.manager.as_ref().is_some_and(|m| {
+                    m.view()
+                        .builders
+                        .iter()
+                        .any(|&(id, alive, _, _)| id == b.stats.id as u32 && !alive)
+                });
+            let mut c = component(
                 format!("builder {}", b.stats.id),
                 "builder",
                 b.is_finished(),
-                goodbyes || all_ru_finished(run),
+                goodbyes || dismissed || all_ru_finished(run),
                 err,
-            ));
+            );
+            if dismissed && c.state == ComponentState::Finished {
+                c.detail =
+                    "declared dead by the event manager; its events were rebuilt by the others"
+                        .into();
+            }
+            v.push(c);
         }
         if let Some(rec) = &run.recorder {
             v.push(component(

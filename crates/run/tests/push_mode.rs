@@ -67,6 +67,14 @@ fn demo_topology_runs_clean() {
     assert_eq!(v.fragments, 24_000);
     assert!(dir.path().join("run000001.manifest.json").exists());
     assert!(dir.path().join("run000001_0001.tsr.json").exists());
+    // Where everything listened, for programs to read (issue 11, item 18).
+    let a: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("addresses.json")).unwrap()).unwrap();
+    assert_eq!(a["readout_units"].as_array().unwrap().len(), 2, "{a}");
+    assert_eq!(a["sources"].as_array().unwrap().len(), 8, "{a}");
+    let connect = a["sources"][0]["connect"].as_str().unwrap();
+    assert!(!connect.ends_with(":0"), "{a}");
+    assert!(a["monitor"].is_string() && a["recorder"].is_string(), "{a}");
 }
 
 #[test]
