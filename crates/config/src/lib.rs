@@ -621,6 +621,9 @@ pub struct MonitorSection {
     /// The chain of stations, in order. Absent: one sampling station `sample` taking every event.
     #[serde(rename = "station")]
     pub stations: Vec<StationSection>,
+    /// Most stations at once, configured and created by consumers together: a consumer cannot
+    /// make the monitor grow without bound.
+    pub max_stations: usize,
 }
 
 impl Default for MonitorSection {
@@ -633,6 +636,7 @@ impl Default for MonitorSection {
             sampling_idle_priority: true,
             streams: BTreeMap::new(),
             stations: Vec::new(),
+            max_stations: 32,
         }
     }
 }
@@ -706,6 +710,9 @@ pub struct StationSection {
     pub prescale: u64,
     /// Most events the station holds at once (queued and held by consumers).
     pub queue: usize,
+    /// Most bytes of events waiting in the station's queue (one event is always taken into an
+    /// empty queue, however large): memory bounded in bytes, not only in events.
+    pub queue_bytes: ByteSize,
     /// What happens to a dead consumer's events. Absent: `station` for blocking stations,
     /// `release` for sampling ones.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -729,6 +736,7 @@ impl Default for StationSection {
             predicate: None,
             prescale: 1,
             queue: 100,
+            queue_bytes: ByteSize(64 << 20),
             restore: None,
             group: None,
             distribution: None,
@@ -1378,6 +1386,16 @@ impl Topology {
                 ));
             }
             check_chain(&m.chain(), &m.streams).map_err(|(k, why)| err(&k, why))?;
+            if m.chain().len() > m.max_stations {
+                return Err(err(
+                    "monitor.max_stations",
+                    format!(
+                        "{} stations are configured, more than max_stations = {}",
+                        m.chain().len(),
+                        m.max_stations
+                    ),
+                ));
+            }
         }
         use sha2::Digest;
         let digest: [u8; 32] = sha2::Sha256::digest(text.as_bytes()).into();

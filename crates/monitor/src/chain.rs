@@ -183,8 +183,14 @@ impl Station {
         self.queue.len() + self.held
     }
 
-    fn full(&self) -> bool {
-        self.occupancy() >= self.config.queue
+    /// Whether the station can take no event of `next` bytes now: its count of events, or the
+    /// bytes waiting in its queue (an empty queue always takes one, however large).
+    fn full(&self, next: usize) -> bool {
+        if self.occupancy() >= self.config.queue {
+            return true;
+        }
+        let queued: usize = self.queue.iter().map(|e| e.bytes.len()).sum();
+        !self.queue.is_empty() && queued + next > self.config.queue_bytes.0 as usize
     }
 
     fn blocking(&self) -> bool {
@@ -234,6 +240,7 @@ pub(crate) struct Inner {
     pub(crate) instance: u64,
     started: Instant,
     streams: BTreeMap<String, Vec<u16>>,
+    max_stations: usize,
 }
 
 /// The monitor: a chain of stations that every recorded event passes through. Cheap to clone.
@@ -326,6 +333,7 @@ impl Monitor {
                 instance,
                 started: Instant::now(),
                 streams: section.streams.clone(),
+                max_stations: section.max_stations.max(section.chain().len()),
             }),
         })
     }
@@ -390,7 +398,9 @@ impl Monitor {
                 let id = g.stations[index].id;
                 let mut index = index;
                 let mut waited = false;
-                while g.stations[index].full() && !self.inner.closed.load(Ordering::Acquire) {
+                while g.stations[index].full(pending.len())
+                    && !self.inner.closed.load(Ordering::Acquire)
+                {
                     if !waited {
                         g.stations[index].counters.waits += 1;
                         waited = true;
@@ -416,7 +426,7 @@ impl Monitor {
                 return;
             }
             let st = &mut g.stations[index];
-            if st.full() {
+            if st.full(pending.len()) {
                 st.counters.dropped_full += 1;
             } else {
                 st.enqueue(seq, header, pending);
@@ -710,6 +720,15 @@ impl Monitor {
     /// is last).
     pub fn create_station(&self, config: StationSection) -> Result<(), MonitorError> {
         let mut g = self.inner.state.lock();
+        if g.stations.len() >= self.inner.max_stations {
+            return Err(MonitorError::Refused {
+                key: "monitor.max_stations".into(),
+                reason: format!(
+                    "the monitor has {} stations already, its most",
+                    g.stations.len()
+                ),
+            });
+        }
         let mut chain: Vec<StationSection> = g.stations.iter().map(|s| s.config.clone()).collect();
         chain.push(config.clone());
         check_chain(&chain, &self.inner.streams).map_err(|(key, reason)| {
@@ -864,6 +883,13 @@ enum Pending<'a> {
 }
 
 impl Pending<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Pending::Owned(b) => b.len(),
+            Pending::Borrowed(s) => s.len(),
+        }
+    }
+
     fn materialize(&mut self) -> Bytes {
         match self {
             Pending::Owned(b) => b.clone(),

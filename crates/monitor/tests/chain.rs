@@ -474,3 +474,36 @@ fn a_put_naming_an_event_twice_is_refused_whole() {
     c.put(got).unwrap();
     assert_eq!(m.status().stations[0].held, 0);
 }
+
+/// Issue 11, item 15: a station's queue is bounded in bytes as well as in events, and the
+/// number of stations is capped, so no consumer can make the monitor's memory grow without
+/// bound.
+#[test]
+fn stations_are_bounded_in_bytes_and_in_number() {
+    let m = Monitor::new(&MonitorSection {
+        stations: vec![StationSection {
+            queue: 100,
+            queue_bytes: tessera_config::ByteSize(1000),
+            ..station("s", StationMode::Sampling)
+        }],
+        max_stations: 2,
+        ..Default::default()
+    })
+    .unwrap();
+    let _c = m.attach("s", "asleep").unwrap();
+    for id in 1..=5 {
+        m.insert(&record(id, 1, 400 - 48));
+    }
+    let st = &m.status().stations[0];
+    assert_eq!(st.queue_depth, 2, "{st:?}");
+    assert_eq!(st.counters.dropped_full, 3, "{st:?}");
+    m.create_station(station("second", StationMode::Sampling))
+        .unwrap();
+    let err = m
+        .create_station(station("third", StationMode::Sampling))
+        .unwrap_err();
+    assert!(
+        matches!(&err, MonitorError::Refused { key, .. } if key == "monitor.max_stations"),
+        "{err:?}"
+    );
+}
