@@ -52,6 +52,8 @@ fn run_with_external(
 fn demo_topology_runs_clean() {
     let dir = tempfile::tempdir().unwrap();
     let mut demo = Topology::demo();
+    // The demo's monitor port is fixed (7711); tests run side by side take a free one.
+    demo.topology.monitor.listen = "127.0.0.1:0".into();
     demo.topology.run.events = 3000;
     demo.topology.sources.trigger = tessera_config::TriggerMode::Unlimited;
     let rep = run(&demo, dir.path());
@@ -418,6 +420,7 @@ fsync = false
 fn verify_catches_a_corrupted_file() {
     let dir = tempfile::tempdir().unwrap();
     let mut demo = Topology::demo();
+    demo.topology.monitor.listen = "127.0.0.1:0".into();
     demo.topology.run.events = 200;
     run(&demo, dir.path());
     let f = dir.path().join("run000001_0001.tsr");
