@@ -52,6 +52,44 @@ pub struct Topology {
     pub stop: StopSection,
     /// The run control: HTTP API, dashboard, metrics, run database.
     pub control: ControlSection,
+    /// `[security]`: who may connect to the data and monitor ports.
+    pub security: SecuritySection,
+}
+
+/// `[security]`: the data ports (readout units, builders, recorder, event manager) and the
+/// monitor port take connections from loopback only, unless their peers' networks are listed
+/// here; a listen address other than loopback needs this list (front-end boards cannot hold a
+/// token: their network is their credential).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SecuritySection {
+    /// Peer networks allowed beyond loopback, e.g. `["10.1.0.0/16", "192.168.5.0/24"]`.
+    pub allow: Vec<String>,
+}
+
+impl SecuritySection {
+    /// The allowed networks, parsed.
+    pub fn networks(&self) -> Result<Vec<ipnet::IpNet>, (usize, String)> {
+        self.allow
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                a.parse::<ipnet::IpNet>()
+                    .or_else(|_| a.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+                    .map_err(|e| (i, format!("{a:?} is not a network (like 10.1.0.0/16): {e}")))
+            })
+            .collect()
+    }
+}
+
+/// Whether `listen` names only this host.
+pub fn is_loopback_listen(listen: &str) -> bool {
+    let host = listen.rsplit_once(':').map_or(listen, |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// `[stop]`: a stop drains in stages, in the direction of the data. Each stage waits at most its
@@ -1397,6 +1435,31 @@ impl Topology {
                 ));
             }
         }
+        // Ports beyond loopback need the networks allowed to reach them.
+        let nets = self
+            .security
+            .networks()
+            .map_err(|(i, why)| err(&format!("security.allow[{i}]"), why))?;
+        if nets.is_empty() {
+            let mut listens: Vec<(String, &str)> = Vec::new();
+            for (i, u) in self.readout_units.iter().enumerate() {
+                listens.push((format!("readout[{i}].listen"), &u.listen));
+            }
+            for (i, b) in self.builders.iter().enumerate() {
+                listens.push((format!("builder[{i}].listen"), &b.listen));
+            }
+            listens.push(("recorder.listen".into(), &self.recorder.listen));
+            listens.push(("event_manager.listen".into(), &self.event_manager.listen));
+            if self.monitor.enabled {
+                listens.push(("monitor.listen".into(), &self.monitor.listen));
+            }
+            if let Some((key, l)) = listens.iter().find(|(_, l)| !is_loopback_listen(l)) {
+                return Err(err(
+                    key,
+                    format!("{l} is not a loopback address: list the peer networks allowed to connect in security.allow"),
+                ));
+            }
+        }
         use sha2::Digest;
         let digest: [u8; 32] = sha2::Sha256::digest(text.as_bytes()).into();
         Ok(Resolved {
@@ -1426,6 +1489,31 @@ mod tests {
 
     fn parse(s: &str) -> Result<Resolved, ConfigError> {
         Topology::parse(s, "t.toml")
+    }
+
+    /// Issue 11, item 11: ports beyond loopback need the networks allowed to reach them.
+    #[test]
+    fn ports_beyond_loopback_need_an_allow_list() {
+        for (text, key) in [
+            ("[monitor]\nlisten = \"0.0.0.0:7711\"\n", "monitor.listen"),
+            (
+                "[[readout]]\nid = 0\nlisten = \"10.1.2.3:0\"\n",
+                "readout[0].listen",
+            ),
+            ("[recorder]\nlisten = \"[::]:9000\"\n", "recorder.listen"),
+        ] {
+            let e = parse(text).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains("security.allow"), "{e}");
+        }
+        let ok = parse("[monitor]\nlisten = \"0.0.0.0:7711\"\n[security]\nallow = [\"10.1.0.0/16\", \"192.168.5.7\"]\n")
+            .unwrap();
+        let nets = ok.topology.security.networks().unwrap();
+        assert!(nets[0].contains(&"10.1.200.3".parse::<std::net::IpAddr>().unwrap()));
+        assert!(nets[1].contains(&"192.168.5.7".parse::<std::net::IpAddr>().unwrap()));
+        let e = parse("[security]\nallow = [\"ten.one\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("security.allow[0]"), "{e}");
     }
 
     /// Issue 11, item 11: the token was returned by the topology API and the run database.

@@ -106,6 +106,9 @@ fn accept(listener: TcpListener, monitor: Monitor, opts: ServerOptions, stop: &A
     while !stop.load(Ordering::Acquire) {
         match listener.accept() {
             Ok((s, peer)) => {
+                if !tessera_net::io::peer_allowed(&peer) {
+                    continue;
+                }
                 let _ = s.set_nonblocking(false);
                 let _ = s.set_nodelay(true);
                 if live.load(Ordering::Acquire) >= MAX_CONNECTIONS {

@@ -123,6 +123,9 @@ pub fn accept_until(
         let stopping = stop.load(std::sync::atomic::Ordering::Relaxed);
         match listener.accept() {
             Ok((stream, peer)) => {
+                if !peer_allowed(&peer) {
+                    continue;
+                }
                 let _ = stream.set_nonblocking(false);
                 on_connection(stream, peer);
             }
@@ -182,4 +185,59 @@ pub fn inherited_listener() -> Option<io::Result<std::net::TcpListener>> {
     // listening (checked above); it is taken once (TAKEN), so no other owner exists.
     let l = unsafe { <std::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(FIRST) };
     Some(Ok(l))
+}
+
+/// Which peers may connect to this process's data and monitor ports: loopback always, others
+/// only from the networks of `security.allow` (front-end boards cannot hold a token, so their
+/// network is their credential). Set once at start; unset, only loopback peers are taken.
+static ALLOWED: std::sync::OnceLock<Vec<ipnet::IpNet>> = std::sync::OnceLock::new();
+
+/// Peers refused by [`peer_allowed`] so far.
+pub static REFUSED_BY_NETWORK: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Sets the networks allowed beyond loopback (the first call wins: one topology per process).
+pub fn allow_networks(nets: Vec<ipnet::IpNet>) {
+    let _ = ALLOWED.set(nets);
+}
+
+/// Whether `peer` may connect; a refused peer is counted and logged.
+pub fn peer_allowed(peer: &SocketAddr) -> bool {
+    let ip = match peer.ip() {
+        std::net::IpAddr::V6(v6) => v6
+            .to_ipv4_mapped()
+            .map_or(std::net::IpAddr::V6(v6), std::net::IpAddr::V4),
+        v4 => v4,
+    };
+    if ip.is_loopback()
+        || ALLOWED
+            .get()
+            .is_some_and(|a| a.iter().any(|n| n.contains(&ip)))
+    {
+        return true;
+    }
+    REFUSED_BY_NETWORK.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    tracing::warn!(%peer, "refused a connection from outside security.allow");
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_always_others_only_from_allowed_networks() {
+        let p = |s: &str| s.parse::<SocketAddr>().unwrap();
+        allow_networks(vec!["10.1.0.0/16".parse().unwrap()]);
+        assert!(peer_allowed(&p("127.0.0.1:5000")));
+        assert!(peer_allowed(&p("[::1]:5000")));
+        assert!(peer_allowed(&p("10.1.7.9:5000")));
+        assert!(peer_allowed(&p("[::ffff:10.1.7.9]:5000")));
+        let before = REFUSED_BY_NETWORK.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(!peer_allowed(&p("10.2.0.1:5000")));
+        assert!(!peer_allowed(&p("[2001:db8::1]:5000")));
+        assert_eq!(
+            REFUSED_BY_NETWORK.load(std::sync::atomic::Ordering::Relaxed),
+            before + 2
+        );
+    }
 }

@@ -245,6 +245,8 @@ impl Session {
         if let Some(role) = opts.only {
             check_daemon_addresses(r, role)?;
         }
+        // Peers beyond loopback only from the allowed networks (checked when the file loaded).
+        tessera_net::io::allow_networks(t.security.networks().unwrap_or_default());
         let events = opts.events.unwrap_or(t.run.events);
         let duration = opts.duration_s.unwrap_or(t.run.duration_s);
         let max_payload = t.run.max_fragment_size.0 as usize;

@@ -159,12 +159,13 @@ at = [70]
 #[test]
 fn slow_recorder_holds_the_sources_and_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    // About 24 MB of data against 4 MB of buffers in all: the throttled recorder must push back
-    // through the builders and readout units to the sources.
+    // About 64 MB of data against 4 MB of buffers and at most ~25 MB of kernel socket buffers
+    // (autotuned, several MiB per connection): the throttled recorder must push back through the
+    // builders and readout units to every source.
     let t = topology(
         r#"
 [run]
-events = 3000
+events = 8000
 max_fragment_size = "16 KiB"
 [sources]
 count = 4
@@ -179,7 +180,7 @@ id = 0
 buffer = "1 MiB"
 read_chunk = "128 KiB"
 [recorder]
-throttle = "12 MB"
+throttle = "24 MB"
 block_size = "256 KiB"
 queue = "3 MiB"
 fsync = false
@@ -187,7 +188,7 @@ fsync = false
     );
     let rep = run(&t, dir.path());
     assert!(rep.ok(), "{}", rep.summary());
-    assert_eq!(rep.events_complete, 3000);
+    assert_eq!(rep.events_complete, 8000);
     assert!(rep.recorder.as_ref().unwrap().throttled_s > 0.0);
     assert!(
         rep.readout_units[0].busy_fraction > 0.0,
