@@ -406,6 +406,12 @@ fn a_builder_killed_mid_run_loses_no_event() {
     );
     let o = tessera(&["verify", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    // A row of the drill table (scripts/drills): verify found no event twice.
+    let recorded = r["events_in_files"].as_u64().unwrap();
+    println!(
+        "DRILL|request mode, a builder SIGKILLed mid-run|{events}|{recorded}|{}|0|per process",
+        events - recorded
+    );
 }
 
 /// `tessera bench request --json`: one object per measured point with the mix and the clear

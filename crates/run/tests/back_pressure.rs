@@ -3,7 +3,9 @@
 //! and shows the hold as the sources' dead time. The hold is the stimulus; what is asserted is
 //! counts and file contents, never timing.
 
+mod support;
 use std::time::{Duration, Instant};
+use support::drill;
 use tessera_config::Topology;
 use tessera_monitor::Wait;
 use tessera_run::{Options, Session, StatusMode, StopDeadlines};
@@ -138,4 +140,11 @@ queue = 4
     assert!(v.ok(), "{}", v.summary());
     assert_eq!(v.events, events);
     assert_eq!(v.incomplete_events, 0);
+    drill(
+        "hold the data path past every timeout",
+        events,
+        v.events,
+        0,
+        rep.balance.holds,
+    );
 }

@@ -5,8 +5,10 @@
 //! watermark is far above the configured buffers: what is in flight includes the kernel's socket
 //! buffers, several MiB per connection.
 
+mod support;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use support::drill;
 use tessera_config::Topology;
 use tessera_run::{Options, StatusMode};
 
@@ -98,4 +100,11 @@ disk_hard_free = "128 MiB"
     let v = tessera_verify::verify_paths(&[disk.path().to_path_buf()]).unwrap();
     assert!(v.ok(), "{}", v.summary());
     assert_eq!(v.events, built);
+    drill(
+        "disk fills: stop at the hard watermark",
+        built,
+        v.events,
+        0,
+        rep.balance.holds,
+    );
 }

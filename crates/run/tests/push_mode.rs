@@ -1,7 +1,9 @@
 //! End-to-end runs of push-mode event building: real sockets on loopback, real files, checked
 //! by the verifier. No timing is asserted; the assertions are on counts and file contents.
 
+mod support;
 use std::path::Path;
+use support::drill;
 use tessera_config::{Resolved, Topology};
 use tessera_run::{Options, Report, StatusMode};
 
@@ -532,6 +534,13 @@ abort_grace_ms = 500
     assert!(rec.throttled_s > 0.0);
     let v = verify(dir.path());
     assert_eq!(v.events, 3000);
+    drill(
+        "slow disk at the end of a run",
+        3000,
+        v.events,
+        0,
+        rep.balance.holds,
+    );
     let parts: Vec<_> = std::fs::read_dir(dir.path())
         .unwrap()
         .flatten()
@@ -637,6 +646,14 @@ id = 0
     );
     let s0 = rep.sources.iter().find(|s| s.id == 0).unwrap();
     assert_eq!((s0.sent, s0.received), (1000, 1000));
+    let rec = rep.recorder.as_ref().unwrap();
+    drill(
+        "silent connection and impostor source",
+        1000,
+        rec.events_in_files,
+        0,
+        rep.balance.holds,
+    );
 }
 
 /// Issue 11, item 5: junk and a repeated hello on an honest source's link, and bytes after its
@@ -694,4 +711,12 @@ id = 0
         rep.summary()
     );
     assert!(rep.balance.rejected_total >= 2, "{}", rep.summary());
+    let rec = rep.recorder.as_ref().unwrap();
+    drill(
+        "1 MiB of junk, a second hello, data after the end",
+        400,
+        rec.events_in_files,
+        0,
+        rep.balance.holds,
+    );
 }

@@ -2,7 +2,9 @@
 //! builders and recorder over loopback TCP, real files checked by the verifier. Assertions are on
 //! counts and file contents, never on timing.
 
+mod support;
 use std::path::Path;
+use support::drill;
 use tessera_config::{Resolved, Topology};
 use tessera_run::{Options, Report, StatusMode};
 
@@ -202,4 +204,11 @@ throttle = "2 MB"
     assert_eq!(rec.events_in_files, events);
     assert_eq!(rec.records_written, events);
     pages_all_back(&rep);
+    drill(
+        "request mode, slow recorder: done only once written",
+        events,
+        rec.events_in_files,
+        rec.duplicate_events,
+        rep.balance.holds,
+    );
 }
