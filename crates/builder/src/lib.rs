@@ -230,7 +230,7 @@ impl Shared {
 /// and logged with its address, also after every unit has connected.
 fn accept(sh: &Arc<Shared>, listener: TcpListener) {
     let readers = Mutex::new(Vec::new());
-    let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let hellos = tessera_net::io::Hellos::default();
     let open = || {
         sh.stats
             .links
@@ -238,17 +238,16 @@ fn accept(sh: &Arc<Shared>, listener: TcpListener) {
             .any(|l| !l.closed.load(Ordering::Acquire))
     };
     let end = tessera_net::io::accept_until(&listener, &sh.stop, open, |mut stream, peer| {
-        if pending.load(Ordering::Acquire) >= 64 {
-            refused(sh, peer, "too many connections are waiting to say hello");
-            return;
-        }
-        pending.fetch_add(1, Ordering::AcqRel);
-        let (sh2, pending2) = (sh.clone(), pending.clone());
+        let hello = match hellos.begin() {
+            Ok(h) => h,
+            Err(why) => return refused(sh, peer, &why),
+        };
+        let sh2 = sh.clone();
         readers
             .lock()
             .push(spawn(format!("bu{}-link", sh.id), move || {
                 let r = handshake(&sh2, &mut stream);
-                pending2.fetch_sub(1, Ordering::AcqRel);
+                drop(hello);
                 match r {
                     Ok(slot) => read_link(&sh2, slot, stream),
                     Err(why) => refused(&sh2, peer, &why),
@@ -257,9 +256,7 @@ fn accept(sh: &Arc<Shared>, listener: TcpListener) {
     });
     if end == tessera_net::io::AcceptEnd::Stopped {
         // Connections taken before the stop are still saying hello (each within its deadline).
-        while pending.load(Ordering::Acquire) > 0 {
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        hellos.wait_done();
         for (slot, l) in sh.stats.links.iter().enumerate() {
             if !l.connected.swap(true, Ordering::AcqRel) {
                 sh.close_link(slot);

@@ -68,12 +68,7 @@ impl Drop for HttpServer {
 
 /// Whether `listen` names only this host.
 pub fn is_loopback(listen: &str) -> bool {
-    let host = listen.rsplit_once(':').map_or(listen, |(h, _)| h);
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    host == "localhost"
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
+    tessera_config::is_loopback_listen(listen)
 }
 
 /// Starts the service on `listen`. A non-loopback address without a token is refused.

@@ -241,3 +241,44 @@ mod tests {
         );
     }
 }
+
+/// Connections that have been accepted and not yet said their hello, each read on its own thread
+/// with its own deadline. Bounded, so a flood of silent connections costs descriptors, not the
+/// unit; and a stop can wait for the hellos under way before it takes the peers still missing
+/// for never connected.
+#[derive(Clone, Default)]
+pub struct Hellos(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+/// One hello under way; dropping it (once the hello is read, or failed) ends it.
+pub struct HelloUnderWay(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for HelloUnderWay {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+impl Hellos {
+    /// Most hellos under way at once.
+    pub const MAX: usize = 64;
+
+    /// A new hello, or `Err` with the refusal's reason when too many are under way.
+    pub fn begin(&self) -> Result<HelloUnderWay, String> {
+        use std::sync::atomic::Ordering;
+        if self.0.load(Ordering::Acquire) >= Self::MAX {
+            return Err(format!(
+                "{} connections are already waiting to say hello",
+                Self::MAX
+            ));
+        }
+        self.0.fetch_add(1, Ordering::AcqRel);
+        Ok(HelloUnderWay(self.0.clone()))
+    }
+
+    /// Waits until no hello is under way (each has its own deadline, so this is bounded).
+    pub fn wait_done(&self) {
+        while self.0.load(std::sync::atomic::Ordering::Acquire) > 0 {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}

@@ -354,10 +354,6 @@ impl ReadoutUnit {
     }
 }
 
-/// Most connections at once that have not completed their hello: past it, a new connection is
-/// refused at once, so a flood of silent connections costs descriptors, not the unit.
-pub(crate) const MAX_PENDING_HELLOS: usize = 64;
-
 /// Accepts sources until every link has ended (or the stop): a connection's hello is read on
 /// its own thread with its own deadline, so a silent or slow connection holds nobody else's
 /// hello; the thread then reads the link. A connection for a source that is connected or has
@@ -366,25 +362,20 @@ pub(crate) const MAX_PENDING_HELLOS: usize = 64;
 fn accept<S: LinkSink>(sh: &Arc<S>, listener: TcpListener) {
     let c = sh.ctx();
     let readers = Mutex::new(Vec::new());
-    let pending = Arc::new(AtomicUsize::new(0));
+    let hellos = tessera_net::io::Hellos::default();
     let open = || c.stats.links.iter().any(|l| !l.state().ended());
     let end = tessera_net::io::accept_until(&listener, &c.stop, open, |stream, peer| {
-        if pending.load(Ordering::Acquire) >= MAX_PENDING_HELLOS {
-            refused(
-                c,
-                peer,
-                format!("{MAX_PENDING_HELLOS} connections are already waiting to say hello"),
-            );
-            return;
-        }
-        pending.fetch_add(1, Ordering::AcqRel);
-        let (sh2, pending2) = (sh.clone(), pending.clone());
+        let hello = match hellos.begin() {
+            Ok(h) => h,
+            Err(why) => return refused(c, peer, why),
+        };
+        let sh2 = sh.clone();
         readers
             .lock()
             .push(spawn(format!("ru{}-link", c.id), move || {
                 let c = sh2.ctx();
                 let r = handshake(c, stream);
-                pending2.fetch_sub(1, Ordering::AcqRel);
+                drop(hello);
                 match r {
                     Ok((slot, stream)) => read_link(&*sh2, slot, stream),
                     Err(why) => refused(c, peer, why),
@@ -394,9 +385,7 @@ fn accept<S: LinkSink>(sh: &Arc<S>, listener: TcpListener) {
     if end == tessera_net::io::AcceptEnd::Stopped {
         // Connections taken before the stop are still saying hello (each within its deadline):
         // they may be sources, which must not be taken for never connected.
-        while pending.load(Ordering::Acquire) > 0 {
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        hellos.wait_done();
         close_never_connected(&**sh);
     }
     for r in readers.into_inner() {

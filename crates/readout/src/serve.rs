@@ -372,35 +372,28 @@ impl Unit {
 /// nobody else's hello); the thread then serves the connection.
 fn accept(u: &Arc<Unit>, listener: TcpListener) {
     let threads = Mutex::new(Vec::new());
-    let pending = Arc::new(AtomicUsize::new(0));
+    let hellos = tessera_net::io::Hellos::default();
     let end = tessera_net::io::accept_until(
         &listener,
         &u.stop,
         || !u.manager_ended.load(Ordering::Relaxed),
         |stream, peer| {
-            if pending.load(Ordering::Acquire) >= crate::MAX_PENDING_HELLOS {
-                crate::refused(
-                    u,
-                    peer,
-                    "too many connections are waiting to say hello".into(),
-                );
-                return;
-            }
-            pending.fetch_add(1, Ordering::AcqRel);
-            let (u2, pending2) = (u.clone(), pending.clone());
+            let hello = match hellos.begin() {
+                Ok(h) => h,
+                Err(why) => return crate::refused(u, peer, why),
+            };
+            let u2 = u.clone();
             threads
                 .lock()
                 .push(spawn(format!("ru{}-conn", u.id), move || {
-                    serve_connection(&u2, stream, peer, &pending2)
+                    serve_connection(&u2, stream, peer, hello)
                 }));
         },
     );
     if end == tessera_net::io::AcceptEnd::Stopped {
         // Connections taken before the stop are still saying hello (each within its deadline):
         // they may be sources, which must not be taken for never connected.
-        while pending.load(Ordering::Acquire) > 0 {
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        hellos.wait_done();
         crate::close_never_connected(&**u);
     }
     for t in threads.into_inner() {
@@ -408,13 +401,13 @@ fn accept(u: &Arc<Unit>, listener: TcpListener) {
     }
 }
 
-/// Reads one connection's hello (`pending` counts it until then) and serves it: a source's
+/// Reads one connection's hello (under way until then) and serves it: a source's
 /// link, or a builder's control or data channel.
 fn serve_connection(
     u: &Arc<Unit>,
     mut stream: TcpStream,
     peer: std::net::SocketAddr,
-    pending: &AtomicUsize,
+    hello_under_way: tessera_net::io::HelloUnderWay,
 ) {
     let _ = tessera_net::io::tune(&stream, Some(Duration::from_millis(100)));
     let mut h = [0u8; HELLO_SIZE];
@@ -425,7 +418,7 @@ fn serve_connection(
         Ok(()) if is_builder => builder_hello(&mut stream, &h).map(Some),
         Ok(()) => Ok(None),
     };
-    pending.fetch_sub(1, Ordering::AcqRel);
+    drop(hello_under_way);
     match builder {
         Err(why) => crate::refused(u, peer, why),
         Ok(Some((_, id))) if !u.builders.contains(&id) => crate::refused(
