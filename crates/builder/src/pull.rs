@@ -215,7 +215,15 @@ impl BuilderUnit {
                                 Some(format!("event manager sent {other:?}"));
                             break;
                         }
-                        Err(ReadEnd::Closed) | Err(ReadEnd::Stopped) => break,
+                        Err(ReadEnd::Stopped) => break,
+                        // Closed without the end: the manager died, or dropped this builder as
+                        // dead (then the others rebuild its events).
+                        Err(ReadEnd::Closed) => {
+                            *p.stats.manager_error.lock() = Some(
+                                "the event manager closed the connection before the end of the run (it died, or declared this builder dead)".into(),
+                            );
+                            break;
+                        }
                         Err(ReadEnd::Failed(e)) => {
                             *p.stats.manager_error.lock() = Some(e);
                             break;

@@ -520,3 +520,88 @@ fn check_names_taken_and_doubled_ports_and_small_buffers() {
         stderr(&o)
     );
 }
+
+/// Issue 11, item 6: the event manager killed (SIGKILL) in the middle of a request-mode run,
+/// every role its own process. Nothing can be built or cleared without it: every other role
+/// ends within a bounded time (each child has a deadline here), the readout units and builders
+/// name the lost manager, and the recorder's file holds only whole events.
+#[test]
+fn an_event_manager_killed_mid_run_ends_every_role_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let ports = Ports::bind(4);
+    let p: Vec<u16> = (0..4).map(|i| ports.port(i)).collect();
+    let cfg = write(
+        dir.path(),
+        "em.toml",
+        &format!(
+            "[run]\nnumber = 7\nmode = \"request\"\nevents = 200000\noutput = \"{}\"\n\
+             [sources]\ncount = 4\nfragment_size = 512\ntrigger = \"periodic\"\nrate_hz = 2000\n\
+             [[readout]]\nid = 0\nlisten = \"127.0.0.1:{}\"\n[[readout]]\nid = 1\nlisten = \"127.0.0.1:{}\"\n\
+             [[builder]]\nid = 0\n[[builder]]\nid = 1\n\
+             [event_manager]\nlisten = \"127.0.0.1:{}\"\n\
+             [recorder]\nlisten = \"127.0.0.1:{}\"\nfsync = false\nblock_size = \"64 KiB\"\n",
+            out.display(),
+            p[0],
+            p[1],
+            p[2],
+            p[3]
+        ),
+    );
+    let spawn = |r: &[&str], port: Option<usize>| {
+        let mut args = vec!["serve"];
+        args.extend_from_slice(r);
+        args.extend_from_slice(&[&cfg, "--json", "--quiet"]);
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+        if let Some(i) = port {
+            ports.hand_over(i, &mut cmd);
+        }
+        Proc::spawn_piped(cmd.env("TESSERA_HTTP", "127.0.0.1:0").args(&args))
+    };
+    let rec = spawn(&["recorder"], Some(3));
+    let mut em = spawn(&["manager"], Some(2));
+    let ru = [
+        spawn(&["readout", "--id", "0"], Some(0)),
+        spawn(&["readout", "--id", "1"], Some(1)),
+    ];
+    let bu = [
+        spawn(&["builder", "--id", "0"], None),
+        spawn(&["builder", "--id", "1"], None),
+    ];
+    let src = spawn(&["sources"], None);
+    let t0 = std::time::Instant::now();
+    while !std::fs::read_dir(&out)
+        .map(|d| {
+            d.flatten()
+                .any(|e| e.file_name().to_string_lossy().ends_with(".part"))
+        })
+        .unwrap_or(false)
+    {
+        assert!(t0.elapsed().as_secs() < 60, "no data reached the recorder");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    em.kill();
+    // Every other role ends by itself (finish() fails the test past its deadline).
+    let report = |c: Proc| -> serde_json::Value {
+        let o = c.finish(LIMIT);
+        serde_json::from_slice(&o.stdout)
+            .unwrap_or_else(|_| serde_json::json!({ "stderr": String::from_utf8_lossy(&o.stderr) }))
+    };
+    let _ = report(src);
+    for u in ru {
+        let r = report(u);
+        // The unit names the lost link to its event manager (a read or a write failed on it).
+        assert!(
+            r["readout_units"][0]["requests"]["manager_error"].is_string(),
+            "{r}"
+        );
+    }
+    for b in bu {
+        let r = report(b);
+        assert!(r.to_string().contains("event manager"), "{r}");
+    }
+    let r = report(rec);
+    assert!(r["recorder"]["events_in_files"].as_u64().is_some(), "{r}");
+    let o = tessera(&["verify", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+}

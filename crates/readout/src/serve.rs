@@ -156,12 +156,24 @@ pub(crate) fn start(
                             Some(format!("event manager sent {other:?}"));
                         break;
                     }
-                    Err(ReadEnd::Closed) | Err(ReadEnd::Stopped) => break,
+                    Err(ReadEnd::Stopped) => break,
+                    Err(ReadEnd::Closed) => {
+                        *u.stats.requests.manager_error.lock() =
+                            Some("event manager connection lost before the end of the run".into());
+                        break;
+                    }
                     Err(ReadEnd::Failed(e)) => {
                         *u.stats.requests.manager_error.lock() = Some(e);
                         break;
                     }
                 }
+            }
+            // Without its event manager no fragment of this unit can be built or cleared: the
+            // unit ends now, with the reason, rather than reading its sources for ever. What it
+            // holds is reported as still buffered.
+            if u.stats.requests.manager_error.lock().is_some() {
+                tracing::error!(readout_unit = u.id, "lost the event manager; the unit ends");
+                u.abort.store(true, Ordering::Release);
             }
             u.stats.requests.throttled.store(false, Ordering::Relaxed);
             u.manager_ended.store(true, Ordering::Relaxed);
