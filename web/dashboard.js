@@ -136,6 +136,9 @@ async function refresh() {
     $("events-total").textContent = ev;
     $("incomplete-total").textContent = inc;
     $("rejected-total").textContent = rej;
+    const rec = live.recorder;
+    $("disk").innerHTML = rec && rec.disk_free ? `disk: ${bytes(rec.disk_free)} free` +
+      (rec.disk_full ? ' <span class="blocked">FULL: the run stops</span>' : rec.disk_low ? ' <span class="blocked">LOW: writes slowed</span>' : "") : "";
     $("ru-buffers").innerHTML = live.readout_units.map((u) => {
       const f = u.buffer_limit ? u.buffer_used / u.buffer_limit : 0;
       return `<div>RU ${u.id}${u.busy ? ' <span class="blocked">BUSY</span>' : ""}<div class="bar"><div style="width:${(100 * f).toFixed(1)}%"></div><span>${(100 * f).toFixed(1)}% of ${bytes(u.buffer_limit)}</span></div></div>`;

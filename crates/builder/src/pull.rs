@@ -181,7 +181,10 @@ impl BuilderUnit {
             let st = stats.clone();
             role.spawn(format!("bu{id}-to-em"), move || {
                 if let Err(e) = write_loop(&mut w, &from_builder) {
-                    *st.manager_error.lock() = Some(e.to_string());
+                    // The first word on a lost manager stays: a read or a write may see it.
+                    st.manager_error
+                        .lock()
+                        .get_or_insert_with(|| format!("event manager link: {e}"));
                 }
             });
         }
@@ -219,9 +222,9 @@ impl BuilderUnit {
                         // Closed without the end: the manager died, or dropped this builder as
                         // dead (then the others rebuild its events).
                         Err(ReadEnd::Closed) => {
-                            *p.stats.manager_error.lock() = Some(
-                                "the event manager closed the connection before the end of the run (it died, or declared this builder dead)".into(),
-                            );
+                            p.stats.manager_error.lock().get_or_insert_with(|| {
+                                "the event manager closed the connection before the end of the run (it died, or declared this builder dead)".into()
+                            });
                             break;
                         }
                         Err(ReadEnd::Failed(e)) => {

@@ -174,6 +174,12 @@ pub(crate) fn start(
             if u.stats.requests.manager_error.lock().is_some() {
                 tracing::error!(readout_unit = u.id, "lost the event manager; the unit ends");
                 u.abort.store(true, Ordering::Release);
+                // The writer to the manager ends at an end message (its write may fail: the
+                // manager is gone); without one it would wait for messages for ever.
+                let _ = u.to_manager.try_send(Message::End {
+                    units: u.stats.requests.announced.load(Ordering::Relaxed),
+                    items: 0,
+                });
             }
             u.stats.requests.throttled.store(false, Ordering::Relaxed);
             u.manager_ended.store(true, Ordering::Relaxed);

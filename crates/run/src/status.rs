@@ -154,6 +154,18 @@ impl Status {
         } else {
             format!("{line}  BUSY: RU {}", busy_now.join(","))
         };
+        // The disk alarm: below the soft watermark writes pause, below the hard one the run stops.
+        let line = match &r.recorder {
+            Some(rec) if rec.stats.disk_full.load(Ordering::Relaxed) => format!(
+                "{line}  DISK FULL ({} free): stopping",
+                human_bytes(rec.stats.disk_free.load(Ordering::Relaxed) as f64)
+            ),
+            Some(rec) if rec.stats.disk_low.load(Ordering::Relaxed) => format!(
+                "{line}  DISK LOW ({} free)",
+                human_bytes(rec.stats.disk_free.load(Ordering::Relaxed) as f64)
+            ),
+            _ => line,
+        };
         self.last_events = events;
         self.last_bytes = bytes;
         self.last_busy = busy;
