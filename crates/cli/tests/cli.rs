@@ -180,6 +180,34 @@ fn bench_prints_one_json_object_per_point() {
 }
 
 /// Free loopback ports, found by binding port 0 (released again before use).
+/// `tessera serve ROLE...` on `cfg`, handed listener `port` of `ports` when it listens.
+fn serve(ports: &Ports, cfg: &str, role: &[&str], port: Option<usize>) -> Proc {
+    let mut args = vec!["serve"];
+    args.extend_from_slice(role);
+    args.extend_from_slice(&[cfg, "--json", "--quiet"]);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+    if let Some(i) = port {
+        ports.hand_over(i, &mut cmd);
+    }
+    Proc::spawn_piped(cmd.env("TESSERA_HTTP", "127.0.0.1:0").args(&args))
+}
+
+/// Waits (bounded) until the recorder has an open file in `out`: data is flowing.
+fn wait_for_recorded_data(out: &Path) {
+    let open_file = || {
+        std::fs::read_dir(out)
+            .map(|d| {
+                d.flatten()
+                    .any(|e| e.file_name().to_string_lossy().ends_with(".part"))
+            })
+            .unwrap_or(false)
+    };
+    assert!(
+        support::eventually(std::time::Duration::from_secs(60), open_file),
+        "no data reached the recorder"
+    );
+}
+
 #[test]
 fn every_role_as_its_own_process() {
     let dir = tempfile::tempdir().unwrap();
@@ -214,16 +242,7 @@ fn every_role_as_its_own_process() {
     ];
     let children: Vec<_> = roles
         .iter()
-        .map(|(r, port)| {
-            let mut args = vec!["serve"];
-            args.extend_from_slice(r);
-            args.extend_from_slice(&[&cfg, "--json", "--quiet"]);
-            let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
-            if let Some(i) = port {
-                ports.hand_over(*i, &mut cmd);
-            }
-            Proc::spawn_piped(cmd.env("TESSERA_HTTP", "127.0.0.1:0").args(&args))
-        })
+        .map(|(r, port)| serve(&ports, &cfg, r, *port))
         .collect();
     let reports: Vec<serde_json::Value> = children
         .into_iter()
@@ -318,16 +337,7 @@ fn a_builder_killed_mid_run_loses_no_event() {
         ),
     );
     // Each role with the index of the port it listens on (bound here, handed over).
-    let spawn = |r: &[&str], port: Option<usize>| {
-        let mut args = vec!["serve"];
-        args.extend_from_slice(r);
-        args.extend_from_slice(&[&cfg, "--json", "--quiet"]);
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
-        if let Some(i) = port {
-            ports.hand_over(i, &mut cmd);
-        }
-        Proc::spawn_piped(cmd.env("TESSERA_HTTP", "127.0.0.1:0").args(&args))
-    };
+    let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
     let rec = spawn(&["recorder"], Some(3));
     let em = spawn(&["manager"], Some(2));
     let ru0 = spawn(&["readout", "--id", "0"], Some(0));
@@ -338,17 +348,7 @@ fn a_builder_killed_mid_run_loses_no_event() {
     let src = spawn(&["sources"], None);
     // Kill the builder once events reach the recorder's file (not a timing assertion: the run
     // lasts about 6 s at 2 kHz, and the checks below hold whenever the kill lands).
-    let t0 = std::time::Instant::now();
-    while !std::fs::read_dir(&out)
-        .map(|d| {
-            d.flatten()
-                .any(|e| e.file_name().to_string_lossy().ends_with(".part"))
-        })
-        .unwrap_or(false)
-    {
-        assert!(t0.elapsed().as_secs() < 60, "no data reached the recorder");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    wait_for_recorded_data(&out);
     // Freeze it first (SIGSTOP), so that it holds the events the event manager keeps giving it
     // while its credit lasts, however fast the builders were: then kill it.
     victim.signal("STOP");
@@ -548,16 +548,7 @@ fn an_event_manager_killed_mid_run_ends_every_role_with_the_reason() {
             p[3]
         ),
     );
-    let spawn = |r: &[&str], port: Option<usize>| {
-        let mut args = vec!["serve"];
-        args.extend_from_slice(r);
-        args.extend_from_slice(&[&cfg, "--json", "--quiet"]);
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
-        if let Some(i) = port {
-            ports.hand_over(i, &mut cmd);
-        }
-        Proc::spawn_piped(cmd.env("TESSERA_HTTP", "127.0.0.1:0").args(&args))
-    };
+    let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
     let rec = spawn(&["recorder"], Some(3));
     let mut em = spawn(&["manager"], Some(2));
     let ru = [
@@ -569,17 +560,7 @@ fn an_event_manager_killed_mid_run_ends_every_role_with_the_reason() {
         spawn(&["builder", "--id", "1"], None),
     ];
     let src = spawn(&["sources"], None);
-    let t0 = std::time::Instant::now();
-    while !std::fs::read_dir(&out)
-        .map(|d| {
-            d.flatten()
-                .any(|e| e.file_name().to_string_lossy().ends_with(".part"))
-        })
-        .unwrap_or(false)
-    {
-        assert!(t0.elapsed().as_secs() < 60, "no data reached the recorder");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    wait_for_recorded_data(&out);
     em.kill();
     // Every other role ends by itself (finish() fails the test past its deadline).
     let report = |c: Proc| -> serde_json::Value {
