@@ -56,8 +56,8 @@ struct Building {
     rebuild: bool,
     since_ns: u64,
     step: u64,
-    /// Answers still expected in this step.
-    waiting: usize,
+    /// The readout units (slots) whose answers this step still expects.
+    pending: Vec<usize>,
     parts: Vec<(AnswerHeader, ChunkSlice)>,
 }
 
@@ -76,6 +76,10 @@ struct Pull {
     abort: Arc<AtomicBool>,
     /// The event manager ended the run.
     ended: AtomicBool,
+    /// Per readout unit: its connection was lost before the end of the run. Nothing more is
+    /// asked of it and no event waits for it: its sources are named missing at once. Changed
+    /// and read under the `events` lock, so that no event is left waiting on a lost unit.
+    lost: Vec<AtomicBool>,
 }
 
 impl BuilderUnit {
@@ -124,18 +128,11 @@ impl BuilderUnit {
         };
         let (to_manager, from_builder) = bounded::<Message>(4096);
         let mut to_rus = Vec::new();
-        for (i, mut s) in controls.into_iter().enumerate() {
+        let mut request_queues = Vec::new();
+        for s in controls {
             let (tx, rx) = bounded::<Message>(4096);
             to_rus.push(tx);
-            let st = stats.clone();
-            role.spawn(
-                format!("bu{id}-req-ru{}", cfg.readout_units[i].0),
-                move || {
-                    if let Err(e) = write_loop(&mut s, &rx) {
-                        *st.links[i].error.lock() = Some(e.to_string());
-                    }
-                },
-            );
+            request_queues.push((s, rx));
         }
         let mut expected: Vec<u32> = cfg
             .readout_units
@@ -161,7 +158,19 @@ impl BuilderUnit {
             timeout_ns: cfg.event_timeout.as_nanos() as u64,
             abort: role.abort.clone(),
             ended: AtomicBool::new(false),
+            lost: (0..n).map(|_| AtomicBool::new(false)).collect(),
         });
+        for (i, (mut s, rx)) in request_queues.into_iter().enumerate() {
+            let p = pull.clone();
+            role.spawn(
+                format!("bu{id}-req-ru{}", cfg.readout_units[i].0),
+                move || {
+                    if let Err(e) = write_loop(&mut s, &rx) {
+                        p.ru_lost(i, format!("request connection: {e}"));
+                    }
+                },
+            );
+        }
         if let Some(s) = to_recorder {
             let (tx, rx) = bounded::<Vec<Built>>(256);
             *pull.to_recorder.lock() = Some(tx);
@@ -214,8 +223,10 @@ impl BuilderUnit {
                         Ok(Message::Assign { events }) => p.assigned(&events),
                         Ok(Message::End { .. }) => break,
                         Ok(other) => {
-                            *p.stats.manager_error.lock() =
-                                Some(format!("event manager sent {other:?}"));
+                            p.stats
+                                .manager_error
+                                .lock()
+                                .get_or_insert_with(|| format!("event manager sent {other:?}"));
                             break;
                         }
                         Err(ReadEnd::Stopped) => break,
@@ -227,8 +238,13 @@ impl BuilderUnit {
                             });
                             break;
                         }
+                        // The manager's process died with bytes unread: the kernel resets the
+                        // connection, and the raw error would not say whose it was.
                         Err(ReadEnd::Failed(e)) => {
-                            *p.stats.manager_error.lock() = Some(e);
+                            p.stats
+                                .manager_error
+                                .lock()
+                                .get_or_insert_with(|| format!("event manager link: {e}"));
                             break;
                         }
                     }
@@ -261,6 +277,7 @@ impl Pull {
         let now = self.now_ns();
         let roi = self.filter.roi();
         let mut sends: Vec<(usize, Message)> = Vec::new();
+        let mut unasked = Vec::new();
         {
             let mut map = self.events.lock();
             for &(e, flags) in events {
@@ -280,10 +297,14 @@ impl Pull {
                         rebuild,
                         since_ns: now,
                         step,
-                        waiting: asks.len(),
+                        pending: asks.iter().map(|a| a.0).collect(),
                         parts: Vec::new(),
                     },
                 );
+                if asks.is_empty() {
+                    // Every unit it needs is lost: nothing to wait for.
+                    unasked.push(e);
+                }
                 for (ru, sources) in asks {
                     sends.push((
                         ru,
@@ -297,6 +318,47 @@ impl Pull {
             }
         }
         self.send_requests(sends);
+        for e in unasked {
+            let b = self.events.lock().remove(&e);
+            if let Some(b) = b {
+                self.step_done(e, b);
+            }
+        }
+    }
+
+    /// Readout unit `slot`'s connection is lost before the end of the run (its process died,
+    /// or the link failed): events stop waiting for it, now and from now on, and are built
+    /// with its sources named missing. Without this every event would wait out the timeout,
+    /// holding the builder's credit, and the run would crawl at one credit-full per timeout.
+    fn ru_lost(&self, slot: usize, why: String) {
+        self.stats.links[slot].error.lock().get_or_insert(why);
+        if self.ended.load(Ordering::Relaxed) || self.abort.load(Ordering::Relaxed) {
+            return;
+        }
+        let ready: Vec<(u64, Building)> = {
+            let mut map = self.events.lock();
+            if self.lost[slot].swap(true, Ordering::AcqRel) {
+                return;
+            }
+            tracing::error!(
+                builder = self.id,
+                readout_unit = self.rus[slot].0,
+                "readout unit lost: its sources are missing from every event from now on"
+            );
+            let ids: Vec<u64> = map
+                .iter_mut()
+                .filter_map(|(e, b)| {
+                    b.pending.retain(|&s| s != slot);
+                    b.pending.is_empty().then_some(*e)
+                })
+                .collect();
+            ids.into_iter()
+                .filter_map(|e| map.remove(&e).map(|b| (e, b)))
+                .collect()
+        };
+        for (e, b) in ready {
+            self.step_done(e, b);
+        }
     }
 
     /// Which readout units to ask for the sources `want` selects, and with what list (empty:
@@ -304,6 +366,9 @@ impl Pull {
     fn ask(&self, want: impl Fn(u32) -> bool) -> Vec<(usize, Vec<u32>)> {
         let mut v = Vec::new();
         for (i, (_, sources)) in self.rus.iter().enumerate() {
+            if self.lost[i].load(Ordering::Acquire) {
+                continue;
+            }
             let pick: Vec<u32> = sources.iter().copied().filter(|&s| want(s)).collect();
             if pick.is_empty() {
                 continue;
@@ -331,15 +396,15 @@ impl Pull {
         }
     }
 
-    fn answered(&self, h: AnswerHeader, body: ChunkSlice) {
+    fn answered(&self, slot: usize, h: AnswerHeader, body: ChunkSlice) {
         let e = h.event_id;
         let step_done = {
             let mut map = self.events.lock();
             match map.get_mut(&e) {
-                Some(b) if b.step == h.tag && b.waiting > 0 => {
-                    b.waiting -= 1;
+                Some(b) if b.step == h.tag && b.pending.contains(&slot) => {
+                    b.pending.retain(|&s| s != slot);
                     b.parts.push((h, body));
-                    if b.waiting == 0 {
+                    if b.pending.is_empty() {
                         map.remove(&e)
                     } else {
                         None
@@ -373,10 +438,12 @@ impl Pull {
             return;
         }
         if b.step == STEP_ROI {
+            // Asked under the lock that `ru_lost` takes: no event waits on a unit lost meanwhile.
+            let mut map = self.events.lock();
             let asks = self.ask(|s| !roi.contains(&s));
             if !asks.is_empty() {
                 b.step = STEP_FULL;
-                b.waiting = asks.len();
+                b.pending = asks.iter().map(|a| a.0).collect();
                 let sends = asks
                     .into_iter()
                     .map(|(ru, sources)| {
@@ -390,7 +457,8 @@ impl Pull {
                         )
                     })
                     .collect();
-                self.events.lock().insert(e, b);
+                map.insert(e, b);
+                drop(map);
                 self.send_requests(sends);
                 return;
             }
@@ -485,6 +553,7 @@ fn read_answers(p: &Pull, slot: usize, mut stream: TcpStream, chunk: usize, max:
     let link = &p.stats.links[slot];
     let mut reader = ChunkReader::new(link.budget.clone(), chunk);
     let mut want = 0usize;
+    let mut lost: Option<String> = None;
     loop {
         let mut done = false;
         loop {
@@ -496,7 +565,7 @@ fn read_answers(p: &Pull, slot: usize, mut stream: TcpStream, chunk: usize, max:
                     link.super_fragments.fetch_add(1, Ordering::Relaxed);
                     link.fragments
                         .fetch_add(h.fragment_count as u64, Ordering::Relaxed);
-                    p.answered(h, body);
+                    p.answered(slot, h, body);
                 }
                 Ok(request::Decoded::Message(Message::End { items, .. }, n)) => {
                     reader.skip(n);
@@ -505,7 +574,7 @@ fn read_answers(p: &Pull, slot: usize, mut stream: TcpStream, chunk: usize, max:
                     break;
                 }
                 Ok(request::Decoded::Message(other, _)) => {
-                    *link.error.lock() = Some(format!("unexpected {other:?} on a data connection"));
+                    lost = Some(format!("unexpected {other:?} on a data connection"));
                     done = true;
                     break;
                 }
@@ -514,7 +583,7 @@ fn read_answers(p: &Pull, slot: usize, mut stream: TcpStream, chunk: usize, max:
                     break;
                 }
                 Err(e) => {
-                    *link.error.lock() = Some(e.to_string());
+                    lost = Some(e.to_string());
                     done = true;
                     break;
                 }
@@ -527,20 +596,23 @@ fn read_answers(p: &Pull, slot: usize, mut stream: TcpStream, chunk: usize, max:
             Ok(Fill::Data(_)) => {}
             Ok(Fill::Eof) => {
                 if !reader.window().is_empty() {
-                    *link.error.lock() = Some("connection closed inside an answer".into());
+                    lost = Some("connection closed inside an answer".into());
                 } else if !p.ended.load(Ordering::Relaxed) {
-                    *link.error.lock() = Some("readout unit closed the data connection".into());
+                    lost = Some("readout unit closed the data connection".into());
                 }
                 break;
             }
             Ok(Fill::Stopped) => break,
             Err(e) => {
-                *link.error.lock() = Some(e.to_string());
+                lost = Some(e.to_string());
                 break;
             }
         }
     }
     let _ = stream.shutdown(std::net::Shutdown::Both);
+    if let Some(why) = lost {
+        p.ru_lost(slot, why);
+    }
 }
 
 fn sweep(p: &Pull, heartbeat: Duration) {

@@ -189,22 +189,44 @@ fn serve(ports: &Ports, cfg: &str, role: &[&str], port: Option<usize>) -> Proc {
     if let Some(i) = port {
         ports.hand_over(i, &mut cmd);
     }
-    Proc::spawn_piped(cmd.env("TESSERA_HTTP", "127.0.0.1:0").args(&args))
+    let child = Proc::spawn_piped(cmd.env("TESSERA_HTTP", "127.0.0.1:0").args(&args));
+    if let Some(i) = port {
+        ports.release(i);
+    }
+    child
 }
 
-/// Waits (bounded) until the recorder has an open file in `out`: data is flowing.
+/// Waits (bounded) until a file the recorder is writing in `out` holds a complete event: every
+/// readout unit is serving builders (an open file alone says nothing: it is opened at the start,
+/// before any unit may have connected).
 fn wait_for_recorded_data(out: &Path) {
-    let open_file = || {
+    let complete_in = |part: &Path| -> bool {
+        let Ok(mut r) = tessera_verify::FileReader::open(part) else {
+            return false;
+        };
+        // Whole blocks only: the block being written is cut, and ends the look.
+        while let Ok(Some((_, raw))) = r.next_block() {
+            if tessera_verify::events_in(raw)
+                .flatten()
+                .any(|e| !e.header.flags.has(tessera_format::EventFlags::INCOMPLETE))
+            {
+                return true;
+            }
+        }
+        false
+    };
+    let complete_event = || {
         std::fs::read_dir(out)
             .map(|d| {
                 d.flatten()
-                    .any(|e| e.file_name().to_string_lossy().ends_with(".part"))
+                    .filter(|e| e.file_name().to_string_lossy().ends_with(".part"))
+                    .any(|e| complete_in(&e.path()))
             })
             .unwrap_or(false)
     };
     assert!(
-        support::eventually(std::time::Duration::from_secs(60), open_file),
-        "no data reached the recorder"
+        support::eventually(std::time::Duration::from_secs(60), complete_event),
+        "no complete event reached the recorder's file"
     );
 }
 
@@ -563,26 +585,156 @@ fn an_event_manager_killed_mid_run_ends_every_role_with_the_reason() {
     wait_for_recorded_data(&out);
     em.kill();
     // Every other role ends by itself (finish() fails the test past its deadline).
+    // The readout units first: sources end when their units close, so a unit that hangs is
+    // named as itself rather than as its sources.
     let report = |c: Proc| -> serde_json::Value {
         let o = c.finish(LIMIT);
-        serde_json::from_slice(&o.stdout)
-            .unwrap_or_else(|_| serde_json::json!({ "stderr": String::from_utf8_lossy(&o.stderr) }))
+        let mut v = serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
+        v["stderr"] = String::from_utf8_lossy(&o.stderr).into();
+        v
     };
+    let ru = ru.map(report);
     let _ = report(src);
-    for u in ru {
-        let r = report(u);
+    let bu = bu.map(report);
+    let rec = report(rec);
+    let all = serde_json::json!({ "readout": ru, "builders": bu, "recorder": rec });
+    for r in &ru {
         // The unit names the lost link to its event manager (a read or a write failed on it).
         assert!(
             r["readout_units"][0]["requests"]["manager_error"].is_string(),
-            "{r}"
+            "{all:#}"
         );
     }
-    for b in bu {
-        let r = report(b);
-        assert!(r.to_string().contains("event manager"), "{r}");
+    for r in &bu {
+        assert!(r.to_string().contains("event manager"), "{all:#}");
     }
-    let r = report(rec);
-    assert!(r["recorder"]["events_in_files"].as_u64().is_some(), "{r}");
+    assert!(
+        rec["recorder"]["events_in_files"].as_u64().is_some(),
+        "{all:#}"
+    );
+    println!(
+        "DRILL|request mode, the event manager SIGKILLed mid-run|-|{}|-|0|every role ended, naming it",
+        rec["recorder"]["events_in_files"]
+    );
     let o = tessera(&["verify", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+}
+
+/// Issue 11, item 7: a readout unit killed (SIGKILL) in the middle of a request-mode run,
+/// every role its own process. The run goes on without it: its sources are named missing in
+/// every event built after its death (at once, not after a timeout per event), no builder is
+/// declared dead for it, and every process ends within a bounded time once the surviving
+/// unit's sources are done.
+#[test]
+fn a_readout_unit_killed_mid_run_leaves_events_incomplete_naming_its_sources() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let ports = Ports::bind(4);
+    let p: Vec<u16> = (0..4).map(|i| ports.port(i)).collect();
+    let events = 8000u64;
+    let cfg = write(
+        dir.path(),
+        "ru.toml",
+        &format!(
+            "[run]\nnumber = 8\nmode = \"request\"\nevents = {events}\noutput = \"{}\"\n\
+             [sources]\ncount = 4\nfragment_size = 512\ntrigger = \"periodic\"\nrate_hz = 2000\n\
+             [[readout]]\nid = 0\nlisten = \"127.0.0.1:{}\"\nsources = [0, 1]\n\
+             [[readout]]\nid = 1\nlisten = \"127.0.0.1:{}\"\nsources = [2, 3]\n\
+             [[builder]]\nid = 0\n[[builder]]\nid = 1\n\
+             [event_manager]\nlisten = \"127.0.0.1:{}\"\n\
+             [request]\ntimeout_ms = 10000\nbuilder_timeout_ms = 20000\n\
+             [recorder]\nlisten = \"127.0.0.1:{}\"\nfsync = false\nblock_size = \"64 KiB\"\n",
+            out.display(),
+            p[0],
+            p[1],
+            p[2],
+            p[3]
+        ),
+    );
+    let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
+    let rec = spawn(&["recorder"], Some(3));
+    let em = spawn(&["manager"], Some(2));
+    let ru0 = spawn(&["readout", "--id", "0"], Some(0));
+    let mut ru1 = spawn(&["readout", "--id", "1"], Some(1));
+    let bu = [
+        spawn(&["builder", "--id", "0"], None),
+        spawn(&["builder", "--id", "1"], None),
+    ];
+    let src = spawn(&["sources"], None);
+    wait_for_recorded_data(&out);
+    ru1.kill();
+    let report = |c: Proc| -> serde_json::Value {
+        let o = c.finish(LIMIT);
+        let mut v = serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
+        v["stderr"] = String::from_utf8_lossy(&o.stderr).into();
+        v
+    };
+    let ru0 = report(ru0);
+    let _ = report(src);
+    let bu = bu.map(report);
+    let em = report(em);
+    let rec = report(rec);
+    let all = serde_json::json!({ "readout": ru0, "builders": bu, "manager": em, "recorder": rec });
+    // Long timeouts (10 s per event): had the builders waited for the dead unit's answers, the
+    // run would have lasted over an hour and the deadlines above would have failed it.
+    let m = &em["event_manager"];
+    assert!(
+        !m.to_string().contains("declared dead"),
+        "a builder was declared dead for a readout unit's death: {all:#}"
+    );
+    assert!(
+        m["errors"].to_string().contains("readout unit 1"),
+        "the manager names the lost unit: {all:#}"
+    );
+    for b in &bu {
+        let b0 = &b["builders"][0];
+        assert!(
+            b0["errors"].to_string().contains("readout unit 1"),
+            "{all:#}"
+        );
+        let missing: Vec<&String> = b0["missing_by_source"]
+            .as_object()
+            .map(|o| o.keys().collect())
+            .unwrap_or_default();
+        assert!(
+            missing.iter().all(|s| *s == "2" || *s == "3"),
+            "only the dead unit's sources are missing: {all:#}"
+        );
+    }
+    let r = &rec["recorder"];
+    assert!(r["incomplete_events"].as_u64().unwrap() > 0, "{all:#}");
+    // Every event the surviving unit read was built and recorded: complete ones before the
+    // death, incomplete (sources 2 and 3 missing) after it.
+    let read0 = ru0["sources"]
+        .as_array()
+        .and_then(|l| l.iter().map(|x| x["received"].as_u64().unwrap_or(0)).min())
+        .unwrap_or(0);
+    assert_eq!(
+        read0, events,
+        "the surviving unit read every event: {all:#}"
+    );
+    assert_eq!(r["events_in_files"], events, "{all:#}");
+    let mut incomplete = 0u64;
+    for f in std::fs::read_dir(&out).unwrap().flatten() {
+        if !f.file_name().to_string_lossy().ends_with(".tsr") {
+            continue;
+        }
+        let mut rd = tessera_verify::FileReader::open(&f.path()).unwrap();
+        while let Some((_, raw)) = rd.next_block().unwrap() {
+            for e in tessera_verify::events_in(raw) {
+                let h = e.unwrap().header;
+                if !h.missing.is_empty() {
+                    assert_eq!(h.missing, vec![2, 3], "event {}: {all:#}", h.event_id);
+                    incomplete += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(Some(incomplete), r["incomplete_events"].as_u64(), "{all:#}");
+    let o = tessera(&["verify", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    println!(
+        "DRILL|request mode, a readout unit SIGKILLed mid-run|{events}|{}|0|0|per process (its sources named missing)",
+        r["events_in_files"]
+    );
 }

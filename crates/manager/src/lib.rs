@@ -247,6 +247,7 @@ fn readout_unit(sh: &Arc<Shared>, stream: TcpStream, id: u32) -> Vec<std::thread
     let reader = spawn(format!("em-from-ru{id}"), move || {
         let mut stream = stream;
         let mut r = MessageReader::new(1 << 24);
+        let mut said_end = false;
         loop {
             match r.next(&mut stream, &sh3.abort) {
                 Ok(Message::Announce { event_ids }) => {
@@ -257,13 +258,22 @@ fn readout_unit(sh: &Arc<Shared>, stream: TcpStream, id: u32) -> Vec<std::thread
                     sh3.dispatch(outs);
                 }
                 Ok(Message::End { .. }) => {
+                    said_end = true;
                     sh3.ended.lock().insert(id);
                 }
                 Ok(other) => {
                     sh3.error(format!("readout unit {id} sent {other:?}; closing"));
                     break;
                 }
-                Err(ReadEnd::Closed) | Err(ReadEnd::Stopped) => break,
+                Err(ReadEnd::Closed) => {
+                    if !said_end {
+                        sh3.error(format!(
+                            "readout unit {id} lost before its end (connection closed): the run goes on without its sources"
+                        ));
+                    }
+                    break;
+                }
+                Err(ReadEnd::Stopped) => break,
                 Err(ReadEnd::Failed(e)) => {
                     sh3.error(format!("readout unit {id}: {e}"));
                     break;

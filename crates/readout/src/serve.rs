@@ -136,7 +136,11 @@ pub(crate) fn start(
         let u = unit.clone();
         role.spawn(format!("ru{}-to-em", u.id), move || {
             if let Err(e) = write_loop(&mut w, &from_unit) {
-                *u.stats.requests.manager_error.lock() = Some(e.to_string());
+                u.stats
+                    .requests
+                    .manager_error
+                    .lock()
+                    .get_or_insert_with(|| format!("event manager link: {e}"));
             }
         });
     }
@@ -163,7 +167,8 @@ pub(crate) fn start(
                         break;
                     }
                     Err(ReadEnd::Failed(e)) => {
-                        *u.stats.requests.manager_error.lock() = Some(e);
+                        *u.stats.requests.manager_error.lock() =
+                            Some(format!("event manager link: {e}"));
                         break;
                     }
                 }

@@ -74,13 +74,14 @@ impl Proc {
         let stderr = err
             .map(|h| h.join().unwrap_or_default())
             .unwrap_or_default();
-        let Some(status) = status else {
-            panic!(
-                "{} did not exit within {limit:?}\nstdout: {}\nstderr: {}",
+        let status = match status {
+            Ok(s) => s,
+            Err(stacks) => panic!(
+                "{} did not exit within {limit:?}\nstdout: {}\nstderr: {}\nits threads then:\n{stacks}",
                 self.what,
                 String::from_utf8_lossy(&stdout),
                 String::from_utf8_lossy(&stderr)
-            );
+            ),
         };
         Output {
             status,
@@ -104,20 +105,50 @@ fn drain<R: Read + Send + 'static>(mut r: R) -> JoinHandle<Vec<u8>> {
     })
 }
 
-/// The exit status, or `None` after killing a child that outlived `limit`.
-fn wait_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
+/// The exit status; or, for a child that outlived `limit`, what its threads were doing (so
+/// that a hang names where it waits), after which it is killed.
+fn wait_within(child: &mut Child, limit: Duration) -> Result<ExitStatus, String> {
     let t = Instant::now();
     loop {
         if let Ok(Some(s)) = child.try_wait() {
-            return Some(s);
+            return Ok(s);
         }
         if t.elapsed() >= limit {
+            let stacks = thread_stacks(child.id());
             let _ = child.kill();
             let _ = child.wait();
-            return None;
+            return Err(stacks);
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Every thread's name and backtrace (gdb, where installed), else each thread's name and the
+/// kernel function it sleeps in.
+fn thread_stacks(pid: u32) -> String {
+    let gdb = Command::new("timeout")
+        .args(["60", "gdb", "-p", &pid.to_string(), "-batch", "-nx"])
+        .args(["-ex", "set pagination off", "-ex", "thread apply all bt 25"])
+        .stdin(Stdio::null())
+        .output();
+    if let Ok(o) = gdb {
+        let text = String::from_utf8_lossy(&o.stdout);
+        if text.contains("Thread ") {
+            return text
+                .lines()
+                .filter(|l| l.starts_with("Thread ") || l.starts_with('#'))
+                .collect::<Vec<_>>()
+                .join("\n");
+        }
+    }
+    let mut out = String::new();
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in tasks.flatten() {
+            let read = |f: &str| std::fs::read_to_string(t.path().join(f)).unwrap_or_default();
+            out += &format!("{} in {}\n", read("comm").trim(), read("wchan").trim());
+        }
+    }
+    out
 }
 
 /// Runs `cmd` to its end (at most [`LIMIT`]) and returns what it printed.
@@ -139,27 +170,45 @@ pub fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
 
 /// Listening sockets bound by the test and handed to the children that serve them (the
 /// socket-activation protocol: descriptor 3 and `LISTEN_FDS`), so that no port is guessed, freed
-/// and bound again, where a test running beside this one could take it in between.
-pub struct Ports(Vec<std::net::TcpListener>);
+/// and bound again, where a test running beside this one could take it in between. The test's
+/// own copy is closed once a child holds the socket ([`Ports::release`]): a copy kept open
+/// would hold connections made after the child died in its backlog for ever, where the peer
+/// must see them refused.
+pub struct Ports {
+    listeners: Vec<std::cell::RefCell<Option<std::net::TcpListener>>>,
+    ports: Vec<u16>,
+}
 
 impl Ports {
     pub fn bind(n: usize) -> Ports {
-        Ports(
-            (0..n)
-                .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        let listeners: Vec<_> = (0..n)
+            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        Ports {
+            ports: listeners
+                .iter()
+                .map(|l| l.local_addr().unwrap().port())
                 .collect(),
-        )
+            listeners: listeners
+                .into_iter()
+                .map(|l| std::cell::RefCell::new(Some(l)))
+                .collect(),
+        }
     }
 
     pub fn port(&self, i: usize) -> u16 {
-        self.0[i].local_addr().unwrap().port()
+        self.ports[i]
     }
 
     /// Makes `cmd` start with listener `i` as its descriptor 3.
     pub fn hand_over(&self, i: usize, cmd: &mut Command) {
         use std::os::fd::AsRawFd;
         use std::os::unix::process::CommandExt;
-        let fd = self.0[i].as_raw_fd();
+        let fd = self.listeners[i]
+            .borrow()
+            .as_ref()
+            .expect("listener already handed over and released")
+            .as_raw_fd();
         cmd.env("LISTEN_FDS", "1").env_remove("LISTEN_PID");
         // SAFETY: between fork and exec only async-signal-safe calls (dup2, fcntl) are made, on
         // descriptors the parent owns.
@@ -176,5 +225,10 @@ impl Ports {
                 Ok(())
             });
         }
+    }
+
+    /// Closes the test's copy of listener `i` (after its child was started with it).
+    pub fn release(&self, i: usize) {
+        self.listeners[i].borrow_mut().take();
     }
 }
