@@ -578,6 +578,19 @@ pub enum Compression {
     Zstd,
 }
 
+/// `recorder.durability`: when an event counts as safely recorded (acknowledged to its builder,
+/// and in request mode then cleared from the readout units).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Durability {
+    /// Once its block is written to the file (in the kernel's page cache): survives the
+    /// recorder's process dying, not the machine losing power.
+    Written,
+    /// Once its block is written and synced to the disk (fdatasync), several blocks per sync
+    /// (group commit, at most `recorder.sync_interval_ms` apart): survives a power loss.
+    Sync,
+}
+
 /// `[recorder]`: writes built events to files.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -600,6 +613,11 @@ pub struct RecorderSection {
     pub throttle: ByteSize,
     /// fsync each file before it takes its final name.
     pub fsync: bool,
+    /// When an event is acknowledged: written to the file, or written and synced.
+    pub durability: Durability,
+    /// With `durability = "sync"`: the longest an event waits for its sync, in milliseconds
+    /// (the partial block is written then, and everything written is synced at once).
+    pub sync_interval_ms: u32,
     /// Bound on event bytes queued between the recorder's links and its writer.
     pub queue: ByteSize,
     /// Free space on the output file system below which the recorder raises the disk alarm and
@@ -624,6 +642,8 @@ impl Default for RecorderSection {
             shuffle: true,
             throttle: ByteSize(0),
             fsync: true,
+            durability: Durability::Written,
+            sync_interval_ms: 100,
             queue: ByteSize(64 << 20),
             disk_soft_free: ByteSize(2 << 30),
             disk_hard_free: ByteSize(1 << 30),
@@ -1361,6 +1381,18 @@ impl Topology {
             return Err(err(
                 "recorder.zstd_level",
                 format!("{} is outside 1..=22", r.zstd_level),
+            ));
+        }
+        if r.durability == Durability::Sync && !(1..=60_000).contains(&r.sync_interval_ms) {
+            return Err(err(
+                "recorder.sync_interval_ms",
+                format!("{} is outside 1..=60000", r.sync_interval_ms),
+            ));
+        }
+        if r.durability == Durability::Sync && !r.fsync {
+            return Err(err(
+                "recorder.fsync",
+                "durability = \"sync\" syncs every block; a finished file cannot skip its sync (set fsync = true)".into(),
             ));
         }
         if r.block_size.0 < 4096 || r.block_size.0 > (256 << 20) {

@@ -59,6 +59,8 @@ pub struct FileWriter {
     raw_buf: Vec<u8>,
     throttle_t0: Option<Instant>,
     throttle_bytes: u64,
+    /// Records written to the file since its last sync (a finished file is synced whole).
+    unsynced: usize,
 }
 
 fn unix_ns() -> u64 {
@@ -95,6 +97,7 @@ impl FileWriter {
             raw_buf: Vec::new(),
             throttle_t0: None,
             throttle_bytes: 0,
+            unsynced: 0,
         }
     }
 
@@ -194,6 +197,7 @@ impl FileWriter {
                 written = hb.len() + stored.len();
             }
             o.size += written as u64;
+            self.unsynced += block.events as usize;
             o.trailer.events += block.events as u64;
             o.trailer.incomplete_events += block.incomplete;
             o.trailer.fragments += block.fragments;
@@ -316,6 +320,8 @@ impl FileWriter {
         o.size += tb.len() as u64;
         if self.s.section.fsync {
             o.file.sync_all()?;
+            self.unsynced = 0;
+            st.syncs.fetch_add(1, Ordering::Relaxed);
         }
         drop(o.file);
         let final_path = self.s.dir.join(&o.name);
@@ -373,6 +379,29 @@ impl FileWriter {
         self.block.events as usize
     }
 
+    /// Records appended and not yet on the disk: in the partial block, or written and not yet
+    /// synced.
+    pub fn unsynced(&self) -> usize {
+        self.unwritten() + self.unsynced
+    }
+
+    /// Syncs the data written to the open file (fdatasync): every record written so far is then
+    /// on the disk. One call covers every block written since the last (group commit).
+    pub fn sync(&mut self, st: &RecorderStats) -> io::Result<()> {
+        if self.unsynced == 0 {
+            return Ok(());
+        }
+        if let Some(o) = &self.open {
+            let t = Instant::now();
+            o.file.sync_data()?;
+            st.write_ns
+                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            st.syncs.fetch_add(1, Ordering::Relaxed);
+        }
+        self.unsynced = 0;
+        Ok(())
+    }
+
     /// Writes the partial block, if any (the file stays open).
     pub fn flush(&mut self, st: &RecorderStats) -> io::Result<()> {
         self.flush_block(st)
@@ -408,4 +437,61 @@ pub fn write_atomic(path: &Path, bytes: &[u8], sync: bool) -> io::Result<()> {
         }
     }
     std::fs::rename(tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: u64) -> ChunkSlice {
+        let mut r = vec![0u8; 64];
+        r[16..24].copy_from_slice(&id.to_le_bytes());
+        ChunkSlice::copy_from(&r)
+    }
+
+    /// In sync mode an acknowledgement waits for `unsynced()` to cover a record: it counts the
+    /// partial block and every block written since the last sync, and only a sync (or a
+    /// finished, synced file) brings it down.
+    #[test]
+    fn unsynced_counts_written_records_until_a_sync() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut section = RecorderSection {
+            block_size: tessera_config::ByteSize(4096),
+            ..Default::default()
+        };
+        section.disk_hard_free = tessera_config::ByteSize(0);
+        section.disk_soft_free = tessera_config::ByteSize(0);
+        let mut w = FileWriter::new(FileSettings {
+            dir: dir.path().to_path_buf(),
+            run_number: 1,
+            config_digest: [0; 32],
+            pattern: String::new(),
+            sources: vec![],
+            pattern_sources: vec![],
+            section,
+        });
+        let st = RecorderStats::default();
+        for id in 0..3 {
+            w.append(record(id), 0, false, &st).unwrap();
+        }
+        assert_eq!((w.unwritten(), w.unsynced()), (3, 3));
+        w.flush(&st).unwrap();
+        assert_eq!(
+            (w.unwritten(), w.unsynced()),
+            (0, 3),
+            "written is not synced"
+        );
+        w.append(record(3), 0, false, &st).unwrap();
+        assert_eq!(w.unsynced(), 4);
+        w.sync(&st).unwrap();
+        assert_eq!(
+            (w.unwritten(), w.unsynced()),
+            (1, 1),
+            "the partial block is not synced"
+        );
+        assert_eq!(st.syncs.load(Ordering::Relaxed), 1);
+        w.close(&st).unwrap();
+        assert_eq!(w.unsynced(), 0, "a finished file is synced whole");
+        assert_eq!(st.syncs.load(Ordering::Relaxed), 2);
+    }
 }

@@ -17,9 +17,9 @@ use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use tessera_config::RecorderSection;
+use tessera_config::{Durability, RecorderSection};
 use tessera_format::event::EventFlags;
 use tessera_format::link::{decode_link, Ack, LinkItem, PeerHello, PeerRole};
 use tessera_net::reader::Fill;
@@ -101,6 +101,8 @@ pub struct RecorderStats {
     pub throttled_ns: AtomicU64,
     /// Nanoseconds the writer spent in write and fsync calls.
     pub write_ns: AtomicU64,
+    /// fsync/fdatasync calls on data files (group commits and finished files).
+    pub syncs: AtomicU64,
     pub files: Mutex<Vec<FileInfo>>,
     pub error: Mutex<Option<String>>,
     pub links: Mutex<Vec<(u16, Arc<Budget>)>>,
@@ -490,8 +492,44 @@ fn write_loop(
     written: &Written,
 ) {
     let enabled = settings.section.enabled;
+    let sync_mode = enabled && settings.section.durability == Durability::Sync;
+    let interval = Duration::from_millis(settings.section.sync_interval_ms.max(1) as u64);
+    // A partial block is written out after a quiet spell, so that at low rates events reach
+    // the disk (and release their buffer memory) without waiting for a full block; in sync
+    // mode no event waits longer than the sync interval.
+    let quiet = if sync_mode {
+        interval.min(Duration::from_millis(200))
+    } else {
+        Duration::from_millis(200)
+    };
+    let mut last_sync = Instant::now();
     let mut w = FileWriter::new(settings);
     let mut failed = false;
+    let fail = |w: &mut FileWriter, failed: &mut bool, what: &str, e: std::io::Error| {
+        tracing::error!(error = %e, "recorder cannot write; events are counted but not stored");
+        *st.error.lock() = Some(format!("{what}: {e}"));
+        *failed = true;
+        w.abandon();
+    };
+    // Group commit: everything written since the last sync is synced at once, at most
+    // `interval` after the oldest of it, or at once when a link waits for its last
+    // acknowledgement.
+    let commit =
+        |w: &mut FileWriter, force: bool, last_sync: &mut Instant| -> std::io::Result<()> {
+            if sync_mode && w.unsynced() > 0 && (force || last_sync.elapsed() >= interval) {
+                w.flush(st)?;
+                w.sync(st)?;
+                *last_sync = Instant::now();
+            }
+            Ok(())
+        };
+    // What the file holds but the acknowledgements may not cover yet: the partial block, and
+    // in sync mode what is written and not yet synced.
+    let pending = |w: &FileWriter| match (enabled, sync_mode) {
+        (false, _) => 0,
+        (true, false) => w.unwritten(),
+        (true, true) => w.unsynced(),
+    };
     let mut seen = tessera_assembly::RecentSet::new(DEDUP_WINDOW);
     // The link of every record taken, in order, until it is in the file: records are written in
     // the order they are taken, so the oldest `taken - unwritten` of them are on disk. A second
@@ -499,20 +537,18 @@ fn write_loop(
     // before it (its first copy included) is written.
     let mut in_flight = InFlight::default();
     loop {
-        // A partial block is written out after a quiet spell, so that at low rates events reach
-        // the disk (and release their buffer memory) without waiting for a full block.
-        let batch = match rx.recv_timeout(Duration::from_millis(200)) {
+        let batch = match rx.recv_timeout(quiet) {
             Ok(b) => b,
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
                 if enabled && !failed {
                     if let Err(e) = w.flush(st) {
-                        *st.error.lock() = Some(format!("writing: {e}"));
-                        failed = true;
-                        w.abandon();
+                        fail(&mut w, &mut failed, "writing", e);
+                    } else if let Err(e) = commit(&mut w, false, &mut last_sync) {
+                        fail(&mut w, &mut failed, "syncing", e);
                     }
                 }
                 if !failed {
-                    in_flight.acknowledge(if enabled { w.unwritten() } else { 0 }, written, st);
+                    in_flight.acknowledge(pending(&w), written, st);
                 }
                 continue;
             }
@@ -542,10 +578,7 @@ fn write_loop(
             }
             if enabled && !failed {
                 if let Err(e) = w.append(rec, nf, incomplete, st) {
-                    tracing::error!(error = %e, "recorder cannot write; events are counted but not stored");
-                    *st.error.lock() = Some(format!("writing: {e}"));
-                    failed = true;
-                    w.abandon();
+                    fail(&mut w, &mut failed, "writing", e);
                 }
             }
             st.events.fetch_add(1, Ordering::Relaxed);
@@ -560,15 +593,19 @@ fn write_loop(
             }
             st.queued_fragments.fetch_sub(nf as u64, Ordering::Relaxed);
         }
-        if written.flush_wanted.swap(false, Ordering::AcqRel) && enabled && !failed {
+        let wanted = written.flush_wanted.swap(false, Ordering::AcqRel);
+        if wanted && enabled && !failed {
             if let Err(e) = w.flush(st) {
-                *st.error.lock() = Some(format!("writing: {e}"));
-                failed = true;
-                w.abandon();
+                fail(&mut w, &mut failed, "writing", e);
+            }
+        }
+        if enabled && !failed {
+            if let Err(e) = commit(&mut w, wanted, &mut last_sync) {
+                fail(&mut w, &mut failed, "syncing", e);
             }
         }
         if !failed {
-            in_flight.acknowledge(if enabled { w.unwritten() } else { 0 }, written, st);
+            in_flight.acknowledge(pending(&w), written, st);
         }
     }
     if enabled && !failed {

@@ -133,8 +133,11 @@ pub struct RecorderReport {
     /// Events recorded with the rebuilt flag.
     pub rebuilt_events: u64,
     /// Records counted as written to the file (what the recorder acknowledges to builders that
-    /// ask: request mode reports an event done only then).
+    /// ask: request mode reports an event done only then). With `recorder.durability = "sync"`,
+    /// records synced to the disk.
     pub records_written: u64,
+    /// Syncs of data files: group commits (`durability = "sync"`) and finished files.
+    pub syncs: u64,
     /// Free bytes on the output file system at the end, and whether the disk alarm (below the
     /// soft watermark) was on then.
     pub disk_free_bytes: u64,
@@ -418,6 +421,7 @@ impl Report {
                 duplicate_events: st.duplicate_events.load(Ordering::Relaxed),
                 rebuilt_events: st.rebuilt_events.load(Ordering::Relaxed),
                 records_written: st.records_written.load(Ordering::Acquire),
+                syncs: st.syncs.load(Ordering::Relaxed),
                 disk_free_bytes: st.disk_free.load(Ordering::Relaxed),
                 disk_alarm: st.disk_low.load(Ordering::Relaxed)
                     || st.disk_full.load(Ordering::Relaxed),

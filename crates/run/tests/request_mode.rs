@@ -150,6 +150,31 @@ fsync = false
 /// has written (the manager is read first; the recorder's count only grows).
 #[test]
 fn events_are_done_only_once_the_recorder_wrote_them() {
+    let rep = done_never_ahead_of_the_file(
+        "fsync = false\nblock_size = \"4 MiB\"\nthrottle = \"2 MB\"",
+        "request mode, slow recorder: done only once written",
+    );
+    assert_eq!(rep.recorder.unwrap().syncs, 0, "fsync off: nothing synced");
+}
+
+/// `recorder.durability = "sync"`: an event is done only once its block is synced to the disk.
+/// The recorder counts as written only what it synced, so the same watch holds; the syncs are
+/// grouped (one per interval at most, besides each finished file's).
+#[test]
+fn with_durability_sync_events_are_done_only_once_synced() {
+    let rep = done_never_ahead_of_the_file(
+        "durability = \"sync\"\nsync_interval_ms = 20\nblock_size = \"64 KiB\"\nthrottle = \"4 MB\"",
+        "request mode, durability sync: done only once synced",
+    );
+    let rec = rep.recorder.unwrap();
+    assert!(
+        rec.syncs > rec.files.len() as u64,
+        "no group commit: {} syncs",
+        rec.syncs
+    );
+}
+
+fn done_never_ahead_of_the_file(recorder: &str, drill_name: &str) -> tessera_run::report::Report {
     let dir = tempfile::tempdir().unwrap();
     let events = 3000u64;
     let t = topology(&format!(
@@ -169,9 +194,7 @@ id = 0
 [[builder]]
 id = 1
 [recorder]
-fsync = false
-block_size = "4 MiB"
-throttle = "2 MB"
+{recorder}
 "#
     ));
     let opts = Options {
@@ -205,10 +228,11 @@ throttle = "2 MB"
     assert_eq!(rec.records_written, events);
     pages_all_back(&rep);
     drill(
-        "request mode, slow recorder: done only once written",
+        drill_name,
         events,
         rec.events_in_files,
         rec.duplicate_events,
         rep.balance.holds,
     );
+    rep
 }
