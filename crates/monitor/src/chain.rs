@@ -88,7 +88,8 @@ pub struct StationCounters {
     pub dropped_full: u64,
     /// Events handed to consumers.
     pub delivered: u64,
-    /// Events put back by consumers (blocking) or released by them (sampling).
+    /// Events put back by consumers (blocking stations; a sampling station's events are the
+    /// consumer's copies once delivered, and nothing is put back).
     pub put: u64,
     /// Blocking: events of dead consumers given back to the station's queue.
     pub restored: u64,
@@ -545,11 +546,10 @@ impl Monitor {
                 let events: Vec<Event> = st.queue.drain(..n).collect();
                 st.counters.delivered += n as u64;
                 let blocking = st.blocking();
+                // A sampled event is the consumer's copy from now on: its room is free, and
+                // nothing is put back (`put` counts puts only; docs/monitor-protocol.md §4).
                 if blocking {
                     st.held += n;
-                } else {
-                    // A sampled event is the consumer's copy from now on: its room is free.
-                    st.counters.put += n as u64;
                 }
                 if let Some(c) = g.consumers.get_mut(&consumer) {
                     c.got += n as u64;

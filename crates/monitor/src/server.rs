@@ -165,8 +165,8 @@ fn accept(listener: TcpListener, monitor: Monitor, opts: ServerOptions, stop: &A
 
 enum Incoming {
     Message(Message, Bytes),
-    /// The peer closed, broke the protocol or fell silent.
-    Gone(String),
+    /// The peer closed, broke the protocol (then `true`: it is told why) or fell silent.
+    Gone(String, bool),
 }
 
 /// A JSON command of the protocol.
@@ -181,7 +181,9 @@ enum Command {
         #[serde(default)]
         create: Option<StationSection>,
     },
-    Status,
+    // A struct variant: `deny_unknown_fields` refuses `{"op": "status", "x": 1}` as it does
+    // for every other command (a unit variant would ignore the extra field).
+    Status {},
     Create {
         station: StationSection,
     },
@@ -250,6 +252,7 @@ fn read_loop(
                 }
             }
             Err(e) => {
+                let broke_protocol = e.kind() == std::io::ErrorKind::InvalidData;
                 let why = match e.kind() {
                     std::io::ErrorKind::UnexpectedEof => "closed".to_string(),
                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
@@ -264,7 +267,7 @@ fn read_loop(
                     monitor.wake(id);
                     monitor.detach(id);
                 }
-                let _ = tx.send(Incoming::Gone(why));
+                let _ = tx.send(Incoming::Gone(why, broke_protocol));
                 return;
             }
         }
@@ -301,7 +304,18 @@ fn work(
         };
         let (message, data) = match incoming {
             Incoming::Message(m, d) => (m, d),
-            Incoming::Gone(why) => {
+            Incoming::Gone(why, broke_protocol) => {
+                // A consumer that broke the protocol (a bad value, a size that disagrees) hears
+                // why before the connection closes: an error, code 1 (bad request).
+                if broke_protocol {
+                    let _ = write_message(
+                        out,
+                        &Message::Error {
+                            code: ErrorCode::BadRequest,
+                            message: format!("protocol error, closing: {why}"),
+                        },
+                    );
+                }
                 if !name.is_empty() {
                     tracing::info!(%peer, consumer = %name, %why, "monitor consumer gone");
                 }
@@ -497,7 +511,9 @@ fn command(
                 serde_json::json!({ "consumer_id": id, "station": cfg })
             })
         }
-        Command::Status => Ok(serde_json::to_value(monitor.status()).expect("status serialises")),
+        Command::Status {} => {
+            Ok(serde_json::to_value(monitor.status()).expect("status serialises"))
+        }
         Command::Create { station } => {
             tracing::info!(%peer, station = %station.name, "monitor station created");
             monitor

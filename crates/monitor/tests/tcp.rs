@@ -330,3 +330,68 @@ fn garbage_from_a_peer_closes_only_that_connection() {
     m.insert(&record(1, 0));
     assert_eq!(c.get(1, Wait::Sleep).unwrap().len(), 1);
 }
+
+/// Issue 11, item 18 (found by a consumer written from docs/ alone): a command with a field the
+/// protocol does not know is refused, `status` included; a `get` with an undefined wait mode is
+/// answered with an error (bad request) before the connection closes; a sampling station counts
+/// no `put` where none was sent.
+#[test]
+fn unknown_fields_bad_waits_and_sampling_puts_are_what_the_spec_says() {
+    let (m, server) = start(vec![], 5000);
+    let addr = server.addr.to_string();
+    let mut s = raw_attach(&addr, "sample");
+    for id in 0..3 {
+        m.insert(&record(id, 8));
+    }
+    assert_eq!(raw_get(&mut s, 3), vec![0, 1, 2]);
+    let command = |s: &mut TcpStream, json: &str| -> Message {
+        write_message(
+            s,
+            &Message::Command {
+                json: json.as_bytes().to_vec(),
+            },
+        )
+        .unwrap();
+        loop {
+            match read_message(s, 1 << 20).unwrap().message {
+                Message::Heartbeat { .. } => continue,
+                other => return other,
+            }
+        }
+    };
+    match command(&mut s, r#"{"op":"status","verbose":true}"#) {
+        Message::Error { code, message } => {
+            assert_eq!(code, ErrorCode::BadRequest, "{message}");
+            assert!(message.contains("verbose"), "{message}");
+        }
+        other => panic!("status with an unknown field was taken: {other:?}"),
+    }
+    let status = match command(&mut s, r#"{"op":"status"}"#) {
+        Message::Reply { json } => serde_json::from_slice::<serde_json::Value>(&json).unwrap(),
+        other => panic!("{other:?}"),
+    };
+    let c = &status["stations"][0]["counters"];
+    assert_eq!(c["delivered"], 3, "{status}");
+    assert_eq!(c["put"], 0, "no put was sent: {status}");
+    // A get whose wait mode is 7 (0, 1 and 2 are defined), with its CRC right.
+    let mut get = Message::Get {
+        max: 1,
+        wait: Wait::Poll,
+    }
+    .encode();
+    get[20..24].copy_from_slice(&7u32.to_le_bytes());
+    let crc =
+        tessera_format::crc::crc32c_append(tessera_format::crc::crc32c(&get[..12]), &get[16..32]);
+    get[12..16].copy_from_slice(&crc.to_le_bytes());
+    s.write_all(&get).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut told = None;
+    while let Ok(r) = read_message(&mut s, 1 << 20) {
+        if let Message::Error { code, message } = r.message {
+            told = Some((code, message));
+        }
+    }
+    let (code, message) = told.expect("the connection closed without saying why");
+    assert_eq!(code, ErrorCode::BadRequest);
+    assert!(message.contains("wait"), "{message}");
+}
