@@ -454,6 +454,7 @@ pub fn relay_chain(r: &Resolved, hops: usize) -> Result<f64> {
             .collect(),
         injections: Vec::new(),
         events: t.run.events,
+        start_held: false,
     };
     let t0 = Instant::now();
     let src = tessera_source::start(plan)?;

@@ -258,6 +258,7 @@ pub fn measure(m: &Mix, events: u64) -> Result<RequestPoint> {
         sources: sources.iter().map(|&s| (s, ru_addr.clone())).collect(),
         injections: Vec::new(),
         events,
+        start_held: false,
     })
     .context("starting the sources")?;
     // The event manager's side: announcements in, dealt to the testers.

@@ -270,6 +270,10 @@ pub struct SourcesSection {
     /// IDs of external sources: programs that connect to their readout unit and speak the wire
     /// format themselves.
     pub external: Vec<u32>,
+    /// With external sources: the emulated ones hold their triggers until every external
+    /// source has said its hello, at most this long, in seconds (0: do not wait). After that the
+    /// run goes on without the missing ones (their fragments are missing from every event).
+    pub external_wait_s: f64,
     /// Mean payload size of a fragment.
     pub fragment_size: ByteSize,
     /// Standard deviation of the payload size (0: every fragment has `fragment_size`); sizes are
@@ -296,6 +300,7 @@ impl Default for SourcesSection {
             count: 8,
             first_id: 0,
             external: Vec::new(),
+            external_wait_s: 60.0,
             fragment_size: ByteSize(4096),
             size_spread: ByteSize(0),
             trigger: TriggerMode::Unlimited,
@@ -1065,6 +1070,12 @@ impl Topology {
                 format!("`{}` is not a pattern (counter, adc)", s.pattern),
             )
         })?;
+        if !(s.external_wait_s >= 0.0 && s.external_wait_s.is_finite()) {
+            return Err(err(
+                "sources.external_wait_s",
+                format!("{} is not a number of seconds >= 0", s.external_wait_s),
+            ));
+        }
         if s.count == 0 && s.external.is_empty() {
             return Err(err(
                 "sources.count",

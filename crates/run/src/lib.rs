@@ -156,6 +156,10 @@ pub struct Session {
     stop_cap: Mutex<Option<Instant>>,
     paused_at: Mutex<Option<Instant>>,
     paused_total: Mutex<Duration>,
+    /// The emulated sources hold their triggers until every external source has said its hello
+    /// (or `sources.external_wait_s` passed): a held run is paused by itself, so no event is
+    /// triggered that an external source that has not connected yet would miss.
+    held_for_external: AtomicBool,
 }
 
 /// What a component is doing.
@@ -463,6 +467,9 @@ impl Session {
             }
         }
         // Sources.
+        let wait_for_external = !t.sources.external.is_empty()
+            && t.sources.external_wait_s > 0.0
+            && opts.only.is_none();
         let emulated: Vec<(u32, String)> = r
             .emulated_sources()
             .map(|s| (s, ru_addrs[r.source_ru[&s]].clone()))
@@ -478,6 +485,7 @@ impl Session {
                     sources: emulated,
                     injections: t.injections.clone(),
                     events,
+                    start_held: wait_for_external,
                 })
                 .context("connecting the emulated sources")?,
             )
@@ -579,8 +587,9 @@ impl Session {
             monitor: monitor.map(|(m, s)| (m, Mutex::new(Some(s)))),
             status: Mutex::new(status),
             stop_flag: opts.stop.clone(),
-            paused_at: Mutex::new(None),
+            paused_at: Mutex::new(wait_for_external.then(Instant::now)),
             paused_total: Mutex::new(Duration::ZERO),
+            held_for_external: AtomicBool::new(wait_for_external),
         })
     }
 
@@ -620,6 +629,7 @@ impl Session {
     /// Why the run should end now, if it should: its duration passed, every source ended its
     /// stream, a stop was asked for from outside. `None`: it goes on.
     pub fn end_reason(&self) -> Option<&'static str> {
+        self.release_when_external_sources_connected();
         let running = &self.running;
         if self.stop_flag.load(Ordering::Relaxed) {
             return Some("interrupted");
@@ -810,12 +820,59 @@ impl Session {
     }
 
     pub fn resume(&self) {
+        // Held for external sources: only their hellos (or the wait's end) release the run.
+        if self.held_for_external.load(Ordering::Acquire) {
+            return;
+        }
         if let Some(s) = &self.running.sources {
             s.resume();
         }
         if let Some(t) = self.paused_at.lock().take() {
             *self.paused_total.lock() += t.elapsed();
         }
+    }
+
+    /// Whether the run still holds its triggers for external sources that have not connected.
+    pub fn waiting_for_external_sources(&self) -> bool {
+        self.held_for_external.load(Ordering::Acquire)
+    }
+
+    /// Releases the held triggers once every external source has said its hello, or once
+    /// `sources.external_wait_s` passed (then naming the ones that did not come: their
+    /// fragments are missing from every event).
+    fn release_when_external_sources_connected(&self) {
+        if !self.held_for_external.load(Ordering::Acquire) {
+            return;
+        }
+        let external: std::collections::HashSet<u32> =
+            self.r.topology.sources.external.iter().copied().collect();
+        let missing: Vec<u32> = self
+            .running
+            .readout_units
+            .iter()
+            .flat_map(|u| u.stats.links.iter())
+            .filter(|l| {
+                external.contains(&l.source_id) && l.state() == tessera_readout::LinkState::Waiting
+            })
+            .map(|l| l.source_id)
+            .collect();
+        let waited = self.t0.elapsed().as_secs_f64();
+        if !missing.is_empty() && waited < self.r.topology.sources.external_wait_s {
+            return;
+        }
+        if !self.held_for_external.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        if missing.is_empty() {
+            tracing::info!("every external source connected: the emulated sources start");
+        } else {
+            tracing::warn!(
+                ?missing,
+                waited_s = waited,
+                "external sources not connected after sources.external_wait_s: the run starts without them"
+            );
+        }
+        self.resume();
     }
 
     fn paused_for(&self) -> Duration {

@@ -720,3 +720,79 @@ id = 0
         rep.balance.holds,
     );
 }
+
+/// Issue 11, item 18: a run mixing emulated and external sources holds the emulated sources'
+/// triggers until the external one has said its hello, however late it comes (here a second
+/// after the start, five event timeouts): no event is built without it. Before, the emulated
+/// sources started at once and every event of that second was built incomplete.
+#[test]
+fn emulated_sources_wait_for_the_external_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let events = 2000u64;
+    let t = topology(&format!(
+        r#"
+[run]
+events = {events}
+[sources]
+count = 3
+external = [77]
+fragment_size = 256
+trigger_types = 1
+trigger = "periodic"
+rate_hz = 4000
+[[readout]]
+id = 0
+sources = "0-2"
+event_timeout_ms = 200
+[[readout]]
+id = 1
+sources = [77]
+event_timeout_ms = 200
+[[builder]]
+id = 0
+event_timeout_ms = 1000
+"#
+    ));
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(u32, String)>>(1);
+    let opts = Options {
+        output: Some(dir.path().to_path_buf()),
+        status: StatusMode::Off,
+        ready: Some(tx),
+        ..Default::default()
+    };
+    let s = tessera_run::Session::start(&t, &opts).unwrap();
+    let addr = rx
+        .recv()
+        .unwrap()
+        .into_iter()
+        .find(|(id, _)| *id == 77)
+        .unwrap()
+        .1;
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < std::time::Duration::from_secs(1) {
+        assert_eq!(s.end_reason(), None);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(s.waiting_for_external_sources());
+    let held = s.report("running", false);
+    assert!(
+        held.sources
+            .iter()
+            .filter(|x| x.id != 77)
+            .all(|x| x.sent == 0),
+        "an emulated source sent before the external one connected"
+    );
+    let ext = std::thread::spawn(move || spec_source::send(&addr, 77, events));
+    let reason = loop {
+        if let Some(r) = s.end_reason() {
+            break r;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    ext.join().unwrap();
+    let stop = s.stop(&tessera_run::StopDeadlines::from(&t.topology.stop));
+    let rep = s.finish(reason, stop).unwrap();
+    assert!(rep.ok(), "{}", rep.summary());
+    assert_eq!(rep.events_incomplete, 0, "{}", rep.summary());
+    assert_eq!(rep.events_complete, events, "{}", rep.summary());
+}

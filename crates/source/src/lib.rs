@@ -51,6 +51,9 @@ pub struct SourcePlan {
     pub injections: Vec<Injection>,
     /// Stop after this many triggers (0: no limit).
     pub events: u64,
+    /// Start with the triggers held (as paused, the schedule's clock standing still) until
+    /// [`RunningSources::resume`]: the run waits for external sources before its first event.
+    pub start_held: bool,
 }
 
 /// Handles to running source threads and their counters.
@@ -157,6 +160,9 @@ struct Link {
 /// Connects every source and starts the driver threads. [`RunningSources::stop`] ends them.
 pub fn start(plan: SourcePlan) -> std::io::Result<RunningSources> {
     let control = Arc::new(Control::default());
+    if plan.start_held {
+        control.gate.lock().paused_since = Some(Instant::now());
+    }
     let mut links = Vec::new();
     for (id, addr) in &plan.sources {
         let stream = tessera_net::io::connect_retry(addr, Duration::from_secs(10))?;
