@@ -77,6 +77,7 @@ fn start_monitor(stations: Vec<StationSection>) -> Result<(Monitor, Server)> {
             heartbeat: Duration::from_millis(1000),
             consumer_timeout: Duration::from_millis(5000),
             sampling_idle_priority: true,
+            token: None,
         },
     )?;
     Ok((m, s))

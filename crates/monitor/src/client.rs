@@ -53,6 +53,16 @@ pub struct ClientOptions {
     pub reattach: bool,
     /// How long one connection attempt may take.
     pub connect_timeout: Duration,
+    /// The run control's token, which a monitor bound beyond loopback asks for in every
+    /// command but `status`. Default: the environment variable `TESSERA_TOKEN`.
+    pub token: Option<String>,
+}
+
+/// The token from `TESSERA_TOKEN`, if set and not empty.
+fn env_token() -> Option<String> {
+    std::env::var("TESSERA_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty())
 }
 
 impl ClientOptions {
@@ -64,6 +74,7 @@ impl ClientOptions {
             create: None,
             reattach: true,
             connect_timeout: Duration::from_secs(2),
+            token: env_token(),
         }
     }
 }
@@ -169,10 +180,14 @@ pub fn command(
     timeout: Duration,
 ) -> Result<serde_json::Value, ClientError> {
     let (mut s, _, _) = connect(addr, timeout)?;
+    let mut cmd = cmd.clone();
+    if let (Some(t), Some(o)) = (env_token(), cmd.as_object_mut()) {
+        o.entry("token").or_insert(t.into());
+    }
     write_message(
         &mut s,
         &Message::Command {
-            json: serde_json::to_vec(cmd).expect("JSON values serialise"),
+            json: serde_json::to_vec(&cmd).expect("JSON values serialise"),
         },
     )?;
     let r = answer(&mut s)?;
@@ -214,12 +229,15 @@ impl Consumer {
 
     fn open(&mut self) -> Result<(), ClientError> {
         let (mut s, instance, heartbeat) = connect(&self.opts.addr, self.opts.connect_timeout)?;
-        let cmd = serde_json::json!({
+        let mut cmd = serde_json::json!({
             "op": "attach",
             "station": self.opts.station,
             "consumer": self.opts.consumer,
             "create": self.opts.create,
         });
+        if let Some(t) = &self.opts.token {
+            cmd["token"] = t.clone().into();
+        }
         write_message(
             &mut s,
             &Message::Command {

@@ -31,12 +31,16 @@ pub const MAX_CONNECTIONS: usize = 256;
 pub const MAX_GET: usize = 10_000;
 
 /// Timing of the service.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct ServerOptions {
     pub heartbeat: Duration,
     pub consumer_timeout: Duration,
     /// Serve sampling stations' consumers at idle scheduling priority.
     pub sampling_idle_priority: bool,
+    /// The token every command but `status` must carry (`"token": "..."`): set when the
+    /// monitor listens beyond loopback, where anyone on an allowed network could otherwise
+    /// attach a blocking consumer and hold the recorder.
+    pub token: Option<String>,
 }
 
 /// Moves the calling thread to idle scheduling priority (Linux SCHED_IDLE): it runs only when a
@@ -125,12 +129,12 @@ fn accept(listener: TcpListener, monitor: Monitor, opts: ServerOptions, stop: &A
                 }
                 let Ok(keep) = s.try_clone() else { continue };
                 let woken = Arc::new(AtomicBool::new(false));
-                let (m, w, l) = (monitor.clone(), woken.clone(), live.clone());
+                let (m, w, l, o) = (monitor.clone(), woken.clone(), live.clone(), opts.clone());
                 l.fetch_add(1, Ordering::AcqRel);
                 let h = std::thread::Builder::new()
                     .name(format!("monitor-{peer}"))
                     .spawn(move || {
-                        serve(s, peer, m, opts, w);
+                        serve(s, peer, m, o, w);
                         l.fetch_sub(1, Ordering::AcqRel);
                     });
                 match h {
@@ -324,7 +328,14 @@ fn work(
         };
         let reply = match message {
             Message::Command { json } => {
-                let reply = command(monitor, consumer, &json, peer, &mut name);
+                let reply = command(
+                    monitor,
+                    consumer,
+                    &json,
+                    peer,
+                    &mut name,
+                    opts.token.as_deref(),
+                );
                 let attached = consumer.lock().and_then(|id| monitor.station_of(id));
                 if opts.sampling_idle_priority
                     && attached.is_some_and(|s| s.mode == tessera_config::StationMode::Sampling)
@@ -338,7 +349,7 @@ fn work(
                     let _ = write_message(out, &not_attached());
                     continue;
                 };
-                match get(out, monitor, id, max as usize, wait, opts, woken) {
+                match get(out, monitor, id, max as usize, wait, &opts, woken) {
                     Ok(()) => continue,
                     Err(Some(e)) => error_message(&e),
                     Err(None) => return,
@@ -410,7 +421,7 @@ fn get(
     id: u64,
     max: usize,
     wait: Wait,
-    opts: ServerOptions,
+    opts: &ServerOptions,
     woken: &AtomicBool,
 ) -> Result<(), Option<MonitorError>> {
     let max = max.clamp(1, MAX_GET);
@@ -455,8 +466,32 @@ fn command(
     json: &[u8],
     peer: SocketAddr,
     name: &mut String,
+    token: Option<&str>,
 ) -> Message {
-    let cmd: Command = match serde_json::from_slice(json) {
+    let mut value: serde_json::Value = match serde_json::from_slice(json) {
+        Ok(v) => v,
+        Err(e) => {
+            return Message::Error {
+                code: ErrorCode::BadRequest,
+                message: format!("command: {e}"),
+            }
+        }
+    };
+    let given = value
+        .as_object_mut()
+        .and_then(|o| o.remove("token"))
+        .and_then(|t| t.as_str().map(str::to_owned));
+    if let Some(want) = token {
+        let reads_only = value.get("op").and_then(|o| o.as_str()) == Some("status");
+        if !reads_only && given.as_deref() != Some(want) {
+            tracing::warn!(%peer, op = ?value.get("op"), "monitor refused a command: token missing or wrong");
+            return Message::Error {
+                code: ErrorCode::Refused,
+                message: "this monitor listens beyond loopback: commands other than status need the run control's token (\"token\")".into(),
+            };
+        }
+    }
+    let cmd: Command = match serde_json::from_value(value) {
         Ok(c) => c,
         Err(e) => {
             return Message::Error {

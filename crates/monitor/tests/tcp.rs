@@ -59,6 +59,7 @@ fn start_on(addr: &str, stations: Vec<StationSection>, timeout_ms: u64) -> (Moni
             // machine (by design: it must never slow the run); these tests assert what it gets,
             // so they serve it at normal priority.
             sampling_idle_priority: false,
+            token: None,
         },
     )
     .unwrap();
@@ -394,4 +395,67 @@ fn unknown_fields_bad_waits_and_sampling_puts_are_what_the_spec_says() {
     let (code, message) = told.expect("the connection closed without saying why");
     assert_eq!(code, ErrorCode::BadRequest);
     assert!(message.contains("wait"), "{message}");
+}
+
+/// Issue 11, item 11: a monitor bound beyond loopback (here: told to ask for the token, as it
+/// then is) refuses every command but `status` without the run control's token, so that a host
+/// on an allowed network cannot attach a blocking consumer and hold the recorder; the reference
+/// client presents the token it is given.
+#[test]
+fn beyond_loopback_commands_need_the_token() {
+    let m = Monitor::new(&MonitorSection::default()).unwrap();
+    let server = Server::start(
+        TcpListener::bind("127.0.0.1:0").unwrap(),
+        m.clone(),
+        ServerOptions {
+            heartbeat: Duration::from_millis(50),
+            consumer_timeout: Duration::from_millis(5000),
+            sampling_idle_priority: false,
+            token: Some("s3cret".into()),
+        },
+    )
+    .unwrap();
+    let addr = server.addr.to_string();
+    let mut create = blocking("intruder");
+    create.queue = 4;
+    for token in [None, Some("wrong")] {
+        let mut o = ClientOptions::new(&addr, "intruder");
+        o.create = Some(create.clone());
+        o.reattach = false;
+        o.token = token.map(str::to_owned);
+        match Consumer::attach(o) {
+            Err(tessera_monitor::client::ClientError::Refused { code, message }) => {
+                assert_eq!(code, ErrorCode::Refused, "{message}");
+                assert!(message.contains("token"), "{message}");
+            }
+            Err(e) => panic!("refused for another reason: {e}"),
+            Ok(_) => panic!("attached with token {token:?}"),
+        }
+    }
+    let names: Vec<String> = m
+        .status()
+        .stations
+        .iter()
+        .map(|s| s.config.name.clone())
+        .collect();
+    assert_eq!(names, vec!["sample".to_string()], "a station was created");
+    // Status reads only: no token needed.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    let _welcome = read_message(&mut s, 1 << 20).unwrap();
+    write_message(
+        &mut s,
+        &Message::Command {
+            json: br#"{"op":"status"}"#.to_vec(),
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        read_message(&mut s, 1 << 20).unwrap().message,
+        Message::Reply { .. }
+    ));
+    let mut o = ClientOptions::new(&addr, "sample");
+    o.token = Some("s3cret".into());
+    let mut c = Consumer::attach(o).unwrap();
+    m.insert(&record(1, 0));
+    assert_eq!(c.get(1, Wait::Sleep).unwrap().len(), 1);
 }

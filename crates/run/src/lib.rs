@@ -296,6 +296,26 @@ impl Session {
         if recording && Role::runs_recorder(opts.only) && t.monitor.enabled {
             let m = tessera_monitor::Monitor::new(&t.monitor)
                 .map_err(|e| anyhow::anyhow!("{}: monitor: {e}", r.origin))?;
+            // Beyond loopback the monitor asks for the run control's token in every command
+            // but `status` (an allowed network is not enough to hold the recorder).
+            let monitor_token = if tessera_config::is_loopback_listen(&t.monitor.listen) {
+                None
+            } else {
+                let token = std::env::var("TESSERA_TOKEN")
+                    .ok()
+                    .filter(|s| !s.is_empty())
+                    .or_else(|| {
+                        Some(t.control.token.expose().to_string()).filter(|s| !s.is_empty())
+                    });
+                if token.is_none() {
+                    anyhow::bail!(
+                        "{}: monitor.listen = {} is not a loopback address: set control.token (or TESSERA_TOKEN); consumers present it in their commands",
+                        r.origin,
+                        t.monitor.listen
+                    );
+                }
+                token
+            };
             let l = bind(&t.monitor.listen, "monitor")?;
             let server = tessera_monitor::Server::start(
                 l,
@@ -304,6 +324,7 @@ impl Session {
                     heartbeat: Duration::from_millis(t.monitor.heartbeat_ms as u64),
                     consumer_timeout: Duration::from_millis(t.monitor.consumer_timeout_ms as u64),
                     sampling_idle_priority: t.monitor.sampling_idle_priority,
+                    token: monitor_token,
                 },
             )
             .context("starting the monitor")?;

@@ -796,3 +796,38 @@ event_timeout_ms = 1000
     assert_eq!(rep.events_incomplete, 0, "{}", rep.summary());
     assert_eq!(rep.events_complete, events, "{}", rep.summary());
 }
+
+/// Issue 11, item 11: a monitor bound beyond loopback needs the run control's token (its
+/// consumers present it); without one the run does not start, and says why.
+#[test]
+fn a_monitor_beyond_loopback_without_a_token_is_refused() {
+    if std::env::var_os("TESSERA_TOKEN").is_some() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let t = topology(
+        r#"
+[run]
+events = 10
+[sources]
+count = 2
+[security]
+allow = ["10.0.0.0/8"]
+[monitor]
+listen = "0.0.0.0:0"
+"#,
+    );
+    let opts = Options {
+        output: Some(dir.path().to_path_buf()),
+        status: StatusMode::Off,
+        ..Default::default()
+    };
+    let e = match tessera_run::Session::start(&t, &opts) {
+        Err(e) => format!("{e:#}"),
+        Ok(_) => panic!("a monitor beyond loopback started without a token"),
+    };
+    assert!(
+        e.contains("monitor.listen") && e.contains("control.token"),
+        "{e}"
+    );
+}
