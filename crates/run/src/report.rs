@@ -190,6 +190,9 @@ pub struct Report {
     /// Events the builders built that the recorder did not record (0 when the recorder kept up
     /// and was drained).
     pub recorder_shortfall: i64,
+    /// Connections to any port of this process refused because their peer's address is outside
+    /// `security.allow` (each also logged with the address).
+    pub refused_outside_allow: u64,
     /// The monitor's stations and counters at the end of the run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub monitor: Option<tessera_monitor::MonitorStatus>,
@@ -507,6 +510,8 @@ impl Report {
                 holds: unaccounted == 0,
             },
             recorder_shortfall,
+            refused_outside_allow: tessera_net::io::REFUSED_BY_NETWORK
+                .load(std::sync::atomic::Ordering::Relaxed),
             monitor: None,
             stop: None,
         }
