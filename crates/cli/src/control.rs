@@ -63,10 +63,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         .clone()
         .or_else(|| std::env::var("TESSERA_HTTP").ok())
         .unwrap_or_else(|| t.control.listen.clone());
-    let token = std::env::var("TESSERA_TOKEN")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .or_else(|| Some(t.control.token.expose().to_string()).filter(|s| !s.is_empty()));
+    let token = t.control.effective_token();
     let _http = if listen.is_empty() || listen == "off" {
         None
     } else {

@@ -196,6 +196,56 @@ fn serve(ports: &Ports, cfg: &str, role: &[&str], port: Option<usize>) -> Proc {
     child
 }
 
+/// A request-mode topology for a run with every role its own process: readout units 0 and 1
+/// listen on handed-over ports 0 and 1 (`units`: extra keys of each, e.g. its sources), the
+/// event manager on port 2, the recorder on port 3; `builders` builders; `extra` sections.
+#[allow(clippy::too_many_arguments)]
+fn request_mode_processes(
+    dir: &Path,
+    ports: &Ports,
+    run: u64,
+    events: u64,
+    sources: u32,
+    fragment_size: u32,
+    units: [&str; 2],
+    builders: u32,
+    extra: &str,
+) -> String {
+    let out = dir.join("out");
+    let p: Vec<u16> = (0..4).map(|i| ports.port(i)).collect();
+    let builders: String = (0..builders)
+        .map(|i| format!("[[builder]]\nid = {i}\n"))
+        .collect();
+    write(
+        dir,
+        "request.toml",
+        &format!(
+            "[run]\nnumber = {run}\nmode = \"request\"\nevents = {events}\noutput = \"{}\"\n\
+             [sources]\ncount = {sources}\nfragment_size = {fragment_size}\ntrigger = \"periodic\"\nrate_hz = 2000\n\
+             [[readout]]\nid = 0\nlisten = \"127.0.0.1:{}\"\n{}\
+             [[readout]]\nid = 1\nlisten = \"127.0.0.1:{}\"\n{}\
+             {builders}\
+             [event_manager]\nlisten = \"127.0.0.1:{}\"\n\
+             [recorder]\nlisten = \"127.0.0.1:{}\"\nfsync = false\nblock_size = \"64 KiB\"\n{extra}",
+            out.display(),
+            p[0],
+            units[0],
+            p[1],
+            units[1],
+            p[2],
+            p[3]
+        ),
+    )
+}
+
+/// A role's end: its JSON report (null if it printed none) with what it logged as `stderr`.
+fn report_of(c: Proc) -> serde_json::Value {
+    let o = c.finish(LIMIT);
+    let mut v = serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
+    v["stderr"] = String::from_utf8_lossy(&o.stderr).into();
+    v
+}
+
 /// Waits (bounded) until a file the recorder is writing in `out` holds a complete event: every
 /// readout unit is serving builders (an open file alone says nothing: it is opened at the start,
 /// before any unit may have connected).
@@ -338,25 +388,17 @@ fn a_builder_killed_mid_run_loses_no_event() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let ports = Ports::bind(4);
-    let p: Vec<u16> = (0..4).map(|i| ports.port(i)).collect();
     let events = 12_000u64;
-    let cfg = write(
+    let cfg = request_mode_processes(
         dir.path(),
-        "req.toml",
-        &format!(
-            "[run]\nnumber = 5\nmode = \"request\"\nevents = {events}\noutput = \"{}\"\n\
-             [sources]\ncount = 6\nfragment_size = 1024\ntrigger = \"periodic\"\nrate_hz = 2000\n\
-             [[readout]]\nid = 0\nlisten = \"127.0.0.1:{}\"\n[[readout]]\nid = 1\nlisten = \"127.0.0.1:{}\"\n\
-             [[builder]]\nid = 0\n[[builder]]\nid = 1\n[[builder]]\nid = 2\n\
-             [event_manager]\nlisten = \"127.0.0.1:{}\"\n\
-             [request]\ntimeout_ms = 10000\nbuilder_timeout_ms = 20000\n\
-             [recorder]\nlisten = \"127.0.0.1:{}\"\nfsync = false\nblock_size = \"64 KiB\"\n",
-            out.display(),
-            p[0],
-            p[1],
-            p[2],
-            p[3]
-        ),
+        &ports,
+        5,
+        events,
+        6,
+        1024,
+        ["", ""],
+        3,
+        "[request]\ntimeout_ms = 10000\nbuilder_timeout_ms = 20000\n",
     );
     // Each role with the index of the port it listens on (bound here, handed over).
     let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
@@ -552,24 +594,7 @@ fn an_event_manager_killed_mid_run_ends_every_role_with_the_reason() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let ports = Ports::bind(4);
-    let p: Vec<u16> = (0..4).map(|i| ports.port(i)).collect();
-    let cfg = write(
-        dir.path(),
-        "em.toml",
-        &format!(
-            "[run]\nnumber = 7\nmode = \"request\"\nevents = 200000\noutput = \"{}\"\n\
-             [sources]\ncount = 4\nfragment_size = 512\ntrigger = \"periodic\"\nrate_hz = 2000\n\
-             [[readout]]\nid = 0\nlisten = \"127.0.0.1:{}\"\n[[readout]]\nid = 1\nlisten = \"127.0.0.1:{}\"\n\
-             [[builder]]\nid = 0\n[[builder]]\nid = 1\n\
-             [event_manager]\nlisten = \"127.0.0.1:{}\"\n\
-             [recorder]\nlisten = \"127.0.0.1:{}\"\nfsync = false\nblock_size = \"64 KiB\"\n",
-            out.display(),
-            p[0],
-            p[1],
-            p[2],
-            p[3]
-        ),
-    );
+    let cfg = request_mode_processes(dir.path(), &ports, 7, 200_000, 4, 512, ["", ""], 2, "");
     let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
     let rec = spawn(&["recorder"], Some(3));
     let mut em = spawn(&["manager"], Some(2));
@@ -587,16 +612,10 @@ fn an_event_manager_killed_mid_run_ends_every_role_with_the_reason() {
     // Every other role ends by itself (finish() fails the test past its deadline).
     // The readout units first: sources end when their units close, so a unit that hangs is
     // named as itself rather than as its sources.
-    let report = |c: Proc| -> serde_json::Value {
-        let o = c.finish(LIMIT);
-        let mut v = serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
-        v["stderr"] = String::from_utf8_lossy(&o.stderr).into();
-        v
-    };
-    let ru = ru.map(report);
-    let _ = report(src);
-    let bu = bu.map(report);
-    let rec = report(rec);
+    let ru = ru.map(report_of);
+    let _ = report_of(src);
+    let bu = bu.map(report_of);
+    let rec = report_of(rec);
     let all = serde_json::json!({ "readout": ru, "builders": bu, "recorder": rec });
     for r in &ru {
         // The unit names the lost link to its event manager (a read or a write failed on it).
@@ -630,26 +649,17 @@ fn a_readout_unit_killed_mid_run_leaves_events_incomplete_naming_its_sources() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let ports = Ports::bind(4);
-    let p: Vec<u16> = (0..4).map(|i| ports.port(i)).collect();
     let events = 8000u64;
-    let cfg = write(
+    let cfg = request_mode_processes(
         dir.path(),
-        "ru.toml",
-        &format!(
-            "[run]\nnumber = 8\nmode = \"request\"\nevents = {events}\noutput = \"{}\"\n\
-             [sources]\ncount = 4\nfragment_size = 512\ntrigger = \"periodic\"\nrate_hz = 2000\n\
-             [[readout]]\nid = 0\nlisten = \"127.0.0.1:{}\"\nsources = [0, 1]\n\
-             [[readout]]\nid = 1\nlisten = \"127.0.0.1:{}\"\nsources = [2, 3]\n\
-             [[builder]]\nid = 0\n[[builder]]\nid = 1\n\
-             [event_manager]\nlisten = \"127.0.0.1:{}\"\n\
-             [request]\ntimeout_ms = 10000\nbuilder_timeout_ms = 20000\n\
-             [recorder]\nlisten = \"127.0.0.1:{}\"\nfsync = false\nblock_size = \"64 KiB\"\n",
-            out.display(),
-            p[0],
-            p[1],
-            p[2],
-            p[3]
-        ),
+        &ports,
+        8,
+        events,
+        4,
+        512,
+        ["sources = [0, 1]\n", "sources = [2, 3]\n"],
+        2,
+        "[request]\ntimeout_ms = 10000\nbuilder_timeout_ms = 20000\n",
     );
     let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
     let rec = spawn(&["recorder"], Some(3));
@@ -663,17 +673,11 @@ fn a_readout_unit_killed_mid_run_leaves_events_incomplete_naming_its_sources() {
     let src = spawn(&["sources"], None);
     wait_for_recorded_data(&out);
     ru1.kill();
-    let report = |c: Proc| -> serde_json::Value {
-        let o = c.finish(LIMIT);
-        let mut v = serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
-        v["stderr"] = String::from_utf8_lossy(&o.stderr).into();
-        v
-    };
-    let ru0 = report(ru0);
-    let _ = report(src);
-    let bu = bu.map(report);
-    let em = report(em);
-    let rec = report(rec);
+    let ru0 = report_of(ru0);
+    let _ = report_of(src);
+    let bu = bu.map(report_of);
+    let em = report_of(em);
+    let rec = report_of(rec);
     let all = serde_json::json!({ "readout": ru0, "builders": bu, "manager": em, "recorder": rec });
     // Long timeouts (10 s per event): had the builders waited for the dead unit's answers, the
     // run would have lasted over an hour and the deadlines above would have failed it.

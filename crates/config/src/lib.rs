@@ -192,6 +192,16 @@ pub struct ControlSection {
     pub sample_interval_ms: u64,
 }
 
+impl ControlSection {
+    /// The token in force: `TESSERA_TOKEN` if set and not empty, else `token` if not empty.
+    pub fn effective_token(&self) -> Option<String> {
+        std::env::var("TESSERA_TOKEN")
+            .ok()
+            .filter(|s| !s.is_empty())
+            .or_else(|| Some(self.token.expose().to_string()).filter(|s| !s.is_empty()))
+    }
+}
+
 impl Default for ControlSection {
     fn default() -> Self {
         ControlSection {

@@ -301,12 +301,7 @@ impl Session {
             let monitor_token = if tessera_config::is_loopback_listen(&t.monitor.listen) {
                 None
             } else {
-                let token = std::env::var("TESSERA_TOKEN")
-                    .ok()
-                    .filter(|s| !s.is_empty())
-                    .or_else(|| {
-                        Some(t.control.token.expose().to_string()).filter(|s| !s.is_empty())
-                    });
+                let token = t.control.effective_token();
                 if token.is_none() {
                     anyhow::bail!(
                         "{}: monitor.listen = {} is not a loopback address: set control.token (or TESSERA_TOKEN); consumers present it in their commands",
