@@ -71,6 +71,9 @@ struct Pull {
     to_rus: Vec<Sender<Message>>,
     to_manager: Sender<Message>,
     to_recorder: Mutex<Option<Sender<Vec<Built>>>>,
+    /// A recorder is configured: an event built after its link closed (the run was cut short,
+    /// by the manager's death, say) is lost at the link, never reported recorded.
+    recording: bool,
     t0: Instant,
     timeout_ns: u64,
     abort: Arc<AtomicBool>,
@@ -154,6 +157,7 @@ impl BuilderUnit {
             to_rus,
             to_manager,
             to_recorder: Mutex::new(None),
+            recording: to_recorder.is_some(),
             t0: Instant::now(),
             timeout_ns: cfg.event_timeout.as_nanos() as u64,
             abort: role.abort.clone(),
@@ -529,6 +533,9 @@ impl Pull {
                     st.queued_fragments.fetch_sub(nf, Ordering::Relaxed);
                     st.recorder_lost.fetch_add(nf, Ordering::Relaxed);
                 }
+            }
+            None if self.recording => {
+                st.recorder_lost.fetch_add(nf, Ordering::Relaxed);
             }
             // Building measured alone: done at once.
             None => self.done(&[(e, Outcome::Recorded)]),

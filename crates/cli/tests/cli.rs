@@ -631,9 +631,26 @@ fn an_event_manager_killed_mid_run_ends_every_role_with_the_reason() {
         rec["recorder"]["events_in_files"].as_u64().is_some(),
         "{all:#}"
     );
+    // Every fragment a builder built is in the recorder's file or named lost at the recorder
+    // link (built after the manager's death, when the builder had ended its link): none is
+    // reported recorded that was not.
+    let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+    let built: u64 = bu
+        .iter()
+        .map(|b| {
+            n(&b["builders"][0]["fragments_in_complete"])
+                + n(&b["builders"][0]["fragments_in_incomplete"])
+        })
+        .sum();
+    let lost: u64 = bu
+        .iter()
+        .map(|b| n(&b["balance"]["rejected"]["recorder_link_lost"]))
+        .sum();
+    assert_eq!(built, n(&rec["recorder"]["fragments"]) + lost, "{all:#}");
     println!(
-        "DRILL|request mode, the event manager SIGKILLed mid-run|-|{}|-|0|every role ended, naming it",
-        rec["recorder"]["events_in_files"]
+        "DRILL|request mode, the event manager SIGKILLed mid-run|-|{}|{}|0|every role ended, naming it",
+        rec["recorder"]["events_in_files"],
+        format_args!("{lost} fragments built after it, named")
     );
     let o = tessera(&["verify", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
