@@ -295,19 +295,18 @@ impl Pull {
                 if rebuild {
                     self.stats.events_rebuilt.fetch_add(1, Ordering::Relaxed);
                 }
-                map.insert(
-                    e,
-                    Building {
-                        rebuild,
-                        since_ns: now,
-                        step,
-                        pending: asks.iter().map(|a| a.0).collect(),
-                        parts: Vec::new(),
-                    },
-                );
+                let b = Building {
+                    rebuild,
+                    since_ns: now,
+                    step,
+                    pending: asks.iter().map(|a| a.0).collect(),
+                    parts: Vec::new(),
+                };
                 if asks.is_empty() {
                     // Every unit it needs is lost: nothing to wait for.
-                    unasked.push(e);
+                    unasked.push((e, b));
+                } else {
+                    map.insert(e, b);
                 }
                 for (ru, sources) in asks {
                     sends.push((
@@ -322,11 +321,8 @@ impl Pull {
             }
         }
         self.send_requests(sends);
-        for e in unasked {
-            let b = self.events.lock().remove(&e);
-            if let Some(b) = b {
-                self.step_done(e, b);
-            }
+        for (e, b) in unasked {
+            self.step_done(e, b);
         }
     }
 

@@ -823,6 +823,15 @@ impl Monitor {
         }
     }
 
+    /// The names of the stations, in chain order.
+    pub fn station_names(&self) -> Vec<String> {
+        self.status()
+            .stations
+            .iter()
+            .map(|s| s.config.name.clone())
+            .collect()
+    }
+
     /// Everything about the chain now.
     pub fn status(&self) -> MonitorStatus {
         let g = self.inner.state.lock();

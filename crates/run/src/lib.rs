@@ -568,12 +568,7 @@ impl Session {
             .map(|s| format!("source {s} -> {}", ru_addrs[r.source_ru[s]]))
             .collect();
         if let Some((m, server)) = &monitor {
-            let names: Vec<String> = m
-                .status()
-                .stations
-                .iter()
-                .map(|s| s.config.name.clone())
-                .collect();
+            let names = m.station_names();
             status.note(&format!(
             "monitor: consumers attach at {} (stations: {}; `tessera monitor stations --addr {}`)",
             server.addr,
