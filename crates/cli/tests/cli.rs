@@ -451,7 +451,9 @@ fn a_builder_killed_mid_run_loses_no_event() {
         reassigned,
         "{r}"
     );
-    assert!(r["rebuilt_events"].as_u64().unwrap() > 0, "{r}");
+    // (How many of them are recorded rebuilt rather than dropped as second copies depends on how
+    // much the victim had written before it froze: all 64 were second copies in one CI run. Only
+    // the sum is a property of the system.)
     for u in &ru {
         let q = &u["readout_units"][0]["requests"];
         assert_eq!(q["fragments_still_stored"], 0, "{q}");
