@@ -173,6 +173,7 @@ pub fn measure(m: &Mix, events: u64) -> Result<RequestPoint> {
             timeout: Duration::from_secs(10),
             event_manager: em_addr,
             builders: (0..TESTERS).collect(),
+            takeover: Duration::ZERO,
         }),
     })
     .context("starting the readout unit")?;

@@ -4,6 +4,11 @@
 //! event, hands it to the recorder, and only once the recorder link has taken it reports it done,
 //! so that a builder dying at any moment leaves every unfinished event to be rebuilt elsewhere.
 //!
+//! Its event manager lost before the end of the run, it keeps building what it holds and opens
+//! the connection again for up to `takeover` (a manager restarted at the same address takes the
+//! run over, request-protocol §4.2): it rejoins with the events it holds and those it finished
+//! most recently, then its free credit.
+//!
 //! Threads: an event-manager reader (assignments) and writer (credit, done, heartbeats); per
 //! readout unit a request writer (control connection, Nagle off) and an answer reader (data
 //! connection, Nagle on: the CMS lesson); a sweeper for heartbeats and the event timeout; the
@@ -11,7 +16,7 @@
 
 use crossbeam_channel::{bounded, Sender};
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -46,6 +51,21 @@ pub struct PullConfig {
     pub max_message: usize,
     pub buffer: u64,
     pub read_chunk: usize,
+    /// How long to wait for a lost event manager to come back; zero: end at once.
+    pub takeover: Duration,
+    /// Finished events remembered for a rejoin.
+    pub takeover_memory: usize,
+}
+
+/// The builder's side of its event-manager connection, which may be replaced (takeover).
+struct ManagerLink {
+    /// The queue of the connection open now; none while the manager is lost.
+    tx: Option<Sender<Message>>,
+    /// Events assigned and not finished.
+    held: HashSet<u64>,
+    /// The most recently finished events, at most `memory`.
+    recent: VecDeque<(u64, Outcome)>,
+    memory: usize,
 }
 
 /// Request steps, sent as the request tag and echoed in the answers.
@@ -69,7 +89,8 @@ struct Pull {
     filter: Arc<dyn Filter>,
     events: Mutex<HashMap<u64, Building>>,
     to_rus: Vec<Sender<Message>>,
-    to_manager: Sender<Message>,
+    manager: Mutex<ManagerLink>,
+    credits: u32,
     to_recorder: Mutex<Option<Sender<Vec<Built>>>>,
     /// A recorder is configured: an event built after its link closed (the run was cut short,
     /// by the manager's death, say) is lost at the link, never reported recorded.
@@ -99,7 +120,7 @@ impl BuilderUnit {
         let mut role = RoleThreads::default();
         let patience = Duration::from_secs(10);
         let id = cfg.id as u32;
-        let mut em = open(
+        let em = open(
             &cfg.event_manager,
             Role::BuilderUnit,
             Channel::Control,
@@ -129,7 +150,6 @@ impl BuilderUnit {
             }
             None => None,
         };
-        let (to_manager, from_builder) = bounded::<Message>(4096);
         let mut to_rus = Vec::new();
         let mut request_queues = Vec::new();
         for s in controls {
@@ -155,7 +175,13 @@ impl BuilderUnit {
             filter: cfg.filter,
             events: Mutex::new(HashMap::new()),
             to_rus,
-            to_manager,
+            manager: Mutex::new(ManagerLink {
+                tx: None,
+                held: HashSet::new(),
+                recent: VecDeque::new(),
+                memory: cfg.takeover_memory,
+            }),
+            credits: cfg.credits,
             to_recorder: Mutex::new(None),
             recording: to_recorder.is_some(),
             t0: Instant::now(),
@@ -189,21 +215,11 @@ impl BuilderUnit {
                 read_acks(&p, acks, &sent)
             });
         }
-        {
-            let mut w = em.try_clone()?;
-            let st = stats.clone();
-            role.spawn(format!("bu{id}-to-em"), move || {
-                if let Err(e) = write_loop(&mut w, &from_builder) {
-                    // The first word on a lost manager stays: a read or a write may see it.
-                    st.manager_error
-                        .lock()
-                        .get_or_insert_with(|| format!("event manager link: {e}"));
-                }
-            });
-        }
-        let _ = pull.to_manager.send(Message::Credit {
+        let (writer, tx) = manager_writer(id, &em)?;
+        let _ = tx.send(Message::Credit {
             credits: cfg.credits,
         });
+        pull.manager.lock().tx = Some(tx);
         for (i, s) in datas.into_iter().enumerate() {
             let p = pull.clone();
             let chunk = cfg.read_chunk.max(2 * cfg.max_message);
@@ -220,39 +236,9 @@ impl BuilderUnit {
         }
         {
             let p = pull;
+            let (addr, takeover) = (cfg.event_manager.clone(), cfg.takeover);
             role.spawn(format!("bu{id}-from-em"), move || {
-                let mut r = MessageReader::new(1 << 24);
-                loop {
-                    match r.next(&mut em, &p.abort) {
-                        Ok(Message::Assign { events }) => p.assigned(&events),
-                        Ok(Message::End { .. }) => break,
-                        Ok(other) => {
-                            p.stats
-                                .manager_error
-                                .lock()
-                                .get_or_insert_with(|| format!("event manager sent {other:?}"));
-                            break;
-                        }
-                        Err(ReadEnd::Stopped) => break,
-                        // Closed without the end: the manager died, or dropped this builder as
-                        // dead (then the others rebuild its events).
-                        Err(ReadEnd::Closed) => {
-                            p.stats.manager_error.lock().get_or_insert_with(|| {
-                                "the event manager closed the connection before the end of the run (it died, or declared this builder dead)".into()
-                            });
-                            break;
-                        }
-                        // The manager's process died with bytes unread: the kernel resets the
-                        // connection, and the raw error would not say whose it was.
-                        Err(ReadEnd::Failed(e)) => {
-                            p.stats
-                                .manager_error
-                                .lock()
-                                .get_or_insert_with(|| format!("event manager link: {e}"));
-                            break;
-                        }
-                    }
-                }
+                manager_link(&p, em, writer, &addr, takeover);
                 p.ended.store(true, Ordering::Relaxed);
                 p.finish();
             });
@@ -272,7 +258,9 @@ impl Pull {
         for tx in &self.to_rus {
             let _ = tx.send(end.clone());
         }
-        let _ = self.to_manager.send(end);
+        if let Some(tx) = self.manager.lock().tx.take() {
+            let _ = tx.send(end);
+        }
         // Dropping the queue ends the recorder link once it has written what is queued.
         self.to_recorder.lock().take();
     }
@@ -282,6 +270,10 @@ impl Pull {
         let roi = self.filter.roi();
         let mut sends: Vec<(usize, Message)> = Vec::new();
         let mut unasked = Vec::new();
+        self.manager
+            .lock()
+            .held
+            .extend(events.iter().map(|&(e, _)| e));
         {
             let mut map = self.events.lock();
             for &(e, flags) in events {
@@ -486,12 +478,34 @@ impl Pull {
         self.stats
             .events_in_flight
             .fetch_sub(events.len() as u64, Ordering::Relaxed);
-        let _ = self.to_manager.send(Message::Done {
-            events: events.to_vec(),
-        });
-        let _ = self.to_manager.send(Message::Credit {
-            credits: events.len() as u32,
-        });
+        let mut m = self.manager.lock();
+        for &(e, o) in events {
+            m.held.remove(&e);
+            if m.memory > 0 {
+                if m.recent.len() >= m.memory {
+                    m.recent.pop_front();
+                }
+                m.recent.push_back((e, o));
+            }
+        }
+        // While the manager is lost the report waits in `recent` for the one that takes over.
+        if let Some(tx) = &m.tx {
+            let _ = tx.send(Message::Done {
+                events: events.to_vec(),
+            });
+            let _ = tx.send(Message::Credit {
+                credits: events.len() as u32,
+            });
+        }
+    }
+
+    /// Events that will never be done (lost at the recorder link): not claimed in a rejoin, so
+    /// that a manager taking over has them built again elsewhere.
+    fn forget(&self, events: impl IntoIterator<Item = u64>) {
+        let mut m = self.manager.lock();
+        for e in events {
+            m.held.remove(&e);
+        }
     }
 
     fn build(&self, e: u64, b: Building) {
@@ -528,10 +542,12 @@ impl Pull {
                 if tx.send(vec![built]).is_err() {
                     st.queued_fragments.fetch_sub(nf, Ordering::Relaxed);
                     st.recorder_lost.fetch_add(nf, Ordering::Relaxed);
+                    self.forget([e]);
                 }
             }
             None if self.recording => {
                 st.recorder_lost.fetch_add(nf, Ordering::Relaxed);
+                self.forget([e]);
             }
             // Building measured alone: done at once.
             None => self.done(&[(e, Outcome::Recorded)]),
@@ -628,7 +644,9 @@ fn sweep(p: &Pull, heartbeat: Duration) {
         }
         if last_beat.elapsed() >= heartbeat {
             seq += 1;
-            let _ = p.to_manager.try_send(Message::Heartbeat { sequence: seq });
+            if let Some(tx) = &p.manager.lock().tx {
+                let _ = tx.try_send(Message::Heartbeat { sequence: seq });
+            }
             last_beat = Instant::now();
         }
         let now = p.now_ns();
@@ -678,6 +696,7 @@ fn send_to_recorder(
             sent.lock().extend(batch.iter().map(|b| b.event_id));
         } else {
             st.recorder_lost.fetch_add(o.fragments, Ordering::Relaxed);
+            p.forget(batch.iter().map(|b| b.event_id));
         }
     };
     let on_error = |e: &std::io::Error| {
@@ -742,4 +761,139 @@ fn read_acks(p: &Pull, mut stream: TcpStream, sent: &Unacknowledged) {
             Err(_) => return,
         }
     }
+}
+
+type Writer = (std::thread::JoinHandle<()>, Sender<Message>);
+
+/// Starts the writer of a new event-manager connection; returns it with its queue. A failed
+/// write shuts the connection down, so that its reader sees the loss.
+fn manager_writer(id: u32, em: &TcpStream) -> std::io::Result<Writer> {
+    let mut w = em.try_clone()?;
+    let (tx, rx) = bounded::<Message>(4096);
+    let t = tessera_net::role::spawn(format!("bu{id}-to-em"), move || {
+        if let Err(e) = write_loop(&mut w, &rx) {
+            tracing::warn!(builder = id, error = %e, "event manager link: write failed");
+            let _ = w.shutdown(std::net::Shutdown::Both);
+        }
+    });
+    Ok((t, tx))
+}
+
+/// Reads the event manager's assignments until its end. Lost before that (it died, or it
+/// declared this builder dead), the connection is opened again for up to `takeover`, and the
+/// builder rejoins (request-protocol §4.2); past that the error names the manager.
+fn manager_link(
+    p: &Pull,
+    mut em: TcpStream,
+    mut writer: std::thread::JoinHandle<()>,
+    addr: &str,
+    takeover: Duration,
+) {
+    let id = p.id as u32;
+    let mut lost_since: Option<Instant> = None;
+    loop {
+        let opened = Instant::now();
+        let mut heard = false;
+        let mut r = MessageReader::new(1 << 24);
+        let lost = loop {
+            match r.next(&mut em, &p.abort) {
+                Ok(Message::Assign { events }) => {
+                    heard = true;
+                    p.assigned(&events)
+                }
+                Ok(Message::End { .. }) | Err(ReadEnd::Stopped) => break None,
+                Ok(other) => break Some(format!("event manager sent {other:?}")),
+                // Closed without the end: the manager died, or dropped this builder as dead
+                // (then the others rebuild its events).
+                Err(ReadEnd::Closed) => break Some(
+                    "the event manager closed the connection before the end of the run (it died, or declared this builder dead)".into(),
+                ),
+                // The manager's process died with bytes unread: the kernel resets the
+                // connection, and the raw error would not say whose it was.
+                Err(ReadEnd::Failed(e)) => break Some(format!("event manager link: {e}")),
+            }
+        };
+        if lost.is_some() {
+            // This connection is over: its writer ends with its queue.
+            p.manager.lock().tx = None;
+        }
+        let Some(why) = lost else {
+            // The run is over: this connection's last message is the builder's end.
+            let tx = p.manager.lock().tx.take();
+            if let Some(tx) = tx {
+                let _ = tx.send(Message::End { units: 0, items: 0 });
+            }
+            let _ = writer.join();
+            return;
+        };
+        let _ = em.shutdown(std::net::Shutdown::Both);
+        let _ = writer.join();
+        p.stats.manager_losses.fetch_add(1, Ordering::Relaxed);
+        if lost_since.is_none() || heard || opened.elapsed() > Duration::from_secs(1) {
+            lost_since = Some(Instant::now());
+        }
+        let deadline = lost_since.unwrap_or_else(Instant::now) + takeover;
+        if takeover.is_zero() || p.abort.load(Ordering::Relaxed) {
+            p.stats.manager_error.lock().get_or_insert(why);
+            return;
+        }
+        tracing::warn!(
+            builder = id,
+            reason = %why,
+            "lost the event manager; building what it holds and waiting up to {} s for it to take the run over",
+            takeover.as_secs_f64()
+        );
+        let back = tessera_net::control::reopen(addr, Role::BuilderUnit, id, deadline, &p.abort)
+            .and_then(|s| Ok((manager_writer(id, &s)?, s)));
+        match back {
+            Ok(((w, tx), s)) => {
+                em = s;
+                writer = w;
+                let (held, done) = rejoin(p, tx);
+                tracing::info!(
+                    builder = id,
+                    held,
+                    done,
+                    "event manager back: rejoined with the events held and finished"
+                );
+            }
+            Err(e) => {
+                p.stats.manager_error.lock().get_or_insert_with(|| {
+                    format!("{why}; not back within {} s ({e})", takeover.as_secs_f64())
+                });
+                return;
+            }
+        }
+    }
+}
+
+/// On a new event-manager connection: the rejoin (events held, events finished most recently),
+/// then the free credit; only then is the connection the builder's (under the manager lock), so
+/// that no done report comes before the rejoin and none is missing from both.
+fn rejoin(p: &Pull, tx: Sender<Message>) -> (usize, usize) {
+    let mut m = p.manager.lock();
+    let mut held: Vec<u64> = m.held.iter().copied().collect();
+    held.sort_unstable();
+    let done: Vec<(u64, Outcome)> = m.recent.iter().copied().collect();
+    let max = request::MAX_LIST;
+    let messages = held
+        .len()
+        .div_ceil(max)
+        .max(done.len().div_ceil(max))
+        .max(1);
+    for i in 0..messages {
+        let part = |n: usize| (i * max).min(n)..((i + 1) * max).min(n);
+        let _ = tx.send(Message::Rejoin {
+            held: held[part(held.len())].to_vec(),
+            done: done[part(done.len())].to_vec(),
+        });
+    }
+    let free = (p.credits as usize).saturating_sub(held.len());
+    if free > 0 {
+        let _ = tx.send(Message::Credit {
+            credits: free as u32,
+        });
+    }
+    m.tx = Some(tx);
+    (held.len(), done.len())
 }

@@ -53,6 +53,8 @@ pub struct BuilderStats {
     /// Request mode: events assigned and not yet done.
     pub events_in_flight: AtomicU64,
     pub manager_error: Mutex<Option<String>>,
+    /// Request mode: times the event manager's connection was lost before the end of the run.
+    pub manager_losses: AtomicU64,
     /// Time from an event's first part at this builder to its build (waiting for the slowest
     /// readout unit or answer included).
     pub latency: Histogram,
@@ -186,6 +188,7 @@ impl BuilderStats {
             requests: AtomicU64::new(0),
             events_in_flight: AtomicU64::new(0),
             manager_error: Mutex::new(None),
+            manager_losses: AtomicU64::new(0),
             latency: Histogram::default(),
             recent_incomplete: Mutex::new(RecentIncomplete::default()),
         }

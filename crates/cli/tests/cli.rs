@@ -198,7 +198,8 @@ fn serve(ports: &Ports, cfg: &str, role: &[&str], port: Option<usize>) -> Proc {
 
 /// A request-mode topology for a run with every role its own process: readout units 0 and 1
 /// listen on handed-over ports 0 and 1 (`units`: extra keys of each, e.g. its sources), the
-/// event manager on port 2, the recorder on port 3; `builders` builders; `extra` sections.
+/// event manager on port 2, the recorder on port 3; `builders` builders; `extra`: keys of
+/// `[event_manager]`, then sections.
 #[allow(clippy::too_many_arguments)]
 fn request_mode_processes(
     dir: &Path,
@@ -225,15 +226,15 @@ fn request_mode_processes(
              [[readout]]\nid = 0\nlisten = \"127.0.0.1:{}\"\n{}\
              [[readout]]\nid = 1\nlisten = \"127.0.0.1:{}\"\n{}\
              {builders}\
-             [event_manager]\nlisten = \"127.0.0.1:{}\"\n\
-             [recorder]\nlisten = \"127.0.0.1:{}\"\nfsync = false\nblock_size = \"64 KiB\"\n{extra}",
+             [recorder]\nlisten = \"127.0.0.1:{}\"\nfsync = false\nblock_size = \"64 KiB\"\n\
+             [event_manager]\nlisten = \"127.0.0.1:{}\"\n{extra}",
             out.display(),
             p[0],
             units[0],
             p[1],
             units[1],
-            p[2],
-            p[3]
+            p[3],
+            p[2]
         ),
     )
 }
@@ -596,7 +597,18 @@ fn an_event_manager_killed_mid_run_ends_every_role_with_the_reason() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let ports = Ports::bind(4);
-    let cfg = request_mode_processes(dir.path(), &ports, 7, 200_000, 4, 512, ["", ""], 2, "");
+    // No manager comes back: the others wait 1 s for one to take the run over (§4.2), then end.
+    let cfg = request_mode_processes(
+        dir.path(),
+        &ports,
+        7,
+        200_000,
+        4,
+        512,
+        ["", ""],
+        2,
+        "takeover_s = 1\n",
+    );
     let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
     let rec = spawn(&["recorder"], Some(3));
     let mut em = spawn(&["manager"], Some(2));
@@ -656,6 +668,116 @@ fn an_event_manager_killed_mid_run_ends_every_role_with_the_reason() {
     );
     let o = tessera(&["verify", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+}
+
+/// Issue 11, item 6, second half: the event manager killed (SIGKILL) in the middle of a
+/// request-mode run and started again at the same address (the listening socket outlives it, as
+/// under systemd socket activation) takes the run over: the readout units announce again what
+/// they hold, the builders rejoin with what they hold and what they finished. Every event the
+/// sources sent is in the files exactly once, none built twice, and every role ends cleanly.
+#[test]
+fn a_restarted_event_manager_takes_the_run_over_and_nothing_is_lost_or_doubled() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let ports = Ports::bind(4);
+    let events = 12_000u64;
+    let cfg = request_mode_processes(
+        dir.path(),
+        &ports,
+        9,
+        events,
+        4,
+        512,
+        ["", ""],
+        2,
+        "takeover_s = 120\n",
+    );
+    let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
+    // The manager's listener stays open here too, for its successor.
+    let manager = || {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+        ports.hand_over(2, &mut cmd);
+        Proc::spawn_piped(
+            cmd.env("TESSERA_HTTP", "127.0.0.1:0")
+                .args(["serve", "manager", &cfg, "--json", "--quiet"]),
+        )
+    };
+    let rec = spawn(&["recorder"], Some(3));
+    let em = manager();
+    let ru = [
+        spawn(&["readout", "--id", "0"], Some(0)),
+        spawn(&["readout", "--id", "1"], Some(1)),
+    ];
+    let bu = [
+        spawn(&["builder", "--id", "0"], None),
+        spawn(&["builder", "--id", "1"], None),
+    ];
+    let src = spawn(&["sources"], None);
+    wait_for_recorded_data(&out);
+    em.signal("KILL");
+    let first = em.finish(LIMIT);
+    let em = manager();
+    ports.release(2);
+    let ru = ru.map(report_of);
+    let _ = report_of(src);
+    let bu = bu.map(report_of);
+    let em = report_of(em);
+    let rec = report_of(rec);
+    let all = serde_json::json!({
+        "readout": ru, "builders": bu, "manager": em, "recorder": rec,
+        "first manager": String::from_utf8_lossy(&first.stderr),
+    });
+    for r in &ru {
+        let q = &r["readout_units"][0]["requests"];
+        assert_eq!(q["manager_losses"], 1, "{all:#}");
+        assert!(q["manager_error"].is_null(), "{all:#}");
+        assert_eq!(
+            q["fragments_still_stored"], 0,
+            "every event held was cleared: {all:#}"
+        );
+    }
+    for b in &bu {
+        let b0 = &b["builders"][0];
+        assert_eq!(b0["manager_losses"], 1, "{all:#}");
+        assert_eq!(b0["errors"], serde_json::json!([]), "{all:#}");
+    }
+    let m = &em["event_manager"];
+    assert_eq!(m["dead_builders"], 0, "{all:#}");
+    assert_eq!(m["in_flight_at_end"], 0, "{all:#}");
+    let r = &rec["recorder"];
+    assert_eq!(r["events_in_files"], events, "{all:#}");
+    assert_eq!(
+        r["duplicate_events"], 0,
+        "no event was built twice: {all:#}"
+    );
+    assert_eq!(r["incomplete_events"], 0, "{all:#}");
+    // Every event ID once in the files.
+    let mut seen = vec![0u32; events as usize];
+    for f in std::fs::read_dir(&out).unwrap().flatten() {
+        if !f.file_name().to_string_lossy().ends_with(".tsr") {
+            continue;
+        }
+        let mut rd = tessera_verify::FileReader::open(&f.path()).unwrap();
+        while let Some((_, raw)) = rd.next_block().unwrap() {
+            for e in tessera_verify::events_in(raw) {
+                seen[e.unwrap().header.event_id as usize] += 1;
+            }
+        }
+    }
+    let wrong: Vec<(usize, u32)> = seen
+        .iter()
+        .enumerate()
+        .filter(|(_, &n)| n != 1)
+        .map(|(i, &n)| (i, n))
+        .take(10)
+        .collect();
+    assert!(wrong.is_empty(), "(event, copies): {wrong:?}\n{all:#}");
+    let o = tessera(&["verify", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    println!(
+        "DRILL|request mode, the event manager SIGKILLed and restarted|{events}|{}|0|0|per process; {} events adopted, {} finished before",
+        r["events_in_files"], m["adopted"], m["finished_before"]
+    );
 }
 
 /// Issue 11, item 7: a readout unit killed (SIGKILL) in the middle of a request-mode run,

@@ -519,6 +519,14 @@ pub struct EventManagerSection {
     /// Events known but not given to any builder above which, with no builder holding credit,
     /// the readout units are told BUSY and stop reading their links (the sources are held).
     pub busy_threshold: u32,
+    /// How long readout units and builders that lost their event manager wait for it to come
+    /// back (restarted at the same address) and take the run over, in seconds; 0: they end at
+    /// once, naming the lost manager.
+    pub takeover_s: u64,
+    /// Events each builder remembers as finished, to tell a manager taking the run over (an
+    /// event finished earlier and not yet cleared is built again, and the recorder drops the
+    /// second copy, counted).
+    pub takeover_memory: u32,
 }
 
 impl Default for EventManagerSection {
@@ -530,6 +538,8 @@ impl Default for EventManagerSection {
             heartbeat_ms: 100,
             heartbeat_timeout_ms: 2000,
             busy_threshold: 4096,
+            takeover_s: 30,
+            takeover_memory: 65_536,
         }
     }
 }
@@ -1353,6 +1363,16 @@ impl Topology {
                 format!(
                     "{} ms must exceed heartbeat_ms ({} ms), which must be at least 1",
                     m.heartbeat_timeout_ms, m.heartbeat_ms
+                ),
+            ));
+        }
+        if m.takeover_memory as usize > tessera_format::request::MAX_LIST {
+            return Err(err(
+                "event_manager.takeover_memory",
+                format!(
+                    "{} events: at most {} (one rejoin message)",
+                    m.takeover_memory,
+                    tessera_format::request::MAX_LIST
                 ),
             ));
         }

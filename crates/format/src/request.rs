@@ -87,6 +87,14 @@ pub enum Message {
     /// Last message of a connection closed cleanly, with the count of messages of its main kind
     /// sent on it (announcements, answers, clears or done events).
     End { units: u64, items: u64 },
+    /// Builder → event manager, first after the hello when the builder connects again (its
+    /// manager was lost or restarted): the events it holds (assigned, not finished) and the
+    /// events it finished most recently, so that a manager taking the run over neither gives a
+    /// held event to another builder nor builds a finished one again.
+    Rejoin {
+        held: Vec<u64>,
+        done: Vec<(u64, Outcome)>,
+    },
 }
 
 /// An answer's fixed fields and the list of requested sources that had no fragment.
@@ -139,6 +147,7 @@ enum Kind {
     Heartbeat = 9,
     Throttle = 10,
     End = 11,
+    Rejoin = 12,
 }
 
 impl Kind {
@@ -156,6 +165,7 @@ impl Kind {
             9 => Heartbeat,
             10 => Throttle,
             11 => End,
+            12 => Rejoin,
             _ => return None,
         })
     }
@@ -284,6 +294,22 @@ impl Message {
                 put_u64(&mut out[start..], 24, *items);
                 (Kind::End, HEADER_SIZE + 16)
             }
+            Message::Rejoin { held, done } => {
+                let total = HEADER_SIZE + 8 + 8 * held.len() + 16 * done.len();
+                out.resize(start + total, 0);
+                let b = &mut out[start..];
+                put_u32(b, 16, held.len() as u32);
+                put_u32(b, 20, done.len() as u32);
+                for (i, e) in held.iter().enumerate() {
+                    put_u64(b, 24 + 8 * i, *e);
+                }
+                let d = 24 + 8 * held.len();
+                for (i, (e, o)) in done.iter().enumerate() {
+                    put_u64(b, d + 16 * i, *e);
+                    put_u32(b, d + 16 * i + 8, *o as u32);
+                }
+                (Kind::Rejoin, total)
+            }
         };
         seal(&mut out[start..], kind, total, total);
     }
@@ -302,6 +328,14 @@ pub enum Decoded {
     Message(Message, usize),
     /// At least this many bytes are needed in all.
     NeedMore(usize),
+}
+
+fn outcome(v: u32) -> Result<Outcome, ProtocolError> {
+    match v {
+        0 => Ok(Outcome::Recorded),
+        1 => Ok(Outcome::Rejected),
+        _ => Err(ProtocolError::BadValue("done outcome")),
+    }
 }
 
 /// Decodes one message. `max_message` bounds any message's total size (answers are the large
@@ -441,14 +475,27 @@ pub fn decode(b: &[u8], max_message: usize) -> Result<Decoded, ProtocolError> {
             let n = list(16, "done list")?;
             let mut events = Vec::with_capacity(n);
             for i in 0..n {
-                let o = match u32_at(b, 32 + 16 * i) {
-                    0 => Outcome::Recorded,
-                    1 => Outcome::Rejected,
-                    _ => return Err(ProtocolError::BadValue("done outcome")),
-                };
-                events.push((u64_at(b, 24 + 16 * i), o));
+                events.push((u64_at(b, 24 + 16 * i), outcome(u32_at(b, 32 + 16 * i))?));
             }
             Message::Done { events }
+        }
+        Kind::Rejoin => {
+            if total < HEADER_SIZE + 8 {
+                return Err(ProtocolError::BadSize("rejoin"));
+            }
+            let (h, d) = (u32_at(b, 16) as usize, u32_at(b, 20) as usize);
+            if h > MAX_LIST || d > MAX_LIST || total != HEADER_SIZE + 8 + 8 * h + 16 * d {
+                return Err(ProtocolError::BadSize("rejoin"));
+            }
+            let at = 24 + 8 * h;
+            let mut done = Vec::with_capacity(d);
+            for i in 0..d {
+                done.push((u64_at(b, at + 16 * i), outcome(u32_at(b, at + 16 * i + 8))?));
+            }
+            Message::Rejoin {
+                held: (0..h).map(|i| u64_at(b, 24 + 8 * i)).collect(),
+                done,
+            }
         }
         Kind::Heartbeat => Message::Heartbeat {
             sequence: u64_at(b, 16),
@@ -521,6 +568,24 @@ mod tests {
             any::<u64>().prop_map(|sequence| Message::Heartbeat { sequence }),
             any::<bool>().prop_map(|busy| Message::Throttle { busy }),
             (any::<u64>(), any::<u64>()).prop_map(|(units, items)| Message::End { units, items }),
+            (
+                proptest::collection::vec(any::<u64>(), 0..20),
+                proptest::collection::vec((any::<u64>(), any::<bool>()), 0..20)
+            )
+                .prop_map(|(held, d)| Message::Rejoin {
+                    held,
+                    done: d
+                        .into_iter()
+                        .map(|(e, r)| (
+                            e,
+                            if r {
+                                Outcome::Rejected
+                            } else {
+                                Outcome::Recorded
+                            }
+                        ))
+                        .collect(),
+                }),
         ]
     }
 

@@ -305,5 +305,13 @@ fn request_vectors(f: &[u8]) -> Vec<(&'static str, Vec<u8>)> {
         }
         .encode(),
     ));
+    v.push((
+        "rejoin, event 44 held, event 42 recorded",
+        Message::Rejoin {
+            held: vec![44],
+            done: vec![(42, Outcome::Recorded)],
+        }
+        .encode(),
+    ));
     v
 }

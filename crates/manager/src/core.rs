@@ -1,6 +1,11 @@
 //! The event manager's decisions, as a pure state machine (no I/O, no clock: the caller passes
 //! the time), so that they can be tested against a model: which builder gets which event, when a
 //! builder is dead, what is cleared, when the readout units are told BUSY.
+//!
+//! It starts by gathering: nothing is assigned or cleared until every builder of the topology
+//! has spoken (its credit, or its rejoin when this manager takes a run over from a lost one) and
+//! every readout unit has connected, or `heartbeat_timeout` has passed. Otherwise a manager
+//! taking a run over could give an event to one builder before hearing that another holds it.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -31,6 +36,13 @@ pub struct Settings {
     pub done_memory: usize,
 }
 
+/// Who the manager waits for before it assigns anything.
+struct Gathering {
+    until_ns: u64,
+    builders: HashSet<u32>,
+    readout_units: HashSet<u32>,
+}
+
 struct Builder {
     id: u32,
     alive: bool,
@@ -38,6 +50,8 @@ struct Builder {
     last_heard_ns: u64,
     /// Events given to it and not finished.
     holding: HashSet<u64>,
+    /// It has sent its credit or its rejoin.
+    spoke: bool,
 }
 
 struct InFlight {
@@ -61,6 +75,13 @@ pub struct Counts {
     pub cleared_events: u64,
     pub dead_builders: u64,
     pub busy_transitions: u64,
+    /// Taking a run over: events a builder said it held, left with it.
+    pub adopted: u64,
+    /// Taking a run over: events a builder said it had finished, cleared when a readout unit
+    /// announced them (not built again).
+    pub finished_before: u64,
+    /// Connections refused (unknown or duplicate identity, bad hello).
+    pub refused_connections: u64,
 }
 
 pub struct Core {
@@ -73,12 +94,24 @@ pub struct Core {
     clears: Vec<u64>,
     oldest_clear_ns: u64,
     busy: bool,
+    gathering: Option<Gathering>,
+    /// Finished according to a rejoining builder, not yet announced by a readout unit: cleared
+    /// when one announces it. Bounded by the builders' `takeover_memory` each.
+    finished_elsewhere: HashSet<u64>,
     pub counts: Counts,
 }
 
 impl Core {
-    pub fn new(s: Settings) -> Core {
+    /// A manager for these builders and readout units, gathering them from `now_ns` on.
+    pub fn new(s: Settings, builders: &[u32], readout_units: &[u32], now_ns: u64) -> Core {
+        let everyone = builders.len() + readout_units.len();
         Core {
+            gathering: (everyone > 0).then(|| Gathering {
+                until_ns: now_ns.saturating_add(s.heartbeat_timeout_ns),
+                builders: builders.iter().copied().collect(),
+                readout_units: readout_units.iter().copied().collect(),
+            }),
+            finished_elsewhere: HashSet::new(),
             s,
             builders: Vec::new(),
             next_builder: 0,
@@ -100,8 +133,133 @@ impl Core {
             credits: 0,
             last_heard_ns: now_ns,
             holding: HashSet::new(),
+            spoke: false,
         });
         self.builders.len() - 1
+    }
+
+    /// Whether a builder with this ID is alive (its connection open): a second one is refused.
+    pub fn builder_alive(&self, id: u32) -> bool {
+        self.builders.iter().any(|b| b.alive && b.id == id)
+    }
+
+    /// A readout unit connected (again).
+    pub fn readout_unit_joined(&mut self, id: u32, now_ns: u64, out: &mut Vec<Out>) {
+        if let Some(g) = &mut self.gathering {
+            g.readout_units.remove(&id);
+        }
+        self.end_gathering(now_ns, out);
+    }
+
+    /// Still waiting for the builders and readout units to gather.
+    pub fn gathering(&self) -> bool {
+        self.gathering.is_some()
+    }
+
+    fn spoke(&mut self, slot: usize, now_ns: u64, out: &mut Vec<Out>) {
+        let b = &mut self.builders[slot];
+        b.last_heard_ns = now_ns;
+        if !b.spoke {
+            b.spoke = true;
+            let id = b.id;
+            if let Some(g) = &mut self.gathering {
+                g.builders.remove(&id);
+            }
+            self.end_gathering(now_ns, out);
+        }
+    }
+
+    fn end_gathering(&mut self, now_ns: u64, out: &mut Vec<Out>) {
+        let over = match &self.gathering {
+            None => return,
+            Some(g) => {
+                (g.builders.is_empty() && g.readout_units.is_empty()) || now_ns >= g.until_ns
+            }
+        };
+        if over {
+            self.gathering = None;
+            if self.clears.len() >= self.s.clear_group {
+                self.flush_clears(out);
+            }
+            self.assign(out);
+        }
+    }
+
+    /// A builder connected again (this manager takes the run over from a lost one, or had
+    /// wrongly declared it dead): `held` are the events it is building, `done` those it
+    /// finished most recently. A held event stays with it unless another builder has it now
+    /// (then both build it: the first done counts, the recorder drops the second copy); a
+    /// finished one is never assigned again, and is cleared where a readout unit still holds it.
+    pub fn rejoin(
+        &mut self,
+        slot: usize,
+        held: &[u64],
+        done: &[(u64, Outcome)],
+        now_ns: u64,
+        out: &mut Vec<Out>,
+    ) {
+        if !self.builders[slot].alive {
+            return;
+        }
+        let mut unqueued = HashSet::new();
+        for &(e, _) in done {
+            if let Some(f) = self.events.remove(&e) {
+                match f.builder {
+                    Some(b) => {
+                        self.builders[b].holding.remove(&e);
+                    }
+                    None => {
+                        unqueued.insert(e);
+                    }
+                }
+                self.counts.finished_before += 1;
+                self.finish(e, now_ns, out);
+            } else if !self.done.contains(e) {
+                self.done.insert(e);
+                self.finished_elsewhere.insert(e);
+            }
+        }
+        for &e in held {
+            match self.events.get_mut(&e) {
+                Some(f) if f.builder.is_none() => {
+                    f.builder = Some(slot);
+                    unqueued.insert(e);
+                    self.builders[slot].holding.insert(e);
+                    self.counts.adopted += 1;
+                }
+                Some(_) => {}
+                None if self.done.contains(e) => {}
+                None => {
+                    self.events.insert(
+                        e,
+                        InFlight {
+                            builder: Some(slot),
+                            since_ns: now_ns,
+                            rebuild: false,
+                        },
+                    );
+                    self.builders[slot].holding.insert(e);
+                    self.counts.adopted += 1;
+                }
+            }
+        }
+        if !unqueued.is_empty() {
+            self.unassigned.retain(|e| !unqueued.contains(e));
+        }
+        self.spoke(slot, now_ns, out);
+        self.assign(out);
+    }
+
+    /// Queues a finished event's clear.
+    fn finish(&mut self, e: u64, now_ns: u64, out: &mut Vec<Out>) {
+        self.done.insert(e);
+        if self.clears.is_empty() {
+            self.oldest_clear_ns = now_ns;
+        }
+        self.clears.push(e);
+        if self.clears.len() >= self.s.clear_group {
+            self.flush_clears(out);
+        }
     }
 
     pub fn builder_id(&self, slot: usize) -> u32 {
@@ -144,6 +302,12 @@ impl Core {
     /// Readout units saw these events (the first sighting of each counts).
     pub fn announce(&mut self, ids: &[u64], now_ns: u64, out: &mut Vec<Out>) {
         for &e in ids {
+            if self.finished_elsewhere.remove(&e) {
+                // Finished under the manager this one took over from; this unit still holds it.
+                self.counts.finished_before += 1;
+                self.finish(e, now_ns, out);
+                continue;
+            }
             if self.events.contains_key(&e) || self.done.contains(e) {
                 continue;
             }
@@ -167,7 +331,7 @@ impl Core {
             return;
         }
         b.credits += n as u64;
-        b.last_heard_ns = now_ns;
+        self.spoke(slot, now_ns, out);
         self.assign(out);
     }
 
@@ -199,14 +363,7 @@ impl Core {
                 Outcome::Recorded => self.counts.recorded += 1,
                 Outcome::Rejected => self.counts.rejected += 1,
             }
-            self.done.insert(e);
-            if self.clears.is_empty() {
-                self.oldest_clear_ns = now_ns;
-            }
-            self.clears.push(e);
-            if self.clears.len() >= self.s.clear_group {
-                self.flush_clears(out);
-            }
+            self.finish(e, now_ns, out);
         }
         self.assign(out);
     }
@@ -246,6 +403,7 @@ impl Core {
         for slot in dead {
             self.builder_lost(slot, out);
         }
+        self.end_gathering(now_ns, out);
         if !self.clears.is_empty()
             && now_ns.saturating_sub(self.oldest_clear_ns) >= self.s.clear_delay_ns
         {
@@ -256,7 +414,8 @@ impl Core {
 
     /// Sends what clears are pending (at the end of a run).
     pub fn flush_clears(&mut self, out: &mut Vec<Out>) {
-        if self.clears.is_empty() {
+        // While gathering, a readout unit not yet back would miss the clear.
+        if self.clears.is_empty() || self.gathering.is_some() {
             return;
         }
         let ids = std::mem::take(&mut self.clears);
@@ -271,6 +430,10 @@ impl Core {
     }
 
     fn assign(&mut self, out: &mut Vec<Out>) {
+        if self.gathering.is_some() {
+            self.update_busy(out);
+            return;
+        }
         let n = self.builders.len();
         let mut batches: HashMap<usize, Vec<(u64, u32)>> = HashMap::new();
         while !self.unassigned.is_empty() {
@@ -306,7 +469,8 @@ impl Core {
     }
 
     fn update_busy(&mut self, out: &mut Vec<Out>) {
-        let credit = self.builders.iter().any(|b| b.alive && b.credits > 0);
+        let credit =
+            self.gathering.is_none() && self.builders.iter().any(|b| b.alive && b.credits > 0);
         let busy = if self.busy {
             !(credit || self.unassigned.len() < self.s.busy_threshold / 2)
         } else {
@@ -346,7 +510,7 @@ mod tests {
 
     #[test]
     fn events_go_to_builders_with_credit_only() {
-        let mut c = Core::new(settings());
+        let mut c = Core::new(settings(), &[], &[], 0);
         let mut out = Vec::new();
         let a = c.builder_joined(10, 0);
         let b = c.builder_joined(11, 0);
@@ -366,7 +530,7 @@ mod tests {
 
     #[test]
     fn a_dead_builders_events_are_rebuilt_elsewhere_and_cleared_once() {
-        let mut c = Core::new(settings());
+        let mut c = Core::new(settings(), &[], &[], 0);
         let mut out = Vec::new();
         let a = c.builder_joined(0, 0);
         let b = c.builder_joined(1, 0);
@@ -413,7 +577,7 @@ mod tests {
 
     #[test]
     fn busy_when_no_builder_has_credit_and_the_queue_is_long() {
-        let mut c = Core::new(settings());
+        let mut c = Core::new(settings(), &[], &[], 0);
         let mut out = Vec::new();
         let a = c.builder_joined(0, 0);
         c.announce(&[1, 2, 3], 0, &mut out);
@@ -428,6 +592,129 @@ mod tests {
         c.credit(a, 2, 0, &mut out);
         assert!(!c.busy());
         assert!(out.contains(&Out::Throttle(false)));
+    }
+
+    fn clears(out: &[Out]) -> Vec<u64> {
+        out.iter()
+            .flat_map(|o| match o {
+                Out::Clear(v) => v.clone(),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn nothing_is_assigned_until_every_builder_spoke_and_every_unit_connected() {
+        let mut c = Core::new(settings(), &[10, 11], &[0], 0);
+        let mut out = Vec::new();
+        let a = c.builder_joined(10, 0);
+        let b = c.builder_joined(11, 0);
+        c.credit(a, 4, 0, &mut out);
+        c.announce(&[1, 2], 0, &mut out);
+        c.credit(b, 4, 0, &mut out);
+        assert!(
+            assigns(&out).is_empty() && c.gathering(),
+            "unit 0 not yet there"
+        );
+        c.readout_unit_joined(0, 0, &mut out);
+        assert!(!c.gathering());
+        assert_eq!(assigns(&out), vec![(a, 1, 0), (b, 2, 0)]);
+        // Someone who never comes holds nobody up for longer than the heartbeat timeout.
+        let mut c = Core::new(settings(), &[10, 11], &[0], 0);
+        let a = c.builder_joined(10, 0);
+        c.readout_unit_joined(0, 0, &mut out);
+        c.credit(a, 4, 0, &mut out);
+        c.announce(&[1], 0, &mut out);
+        out.clear();
+        c.tick(5_000, &mut out);
+        assert!(assigns(&out).is_empty());
+        c.tick(10_000, &mut out);
+        assert_eq!(assigns(&out), vec![(a, 1, 0)]);
+    }
+
+    #[test]
+    fn a_manager_taking_over_leaves_held_events_and_clears_finished_ones() {
+        let mut c = Core::new(settings(), &[10, 11], &[0, 1], 0);
+        let mut out = Vec::new();
+        let a = c.builder_joined(10, 0);
+        let b = c.builder_joined(11, 0);
+        // Unit 0 comes back first and announces all it holds, before the builders rejoin.
+        c.readout_unit_joined(0, 0, &mut out);
+        c.announce(&[3, 5, 6, 7], 0, &mut out);
+        // Builder 10 holds 5 and 9 (9 not announced yet), finished 3 and 4 (4 cleared already
+        // by the lost manager: no unit holds it).
+        c.rejoin(
+            a,
+            &[5, 9],
+            &[(3, Outcome::Recorded), (4, Outcome::Rejected)],
+            0,
+            &mut out,
+        );
+        c.credit(a, 1, 0, &mut out);
+        c.credit(b, 8, 0, &mut out);
+        // Still gathering: nothing given, nothing cleared (four events waiting make it BUSY).
+        assert_eq!(out, vec![Out::Throttle(true)]);
+        c.readout_unit_joined(1, 0, &mut out);
+        c.announce(&[4, 5, 6, 7, 9, 10], 0, &mut out);
+        let given: Vec<u64> = assigns(&out).iter().map(|x| x.1).collect();
+        let mut given_sorted = given.clone();
+        given_sorted.sort_unstable();
+        assert_eq!(
+            given_sorted,
+            vec![6, 7, 10],
+            "held and finished events are not given"
+        );
+        assert_eq!((c.counts.adopted, c.counts.finished_before), (2, 2));
+        out.clear();
+        c.tick(2_000, &mut out);
+        // 3 (announced, then finished before) is cleared; 4, announced after the rejoin by a
+        // unit that still held it, too.
+        let mut cl = clears(&out);
+        cl.sort_unstable();
+        assert_eq!(cl, vec![3, 4]);
+        // The held events finish with their builder as usual.
+        out.clear();
+        c.done(
+            a,
+            &[(5, Outcome::Recorded), (9, Outcome::Recorded)],
+            3_000,
+            &mut out,
+        );
+        assert_eq!(c.counts.stale_done, 0);
+    }
+
+    #[test]
+    fn a_builder_wrongly_declared_dead_rejoins_without_an_event_built_twice_in_its_queue() {
+        let mut c = Core::new(settings(), &[], &[], 0);
+        let mut out = Vec::new();
+        let a = c.builder_joined(10, 0);
+        let b = c.builder_joined(11, 0);
+        c.credit(a, 3, 0, &mut out);
+        c.announce(&[1, 2, 3], 0, &mut out);
+        c.heartbeat(b, 15_000);
+        out.clear();
+        // Builder 10 was only slow: declared dead, its events queued for rebuilding; builder
+        // 11 has no credit, so they wait.
+        c.tick(15_000, &mut out);
+        assert!(out.contains(&Out::Drop(a)));
+        assert!(!c.builder_alive(10));
+        // It connects again, having finished 1 meanwhile and still holding 2 and 3.
+        let a2 = c.builder_joined(10, 15_001);
+        out.clear();
+        c.rejoin(a2, &[2, 3], &[(1, Outcome::Recorded)], 15_001, &mut out);
+        c.credit(b, 5, 15_002, &mut out);
+        assert!(assigns(&out).is_empty(), "nothing left to give: {out:?}");
+        c.done(
+            a2,
+            &[(2, Outcome::Recorded), (3, Outcome::Recorded)],
+            15_003,
+            &mut out,
+        );
+        c.flush_clears(&mut out);
+        let mut cl = clears(&out);
+        cl.sort_unstable();
+        assert_eq!(cl, vec![1, 2, 3]);
+        assert!(c.idle());
     }
 
     #[derive(Clone, Debug)]
@@ -457,7 +744,7 @@ mod tests {
         /// builder is ever given more events than its credit.
         #[test]
         fn every_event_is_cleared_exactly_once(ops in proptest::collection::vec(op(), 1..120)) {
-            let mut c = Core::new(Settings { heartbeat_timeout_ns: u64::MAX, ..settings() });
+            let mut c = Core::new(Settings { heartbeat_timeout_ns: u64::MAX, ..settings() }, &[], &[], 0);
             let mut out = Vec::new();
             let mut holding: Vec<Vec<u64>> = Vec::new();
             let mut granted: Vec<u64> = Vec::new();

@@ -7,6 +7,12 @@
 //! its unfinished events go, flagged for rebuilding, to the others. With no builder holding
 //! credit and a long queue it tells the readout units BUSY, and they stop reading their links.
 //!
+//! One connection per identity: a hello naming a builder or readout unit outside the topology,
+//! or one whose connection is open, is refused, counted and logged with the peer. A unit or
+//! builder whose connection closed may connect again: that is how a manager restarted at the
+//! same address takes a run over (request-protocol §4.2): the units announce again every event
+//! they hold, the builders rejoin with what they hold and what they finished.
+//!
 //! Threads: an accept thread; per connection a reader and a writer (a bounded queue); a ticker
 //! for heartbeat timeouts, clear groups and the end of the run. The decisions live in
 //! [`core::Core`], a pure state machine under one lock; messages go out after the lock is
@@ -32,6 +38,8 @@ pub struct ManagerConfig {
     pub listener: TcpListener,
     /// IDs of the readout units; the run is over when all of them ended and nothing is in flight.
     pub readout_units: Vec<u32>,
+    /// IDs of the builders: no other is accepted.
+    pub builders: Vec<u32>,
     pub settings: Settings,
 }
 
@@ -46,6 +54,10 @@ pub struct ManagerView {
     /// (builder ID, alive, events held, credits).
     pub builders: Vec<(u32, bool, usize, u64)>,
     pub readout_units_ended: usize,
+    /// Still waiting for every builder and readout unit before assigning anything.
+    pub gathering: bool,
+    /// Readout units whose connection is open.
+    pub readout_units_connected: usize,
     pub errors: Vec<String>,
 }
 
@@ -59,7 +71,10 @@ struct Shared {
     core: Mutex<core::Core>,
     t0: Instant,
     readout_units: Vec<u32>,
+    builder_ids: Vec<u32>,
     ru_tx: Mutex<Vec<(u32, Sender<Message>)>>,
+    /// Readout units whose connection is open now.
+    ru_open: Mutex<HashSet<u32>>,
     ended: Mutex<HashSet<u32>>,
     builders: Mutex<Vec<BuilderConn>>,
     abort: Arc<AtomicBool>,
@@ -76,10 +91,17 @@ impl EventManager {
     pub fn start(cfg: ManagerConfig) -> std::io::Result<EventManager> {
         let role = RoleThreads::default();
         let shared = Arc::new(Shared {
-            core: Mutex::new(core::Core::new(cfg.settings)),
+            core: Mutex::new(core::Core::new(
+                cfg.settings,
+                &cfg.builders,
+                &cfg.readout_units,
+                0,
+            )),
             t0: Instant::now(),
             readout_units: cfg.readout_units,
+            builder_ids: cfg.builders,
             ru_tx: Mutex::new(Vec::new()),
+            ru_open: Mutex::new(HashSet::new()),
             ended: Mutex::new(HashSet::new()),
             builders: Mutex::new(Vec::new()),
             abort: role.abort.clone(),
@@ -111,6 +133,8 @@ impl EventManager {
             busy: c.busy(),
             builders: c.builder_view(),
             readout_units_ended: sh.ended.lock().len(),
+            gathering: c.gathering(),
+            readout_units_connected: sh.ru_open.lock().len(),
             errors: sh.errors.lock().clone(),
         }
     }
@@ -137,6 +161,11 @@ impl EventManager {
 impl Shared {
     fn now_ns(&self) -> u64 {
         self.t0.elapsed().as_nanos() as u64
+    }
+
+    fn refuse(&self, peer: std::net::SocketAddr, why: String) {
+        self.core.lock().counts.refused_connections += 1;
+        self.error(format!("{peer}: refused: {why}"));
     }
 
     fn error(&self, e: String) {
@@ -205,38 +234,104 @@ impl Shared {
     }
 }
 
+/// Takes connections until the run is over. Each hello is read on its own thread with its own
+/// deadline, so a silent connection holds nobody else's hello.
 fn accept(sh: &Arc<Shared>, listener: TcpListener) {
-    let mut threads = Vec::new();
+    let threads = Arc::new(Mutex::new(Vec::new()));
+    let hellos = tessera_net::io::Hellos::default();
     let _ = tessera_net::io::accept_until(
         &listener,
         &sh.abort,
         || !sh.finished.load(Ordering::Relaxed),
-        |mut stream, peer| match read_hello(&mut stream) {
-            Ok((Role::ReadoutUnit, Channel::Control, id)) if sh.readout_units.contains(&id) => {
-                threads.extend(readout_unit(sh, stream, id));
-            }
-            Ok((Role::BuilderUnit, Channel::Control, id)) => {
-                threads.extend(builder(sh, stream, id));
-            }
-            Ok(other) => sh.error(format!("{peer}: refused connection {other:?}")),
-            Err(e) => sh.error(format!("{peer}: {e}")),
+        |mut stream, peer| {
+            let under_way = match hellos.begin() {
+                Ok(h) => h,
+                Err(why) => return sh.refuse(peer, why),
+            };
+            let (sh2, t2) = (sh.clone(), threads.clone());
+            let t = spawn("em-hello".into(), move || {
+                let hello = read_hello(&mut stream);
+                drop(under_way);
+                let started = admit(&sh2, stream, peer, hello);
+                t2.lock().extend(started);
+            });
+            threads.lock().push(t);
         },
     );
-    for t in threads {
-        let _ = t.join();
+    // A hello thread adds its connection's threads before it ends: joining it first makes
+    // them visible here.
+    loop {
+        let next = threads.lock().pop();
+        match next {
+            Some(t) => {
+                let _ = t.join();
+            }
+            None => break,
+        }
     }
+}
+
+/// One connection per declared identity: the unknown and the second are refused.
+fn admit(
+    sh: &Arc<Shared>,
+    stream: TcpStream,
+    peer: std::net::SocketAddr,
+    hello: Result<(Role, Channel, u32), String>,
+) -> Vec<std::thread::JoinHandle<()>> {
+    match hello {
+        Ok((Role::ReadoutUnit, Channel::Control, id)) => {
+            if !sh.readout_units.contains(&id) {
+                sh.refuse(peer, format!("readout unit {id} is not in the topology"));
+            } else if !sh.ru_open.lock().insert(id) {
+                sh.refuse(peer, format!("readout unit {id} is connected already"));
+            } else {
+                return readout_unit(sh, stream, id);
+            }
+        }
+        Ok((Role::BuilderUnit, Channel::Control, id)) => {
+            if !sh.builder_ids.contains(&id) {
+                sh.refuse(peer, format!("builder {id} is not in the topology"));
+            } else {
+                match builder(sh, stream, id) {
+                    Some(t) => return t,
+                    None => sh.refuse(peer, format!("builder {id} is connected already")),
+                }
+            }
+        }
+        Ok(other) => sh.refuse(peer, format!("unexpected hello {other:?}")),
+        Err(e) => sh.refuse(peer, format!("hello: {e}")),
+    }
+    Vec::new()
 }
 
 fn readout_unit(sh: &Arc<Shared>, stream: TcpStream, id: u32) -> Vec<std::thread::JoinHandle<()>> {
     let (tx, rx) = bounded::<Message>(4096);
-    sh.ru_tx.lock().push((id, tx));
     let mut w = match stream.try_clone() {
         Ok(w) => w,
         Err(e) => {
             sh.error(format!("readout unit {id}: {e}"));
+            sh.ru_open.lock().remove(&id);
             return Vec::new();
         }
     };
+    {
+        // A unit connecting again (it lost this manager's connection, or this manager takes
+        // the run over) replaces its old queue, announces again what it holds, and says its
+        // end again if its links had ended.
+        let mut outs = Vec::new();
+        let mut c = sh.core.lock();
+        let mut t = sh.ru_tx.lock();
+        t.retain(|x| x.0 != id);
+        if c.busy() {
+            let _ = tx.try_send(Message::Throttle { busy: true });
+        }
+        t.push((id, tx));
+        sh.ended.lock().remove(&id);
+        c.readout_unit_joined(id, sh.now_ns(), &mut outs);
+        drop(t);
+        drop(c);
+        sh.dispatch(outs);
+    }
     let sh2 = sh.clone();
     let writer = spawn(format!("em-to-ru{id}"), move || {
         if let Err(e) = write_loop(&mut w, &rx) {
@@ -282,16 +377,28 @@ fn readout_unit(sh: &Arc<Shared>, stream: TcpStream, id: u32) -> Vec<std::thread
         }
         // A unit gone without its end announces nothing more: the run must not wait for it.
         sh3.ended.lock().insert(id);
+        sh3.ru_open.lock().remove(&id);
     });
     vec![writer, reader]
 }
 
-fn builder(sh: &Arc<Shared>, stream: TcpStream, id: u32) -> Vec<std::thread::JoinHandle<()>> {
+/// Serves a builder's connection; `None` if a builder with its ID is connected already (checked
+/// and joined under one lock: two hellos at once cannot both pass).
+fn builder(
+    sh: &Arc<Shared>,
+    stream: TcpStream,
+    id: u32,
+) -> Option<Vec<std::thread::JoinHandle<()>>> {
     let (tx, rx) = bounded::<Message>(1024);
     let dropped = Arc::new(AtomicBool::new(false));
     let slot = {
         let mut b = sh.builders.lock();
-        let slot = sh.core.lock().builder_joined(id, sh.now_ns());
+        let mut c = sh.core.lock();
+        if c.builder_alive(id) {
+            return None;
+        }
+        let slot = c.builder_joined(id, sh.now_ns());
+        drop(c);
         debug_assert_eq!(slot, b.len());
         b.push(BuilderConn {
             tx: Some(tx),
@@ -303,7 +410,7 @@ fn builder(sh: &Arc<Shared>, stream: TcpStream, id: u32) -> Vec<std::thread::Joi
         Ok(w) => w,
         Err(e) => {
             sh.error(format!("builder {id}: {e}"));
-            return Vec::new();
+            return Some(Vec::new());
         }
     };
     let writer = spawn(format!("em-to-bu{id}"), move || {
@@ -329,6 +436,11 @@ fn builder(sh: &Arc<Shared>, stream: TcpStream, id: u32) -> Vec<std::thread::Joi
                 Ok(Message::Done { events }) => {
                     sh2.core.lock().done(slot, &events, sh2.now_ns(), &mut outs)
                 }
+                Ok(Message::Rejoin { held, done }) => {
+                    sh2.core
+                        .lock()
+                        .rejoin(slot, &held, &done, sh2.now_ns(), &mut outs)
+                }
                 Ok(Message::Heartbeat { .. }) => sh2.core.lock().heartbeat(slot, sh2.now_ns()),
                 Ok(Message::End { .. }) => {
                     clean = true;
@@ -353,7 +465,7 @@ fn builder(sh: &Arc<Shared>, stream: TcpStream, id: u32) -> Vec<std::thread::Joi
         }
         let _ = stream.shutdown(std::net::Shutdown::Both);
     });
-    vec![writer, reader]
+    Some(vec![writer, reader])
 }
 
 fn tick(sh: &Arc<Shared>) {
@@ -365,7 +477,7 @@ fn tick(sh: &Arc<Shared>) {
             let mut c = sh.core.lock();
             c.tick(now, &mut outs);
             let all_ended = sh.ended.lock().len() >= sh.readout_units.len();
-            if all_ended && c.in_flight() == 0 {
+            if all_ended && c.in_flight() == 0 && !c.gathering() {
                 c.flush_clears(&mut outs);
                 true
             } else {
@@ -383,9 +495,14 @@ fn tick(sh: &Arc<Shared>) {
     for (_, tx) in sh.ru_tx.lock().drain(..) {
         let _ = tx.send(end.clone());
     }
+    let aborted = sh.abort.load(Ordering::Relaxed);
     for b in sh.builders.lock().iter_mut() {
         if let Some(tx) = b.tx.take() {
             let _ = tx.send(end.clone());
+        }
+        // Aborted: nobody waits for a builder to close its side.
+        if aborted {
+            b.dropped.store(true, Ordering::Relaxed);
         }
     }
 }

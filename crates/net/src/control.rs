@@ -125,6 +125,28 @@ pub fn open(
     Ok(s)
 }
 
+/// Opens a control connection again after its peer was lost (an event manager restarted at the
+/// same address, say): tries until `deadline`, or until `stop` is raised.
+pub fn reopen(
+    addr: &str,
+    role: Role,
+    id: u32,
+    deadline: std::time::Instant,
+    stop: &AtomicBool,
+) -> io::Result<TcpStream> {
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if stop.load(Ordering::Relaxed) {
+            return Err(io::Error::new(io::ErrorKind::Interrupted, "stopped"));
+        }
+        match open(addr, role, Channel::Control, id, Duration::ZERO) {
+            Ok(s) => return Ok(s),
+            Err(e) if left.is_zero() => return Err(e),
+            Err(_) => std::thread::sleep(left.min(Duration::from_millis(100))),
+        }
+    }
+}
+
 /// Reads the hello of an accepted request-protocol connection.
 pub fn read_hello(stream: &mut TcpStream) -> Result<(Role, Channel, u32), String> {
     stream

@@ -119,6 +119,20 @@ impl PagedBuffer {
         None
     }
 
+    /// The event IDs stored, in no particular order.
+    pub fn event_ids(&self) -> Vec<u64> {
+        let mut v = Vec::with_capacity(self.stored);
+        for &head in self.buckets.iter() {
+            let mut e = head;
+            while e != NONE {
+                let entry = &self.entries[e as usize];
+                v.push(entry.event_id);
+                e = entry.next;
+            }
+        }
+        v
+    }
+
     pub fn contains(&self, event_id: u64) -> bool {
         self.find(event_id).is_some()
     }

@@ -10,7 +10,10 @@
 //!   descriptors at a time: past that it stops reading, which holds only that builder) and an
 //!   answer sender that copies the fragments out of the pages and writes them on the data
 //!   connection. A stuck builder fills only its own share: the others' answers keep flowing;
-//! - an event-manager link: announcements of new events out, clears and BUSY in;
+//! - an event-manager link: announcements of new events out, clears and BUSY in. Lost before
+//!   the end of the run, it is opened again for up to `takeover` (a manager restarted at the
+//!   same address takes the run over), every event held is announced again, and the unit's end
+//!   said again if its links had ended; meanwhile the links are read until the pages are full;
 //! - a sweeper that answers timed-out requests with the list of missing sources, publishes the
 //!   gauges and ends the unit.
 
@@ -44,6 +47,16 @@ pub struct RequestMode {
     pub event_manager: String,
     /// IDs of the builders that will connect.
     pub builders: Vec<u32>,
+    /// How long to wait for a lost event manager to come back; zero: end at once.
+    pub takeover: Duration,
+}
+
+/// The unit's side of its event-manager connection, which may be replaced (takeover).
+struct ManagerLink {
+    /// The queue of the connection open now; none while the manager is lost.
+    tx: Option<Sender<Message>>,
+    /// Every link has ended and the unit said its end (said again on a new connection).
+    links_ended: bool,
 }
 
 /// One builder's side of the unit.
@@ -70,7 +83,7 @@ struct Unit {
     builders: Vec<u32>,
     announced: Mutex<RecentSet>,
     cleared: Mutex<RecentSet>,
-    to_manager: Sender<Message>,
+    manager: Mutex<ManagerLink>,
     manager_ended: AtomicBool,
     /// Link readers still running.
     open_links: AtomicUsize,
@@ -104,14 +117,13 @@ pub(crate) fn start(
     let rs = &ctx.stats.requests;
     rs.total_pages.store((pages * n) as u64, Ordering::Relaxed);
     rs.free_pages.store((pages * n) as u64, Ordering::Relaxed);
-    let mut em = tessera_net::control::open(
+    let em = tessera_net::control::open(
         &mode.event_manager,
         Role::ReadoutUnit,
         Channel::Control,
         ctx.id,
         Duration::from_secs(10),
     )?;
-    let (to_manager, from_unit) = bounded::<Message>(4096);
     let unit = Arc::new(Unit {
         links,
         space: Condvar::new(),
@@ -125,70 +137,22 @@ pub(crate) fn start(
         builders: mode.builders.clone(),
         announced: Mutex::new(RecentSet::new(MEMORY)),
         cleared: Mutex::new(RecentSet::new(MEMORY)),
-        to_manager,
+        manager: Mutex::new(ManagerLink {
+            tx: None,
+            links_ended: false,
+        }),
         manager_ended: AtomicBool::new(false),
         open_links: AtomicUsize::new(n),
         claimed: Mutex::new(std::collections::HashSet::new()),
         ctx,
     });
     {
-        let mut w = em.try_clone()?;
         let u = unit.clone();
-        role.spawn(format!("ru{}-to-em", u.id), move || {
-            if let Err(e) = write_loop(&mut w, &from_unit) {
-                u.stats
-                    .requests
-                    .manager_error
-                    .lock()
-                    .get_or_insert_with(|| format!("event manager link: {e}"));
-            }
-        });
-    }
-    {
-        let u = unit.clone();
+        let (writer, tx) = manager_writer(&u, &em)?;
+        u.manager.lock().tx = Some(tx);
+        let (addr, takeover) = (mode.event_manager.clone(), mode.takeover);
         role.spawn(format!("ru{}-from-em", u.id), move || {
-            let mut r = MessageReader::new(1 << 24);
-            loop {
-                match r.next(&mut em, &u.abort) {
-                    Ok(Message::Clear { event_ids }) => u.clear(&event_ids),
-                    Ok(Message::Throttle { busy }) => {
-                        u.stats.requests.throttled.store(busy, Ordering::Relaxed)
-                    }
-                    Ok(Message::End { .. }) => break,
-                    Ok(other) => {
-                        *u.stats.requests.manager_error.lock() =
-                            Some(format!("event manager sent {other:?}"));
-                        break;
-                    }
-                    Err(ReadEnd::Stopped) => break,
-                    Err(ReadEnd::Closed) => {
-                        *u.stats.requests.manager_error.lock() =
-                            Some("event manager connection lost before the end of the run".into());
-                        break;
-                    }
-                    Err(ReadEnd::Failed(e)) => {
-                        *u.stats.requests.manager_error.lock() =
-                            Some(format!("event manager link: {e}"));
-                        break;
-                    }
-                }
-            }
-            // Without its event manager no fragment of this unit can be built or cleared: the
-            // unit ends now, with the reason, rather than reading its sources for ever. What it
-            // holds is reported as still buffered.
-            if u.stats.requests.manager_error.lock().is_some() {
-                tracing::error!(readout_unit = u.id, "lost the event manager; the unit ends");
-                u.abort.store(true, Ordering::Release);
-                // The writer to the manager ends at an end message (its write may fail: the
-                // manager is gone); without one it would wait for messages for ever.
-                let _ = u.to_manager.try_send(Message::End {
-                    units: u.stats.requests.announced.load(Ordering::Relaxed),
-                    items: 0,
-                });
-            }
-            u.stats.requests.throttled.store(false, Ordering::Relaxed);
-            u.manager_ended.store(true, Ordering::Relaxed);
-            u.space.notify_all();
+            manager_link(&u, em, writer, &addr, takeover)
         });
     }
     {
@@ -272,7 +236,7 @@ impl LinkSink for Unit {
         if !fresh.is_empty() {
             rs.announced
                 .fetch_add(fresh.len() as u64, Ordering::Relaxed);
-            let _ = self.to_manager.send(Message::Announce { event_ids: fresh });
+            self.to_manager(Message::Announce { event_ids: fresh });
         }
         let answers: Vec<Answer> = {
             let mut t = self.requests.lock();
@@ -300,6 +264,15 @@ impl LinkSink for Unit {
 }
 
 impl Unit {
+    /// Queues a message for the event manager; dropped while it is lost (what is held is
+    /// announced again to the one that takes over).
+    fn to_manager(&self, m: Message) {
+        let tx = self.manager.lock().tx.clone();
+        if let Some(tx) = tx {
+            let _ = tx.send(m);
+        }
+    }
+
     fn port(&self, builder: u32) -> Arc<Port> {
         self.ports
             .lock()
@@ -688,10 +661,14 @@ fn sweep(u: &Arc<Unit>) {
         u.publish_pages();
         if !end_sent && u.open_links.load(Ordering::Acquire) == 0 {
             // Every link has closed and announced all it stored.
-            let _ = u.to_manager.send(Message::End {
-                units: u.stats.requests.announced.load(Ordering::Relaxed),
-                items: 0,
-            });
+            let mut m = u.manager.lock();
+            m.links_ended = true;
+            if let Some(tx) = &m.tx {
+                let _ = tx.send(Message::End {
+                    units: u.stats.requests.announced.load(Ordering::Relaxed),
+                    items: 0,
+                });
+            }
             end_sent = true;
         }
         if u.manager_ended.load(Ordering::Relaxed) || u.abort.load(Ordering::Relaxed) {
@@ -707,4 +684,138 @@ fn sweep(u: &Arc<Unit>) {
             l.set_state(LinkState::NeverConnected);
         }
     }
+}
+
+type Writer = (std::thread::JoinHandle<()>, Sender<Message>);
+
+/// Starts the writer of a new event-manager connection; returns it with its queue. A failed
+/// write shuts the connection down, so that its reader sees the loss.
+fn manager_writer(u: &Arc<Unit>, em: &TcpStream) -> std::io::Result<Writer> {
+    let mut w = em.try_clone()?;
+    let (tx, rx) = bounded::<Message>(4096);
+    let id = u.id;
+    let t = spawn(format!("ru{id}-to-em"), move || {
+        if let Err(e) = write_loop(&mut w, &rx) {
+            tracing::warn!(readout_unit = id, error = %e, "event manager link: write failed");
+            let _ = w.shutdown(std::net::Shutdown::Both);
+        }
+    });
+    Ok((t, tx))
+}
+
+/// Reads the event manager's clears and BUSY; when its connection is lost before the end of
+/// the run, waits up to `takeover` for it to come back (request-protocol §4.2), then ends the
+/// unit naming it.
+fn manager_link(
+    u: &Arc<Unit>,
+    mut em: TcpStream,
+    mut writer: std::thread::JoinHandle<()>,
+    addr: &str,
+    takeover: Duration,
+) {
+    let rs = &u.stats.requests;
+    let mut lost_since: Option<Instant> = None;
+    loop {
+        let opened = Instant::now();
+        let mut heard = false;
+        let mut r = MessageReader::new(1 << 24);
+        let lost = loop {
+            match r.next(&mut em, &u.abort) {
+                Ok(Message::Clear { event_ids }) => {
+                    heard = true;
+                    u.clear(&event_ids)
+                }
+                Ok(Message::Throttle { busy }) => {
+                    heard = true;
+                    rs.throttled.store(busy, Ordering::Relaxed)
+                }
+                Ok(Message::End { .. }) | Err(ReadEnd::Stopped) => break None,
+                Ok(other) => break Some(format!("event manager sent {other:?}")),
+                Err(ReadEnd::Closed) => {
+                    break Some("event manager connection lost before the end of the run".into())
+                }
+                Err(ReadEnd::Failed(e)) => break Some(format!("event manager link: {e}")),
+            }
+        };
+        // This connection is over: its writer ends with its queue.
+        u.manager.lock().tx = None;
+        let _ = em.shutdown(std::net::Shutdown::Both);
+        let _ = writer.join();
+        let Some(why) = lost else { break };
+        // BUSY came from the manager that is gone; the pages bound what the links may take.
+        rs.throttled.store(false, Ordering::Relaxed);
+        rs.manager_losses.fetch_add(1, Ordering::Relaxed);
+        // A connection refused at once (the manager still holds the old one) is not a return.
+        if lost_since.is_none() || heard || opened.elapsed() > Duration::from_secs(1) {
+            lost_since = Some(Instant::now());
+        }
+        let deadline = lost_since.unwrap_or_else(Instant::now) + takeover;
+        if takeover.is_zero() || u.abort.load(Ordering::Relaxed) {
+            *rs.manager_error.lock() = Some(why);
+            break;
+        }
+        tracing::warn!(
+            readout_unit = u.id,
+            reason = %why,
+            "lost the event manager; waiting up to {} s for it to take the run over",
+            takeover.as_secs_f64()
+        );
+        let back = tessera_net::control::reopen(addr, Role::ReadoutUnit, u.id, deadline, &u.abort)
+            .and_then(|s| Ok((manager_writer(u, &s)?, s)));
+        match back {
+            Ok(((w, tx), s)) => {
+                em = s;
+                writer = w;
+                let n = reannounce(u, tx);
+                tracing::info!(
+                    readout_unit = u.id,
+                    events = n,
+                    "event manager back: every event held announced again"
+                );
+            }
+            Err(e) => {
+                *rs.manager_error.lock() = Some(format!(
+                    "{why}; not back within {} s ({e})",
+                    takeover.as_secs_f64()
+                ));
+                break;
+            }
+        }
+    }
+    // Without its event manager no fragment of this unit can be built or cleared: the unit
+    // ends now, with the reason, rather than reading its sources for ever. What it holds is
+    // reported as still buffered.
+    if rs.manager_error.lock().is_some() {
+        tracing::error!(readout_unit = u.id, "lost the event manager; the unit ends");
+        u.abort.store(true, Ordering::Release);
+    }
+    rs.throttled.store(false, Ordering::Relaxed);
+    u.manager_ended.store(true, Ordering::Relaxed);
+    u.space.notify_all();
+}
+
+/// On a new event-manager connection: announces every event held, then the unit's end if its
+/// links have ended, and only then makes the connection the unit's (under the manager lock): an
+/// event stored meanwhile is in this list or announced after it on the same connection (twice
+/// is harmless: the first counts), and the end never comes before an announcement.
+fn reannounce(u: &Unit, tx: Sender<Message>) -> u64 {
+    let mut m = u.manager.lock();
+    let mut ids: Vec<u64> = u.links.iter().flat_map(|l| l.lock().event_ids()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    for chunk in ids.chunks(request::MAX_LIST) {
+        let _ = tx.send(Message::Announce {
+            event_ids: chunk.to_vec(),
+        });
+    }
+    if m.links_ended {
+        let _ = tx.send(Message::End {
+            units: u.stats.requests.announced.load(Ordering::Relaxed),
+            items: 0,
+        });
+    }
+    m.tx = Some(tx);
+    let n = ids.len() as u64;
+    u.stats.requests.reannounced.fetch_add(n, Ordering::Relaxed);
+    n
 }

@@ -240,6 +240,10 @@ pub struct RequestStats {
     /// The event manager says no builder has credit: links are not read.
     pub throttled: std::sync::atomic::AtomicBool,
     pub throttled_ns: AtomicU64,
+    /// Times the event manager's connection was lost before the end of the run.
+    pub manager_losses: AtomicU64,
+    /// Events announced again to an event manager taking the run over.
+    pub reannounced: AtomicU64,
     pub manager_error: Mutex<Option<String>>,
 }
 

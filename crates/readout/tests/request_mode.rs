@@ -77,6 +77,7 @@ fn start_ru(
             timeout: Duration::from_millis(timeout_ms),
             event_manager: em.into(),
             builders: vec![1, 2],
+            takeover: Duration::ZERO,
         }),
     })
     .unwrap();

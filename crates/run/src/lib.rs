@@ -365,6 +365,7 @@ impl Session {
                 tessera_manager::EventManager::start(tessera_manager::ManagerConfig {
                     listener: l,
                     readout_units: t.readout_units.iter().map(|u| u.id).collect(),
+                    builders: t.builders.iter().map(|b| b.id).collect(),
                     settings: tessera_manager::Settings {
                         clear_group: m.clear_group as usize,
                         clear_delay_ns: m.clear_delay_ms * 1_000_000,
@@ -444,6 +445,7 @@ impl Session {
                         timeout: Duration::from_millis(q.timeout_ms),
                         event_manager: manager_addr.clone(),
                         builders: t.builders.iter().map(|b| b.id).collect(),
+                        takeover: Duration::from_secs(t.event_manager.takeover_s),
                     }),
                 })
                 .with_context(|| format!("starting readout unit {}", ru.id))?,
@@ -477,6 +479,8 @@ impl Session {
                         max_message: max_answer,
                         buffer: b.buffer.0,
                         read_chunk: b.read_chunk.0 as usize,
+                        takeover: Duration::from_secs(t.event_manager.takeover_s),
+                        takeover_memory: t.event_manager.takeover_memory as usize,
                     })
                     .with_context(|| format!("starting builder {}", b.id))?,
                 );

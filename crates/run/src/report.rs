@@ -77,6 +77,10 @@ pub struct ReadoutRequestReport {
     pub free_pages: u64,
     pub total_pages: u64,
     pub throttled_s: f64,
+    /// The event manager's connection lost before the end (each one waited for a takeover).
+    pub manager_losses: u64,
+    /// Events announced again to a manager taking the run over.
+    pub reannounced: u64,
     pub manager_error: Option<String>,
 }
 
@@ -92,6 +96,12 @@ pub struct ManagerReport {
     pub cleared_events: u64,
     pub dead_builders: u64,
     pub busy_transitions: u64,
+    /// Taking a run over from a lost manager: events left with the builder that held them.
+    pub adopted: u64,
+    /// Taking a run over: events finished under the lost manager, cleared, not built again.
+    pub finished_before: u64,
+    /// Connections refused: unknown or duplicate builder or readout unit, bad hello.
+    pub refused_connections: u64,
     pub in_flight_at_end: usize,
     pub errors: Vec<String>,
 }
@@ -113,6 +123,9 @@ pub struct BuilderReport {
     /// Request mode: events the filter rejected, and events rebuilt after a failover.
     pub events_rejected: u64,
     pub events_rebuilt: u64,
+    /// Request mode: the event manager's connection lost before the end (each time the builder
+    /// waited for a takeover).
+    pub manager_losses: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -322,6 +335,8 @@ impl Report {
                         free_pages: l(&q.free_pages),
                         total_pages: l(&q.total_pages),
                         throttled_s: l(&q.throttled_ns) as f64 / 1e9,
+                        manager_losses: l(&q.manager_losses),
+                        reannounced: l(&q.reannounced),
                         manager_error: q.manager_error.lock().clone(),
                     }
                 }),
@@ -398,6 +413,7 @@ impl Report {
                     .collect(),
                 events_rejected: st.events_rejected.load(Ordering::Relaxed),
                 events_rebuilt: st.events_rebuilt.load(Ordering::Relaxed),
+                manager_losses: st.manager_losses.load(Ordering::Relaxed),
             };
             complete_f += rep.fragments_in_complete;
             incomplete_f += rep.fragments_in_incomplete;
@@ -452,6 +468,9 @@ impl Report {
                 cleared_events: v.counts.cleared_events,
                 dead_builders: v.counts.dead_builders,
                 busy_transitions: v.counts.busy_transitions,
+                adopted: v.counts.adopted,
+                finished_before: v.counts.finished_before,
+                refused_connections: v.counts.refused_connections,
                 in_flight_at_end: v.in_flight,
                 errors: v.errors,
             }
