@@ -621,9 +621,11 @@ mod dashboard {
     const INDEX: &str = include_str!("../../../web/index.html");
     const APP_JS: &str = include_str!("../../../web/dashboard.js");
     const APP_CSS: &str = include_str!("../../../web/dashboard.css");
-    // uPlot, from npm (web/package.json, web/package-lock.json); build.rs puts it in OUT_DIR.
-    const UPLOT_JS: &str = include_str!(concat!(env!("OUT_DIR"), "/uPlot.iife.min.js"));
-    const UPLOT_CSS: &str = include_str!(concat!(env!("OUT_DIR"), "/uPlot.min.css"));
+    // uPlot, pinned from npm by web/package-lock.json and shipped built in web/vendor, so that
+    // a host without npm or network access (an experiment's air-gapped network) builds Tessera;
+    // scripts/check-vendored checks the copy against the package the lock file names.
+    const UPLOT_JS: &str = include_str!("../../../web/vendor/uplot/uPlot.iife.min.js");
+    const UPLOT_CSS: &str = include_str!("../../../web/vendor/uplot/uPlot.min.css");
 
     pub async fn index() -> Response {
         ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], INDEX).into_response()
