@@ -80,11 +80,10 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         }
         Some(server)
     };
-    if !a.quiet && !a.json {
-        eprintln!("tessera: running {}", resolved.origin);
-    }
     if a.control {
+        // Configured only: the run starts when the operator says so.
         if !a.quiet && !a.json {
+            eprintln!("tessera: configured {}", resolved.origin);
             eprintln!("run control mode: start, pause, resume and stop from the dashboard or the API; Ctrl-C to leave");
         }
         while !quit.load(Ordering::Relaxed) {
@@ -108,6 +107,9 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         });
     }
     ctl.request(Transition::Start, WHO, a.comment.as_deref())?;
+    if !a.quiet && !a.json {
+        eprintln!("tessera: running {}", resolved.origin);
+    }
     let end = ctl.wait_for(&[State::Stopped, State::Error], None);
     ctl.close();
     let Some(report) = ctl.last_report() else {

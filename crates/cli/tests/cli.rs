@@ -55,6 +55,8 @@ fn bad_configurations_name_file_key_and_reason() {
             err.contains(reason),
             "{name}: expected `{reason}` in: {err}"
         );
+        // Said once, not as a warning and again as the error.
+        assert_eq!(err.matches(reason).count(), 1, "{name}: {err}");
     }
     let o = tessera(&["run", "/nonexistent/topology.toml"]);
     assert_eq!(o.status.code(), Some(2));
@@ -63,6 +65,71 @@ fn bad_configurations_name_file_key_and_reason() {
         "{}",
         stderr(&o)
     );
+}
+
+/// Issue 12: log lines in a pipe carry no colour codes; `--log-format json` gives one JSON
+/// object per line, and the transition lines name the run.
+#[test]
+fn logs_are_plain_in_a_pipe_and_json_on_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let run = |format: &str| {
+        output(
+            Command::new(env!("CARGO_BIN_EXE_tessera"))
+                .env("TESSERA_LOG", "info")
+                .args(["--log-format", format, "run", "--events", "500", "--quiet"])
+                .args(["--http", "off", "--output", out.to_str().unwrap()]),
+        )
+    };
+    let o = run("text");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stderr(&o);
+    assert!(text.contains("transition done"), "{text}");
+    assert!(!text.contains('\x1b'), "colour codes in a pipe: {text:?}");
+    let o = run("json");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut runs = Vec::new();
+    for line in stderr(&o).lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("not one JSON object per line ({e}): {line}"));
+        assert!(v["level"].is_string() && v["timestamp"].is_string(), "{v}");
+        if v["fields"]["message"] == "transition done" && v["fields"]["transition"] == "start" {
+            runs.push(v["fields"]["run"].clone());
+        }
+    }
+    assert_eq!(runs.len(), 1, "{}", stderr(&o));
+    assert!(
+        runs[0].as_str().is_some_and(|r| r.parse::<u64>().is_ok()),
+        "the start names its run: {runs:?}"
+    );
+}
+
+/// Issue 12: `tessera run --control` says it is configured, not running, until a start.
+#[test]
+fn run_control_mode_says_configured_until_started() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let log = dir.path().join("stderr");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+    cmd.args(["run", "--control", "--http", "127.0.0.1:0"])
+        .args(["--output", out.to_str().unwrap()]);
+    let p = Proc::spawn(
+        cmd.stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap()),
+    );
+    let said = || std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        support::eventually(std::time::Duration::from_secs(60), || said()
+            .contains("run control mode")),
+        "{}",
+        said()
+    );
+    p.signal("INT");
+    let o = p.finish(LIMIT);
+    assert!(o.status.success(), "{}", said());
+    let said = said();
+    assert!(said.contains("tessera: configured"), "{said}");
+    assert!(!said.contains("tessera: running"), "{said}");
 }
 
 #[test]

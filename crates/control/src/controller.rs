@@ -298,10 +298,14 @@ impl Controller {
     }
 
     fn log(&self, who: &str, t: Transition, from: &str, to: &str, result: &str, run: Option<u64>) {
+        let run_shown = run.map_or_else(|| "-".to_string(), |n| n.to_string());
         if result == "ok" {
-            tracing::info!(who, transition = %t, from, to, "transition done");
+            tracing::info!(who, run = %run_shown, transition = %t, from, to, "transition done");
+        } else if who == "command line" {
+            // The command prints the error itself: a warning too would say it twice.
+            tracing::info!(who, run = %run_shown, transition = %t, from, result, "transition refused or failed");
         } else {
-            tracing::warn!(who, transition = %t, from, result, "transition refused or failed");
+            tracing::warn!(who, run = %run_shown, transition = %t, from, result, "transition refused or failed");
         }
         let db = self.shared.ctl.lock().db.clone();
         if let Some(db) = db {
