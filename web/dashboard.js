@@ -10,11 +10,12 @@ function human(n, unit) {
   while (Math.abs(n) >= 1000 && i < k.length - 1) { n /= 1000; i++; }
   return (i === 0 ? n.toFixed(0) : n.toFixed(1)) + " " + k[i] + unit;
 }
+// Decimal units, as the command line prints them (tessera runs, the summary).
 function bytes(n) {
-  const k = ["B", "KiB", "MiB", "GiB", "TiB"];
-  let i = 0;
-  while (n >= 1024 && i < k.length - 1) { n /= 1024; i++; }
-  return (i === 0 ? n.toFixed(0) : n.toFixed(1)) + " " + k[i];
+  for (const [u, m] of [["GB", 1e9], ["MB", 1e6], ["kB", 1e3]]) {
+    if (n >= m) return (n / m).toFixed(1) + " " + u;
+  }
+  return n.toFixed(0) + " B";
 }
 function esc(s) {
   return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
@@ -116,14 +117,36 @@ function showState(s) {
 }
 
 let lastRun = null;
+// The live totals of the run under way, for its row in the run list (the database has its
+// counts only once it ends).
+let liveTotals = null;
+// Shown while the server does not answer: nothing on the page may look current or clickable.
+function unreachable(why) {
+  const el = $("state");
+  el.textContent = "unreachable";
+  el.className = "state unreachable";
+  for (const b of document.querySelectorAll("#buttons button")) b.disabled = true;
+  $("busy").textContent = "";
+  $("message").textContent = "no answer from tessera (" + why + "): what is shown is from before";
+  $("message").className = "alarm";
+  document.body.classList.add("stale");
+}
+const RUNNING = ["running", "paused"];
 async function refresh() {
   let v;
-  try { v = await getJSON("/api/live"); } catch (e) { $("message").textContent = "no answer from tessera: " + e.message; return; }
+  try { v = await getJSON("/api/live"); } catch (e) { unreachable(e.message); return; }
+  if (document.body.classList.contains("stale")) {
+    document.body.classList.remove("stale");
+    $("message").textContent = "";
+    $("message").className = "";
+  }
   showState(v.state);
+  const taking = RUNNING.includes(v.state.state);
   const h = v.history.slice(-HISTORY);
   ratePlot.setData([h.map((p) => p.t), h.map((p) => p.events_per_s), h.map((p) => p.incomplete_per_s)]);
   throughputPlot.setData([h.map((p) => p.t), h.map((p) => p.built_bytes_per_s / 1e6), h.map((p) => p.recorded_bytes_per_s / 1e6)]);
-  const last = h.length ? h[h.length - 1] : null;
+  // Rates are of a run taking data; after it, they are zero, not the last value seen.
+  const last = taking && h.length ? h[h.length - 1] : null;
   $("events-rate").textContent = last ? human(last.events_per_s, "") : "0";
   $("built-rate").textContent = last ? human(last.built_bytes_per_s, "B/s") : "0";
   $("recorded-rate").textContent = last ? human(last.recorded_bytes_per_s, "B/s") : "0";
@@ -134,6 +157,10 @@ async function refresh() {
     const inc = live.builders.reduce((a, b) => a + b.events_incomplete, 0);
     const rej = live.sources.reduce((a, s) => a + Object.values(s.rejected).reduce((x, y) => x + y, 0), 0);
     $("events-total").textContent = ev;
+    // Bytes built, as the run database counts them.
+    const rb = live.builders.reduce((a, b) => a + b.bytes_built, 0);
+    liveTotals = taking ? { run: live.run_number, events: ev, incomplete: inc, bytes: rb } : null;
+    showCurrentFile(taking && live.recorder ? live.recorder.current_file : null);
     $("incomplete-total").textContent = inc;
     $("rejected-total").textContent = rej;
     const rec = live.recorder;
@@ -150,18 +177,43 @@ async function refresh() {
       return `<tr><td>${s.id}${s.kind === "external" ? " (ext)" : ""}</td><td>${s.readout_unit}</td><td>${esc(s.link_state)}</td><td>${s.last_event_id ?? "–"}</td><td class="${behind > 1000 ? "blocked" : ""}">${behind}</td><td>${rj}</td></tr>`;
     }));
   }
+  if (!live || !taking) {
+    liveTotals = null;
+    showCurrentFile(null);
+  }
   const r = v.rates;
-  if (r && live) {
+  if (r && live && taking) {
     rows($("stages").tBodies[0], r.stages.map((s) =>
       `<tr><td>${esc(s.stage)}</td><td class="${esc(s.condition)}">${esc(s.condition)}</td><td>${esc(s.why)}</td></tr>`));
     $("bottleneck").textContent = "bottleneck: " + r.bottleneck;
+    $("bottleneck").className = "bottleneck" + (r.bottleneck.startsWith("none") ? "" : " named");
+  } else {
+    // No run taking data: no stage is blocked, whatever the last look said.
+    rows($("stages").tBodies[0], []);
+    $("bottleneck").textContent = "no run taking data";
+    $("bottleneck").className = "bottleneck";
   }
+}
+
+// The file the recorder is writing, above the finished ones.
+function showCurrentFile(f) {
+  const tb = $("files").tBodies[0];
+  const old = tb.querySelector("tr.writing");
+  if (old) old.remove();
+  if (!f) return;
+  const tr = document.createElement("tr");
+  tr.className = "writing";
+  tr.innerHTML = `<td>${esc(f.file)} (being written)</td><td>${f.events}</td><td>${bytes(f.size_bytes)}</td><td>–</td>`;
+  tb.prepend(tr);
 }
 
 async function refreshRuns() {
   try {
     const runs = await getJSON("/api/runs?limit=20");
     rows($("runs").tBodies[0], runs.map((r) => {
+      if (liveTotals && liveTotals.run === r.number && !r.stopped_unix_ns) {
+        r = { ...r, events: liveTotals.events, incomplete: liveTotals.incomplete, bytes: liveTotals.bytes };
+      }
       const dur = r.stopped_unix_ns ? ((r.stopped_unix_ns - r.started_unix_ns) / 1e9).toFixed(1) + " s" : "running";
       const bal = r.balance_holds == null ? "–" : (r.balance_holds ? "holds" : '<span class="blocked">broken</span>');
       return `<tr data-run="${r.number}"><td>${r.number}</td><td class="${r.state === "error" ? "failed" : ""}">${esc(r.state)}</td><td>${new Date(r.started_unix_ns / 1e6).toLocaleString()}</td><td>${dur}</td><td>${r.events}</td><td>${r.incomplete}</td><td>${bytes(r.bytes)}</td><td>${bal}</td><td>${esc(r.stop_reason ?? "")}${r.error ? " — " + esc(r.error) : ""}</td><td>${esc(r.comment)}</td></tr>`;
@@ -170,8 +222,10 @@ async function refreshRuns() {
   try {
     const rep = await getJSON("/api/report");
     const files = (rep.recorder && rep.recorder.files) || [];
+    const writing = $("files").tBodies[0].querySelector("tr.writing");
     rows($("files").tBodies[0], files.map((f) =>
       `<tr><td>${esc(f.file)}</td><td>${f.events}</td><td>${bytes(f.size_bytes)}</td><td>${esc(f.file_crc32c)}</td></tr>`));
+    if (writing) $("files").tBodies[0].prepend(writing);
   } catch (e) { /* no run yet */ }
 }
 

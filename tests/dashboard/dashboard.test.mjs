@@ -87,7 +87,18 @@ try {
   await until("readout buffers", async () => (await page.locator("#ru-buffers .bar").count()) === 2);
   await until("alignment rows", async () => (await page.locator("#alignment tbody tr").count()) === 8);
   await until("a sampled event", async () => (await page.textContent("#sample")).startsWith("run 1 event"));
-  await until("files", async () => (await page.locator("#files tbody tr").count()) >= 0);
+  // The file being written is listed while the run goes on, and the run's row counts live.
+  await until("the file being written", async () => (await page.locator("#files tbody tr.writing").count()) === 1);
+  assert.match(await page.textContent("#files tbody tr.writing td"), /\.tsr\.part \(being written\)$/);
+  await until("run 1 counting in the run list", async () => {
+    const c = await page.locator('#runs tbody tr[data-run="1"] td').allTextContents();
+    return c.length > 4 && Number(c[4]) > 0;
+  });
+  // The bottleneck is red only when it names one.
+  const bn = await page.evaluate(() => [document.getElementById("bottleneck").textContent, document.getElementById("bottleneck").className]);
+  assert.equal(bn[1].includes("named"), !bn[0].startsWith("bottleneck: none"), "bottleneck " + bn);
+  // The sampled event's hex fits its box: nothing cut off on the right.
+  assert.ok(await page.evaluate(() => { const e = document.getElementById("sample"); return e.scrollWidth <= e.clientWidth; }), "sampled event cut off");
   // The plots have data.
   await until("plotted points", () => page.evaluate(() => document.querySelectorAll("#plot-rate canvas").length > 0));
 
@@ -100,6 +111,12 @@ try {
   assert.ok(Number(cells[4]) > 0, "run 1 has events: " + cells);
   assert.equal(cells[7], "holds", "balance: " + cells);
   assert.equal(cells[9], "dashboard test");
+  assert.match(cells[6], /^[0-9.]+ (B|kB|MB|GB)$/, "sizes in the command line's units: " + cells);
+  // Stopped: no stage shown blocked, no rate left on screen, no file being written.
+  await until("the stages cleared", async () => (await page.textContent("#bottleneck")) === "no run taking data");
+  assert.equal(await page.locator("#stages tbody tr").count(), 0);
+  assert.equal(await page.textContent("#events-rate"), "0");
+  assert.equal(await page.locator("#files tbody tr.writing").count(), 0);
   await until("files of run 1", async () => (await page.locator("#files tbody tr").count()) > 0);
   await page.fill("#why-event", "10");
   await page.click("#why-form button");
@@ -116,6 +133,13 @@ try {
   await page.screenshot({ path: shot, fullPage: true });
   await page.click("#btn-stop");
   await until("stopped again", async () => (await page.textContent("#state")) === "stopped");
+  // The server gone: the page says so and offers nothing to click.
+  tessera.kill("SIGINT");
+  await until("tessera to exit", () => exited !== null, 60000);
+  await until("the unreachable state", async () => (await page.textContent("#state")) === "unreachable");
+  for (const b of ["configure", "start", "pause", "resume", "stop", "reset"]) {
+    assert.equal(await page.isDisabled("#btn-" + b), true, b + " offered with the server gone");
+  }
   console.log("dashboard test: ok (screenshot " + shot + ")");
 } finally {
   if (browser) await browser.close();

@@ -205,6 +205,11 @@ impl FileWriter {
             o.trailer.blocks += 1;
             o.first.get_or_insert(first);
             o.last = last;
+            *st.current_file.lock() = Some(crate::CurrentFile {
+                file: format!("{}.part", o.name),
+                events: o.trailer.events,
+                size_bytes: o.size,
+            });
         }
         st.write_ns
             .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -313,6 +318,7 @@ impl FileWriter {
         let Some(mut o) = self.open.take() else {
             return Ok(());
         };
+        st.current_file.lock().take();
         let t = Instant::now();
         o.trailer.file_crc = o.crc;
         let tb = o.trailer.encode();

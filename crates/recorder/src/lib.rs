@@ -86,6 +86,14 @@ pub struct FileInfo {
     pub recovered: bool,
 }
 
+/// The file being written: its name, what its whole blocks hold so far.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CurrentFile {
+    pub file: String,
+    pub events: u64,
+    pub size_bytes: u64,
+}
+
 #[derive(Debug, Default)]
 pub struct RecorderStats {
     pub events: AtomicU64,
@@ -104,6 +112,8 @@ pub struct RecorderStats {
     /// fsync/fdatasync calls on data files (group commits and finished files).
     pub syncs: AtomicU64,
     pub files: Mutex<Vec<FileInfo>>,
+    /// The file being written now (`.part`), if any.
+    pub current_file: Mutex<Option<CurrentFile>>,
     pub error: Mutex<Option<String>>,
     pub links: Mutex<Vec<(u16, Arc<Budget>)>>,
     /// Builder links that ended with their peer end: their builders finished normally (read

@@ -93,6 +93,8 @@ pub struct LiveRecorder {
     /// Below the soft watermark (writes slowed) / below the hard one (the run stops).
     pub disk_low: bool,
     pub disk_full: bool,
+    /// The file being written now (`.part`), with the events and bytes of its whole blocks.
+    pub current_file: Option<tessera_recorder::CurrentFile>,
 }
 
 /// A snapshot of every component's counters.
@@ -250,6 +252,7 @@ impl Session {
                 write_ns: s.write_ns.load(Relaxed),
                 queued_fragments: s.queued_fragments.load(Relaxed),
                 error: s.error.lock().clone(),
+                current_file: s.current_file.lock().clone(),
                 disk_free: s.disk_free.load(Relaxed),
                 disk_low: s.disk_low.load(Relaxed),
                 disk_full: s.disk_full.load(Relaxed),
