@@ -215,7 +215,7 @@ impl BuilderUnit {
                 read_acks(&p, acks, &sent)
             });
         }
-        let (writer, tx) = manager_writer(id, &em)?;
+        let (writer, tx) = tessera_net::control::spawn_writer(format!("bu{id}-to-em"), &em)?;
         let _ = tx.send(Message::Credit {
             credits: cfg.credits,
         });
@@ -763,22 +763,6 @@ fn read_acks(p: &Pull, mut stream: TcpStream, sent: &Unacknowledged) {
     }
 }
 
-type Writer = (std::thread::JoinHandle<()>, Sender<Message>);
-
-/// Starts the writer of a new event-manager connection; returns it with its queue. A failed
-/// write shuts the connection down, so that its reader sees the loss.
-fn manager_writer(id: u32, em: &TcpStream) -> std::io::Result<Writer> {
-    let mut w = em.try_clone()?;
-    let (tx, rx) = bounded::<Message>(4096);
-    let t = tessera_net::role::spawn(format!("bu{id}-to-em"), move || {
-        if let Err(e) = write_loop(&mut w, &rx) {
-            tracing::warn!(builder = id, error = %e, "event manager link: write failed");
-            let _ = w.shutdown(std::net::Shutdown::Both);
-        }
-    });
-    Ok((t, tx))
-}
-
 /// Reads the event manager's assignments until its end. Lost before that (it died, or it
 /// declared this builder dead), the connection is opened again for up to `takeover`, and the
 /// builder rejoins (request-protocol §4.2); past that the error names the manager.
@@ -790,7 +774,7 @@ fn manager_link(
     takeover: Duration,
 ) {
     let id = p.id as u32;
-    let mut lost_since: Option<Instant> = None;
+    let mut wait = tessera_net::control::TakeoverWait::new(takeover);
     loop {
         let opened = Instant::now();
         let mut heard = false;
@@ -829,22 +813,24 @@ fn manager_link(
         let _ = em.shutdown(std::net::Shutdown::Both);
         let _ = writer.join();
         p.stats.manager_losses.fetch_add(1, Ordering::Relaxed);
-        if lost_since.is_none() || heard || opened.elapsed() > Duration::from_secs(1) {
-            lost_since = Some(Instant::now());
-        }
-        let deadline = lost_since.unwrap_or_else(Instant::now) + takeover;
-        if takeover.is_zero() || p.abort.load(Ordering::Relaxed) {
-            p.stats.manager_error.lock().get_or_insert(why);
-            return;
-        }
+        let deadline = match wait.lost(opened, heard) {
+            Some(d) if !p.abort.load(Ordering::Relaxed) => d,
+            _ => {
+                p.stats.manager_error.lock().get_or_insert(why);
+                return;
+            }
+        };
         tracing::warn!(
             builder = id,
             reason = %why,
             "lost the event manager; building what it holds and waiting up to {} s for it to take the run over",
-            takeover.as_secs_f64()
+            wait.seconds()
         );
         let back = tessera_net::control::reopen(addr, Role::BuilderUnit, id, deadline, &p.abort)
-            .and_then(|s| Ok((manager_writer(id, &s)?, s)));
+            .and_then(|s| {
+                let w = tessera_net::control::spawn_writer(format!("bu{id}-to-em"), &s)?;
+                Ok((w, s))
+            });
         match back {
             Ok(((w, tx), s)) => {
                 em = s;
@@ -859,7 +845,7 @@ fn manager_link(
             }
             Err(e) => {
                 p.stats.manager_error.lock().get_or_insert_with(|| {
-                    format!("{why}; not back within {} s ({e})", takeover.as_secs_f64())
+                    format!("{why}; not back within {} s ({e})", wait.seconds())
                 });
                 return;
             }

@@ -306,6 +306,21 @@ fn request_mode_processes(
     )
 }
 
+/// The header of every event in the finished files of `out`.
+fn event_headers(out: &Path) -> Vec<tessera_format::event::EventRecordHeader> {
+    let mut v = Vec::new();
+    for f in std::fs::read_dir(out).unwrap().flatten() {
+        if !f.file_name().to_string_lossy().ends_with(".tsr") {
+            continue;
+        }
+        let mut rd = tessera_verify::FileReader::open(&f.path()).unwrap();
+        while let Some((_, raw)) = rd.next_block().unwrap() {
+            v.extend(tessera_verify::events_in(raw).map(|e| e.unwrap().header));
+        }
+    }
+    v
+}
+
 /// A role's end: its JSON report (null if it printed none) with what it logged as `stderr`.
 fn report_of(c: Proc) -> serde_json::Value {
     let o = c.finish(LIMIT);
@@ -820,16 +835,8 @@ fn a_restarted_event_manager_takes_the_run_over_and_nothing_is_lost_or_doubled()
     assert_eq!(r["incomplete_events"], 0, "{all:#}");
     // Every event ID once in the files.
     let mut seen = vec![0u32; events as usize];
-    for f in std::fs::read_dir(&out).unwrap().flatten() {
-        if !f.file_name().to_string_lossy().ends_with(".tsr") {
-            continue;
-        }
-        let mut rd = tessera_verify::FileReader::open(&f.path()).unwrap();
-        while let Some((_, raw)) = rd.next_block().unwrap() {
-            for e in tessera_verify::events_in(raw) {
-                seen[e.unwrap().header.event_id as usize] += 1;
-            }
-        }
+    for h in event_headers(&out) {
+        seen[h.event_id as usize] += 1;
     }
     let wrong: Vec<(usize, u32)> = seen
         .iter()
@@ -927,19 +934,10 @@ fn a_readout_unit_killed_mid_run_leaves_events_incomplete_naming_its_sources() {
     );
     assert_eq!(r["events_in_files"], events, "{all:#}");
     let mut incomplete = 0u64;
-    for f in std::fs::read_dir(&out).unwrap().flatten() {
-        if !f.file_name().to_string_lossy().ends_with(".tsr") {
-            continue;
-        }
-        let mut rd = tessera_verify::FileReader::open(&f.path()).unwrap();
-        while let Some((_, raw)) = rd.next_block().unwrap() {
-            for e in tessera_verify::events_in(raw) {
-                let h = e.unwrap().header;
-                if !h.missing.is_empty() {
-                    assert_eq!(h.missing, vec![2, 3], "event {}: {all:#}", h.event_id);
-                    incomplete += 1;
-                }
-            }
+    for h in event_headers(&out) {
+        if !h.missing.is_empty() {
+            assert_eq!(h.missing, vec![2, 3], "event {}: {all:#}", h.event_id);
+            incomplete += 1;
         }
     }
     assert_eq!(Some(incomplete), r["incomplete_events"].as_u64(), "{all:#}");

@@ -147,6 +147,61 @@ pub fn reopen(
     }
 }
 
+/// The writer of one control connection: its thread and its queue. A failed write shuts the
+/// connection down, so that its reader sees the loss (and may open it again).
+pub fn spawn_writer(
+    name: String,
+    stream: &TcpStream,
+) -> io::Result<(
+    std::thread::JoinHandle<()>,
+    crossbeam_channel::Sender<Message>,
+)> {
+    let mut w = stream.try_clone()?;
+    let (tx, rx) = crossbeam_channel::bounded::<Message>(4096);
+    let t = crate::role::spawn(name.clone(), move || {
+        if let Err(e) = write_loop(&mut w, &rx) {
+            tracing::warn!(connection = %name, error = %e, "write failed");
+            let _ = w.shutdown(std::net::Shutdown::Both);
+        }
+    });
+    Ok((t, tx))
+}
+
+/// How long a role that lost its event manager still waits for one to take the run over
+/// (request-protocol §4.2): `takeover` from the loss. A connection that closes at once, unheard
+/// (a manager still holding the old one refuses the new), is not a return: the wait goes on
+/// from the first loss.
+pub struct TakeoverWait {
+    takeover: Duration,
+    lost_since: Option<std::time::Instant>,
+}
+
+impl TakeoverWait {
+    pub fn new(takeover: Duration) -> TakeoverWait {
+        TakeoverWait {
+            takeover,
+            lost_since: None,
+        }
+    }
+
+    /// The connection opened at `opened` was lost; `heard`: it carried a message. Returns the
+    /// deadline for a new one, or `None` when no takeover is waited for.
+    pub fn lost(&mut self, opened: std::time::Instant, heard: bool) -> Option<std::time::Instant> {
+        if self.takeover.is_zero() {
+            return None;
+        }
+        let now = std::time::Instant::now();
+        if self.lost_since.is_none() || heard || opened.elapsed() > Duration::from_secs(1) {
+            self.lost_since = Some(now);
+        }
+        Some(self.lost_since.unwrap_or(now) + self.takeover)
+    }
+
+    pub fn seconds(&self) -> f64 {
+        self.takeover.as_secs_f64()
+    }
+}
+
 /// Reads the hello of an accepted request-protocol connection.
 pub fn read_hello(stream: &mut TcpStream) -> Result<(Role, Channel, u32), String> {
     stream

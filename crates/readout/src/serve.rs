@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use tessera_format::request::{self, AnswerHeader, Channel, Message, Role, REQUEST_MAGIC};
 use tessera_format::wire::HELLO_SIZE;
-use tessera_net::control::{write_loop, MessageReader, ReadEnd};
+use tessera_net::control::{MessageReader, ReadEnd};
 use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::ChunkSlice;
 
@@ -148,7 +148,7 @@ pub(crate) fn start(
     });
     {
         let u = unit.clone();
-        let (writer, tx) = manager_writer(&u, &em)?;
+        let (writer, tx) = tessera_net::control::spawn_writer(format!("ru{}-to-em", u.id), &em)?;
         u.manager.lock().tx = Some(tx);
         let (addr, takeover) = (mode.event_manager.clone(), mode.takeover);
         role.spawn(format!("ru{}-from-em", u.id), move || {
@@ -686,23 +686,6 @@ fn sweep(u: &Arc<Unit>) {
     }
 }
 
-type Writer = (std::thread::JoinHandle<()>, Sender<Message>);
-
-/// Starts the writer of a new event-manager connection; returns it with its queue. A failed
-/// write shuts the connection down, so that its reader sees the loss.
-fn manager_writer(u: &Arc<Unit>, em: &TcpStream) -> std::io::Result<Writer> {
-    let mut w = em.try_clone()?;
-    let (tx, rx) = bounded::<Message>(4096);
-    let id = u.id;
-    let t = spawn(format!("ru{id}-to-em"), move || {
-        if let Err(e) = write_loop(&mut w, &rx) {
-            tracing::warn!(readout_unit = id, error = %e, "event manager link: write failed");
-            let _ = w.shutdown(std::net::Shutdown::Both);
-        }
-    });
-    Ok((t, tx))
-}
-
 /// Reads the event manager's clears and BUSY; when its connection is lost before the end of
 /// the run, waits up to `takeover` for it to come back (request-protocol §4.2), then ends the
 /// unit naming it.
@@ -714,7 +697,7 @@ fn manager_link(
     takeover: Duration,
 ) {
     let rs = &u.stats.requests;
-    let mut lost_since: Option<Instant> = None;
+    let mut wait = tessera_net::control::TakeoverWait::new(takeover);
     loop {
         let opened = Instant::now();
         let mut heard = false;
@@ -745,23 +728,24 @@ fn manager_link(
         // BUSY came from the manager that is gone; the pages bound what the links may take.
         rs.throttled.store(false, Ordering::Relaxed);
         rs.manager_losses.fetch_add(1, Ordering::Relaxed);
-        // A connection refused at once (the manager still holds the old one) is not a return.
-        if lost_since.is_none() || heard || opened.elapsed() > Duration::from_secs(1) {
-            lost_since = Some(Instant::now());
-        }
-        let deadline = lost_since.unwrap_or_else(Instant::now) + takeover;
-        if takeover.is_zero() || u.abort.load(Ordering::Relaxed) {
-            *rs.manager_error.lock() = Some(why);
-            break;
-        }
+        let deadline = match wait.lost(opened, heard) {
+            Some(d) if !u.abort.load(Ordering::Relaxed) => d,
+            _ => {
+                *rs.manager_error.lock() = Some(why);
+                break;
+            }
+        };
         tracing::warn!(
             readout_unit = u.id,
             reason = %why,
             "lost the event manager; waiting up to {} s for it to take the run over",
-            takeover.as_secs_f64()
+            wait.seconds()
         );
         let back = tessera_net::control::reopen(addr, Role::ReadoutUnit, u.id, deadline, &u.abort)
-            .and_then(|s| Ok((manager_writer(u, &s)?, s)));
+            .and_then(|s| {
+                let w = tessera_net::control::spawn_writer(format!("ru{}-to-em", u.id), &s)?;
+                Ok((w, s))
+            });
         match back {
             Ok(((w, tx), s)) => {
                 em = s;
@@ -774,10 +758,8 @@ fn manager_link(
                 );
             }
             Err(e) => {
-                *rs.manager_error.lock() = Some(format!(
-                    "{why}; not back within {} s ({e})",
-                    takeover.as_secs_f64()
-                ));
+                *rs.manager_error.lock() =
+                    Some(format!("{why}; not back within {} s ({e})", wait.seconds()));
                 break;
             }
         }
