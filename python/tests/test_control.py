@@ -109,6 +109,9 @@ def test_metrics_parse_with_a_prometheus_text_parser(control):
     ]:
         assert name in families, f"{name} missing"
         assert families[name].type == kind, (name, families[name].type)
+    # Every series names its host.
+    host = open("/proc/sys/kernel/hostname").read().strip()
+    assert all(s.labels.get("host") == host for f in families.values() for s in f.samples)
     state = {s.labels["state"]: s.value for s in families["tessera_state"].samples}
     assert state["running"] == 1 and sum(state.values()) == 1
     src = [s for s in families["tessera_source_fragments"].samples if s.name.endswith("_total")]

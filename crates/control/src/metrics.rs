@@ -31,7 +31,14 @@ pub fn render(c: &Controller) -> String {
     let view = c.view();
     let live = c.session().map(|s| s.live());
     let rates = c.shared.sampler.lock().rates.clone();
-    let mut reg = Registry::default();
+    // Every series names the host it comes from: one Prometheus scrapes every host of a run.
+    let mut reg = Registry::with_labels(
+        [(
+            std::borrow::Cow::Borrowed("host"),
+            std::borrow::Cow::Owned(host_name()),
+        )]
+        .into_iter(),
+    );
     reg.register_collector(Box::new(Snapshot {
         state: view.state,
         run_number: view.run_number,
@@ -42,6 +49,15 @@ pub fn render(c: &Controller) -> String {
     // Writing to a String cannot fail.
     let _ = prometheus_client::encoding::text::encode(&mut out, &reg);
     out
+}
+
+/// This machine's name (the kernel's), or `unknown`.
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".into())
 }
 
 struct Enc<'a, 'b>(&'a mut DescriptorEncoder<'b>);
