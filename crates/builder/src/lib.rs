@@ -243,16 +243,16 @@ fn accept(sh: &Arc<Shared>, listener: TcpListener) {
             Err(why) => return refused(sh, peer, &why),
         };
         let sh2 = sh.clone();
-        readers
-            .lock()
-            .push(spawn(format!("bu{}-link", sh.id), move || {
-                let r = handshake(&sh2, &mut stream);
-                drop(hello);
-                match r {
-                    Ok(slot) => read_link(&sh2, slot, stream),
-                    Err(why) => refused(&sh2, peer, &why),
-                }
-            }));
+        let mut v = readers.lock();
+        tessera_net::role::reap(&mut v);
+        v.push(spawn(format!("bu{}-link", sh.id), move || {
+            let r = handshake(&sh2, &mut stream);
+            drop(hello);
+            match r {
+                Ok(slot) => read_link(&sh2, slot, stream),
+                Err(why) => refused(&sh2, peer, &why),
+            }
+        }));
     });
     if end == tessera_net::io::AcceptEnd::Stopped {
         // Connections taken before the stop are still saying hello (each within its deadline).

@@ -95,9 +95,11 @@ pub struct Core {
     oldest_clear_ns: u64,
     busy: bool,
     gathering: Option<Gathering>,
-    /// Finished according to a rejoining builder, not yet announced by a readout unit: cleared
-    /// when one announces it. Bounded by the builders' `takeover_memory` each.
-    finished_elsewhere: HashSet<u64>,
+    /// Finished according to a rejoining builder (the last `done_memory` of them): cleared when
+    /// a readout unit announces one, since it still holds it.
+    finished_elsewhere: RecentSet,
+    /// Of those, the ones a readout unit announced (and were cleared): one clear is enough.
+    cleared_elsewhere: RecentSet,
     pub counts: Counts,
 }
 
@@ -111,7 +113,8 @@ impl Core {
                 builders: builders.iter().copied().collect(),
                 readout_units: readout_units.iter().copied().collect(),
             }),
-            finished_elsewhere: HashSet::new(),
+            finished_elsewhere: RecentSet::new(s.done_memory),
+            cleared_elsewhere: RecentSet::new(s.done_memory),
             s,
             builders: Vec::new(),
             next_builder: 0,
@@ -302,7 +305,7 @@ impl Core {
     /// Readout units saw these events (the first sighting of each counts).
     pub fn announce(&mut self, ids: &[u64], now_ns: u64, out: &mut Vec<Out>) {
         for &e in ids {
-            if self.finished_elsewhere.remove(&e) {
+            if self.finished_elsewhere.contains(e) && self.cleared_elsewhere.insert(e) {
                 // Finished under the manager this one took over from; this unit still holds it.
                 self.counts.finished_before += 1;
                 self.finish(e, now_ns, out);

@@ -255,7 +255,9 @@ fn accept(sh: &Arc<Shared>, listener: TcpListener) {
                 let started = admit(&sh2, stream, peer, hello);
                 t2.lock().extend(started);
             });
-            threads.lock().push(t);
+            let mut v = threads.lock();
+            tessera_net::role::reap(&mut v);
+            v.push(t);
         },
     );
     // A hello thread adds its connection's threads before it ends: joining it first makes

@@ -40,6 +40,19 @@ impl RoleThreads {
 }
 
 /// Spawns a named thread (names show in `top -H`, `perf` and debuggers).
+/// Joins the threads of `v` that have ended, so that a long-lived accept loop keeps only the
+/// handles of the connections still served (an unjoined ended thread keeps its resources).
+pub fn reap(v: &mut Vec<JoinHandle<()>>) {
+    let mut i = 0;
+    while i < v.len() {
+        if v[i].is_finished() {
+            let _ = v.swap_remove(i).join();
+        } else {
+            i += 1;
+        }
+    }
+}
+
 pub fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
     std::thread::Builder::new()
         .name(name)

@@ -370,17 +370,17 @@ fn accept<S: LinkSink>(sh: &Arc<S>, listener: TcpListener) {
             Err(why) => return refused(c, peer, why),
         };
         let sh2 = sh.clone();
-        readers
-            .lock()
-            .push(spawn(format!("ru{}-link", c.id), move || {
-                let c = sh2.ctx();
-                let r = handshake(c, stream);
-                drop(hello);
-                match r {
-                    Ok((slot, stream)) => read_link(&*sh2, slot, stream),
-                    Err(why) => refused(c, peer, why),
-                }
-            }));
+        let mut v = readers.lock();
+        tessera_net::role::reap(&mut v);
+        v.push(spawn(format!("ru{}-link", c.id), move || {
+            let c = sh2.ctx();
+            let r = handshake(c, stream);
+            drop(hello);
+            match r {
+                Ok((slot, stream)) => read_link(&*sh2, slot, stream),
+                Err(why) => refused(c, peer, why),
+            }
+        }));
     });
     if end == tessera_net::io::AcceptEnd::Stopped {
         // Connections taken before the stop are still saying hello (each within its deadline):

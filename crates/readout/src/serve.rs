@@ -379,11 +379,11 @@ fn accept(u: &Arc<Unit>, listener: TcpListener) {
                 Err(why) => return crate::refused(u, peer, why),
             };
             let u2 = u.clone();
-            threads
-                .lock()
-                .push(spawn(format!("ru{}-conn", u.id), move || {
-                    serve_connection(&u2, stream, peer, hello)
-                }));
+            let mut v = threads.lock();
+            tessera_net::role::reap(&mut v);
+            v.push(spawn(format!("ru{}-conn", u.id), move || {
+                serve_connection(&u2, stream, peer, hello)
+            }));
         },
     );
     if end == tessera_net::io::AcceptEnd::Stopped {
