@@ -110,6 +110,20 @@ enum Cmd {
         #[arg(long)]
         quiet: bool,
     },
+    /// The node agent of one host of a run spread over hosts (`[hosts]` in the topology): runs
+    /// whatever roles the run control gives this host, run after run. Keep it running with
+    /// systemd (deploy/systemd/tessera-node.service), OpenSSH or Kubernetes (deploy/).
+    Node {
+        /// Address to listen on for the run control (the host's `[hosts]` entry).
+        #[arg(long, default_value = "0.0.0.0:7300")]
+        listen: String,
+        /// The run control's token (better: the environment variable TESSERA_TOKEN).
+        #[arg(long, env = "TESSERA_TOKEN", hide_env_values = true)]
+        token: String,
+        /// Output directory for this host's files (overrides run.output).
+        #[arg(long)]
+        output: Option<PathBuf>,
+    },
     /// Check recorded files: checksums, counts, every fragment present or flagged, payloads.
     Verify {
         /// Files or directories (every *.tsr inside).
@@ -307,6 +321,40 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 resolved.topology.run.number = run;
             }
             run_topology(resolved, Some(role), events, duration, output, json, quiet)
+        }
+        Cmd::Node {
+            listen,
+            token,
+            output,
+        } => {
+            // The roles' own checks (a monitor beyond loopback needs the token) read it here.
+            std::env::set_var("TESSERA_TOKEN", &token);
+            let stop = Arc::new(AtomicBool::new(false));
+            {
+                let stop = stop.clone();
+                ctrlc::set_handler(move || stop.store(true, Ordering::Relaxed))
+                    .context("installing the signal handler")?;
+            }
+            // Under systemd the socket may be handed over; else bind the address given.
+            let listener = match tessera_net::io::inherited_listener() {
+                Some(l) => l.context("the inherited socket")?,
+                None => std::net::TcpListener::bind(&listen)
+                    .with_context(|| format!("cannot listen on {listen}"))?,
+            };
+            eprintln!(
+                "tessera node: waiting for the run control at {}",
+                listener.local_addr()?
+            );
+            tessera_node::serve(
+                listener,
+                tessera_node::AgentOptions {
+                    token,
+                    output,
+                    control_timeout: std::time::Duration::from_secs(10),
+                },
+                stop,
+            )?;
+            Ok(ExitCode::SUCCESS)
         }
         Cmd::Recover { dir, json } => {
             let _lock = tessera_control::recovery::lock_output(&dir)?;

@@ -54,6 +54,46 @@ pub struct Topology {
     pub control: ControlSection,
     /// `[security]`: who may connect to the data and monitor ports.
     pub security: SecuritySection,
+    /// `[hosts]`: the machines of a run spread over hosts, each with its node agent (`tessera
+    /// node`). Empty: every role runs in one process.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub hosts: BTreeMap<String, HostEntry>,
+}
+
+/// One host of `[hosts]`: `fe1 = "10.1.0.2:7300"` (its node agent's address), or a table
+/// `fe1 = { agent = "10.1.0.2:7300", data = "10.2.0.2" }` when its data ports are on another
+/// network than its agent (a front-end and a back-end network).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum HostEntry {
+    Agent(String),
+    Full {
+        /// Where its node agent listens (`host:port`).
+        agent: String,
+        /// The address its roles' data ports bind and are reached at (default: the agent's).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        data: Option<String>,
+    },
+}
+
+impl HostEntry {
+    /// Where the node agent listens.
+    pub fn agent(&self) -> &str {
+        match self {
+            HostEntry::Agent(a) | HostEntry::Full { agent: a, .. } => a,
+        }
+    }
+
+    /// The address (no port) the host's data ports bind: `data`, else the agent's host part.
+    pub fn data_address(&self) -> String {
+        match self {
+            HostEntry::Full { data: Some(d), .. } => d.clone(),
+            _ => {
+                let a = self.agent();
+                a.rsplit_once(':').map_or(a, |(h, _)| h).to_string()
+            }
+        }
+    }
 }
 
 /// `[security]`: the data ports (readout units, builders, recorder, event manager) and the
@@ -190,6 +230,10 @@ pub struct ControlSection {
     pub database: PathBuf,
     /// How often the dashboard's rates are sampled, in milliseconds.
     pub sample_interval_ms: u64,
+    /// With `[hosts]`: a node agent (or its run control, seen from the agent) silent for this
+    /// long is lost, and the run goes to error naming its host, in milliseconds. Agents answer
+    /// within a few ms and say they are still working every second while a request lasts.
+    pub agent_timeout_ms: u64,
 }
 
 impl ControlSection {
@@ -209,6 +253,7 @@ impl Default for ControlSection {
             token: Secret::default(),
             database: PathBuf::from("runs.sqlite"),
             sample_interval_ms: 500,
+            agent_timeout_ms: 5000,
         }
     }
 }
@@ -302,6 +347,10 @@ pub struct SourcesSection {
     pub threads: u32,
     /// Bytes a source batches into one write when it is behind its trigger schedule.
     pub batch: ByteSize,
+    /// With `[hosts]`: the host that runs every emulated source. Absent: each source runs on
+    /// the host of its readout unit, as a front-end board sits beside its readout PC.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
 }
 
 impl Default for SourcesSection {
@@ -320,6 +369,7 @@ impl Default for SourcesSection {
             trigger_types: 4,
             threads: 0,
             batch: ByteSize(256 << 10),
+            host: None,
         }
     }
 }
@@ -374,6 +424,9 @@ impl SourceList {
 pub struct ReadoutSection {
     /// Unique readout unit ID.
     pub id: u32,
+    /// The host it runs on (a name of `[hosts]`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
     /// Address its sources connect to (port 0: any free port, for runs in one process).
     pub listen: String,
     /// Source IDs this unit reads. Absent: the sources are split evenly over the units.
@@ -401,6 +454,7 @@ impl Default for ReadoutSection {
     fn default() -> Self {
         ReadoutSection {
             id: 0,
+            host: None,
             listen: "127.0.0.1:0".into(),
             sources: SourceList::Auto,
             buffer: ByteSize(64 << 20),
@@ -419,6 +473,9 @@ impl Default for ReadoutSection {
 pub struct BuilderSection {
     /// Unique builder ID (0..65535).
     pub id: u32,
+    /// The host it runs on (a name of `[hosts]`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
     /// Address readout units connect to.
     pub listen: String,
     /// Memory for super-fragments being assembled, split evenly over its readout-unit links.
@@ -439,6 +496,7 @@ impl Default for BuilderSection {
     fn default() -> Self {
         BuilderSection {
             id: 0,
+            host: None,
             listen: "127.0.0.1:0".into(),
             buffer: ByteSize(128 << 20),
             read_chunk: ByteSize(1 << 20),
@@ -505,6 +563,9 @@ impl Default for RequestSection {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EventManagerSection {
+    /// The host it runs on (a name of `[hosts]`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
     /// Address readout units and builders connect to.
     pub listen: String,
     /// Event IDs per clear message sent to the readout units.
@@ -532,6 +593,7 @@ pub struct EventManagerSection {
 impl Default for EventManagerSection {
     fn default() -> Self {
         EventManagerSection {
+            host: None,
             listen: "127.0.0.1:0".into(),
             clear_group: 100,
             clear_delay_ms: 50,
@@ -620,6 +682,9 @@ pub enum Durability {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RecorderSection {
+    /// The host it runs on (a name of `[hosts]`); the monitor runs with it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
     /// Address builders connect to.
     pub listen: String,
     /// Turn recording off: builders count built events and drop them, and no recorder runs (for
@@ -658,6 +723,7 @@ pub struct RecorderSection {
 impl Default for RecorderSection {
     fn default() -> Self {
         RecorderSection {
+            host: None,
             listen: "127.0.0.1:0".into(),
             enabled: true,
             max_file_size: ByteSize(1 << 30),
@@ -1508,6 +1574,7 @@ impl Topology {
                 ));
             }
         }
+        self.check_hosts().map_err(|(k, why)| err(&k, why))?;
         // Ports beyond loopback need the networks allowed to reach them.
         let nets = self
             .security
@@ -1545,6 +1612,96 @@ impl Topology {
             source_ru,
             roi,
         })
+    }
+}
+
+impl Topology {
+    /// The host of every role is a name of `[hosts]`; with hosts, every role has one.
+    fn check_hosts(&self) -> Result<(), (String, String)> {
+        let mut roles: Vec<(String, &Option<String>)> = Vec::new();
+        for (i, u) in self.readout_units.iter().enumerate() {
+            roles.push((format!("readout[{i}].host"), &u.host));
+        }
+        for (i, b) in self.builders.iter().enumerate() {
+            roles.push((format!("builder[{i}].host"), &b.host));
+        }
+        if self.recorder.enabled {
+            roles.push(("recorder.host".into(), &self.recorder.host));
+        }
+        if self.run.mode == Mode::Request {
+            roles.push(("event_manager.host".into(), &self.event_manager.host));
+        }
+        let sources_host = ("sources.host".to_string(), &self.sources.host);
+        if self.hosts.is_empty() {
+            if let Some((k, _)) = roles
+                .iter()
+                .chain(std::iter::once(&sources_host))
+                .find(|(_, h)| h.is_some())
+            {
+                return Err((
+                    k.clone(),
+                    "names a host, but there is no [hosts] table".into(),
+                ));
+            }
+            return Ok(());
+        }
+        for (name, h) in &self.hosts {
+            let agent = h.agent();
+            if agent.parse::<std::net::SocketAddr>().is_err() && agent.rsplit_once(':').is_none() {
+                return Err((
+                    format!("hosts.{name}"),
+                    format!("{agent:?} is not an agent address like 10.1.0.2:7300"),
+                ));
+            }
+            if let HostEntry::Full { data: Some(d), .. } = h {
+                if d.parse::<std::net::IpAddr>().is_err() {
+                    return Err((
+                        format!("hosts.{name}.data"),
+                        format!("{d:?} is not an IP address (the data ports' port is chosen when they bind)"),
+                    ));
+                }
+            }
+        }
+        for (k, h) in roles.iter().chain(std::iter::once(&sources_host)) {
+            match h {
+                None if k == "sources.host" => {}
+                None => {
+                    return Err((
+                        k.clone(),
+                        "missing: with [hosts], every role names the host it runs on".into(),
+                    ))
+                }
+                Some(h) if !self.hosts.contains_key(h) => {
+                    return Err((
+                        k.clone(),
+                        format!(
+                            "{h:?} is not a host of [hosts] ({})",
+                            self.hosts.keys().cloned().collect::<Vec<_>>().join(", ")
+                        ),
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
+        let beyond_loopback = self
+            .hosts
+            .values()
+            .any(|h| !is_loopback_listen(&format!("{}:0", h.data_address())));
+        if beyond_loopback && self.security.allow.is_empty() {
+            return Err((
+                "security.allow".into(),
+                "the hosts' data ports are beyond loopback: list the networks of the hosts (and of external sources) allowed to connect".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The host of each readout unit's sources (`sources.host`, else the unit's own).
+    pub fn source_host(&self, ru_index: usize) -> Option<&str> {
+        self.sources
+            .host
+            .as_deref()
+            .or(self.readout_units.get(ru_index)?.host.as_deref())
     }
 }
 

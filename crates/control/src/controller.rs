@@ -14,7 +14,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tessera_config::Resolved;
-use tessera_run::{Report, Session, StopDeadlines, StopReport};
+use tessera_node::Cluster;
+use tessera_run::{Report, RunSession, Session, StopDeadlines, StopReport};
+
+/// The open run, as the API and the watcher share it: in this process or over hosts.
+pub type OpenRun = Arc<Box<dyn RunSession>>;
 use tessera_rundb::{ActionRow, FileRow, RunDb, RunEnd, RunStart};
 
 use crate::sampler::Sampler;
@@ -77,7 +81,9 @@ struct Ctl {
     state: State,
     busy: Option<Transition>,
     resolved: Option<Resolved>,
-    session: Option<Arc<Session>>,
+    session: Option<OpenRun>,
+    /// With `[hosts]`: every host's node agent, from the configure to the reset.
+    cluster: Option<Arc<Cluster>>,
     run_number: Option<u64>,
     error: Option<String>,
     since_unix_ns: u64,
@@ -120,6 +126,7 @@ impl Controller {
                 busy: None,
                 resolved: None,
                 session: None,
+                cluster: None,
                 run_number: None,
                 error: None,
                 since_unix_ns: unix_ns(),
@@ -176,7 +183,7 @@ impl Controller {
     }
 
     /// The open session, if a run is open.
-    pub fn session(&self) -> Option<Arc<Session>> {
+    pub fn session(&self) -> Option<OpenRun> {
         self.shared.ctl.lock().session.clone()
     }
 
@@ -258,9 +265,15 @@ impl Controller {
             Transition::Resume => self.with_session(|s| s.resume()),
             Transition::Stop => self.stop_run("stopped by operator", comment).map(|_| ()),
             Transition::Reset => {
-                let mut c = self.shared.ctl.lock();
-                c.resolved = None;
-                c.error = None;
+                let cluster = {
+                    let mut c = self.shared.ctl.lock();
+                    c.resolved = None;
+                    c.error = None;
+                    c.cluster.take()
+                };
+                if let Some(cl) = cluster {
+                    cl.reset();
+                }
                 Ok(())
             }
         };
@@ -324,9 +337,9 @@ impl Controller {
         }
     }
 
-    fn with_session(&self, f: impl FnOnce(&Session)) -> Result<()> {
+    fn with_session(&self, f: impl FnOnce(&dyn RunSession)) -> Result<()> {
         let s = self.session().ok_or(ControlError::NoRun)?;
-        f(&s);
+        f(s.as_ref().as_ref());
         Ok(())
     }
 
@@ -374,9 +387,27 @@ impl Controller {
             }
             self.shared.ctl.lock().output_lock = Some((t.run.output.clone(), lock));
         }
+        // A run spread over hosts: every host's agent checks its roles and binds their
+        // sockets now, so that what is wrong anywhere is said before a start.
+        let old = self.shared.ctl.lock().cluster.take();
+        if let Some(old) = old {
+            old.reset();
+        }
+        let cluster = if r.topology.hosts.is_empty() {
+            None
+        } else {
+            let token = r.topology.control.effective_token().ok_or_else(|| {
+                anyhow!(
+                    "{}: control.token: a run spread over hosts needs the token its node agents hold (set control.token or TESSERA_TOKEN)",
+                    r.origin
+                )
+            })?;
+            Some(Cluster::configure(&r, &token).context("configuring the hosts")?)
+        };
         let mut c = self.shared.ctl.lock();
         c.resolved = Some(r);
         c.db = Some(Arc::new(db));
+        c.cluster = cluster;
         Ok(())
     }
 
@@ -425,7 +456,14 @@ impl Controller {
             run_number: Some(number),
             ..Default::default()
         };
-        let session = match Session::start(&r, &opts) {
+        let cluster = self.shared.ctl.lock().cluster.clone();
+        let started: Result<Box<dyn RunSession>> = match &cluster {
+            Some(cl) => cl
+                .start(number, &opts)
+                .map(|s| Box::new(s) as Box<dyn RunSession>),
+            None => Session::start(&r, &opts).map(|s| Box::new(s) as Box<dyn RunSession>),
+        };
+        let session = match started {
             Ok(s) => s,
             Err(e) => {
                 let reason = format!("{e:#}");
@@ -549,7 +587,7 @@ impl Controller {
                 self.fail(&why);
             } else if let Some(reason) = session.end_reason() {
                 drop(session);
-                self.end_by_itself(reason);
+                self.end_by_itself(&reason);
             }
         }
     }

@@ -131,7 +131,10 @@ fn transitions_legal_and_illegal_and_the_run_database_after_several_runs() {
         assert_eq!(v.state, State::Stopped);
         let stop = v.last_stop.expect("the stop's report");
         assert_eq!(
-            stop.stages.iter().map(|s| s.stage).collect::<Vec<_>>(),
+            stop.stages
+                .iter()
+                .map(|s| s.stage.as_str())
+                .collect::<Vec<_>>(),
             ["sources", "readout", "builders", "recorder"]
         );
         assert!(stop.drained, "{stop:?}");
@@ -254,7 +257,7 @@ abort_grace_ms = 1000
         .stages
         .iter()
         .filter(|s| !s.finished)
-        .map(|s| s.stage)
+        .map(|s| s.stage.as_str())
         .collect();
     assert!(!left.is_empty());
     for s in stop.stages.iter().filter(|s| !s.finished) {

@@ -10,7 +10,7 @@
 
 use bytes::Bytes;
 use parking_lot::{Condvar, Mutex, MutexGuard};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -76,7 +76,7 @@ pub struct Event {
 }
 
 /// Counters of one station, since it was created.
-#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct StationCounters {
     /// Events that matched the selection while the station had consumers.
     pub selected: u64,
@@ -103,7 +103,7 @@ pub struct StationCounters {
 }
 
 /// One consumer as the status shows it.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ConsumerStatus {
     pub id: u64,
     pub name: String,
@@ -113,7 +113,7 @@ pub struct ConsumerStatus {
 }
 
 /// One station as the status shows it.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct StationStatus {
     pub position: usize,
     pub config: StationSection,
@@ -124,7 +124,7 @@ pub struct StationStatus {
 }
 
 /// The whole monitor as the status shows it.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct MonitorStatus {
     /// Random per start of the monitor: a consumer that sees it change knows the system restarted.
     pub instance: u64,

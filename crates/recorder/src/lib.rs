@@ -87,7 +87,7 @@ pub struct FileInfo {
 }
 
 /// The file being written: its name, what its whole blocks hold so far.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct CurrentFile {
     pub file: String,
     pub events: u64,

@@ -18,7 +18,8 @@ mod status;
 
 use anyhow::{bail, Context, Result};
 use parking_lot::Mutex;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeSet, HashMap};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -68,6 +69,171 @@ pub struct Options {
     /// The run number, allocated by the caller (the run database); `None`: `run.number`, else
     /// one more than the output directory's `last_run`.
     pub run_number: Option<u64>,
+    /// Run only these roles (a host's share of a run spread over hosts, `tessera node`); the
+    /// run control drives the whole. Overrides `only`.
+    pub roles: Option<RoleSet>,
+    /// Listening sockets bound before the start (by the node agent when it configured, so
+    /// that every port, 0 or not, is known to the run control before any role connects),
+    /// by [`RoleSet::listener_key`]; a role finds its own here before it binds.
+    pub listeners: Listeners,
+    /// The emulated sources connect but hold their triggers until [`Session::resume`]: a run
+    /// spread over hosts starts its triggers once every host has started.
+    pub start_held: bool,
+    /// With `roles`: the name of this part (its host), for the files it writes.
+    pub part: Option<String>,
+}
+
+/// Listening sockets handed to [`Session::start`], by [`RoleSet::listener_key`].
+pub type Listeners = Arc<Mutex<HashMap<String, TcpListener>>>;
+
+/// The roles one process runs: all (`tessera run`), one (`tessera serve`), or a host's share of
+/// a run spread over hosts (`tessera node`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoleSet {
+    pub recorder: bool,
+    pub event_manager: bool,
+    pub builders: BTreeSet<u32>,
+    pub readout_units: BTreeSet<u32>,
+    /// Emulated sources, by source ID.
+    pub sources: BTreeSet<u32>,
+}
+
+impl RoleSet {
+    /// One role, as `tessera serve` runs it.
+    pub fn of_role(role: Role, r: &Resolved) -> RoleSet {
+        let mut s = RoleSet::default();
+        match role {
+            Role::Recorder => s.recorder = true,
+            Role::EventManager => s.event_manager = true,
+            Role::Builder(id) => {
+                s.builders.insert(id);
+            }
+            Role::Readout(id) => {
+                s.readout_units.insert(id);
+            }
+            Role::Sources => s.sources = r.emulated_sources().collect(),
+        }
+        s
+    }
+
+    /// The roles `[hosts]` places on `host` (the monitor goes with the recorder; emulated
+    /// sources with their readout unit unless `sources.host` says otherwise).
+    pub fn of_host(host: &str, r: &Resolved) -> RoleSet {
+        let t = &r.topology;
+        let on = |h: &Option<String>| h.as_deref() == Some(host);
+        let mut s = RoleSet {
+            recorder: t.recorder.enabled && on(&t.recorder.host),
+            event_manager: t.run.mode == tessera_config::Mode::Request && on(&t.event_manager.host),
+            builders: t
+                .builders
+                .iter()
+                .filter(|b| on(&b.host))
+                .map(|b| b.id)
+                .collect(),
+            readout_units: t
+                .readout_units
+                .iter()
+                .filter(|u| on(&u.host))
+                .map(|u| u.id)
+                .collect(),
+            sources: BTreeSet::new(),
+        };
+        s.sources = r
+            .emulated_sources()
+            .filter(|id| {
+                r.source_ru
+                    .get(id)
+                    .is_some_and(|&i| t.source_host(i) == Some(host))
+            })
+            .collect();
+        s
+    }
+
+    pub fn is_empty(&self) -> bool {
+        *self == RoleSet::default()
+    }
+
+    /// The listening sockets these roles need, by key, with the topology's address for each.
+    pub fn listens(&self, r: &Resolved) -> Vec<(String, String)> {
+        let t = &r.topology;
+        let mut v = Vec::new();
+        if self.recorder {
+            v.push(("recorder".to_string(), t.recorder.listen.clone()));
+            if t.monitor.enabled {
+                v.push(("monitor".to_string(), t.monitor.listen.clone()));
+            }
+        }
+        if self.event_manager {
+            v.push(("event_manager".to_string(), t.event_manager.listen.clone()));
+        }
+        if t.run.mode == tessera_config::Mode::Push {
+            for b in t.builders.iter().filter(|b| self.builders.contains(&b.id)) {
+                v.push((format!("builder:{}", b.id), b.listen.clone()));
+            }
+        }
+        for u in t
+            .readout_units
+            .iter()
+            .filter(|u| self.readout_units.contains(&u.id))
+        {
+            v.push((format!("readout:{}", u.id), u.listen.clone()));
+        }
+        v
+    }
+
+    /// The names of its roles, for messages.
+    pub fn names(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if !self.sources.is_empty() {
+            v.push(format!("{} emulated sources", self.sources.len()));
+        }
+        v.extend(
+            self.readout_units
+                .iter()
+                .map(|i| format!("readout unit {i}")),
+        );
+        v.extend(self.builders.iter().map(|i| format!("builder {i}")));
+        if self.event_manager {
+            v.push("event manager".into());
+        }
+        if self.recorder {
+            v.push("recorder".into());
+        }
+        v
+    }
+}
+
+/// Sets every listen address of `r` named in `addresses` (keys of [`RoleSet::listens`]) and
+/// returns the topology re-resolved: what every host of a run spread over hosts runs, once
+/// the run control knows where each role listens.
+pub fn with_addresses(
+    r: &Resolved,
+    addresses: &std::collections::BTreeMap<String, String>,
+) -> Result<Resolved> {
+    let mut t = r.topology.clone();
+    for (key, addr) in addresses {
+        match key.split_once(':') {
+            None if key == "recorder" => t.recorder.listen = addr.clone(),
+            None if key == "monitor" => t.monitor.listen = addr.clone(),
+            None if key == "event_manager" => t.event_manager.listen = addr.clone(),
+            Some(("builder", id)) => {
+                if let Some(b) = t.builders.iter_mut().find(|b| b.id.to_string() == id) {
+                    b.listen = addr.clone();
+                }
+            }
+            Some(("readout", id)) => {
+                if let Some(u) = t.readout_units.iter_mut().find(|u| u.id.to_string() == id) {
+                    u.listen = addr.clone();
+                }
+            }
+            _ => bail!("unknown listening socket {key:?}"),
+        }
+    }
+    // The resolved text is the original (its digest names the configuration the operator
+    // wrote); only the addresses change.
+    let mut out = r.clone();
+    out.topology = t;
+    Ok(out)
 }
 
 /// One role of a topology, to run as its own process.
@@ -80,24 +246,6 @@ pub enum Role {
     Sources,
     /// The event manager (request mode).
     EventManager,
-}
-
-impl Role {
-    fn runs_recorder(o: Option<Role>) -> bool {
-        o.is_none_or(|r| r == Role::Recorder)
-    }
-    fn runs_builder(o: Option<Role>, id: u32) -> bool {
-        o.is_none_or(|r| r == Role::Builder(id))
-    }
-    fn runs_readout(o: Option<Role>, id: u32) -> bool {
-        o.is_none_or(|r| r == Role::Readout(id))
-    }
-    fn runs_sources(o: Option<Role>) -> bool {
-        o.is_none_or(|r| r == Role::Sources)
-    }
-    fn runs_manager(o: Option<Role>) -> bool {
-        o.is_none_or(|r| r == Role::EventManager)
-    }
 }
 
 impl Default for Options {
@@ -113,6 +261,10 @@ impl Default for Options {
             ready: None,
             only: None,
             run_number: None,
+            roles: None,
+            listeners: Listeners::default(),
+            start_held: false,
+            part: None,
         }
     }
 }
@@ -139,6 +291,8 @@ pub struct Session {
     events: u64,
     duration: f64,
     only: Option<Role>,
+    /// Only some roles run here (`tessera serve`, `tessera node`).
+    partial: bool,
     manifest: bool,
     output: PathBuf,
     run_number: u64,
@@ -163,7 +317,7 @@ pub struct Session {
 }
 
 /// What a component is doing.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ComponentState {
     Running,
@@ -174,10 +328,13 @@ pub enum ComponentState {
 }
 
 /// One component of the running topology and its state.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Component {
     pub name: String,
-    pub kind: &'static str,
+    /// The host it runs on, in a run spread over hosts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    pub kind: String,
     pub state: ComponentState,
     /// Why it failed; empty otherwise.
     pub detail: String,
@@ -209,10 +366,29 @@ impl From<&tessera_config::StopSection> for StopDeadlines {
     }
 }
 
+/// The stages of a stop, in the direction of the data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopStage {
+    Sources,
+    Readout,
+    Builders,
+    Recorder,
+}
+
+impl StopStage {
+    pub const ALL: [StopStage; 4] = [
+        StopStage::Sources,
+        StopStage::Readout,
+        StopStage::Builders,
+        StopStage::Recorder,
+    ];
+}
+
 /// How one stage of a stop went.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct StageReport {
-    pub stage: &'static str,
+    pub stage: String,
     pub deadline_ms: u64,
     pub elapsed_ms: u64,
     /// Whether it finished before its deadline.
@@ -222,7 +398,7 @@ pub struct StageReport {
 }
 
 /// How a stop went, stage by stage.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct StopReport {
     pub stages: Vec<StageReport>,
     /// Every stage finished in time: nothing was given up.
@@ -240,15 +416,24 @@ impl Session {
         let output = opts.output.clone().unwrap_or_else(|| t.run.output.clone());
         std::fs::create_dir_all(&output)
             .with_context(|| format!("creating output directory {}", output.display()))?;
+        let sel: Option<RoleSet> = opts
+            .roles
+            .clone()
+            .or_else(|| opts.only.map(|o| RoleSet::of_role(o, r)));
         let run_number = match opts.run_number.or(t.run.number) {
-        Some(n) => n,
-        None if opts.only.is_some() => bail!("{}: run.number: a role run as its own process needs the run number (set run.number or pass --run)", r.origin),
-        None if opts.manifest => next_run_number(&output)?,
-        None => 0,
-    };
-        if let Some(role) = opts.only {
+            Some(n) => n,
+            None if sel.is_some() => bail!("{}: run.number: a role run as its own process needs the run number (set run.number or pass --run)", r.origin),
+            None if opts.manifest => next_run_number(&output)?,
+            None => 0,
+        };
+        if let (Some(role), None) = (opts.only, &opts.roles) {
             check_daemon_addresses(r, role)?;
         }
+        let runs_recorder = sel.as_ref().is_none_or(|s| s.recorder);
+        let runs_manager = sel.as_ref().is_none_or(|s| s.event_manager);
+        let runs_builder = |id: u32| sel.as_ref().is_none_or(|s| s.builders.contains(&id));
+        let runs_readout = |id: u32| sel.as_ref().is_none_or(|s| s.readout_units.contains(&id));
+        let runs_source = |id: u32| sel.as_ref().is_none_or(|s| s.sources.contains(&id));
         // Peers beyond loopback only from the allowed networks (checked when the file loaded).
         tessera_net::io::allow_networks(t.security.networks().unwrap_or_default());
         let events = opts.events.unwrap_or(t.run.events);
@@ -263,17 +448,21 @@ impl Session {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
 
-        let bind = |addr: &str, what: &str| {
-            TcpListener::bind(addr).with_context(|| format!("{what}: cannot listen on {addr}"))
-        };
-        // A role run alone may be handed its listening socket (systemd socket activation, or a
-        // harness that bound it): then the configured port must be the one it is bound to.
-        let bind_own = |addr: &str, what: &str| -> Result<TcpListener> {
-            if opts.only.is_none() {
-                return bind(addr, what);
+        // A socket bound before the start (by a node agent) is taken as it is; a role run
+        // alone may be handed its listening socket (systemd socket activation, or a harness
+        // that bound it): then the configured port must be the one it is bound to.
+        let bind = |key: &str, addr: &str, what: &str| -> Result<TcpListener> {
+            if let Some(l) = opts.listeners.lock().remove(key) {
+                return Ok(l);
+            }
+            let fresh = || {
+                TcpListener::bind(addr).with_context(|| format!("{what}: cannot listen on {addr}"))
+            };
+            if opts.only.is_none() || key == "monitor" {
+                return fresh();
             }
             match tessera_net::io::inherited_listener() {
-                None => bind(addr, what),
+                None => fresh(),
                 Some(Err(e)) => Err(e).with_context(|| format!("{what}: the inherited socket")),
                 Some(Ok(l)) => {
                     let got = l.local_addr()?;
@@ -293,7 +482,7 @@ impl Session {
         let recorder_addr = recording.then(|| t.recorder.listen.clone());
         // The monitor lives with the recorder, which offers it every event it records.
         let mut monitor = None;
-        if recording && Role::runs_recorder(opts.only) && t.monitor.enabled {
+        if recording && runs_recorder && t.monitor.enabled {
             let m = tessera_monitor::Monitor::new(&t.monitor)
                 .map_err(|e| anyhow::anyhow!("{}: monitor: {e}", r.origin))?;
             // Beyond loopback the monitor asks for the run control's token in every command
@@ -311,7 +500,7 @@ impl Session {
                 }
                 token
             };
-            let l = bind(&t.monitor.listen, "monitor")?;
+            let l = bind("monitor", &t.monitor.listen, "monitor")?;
             let server = tessera_monitor::Server::start(
                 l,
                 m.clone(),
@@ -329,10 +518,10 @@ impl Session {
                 .with_context(|| format!("writing {}", addr_file.display()))?;
             monitor = Some((m, server));
         }
-        let recorder = if !recording || !Role::runs_recorder(opts.only) {
+        let recorder = if !recording || !runs_recorder {
             None
         } else {
-            let l = bind_own(&t.recorder.listen, "recorder")?;
+            let l = bind("recorder", &t.recorder.listen, "recorder")?;
             let addr = l.local_addr()?.to_string();
             let rec = Recorder::start(RecorderConfig {
                 listener: l,
@@ -357,8 +546,8 @@ impl Session {
         // Request mode: the event manager listens before anyone connects to it.
         let mut manager = None;
         let mut manager_addr = t.event_manager.listen.clone();
-        if request_mode && Role::runs_manager(opts.only) {
-            let l = bind_own(&t.event_manager.listen, "event_manager")?;
+        if request_mode && runs_manager {
+            let l = bind("event_manager", &t.event_manager.listen, "event_manager")?;
             manager_addr = l.local_addr()?.to_string();
             let m = &t.event_manager;
             manager = Some(
@@ -382,11 +571,15 @@ impl Session {
         let mut builders = Vec::new();
         let mut builder_addrs = Vec::new();
         for (i, b) in t.builders.iter().enumerate() {
-            if request_mode || !Role::runs_builder(opts.only, b.id) {
+            if request_mode || !runs_builder(b.id) {
                 builder_addrs.push(b.listen.clone());
                 continue;
             }
-            let l = bind_own(&b.listen, &format!("builder[{i}]"))?;
+            let l = bind(
+                &format!("builder:{}", b.id),
+                &b.listen,
+                &format!("builder[{i}]"),
+            )?;
             builder_addrs.push(l.local_addr()?.to_string());
             builders.push(
                 BuilderUnit::start(BuilderConfig {
@@ -412,11 +605,15 @@ impl Session {
         let mut rus = Vec::new();
         let mut ru_addrs = Vec::new();
         for (i, ru) in t.readout_units.iter().enumerate() {
-            if !Role::runs_readout(opts.only, ru.id) {
+            if !runs_readout(ru.id) {
                 ru_addrs.push(ru.listen.clone());
                 continue;
             }
-            let l = bind_own(&ru.listen, &format!("readout[{i}]"))?;
+            let l = bind(
+                &format!("readout:{}", ru.id),
+                &ru.listen,
+                &format!("readout[{i}]"),
+            )?;
             ru_addrs.push(l.local_addr()?.to_string());
             let q = &t.request;
             rus.push(
@@ -456,7 +653,7 @@ impl Session {
             let filter: Arc<dyn tessera_filter::Filter> =
                 Arc::new(tessera_filter::Builtin::new(&t.filter, r.roi.clone()));
             for b in &t.builders {
-                if !Role::runs_builder(opts.only, b.id) {
+                if !runs_builder(b.id) {
                     continue;
                 }
                 let q = &t.request;
@@ -487,14 +684,14 @@ impl Session {
             }
         }
         // Sources.
-        let wait_for_external = !t.sources.external.is_empty()
-            && t.sources.external_wait_s > 0.0
-            && opts.only.is_none();
+        let wait_for_external =
+            !t.sources.external.is_empty() && t.sources.external_wait_s > 0.0 && sel.is_none();
         let emulated: Vec<(u32, String)> = r
             .emulated_sources()
+            .filter(|&s| runs_source(s))
             .map(|s| (s, ru_addrs[r.source_ru[&s]].clone()))
             .collect();
-        let sources = if emulated.is_empty() || !Role::runs_sources(opts.only) {
+        let sources = if emulated.is_empty() {
             None
         } else {
             Some(
@@ -505,7 +702,7 @@ impl Session {
                     sources: emulated,
                     injections: t.injections.clone(),
                     events,
-                    start_held: wait_for_external,
+                    start_held: wait_for_external || opts.start_held,
                 })
                 .context("connecting the emulated sources")?,
             )
@@ -517,22 +714,25 @@ impl Session {
         // Where every role of this process listens, for programs (external sources, consumers,
         // scripts) to read: `addresses.json`, or `addresses.<role>.json` for a role run alone.
         {
-            let file = match opts.only {
-                None => "addresses.json".to_string(),
-                Some(Role::Recorder) => "addresses.recorder.json".into(),
-                Some(Role::Builder(i)) => format!("addresses.builder{i}.json"),
-                Some(Role::Readout(i)) => format!("addresses.readout{i}.json"),
-                Some(Role::Sources) => "addresses.sources.json".into(),
-                Some(Role::EventManager) => "addresses.manager.json".into(),
+            let file = match (opts.only, &opts.roles) {
+                (_, Some(_)) => {
+                    format!("addresses.{}.json", opts.part.as_deref().unwrap_or("part"))
+                }
+                (None, None) => "addresses.json".to_string(),
+                (Some(Role::Recorder), _) => "addresses.recorder.json".into(),
+                (Some(Role::Builder(i)), _) => format!("addresses.builder{i}.json"),
+                (Some(Role::Readout(i)), _) => format!("addresses.readout{i}.json"),
+                (Some(Role::Sources), _) => "addresses.sources.json".into(),
+                (Some(Role::EventManager), _) => "addresses.manager.json".into(),
             };
             let json = serde_json::json!({
                 "run": run_number,
                 "readout_units": t.readout_units.iter().zip(&ru_addrs)
-                    .filter(|(u, _)| Role::runs_readout(opts.only, u.id))
+                    .filter(|(u, _)| runs_readout(u.id))
                     .map(|(u, a)| serde_json::json!({"id": u.id, "listen": a}))
                     .collect::<Vec<_>>(),
                 "sources": r.source_ru.iter()
-                    .filter(|(_, ru)| Role::runs_readout(opts.only, t.readout_units[**ru].id))
+                    .filter(|(_, ru)| runs_readout(t.readout_units[**ru].id))
                     .map(|(s, ru)| serde_json::json!({"id": s, "connect": ru_addrs[*ru]}))
                     .collect::<Vec<_>>(),
                 "builders": builders.iter()
@@ -591,6 +791,7 @@ impl Session {
             events,
             duration,
             only: opts.only,
+            partial: sel.is_some(),
             manifest: opts.manifest,
             output,
             run_number,
@@ -602,7 +803,7 @@ impl Session {
             monitor: monitor.map(|(m, s)| (m, Mutex::new(Some(s)))),
             status: Mutex::new(status),
             stop_flag: opts.stop.clone(),
-            paused_at: Mutex::new(wait_for_external.then(Instant::now)),
+            paused_at: Mutex::new((wait_for_external || opts.start_held).then(Instant::now)),
             paused_total: Mutex::new(Duration::ZERO),
             held_for_external: AtomicBool::new(wait_for_external),
         })
@@ -714,7 +915,8 @@ impl Session {
             };
             Component {
                 name,
-                kind,
+                host: None,
+                kind: kind.into(),
                 state,
                 detail,
             }
@@ -847,6 +1049,39 @@ impl Session {
         }
     }
 
+    /// Holds the triggers (as [`pause`](Self::pause)) and says where this process's sources
+    /// end: one past the highest event ID they claimed (0 without emulated sources here).
+    pub fn hold_triggers(&self) -> u64 {
+        self.pause();
+        self.running.sources.as_ref().map_or(0, |s| s.claimed())
+    }
+
+    /// Has this process's held sources send up to `end` (exclusive), the highest any host's
+    /// sources claimed.
+    pub fn align_triggers(&self, end: u64) {
+        if let Some(s) = &self.running.sources {
+            s.align(end);
+        }
+    }
+
+    /// Whether every source of this process has ended its stream: its emulated sources reached
+    /// their count, and every external source read here sent its end (or dropped its link).
+    pub fn sources_ended(&self) -> bool {
+        self.running
+            .sources
+            .as_ref()
+            .is_none_or(|s| s.all_finished())
+            && external_links_done(&self.running, &self.r)
+    }
+
+    /// The recorder here fell below its hard disk watermark.
+    pub fn disk_full(&self) -> bool {
+        self.running
+            .recorder
+            .as_ref()
+            .is_some_and(|r| r.stats.disk_full.load(Ordering::Acquire))
+    }
+
     /// Whether the run still holds its triggers for external sources that have not connected.
     pub fn waiting_for_external_sources(&self) -> bool {
         self.held_for_external.load(Ordering::Acquire)
@@ -905,17 +1140,30 @@ impl Session {
     /// deadline gives up on what it still holds, which the stage's report names. So a stop ends
     /// even when every queue is full and nothing moves. `max_ms`, when set, caps the whole stop.
     pub fn stop(&self, deadlines: &StopDeadlines) -> StopReport {
+        self.stop_begin(deadlines);
+        let stages: Vec<StageReport> = StopStage::ALL
+            .iter()
+            .map(|&stage| self.stop_stage(stage, deadlines))
+            .collect();
+        self.stop_report(stages)
+    }
+
+    /// The first step of a stop: every component is told at once. Each finishes once its
+    /// upstream has ended (a stop is not an abort), so telling all at once loses nothing and
+    /// lets the stages overlap. A run spread over hosts does this on every host, then each
+    /// [`stop_stage`](Self::stop_stage) on every host before the next.
+    pub fn stop_begin(&self, deadlines: &StopDeadlines) {
         self.stop_begun.store(true, Ordering::Relaxed);
         *self.stop_cap.lock() = (deadlines.max_ms > 0)
             .then(|| Instant::now() + Duration::from_millis(deadlines.max_ms));
         let run = &self.running;
         // A paused run has its triggers held: let the sources reach their common last trigger.
+        // Stopping before resuming: no trigger is claimed in between (a host of a run spread
+        // over hosts has had its last trigger aligned with the others').
         if let Some(s) = &run.sources {
-            s.resume();
             s.stop();
+            s.resume();
         }
-        // Every unit is told now; each finishes once its upstream has ended (a stop is not an
-        // abort), so telling all at once loses nothing and lets the stages overlap.
         for u in &run.readout_units {
             u.stop();
         }
@@ -928,142 +1176,10 @@ impl Session {
         if let Some(rec) = &run.recorder {
             rec.stop();
         }
-        let mut stages = Vec::new();
-        let grace = Duration::from_millis(deadlines.abort_grace_ms);
+    }
 
-        // 1. Sources.
-        let t = Instant::now();
-        let done = self.wait_stage(deadlines.sources_ms, "stopping: sources", || {
-            run.sources.as_ref().is_none_or(|s| s.threads_finished())
-        });
-        stages.push(StageReport {
-            stage: "sources",
-            deadline_ms: deadlines.sources_ms,
-            elapsed_ms: t.elapsed().as_millis() as u64,
-            finished: done,
-            left: if done {
-                String::new()
-            } else {
-                let held: Vec<String> = run
-                    .sources
-                    .iter()
-                    .flat_map(|s| s.stats.iter())
-                    .filter(|s| !s.finished.load(Ordering::Relaxed))
-                    .map(|s| s.id.to_string())
-                    .collect();
-                format!(
-                    "sources {} still held by back-pressure; their readout links are cut",
-                    held.join(",")
-                )
-            },
-        });
-
-        // 2. Readout units.
-        let t = Instant::now();
-        let done = self.wait_stage(deadlines.readout_ms, "stopping: readout units", || {
-            all_ru_finished(run)
-        });
-        let mut left = String::new();
-        if !done {
-            let held: u64 = run
-                .readout_units
-                .iter()
-                .map(|u| {
-                    u.stats.held_fragments.load(Ordering::Relaxed)
-                        + u.stats.queued_fragments.load(Ordering::Relaxed)
-                        + u.stats.requests.stored_fragments.load(Ordering::Relaxed)
-                })
-                .sum();
-            let open: Vec<String> = run
-                .readout_units
-                .iter()
-                .filter(|u| !u.is_finished())
-                .map(|u| u.stats.id.to_string())
-                .collect();
-            left = format!(
-                "readout units {} had {held} fragments buffered; links aborted",
-                open.join(",")
-            );
-            for u in &run.readout_units {
-                u.abort();
-            }
-            if let Some(m) = &run.manager {
-                m.abort();
-            }
-            wait_until(grace, || all_ru_finished(run));
-        }
-        stages.push(StageReport {
-            stage: "readout",
-            deadline_ms: deadlines.readout_ms,
-            elapsed_ms: t.elapsed().as_millis() as u64,
-            finished: done,
-            left,
-        });
-
-        // 3. Builders.
-        let t = Instant::now();
-        let done = self.wait_stage(deadlines.builders_ms, "stopping: builders", || {
-            run.builders.iter().all(|b| b.is_finished())
-                && run.manager.as_ref().is_none_or(|m| m.is_finished())
-        });
-        let mut left = String::new();
-        if !done {
-            let (pending, queued) = run.builders.iter().fold((0, 0), |a, b| {
-                (
-                    a.0 + b.stats.pending_events.load(Ordering::Relaxed),
-                    a.1 + b.stats.queued_fragments.load(Ordering::Relaxed),
-                )
-            });
-            left = format!(
-                "{pending} events still being assembled and {queued} fragments not handed to the recorder; builders aborted"
-            );
-            for b in run.builders.iter().filter(|b| !b.is_finished()) {
-                b.abort();
-            }
-            if let Some(m) = &run.manager {
-                m.abort();
-            }
-            wait_until(grace, || run.builders.iter().all(|b| b.is_finished()));
-        }
-        stages.push(StageReport {
-            stage: "builders",
-            deadline_ms: deadlines.builders_ms,
-            elapsed_ms: t.elapsed().as_millis() as u64,
-            finished: done,
-            left,
-        });
-
-        // 4. Recorder. A consumer of a blocking station that stopped taking events must not
-        // hold the stop: past the deadline the monitor lets the recorder go on without it.
-        let t = Instant::now();
-        let done = self.wait_stage(deadlines.recorder_ms, "stopping: recorder", || {
-            run.recorder.as_ref().is_none_or(|r| r.is_finished())
-        });
-        let mut left = String::new();
-        if !done {
-            if let Some((m, _)) = &self.monitor {
-                m.close();
-            }
-            if wait_until(grace, || {
-                run.recorder.as_ref().is_none_or(|r| r.is_finished())
-            }) {
-                left = "the monitor was closed (a blocking station may have held the recorder) and the recorder finished".into();
-            } else if let Some(rec) = &run.recorder {
-                left = format!(
-                    "{} fragments not written; the open file is left unfinished; recorder aborted",
-                    rec.stats.queued_fragments.load(Ordering::Relaxed)
-                );
-                rec.abort();
-                wait_until(grace, || rec.is_finished());
-            }
-        }
-        stages.push(StageReport {
-            stage: "recorder",
-            deadline_ms: deadlines.recorder_ms,
-            elapsed_ms: t.elapsed().as_millis() as u64,
-            finished: done,
-            left,
-        });
+    /// The stop's report from its stages' reports.
+    pub fn stop_report(&self, stages: Vec<StageReport>) -> StopReport {
         let drained = stages.iter().all(|s| s.finished);
         if !drained {
             self.note("stop: a stage passed its deadline; what it left is in the report");
@@ -1071,7 +1187,154 @@ impl Session {
         StopReport {
             stages,
             drained,
-            all_finished: all_finished(run),
+            all_finished: all_finished(&self.running),
+        }
+    }
+
+    /// One stage of a stop (after [`stop_begin`](Self::stop_begin)): waits for this process's
+    /// components of the stage, and past the deadline gives up on what they hold.
+    pub fn stop_stage(&self, stage: StopStage, deadlines: &StopDeadlines) -> StageReport {
+        let run = &self.running;
+        let grace = Duration::from_millis(deadlines.abort_grace_ms);
+        match stage {
+            StopStage::Sources => {
+                // 1. Sources.
+                let t = Instant::now();
+                let done = self.wait_stage(deadlines.sources_ms, "stopping: sources", || {
+                    run.sources.as_ref().is_none_or(|s| s.threads_finished())
+                });
+                StageReport {
+                    stage: "sources".into(),
+                    deadline_ms: deadlines.sources_ms,
+                    elapsed_ms: t.elapsed().as_millis() as u64,
+                    finished: done,
+                    left: if done {
+                        String::new()
+                    } else {
+                        let held: Vec<String> = run
+                            .sources
+                            .iter()
+                            .flat_map(|s| s.stats.iter())
+                            .filter(|s| !s.finished.load(Ordering::Relaxed))
+                            .map(|s| s.id.to_string())
+                            .collect();
+                        format!(
+                            "sources {} still held by back-pressure; their readout links are cut",
+                            held.join(",")
+                        )
+                    },
+                }
+            }
+            StopStage::Readout => {
+                // 2. Readout units.
+                let t = Instant::now();
+                let done = self.wait_stage(deadlines.readout_ms, "stopping: readout units", || {
+                    all_ru_finished(run)
+                });
+                let mut left = String::new();
+                if !done {
+                    let held: u64 = run
+                        .readout_units
+                        .iter()
+                        .map(|u| {
+                            u.stats.held_fragments.load(Ordering::Relaxed)
+                                + u.stats.queued_fragments.load(Ordering::Relaxed)
+                                + u.stats.requests.stored_fragments.load(Ordering::Relaxed)
+                        })
+                        .sum();
+                    let open: Vec<String> = run
+                        .readout_units
+                        .iter()
+                        .filter(|u| !u.is_finished())
+                        .map(|u| u.stats.id.to_string())
+                        .collect();
+                    left = format!(
+                        "readout units {} had {held} fragments buffered; links aborted",
+                        open.join(",")
+                    );
+                    for u in &run.readout_units {
+                        u.abort();
+                    }
+                    if let Some(m) = &run.manager {
+                        m.abort();
+                    }
+                    wait_until(grace, || all_ru_finished(run));
+                }
+                StageReport {
+                    stage: "readout".into(),
+                    deadline_ms: deadlines.readout_ms,
+                    elapsed_ms: t.elapsed().as_millis() as u64,
+                    finished: done,
+                    left,
+                }
+            }
+            StopStage::Builders => {
+                // 3. Builders.
+                let t = Instant::now();
+                let done = self.wait_stage(deadlines.builders_ms, "stopping: builders", || {
+                    run.builders.iter().all(|b| b.is_finished())
+                        && run.manager.as_ref().is_none_or(|m| m.is_finished())
+                });
+                let mut left = String::new();
+                if !done {
+                    let (pending, queued) = run.builders.iter().fold((0, 0), |a, b| {
+                        (
+                            a.0 + b.stats.pending_events.load(Ordering::Relaxed),
+                            a.1 + b.stats.queued_fragments.load(Ordering::Relaxed),
+                        )
+                    });
+                    left = format!(
+                        "{pending} events still being assembled and {queued} fragments not handed to the recorder; builders aborted"
+                    );
+                    for b in run.builders.iter().filter(|b| !b.is_finished()) {
+                        b.abort();
+                    }
+                    if let Some(m) = &run.manager {
+                        m.abort();
+                    }
+                    wait_until(grace, || run.builders.iter().all(|b| b.is_finished()));
+                }
+                StageReport {
+                    stage: "builders".into(),
+                    deadline_ms: deadlines.builders_ms,
+                    elapsed_ms: t.elapsed().as_millis() as u64,
+                    finished: done,
+                    left,
+                }
+            }
+            StopStage::Recorder => {
+                // 4. Recorder. A consumer of a blocking station that stopped taking events must not
+                // hold the stop: past the deadline the monitor lets the recorder go on without it.
+                let t = Instant::now();
+                let done = self.wait_stage(deadlines.recorder_ms, "stopping: recorder", || {
+                    run.recorder.as_ref().is_none_or(|r| r.is_finished())
+                });
+                let mut left = String::new();
+                if !done {
+                    if let Some((m, _)) = &self.monitor {
+                        m.close();
+                    }
+                    if wait_until(grace, || {
+                        run.recorder.as_ref().is_none_or(|r| r.is_finished())
+                    }) {
+                        left = "the monitor was closed (a blocking station may have held the recorder) and the recorder finished".into();
+                    } else if let Some(rec) = &run.recorder {
+                        left = format!(
+                            "{} fragments not written; the open file is left unfinished; recorder aborted",
+                            rec.stats.queued_fragments.load(Ordering::Relaxed)
+                        );
+                        rec.abort();
+                        wait_until(grace, || rec.is_finished());
+                    }
+                }
+                StageReport {
+                    stage: "recorder".into(),
+                    deadline_ms: deadlines.recorder_ms,
+                    elapsed_ms: t.elapsed().as_millis() as u64,
+                    finished: done,
+                    left,
+                }
+            }
         }
     }
 
@@ -1141,7 +1404,7 @@ impl Session {
                 stop_reason: stop_reason.into(),
                 drained,
                 output: self.output.display().to_string(),
-                partial: self.only.is_some(),
+                partial: self.partial,
             },
         );
         report.monitor = self.monitor.as_ref().map(|(m, _)| m.status());
@@ -1197,6 +1460,73 @@ impl Session {
                 .with_context(|| format!("writing {}", path.display()))?;
         }
         Ok(report)
+    }
+}
+
+/// A run the run control drives: one in this process ([`Session`]), or one spread over hosts
+/// whose parts are sessions in node agents (`tessera-node`). The controller, the HTTP API and
+/// the metrics see both through this alone.
+pub trait RunSession: Send + Sync {
+    fn run_number(&self) -> u64;
+    /// The monitor, where it runs in this process.
+    fn monitor(&self) -> Option<&tessera_monitor::Monitor>;
+    fn tick_status(&self, phase: &str);
+    /// Why the run should end now, if it should (see [`Session::end_reason`]).
+    fn end_reason(&self) -> Option<String>;
+    /// The first component found failed, with the reason (and its host, if elsewhere).
+    fn failure(&self) -> Option<String>;
+    fn components(&self) -> Vec<Component>;
+    fn pause(&self);
+    fn resume(&self);
+    /// Stops in stages with their deadlines (see [`Session::stop`]).
+    fn stop(&self, deadlines: &StopDeadlines) -> StopReport;
+    /// What every component counted so far.
+    fn report(&self, stop_reason: &str, drained: bool) -> Report;
+    fn live(&self) -> live::Live;
+    fn why_incomplete(&self, event_id: u64) -> live::WhyIncomplete;
+    /// Ends the run after the stop: its report, the manifest written.
+    fn finish(self: Box<Self>, stop_reason: &str, stop: StopReport) -> Result<Report>;
+}
+
+impl RunSession for Session {
+    fn run_number(&self) -> u64 {
+        Session::run_number(self)
+    }
+    fn monitor(&self) -> Option<&tessera_monitor::Monitor> {
+        Session::monitor(self)
+    }
+    fn tick_status(&self, phase: &str) {
+        Session::tick_status(self, phase)
+    }
+    fn end_reason(&self) -> Option<String> {
+        Session::end_reason(self).map(String::from)
+    }
+    fn failure(&self) -> Option<String> {
+        Session::failure(self)
+    }
+    fn components(&self) -> Vec<Component> {
+        Session::components(self)
+    }
+    fn pause(&self) {
+        Session::pause(self)
+    }
+    fn resume(&self) {
+        Session::resume(self)
+    }
+    fn stop(&self, deadlines: &StopDeadlines) -> StopReport {
+        Session::stop(self, deadlines)
+    }
+    fn report(&self, stop_reason: &str, drained: bool) -> Report {
+        Session::report(self, stop_reason, drained)
+    }
+    fn live(&self) -> live::Live {
+        Session::live(self)
+    }
+    fn why_incomplete(&self, event_id: u64) -> live::WhyIncomplete {
+        Session::why_incomplete(self, event_id)
+    }
+    fn finish(self: Box<Self>, stop_reason: &str, stop: StopReport) -> Result<Report> {
+        Session::finish(*self, stop_reason, stop)
     }
 }
 

@@ -2,17 +2,17 @@
 //! and gauges (buffers, states) of every component, and the answer to "why is event N
 //! incomplete". Read from the components' own atomics: taking one costs no data-path time.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering::Relaxed;
 
 use crate::Session;
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LiveSource {
     pub id: u32,
     /// `emulated` or `external`.
-    pub kind: &'static str,
+    pub kind: String,
     pub readout_unit: u32,
     /// Fragments and bytes the source put on the wire (emulated sources only: an external one
     /// is seen at its readout link).
@@ -32,7 +32,7 @@ pub struct LiveSource {
     pub bytes_after_end: u64,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LiveReadout {
     pub id: u32,
     pub super_fragments: u64,
@@ -48,7 +48,7 @@ pub struct LiveReadout {
     pub pending_events: u64,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LiveHistogram {
     /// (upper bound in seconds, cumulative count); the last bound is +Inf (serialised as null).
     pub buckets: Vec<(Option<f64>, u64)>,
@@ -56,7 +56,7 @@ pub struct LiveHistogram {
     pub count: u64,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LiveBuilder {
     pub id: u16,
     pub events_complete: u64,
@@ -74,7 +74,7 @@ pub struct LiveBuilder {
     pub latency: LiveHistogram,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LiveRecorder {
     pub events: u64,
     pub incomplete_events: u64,
@@ -98,11 +98,11 @@ pub struct LiveRecorder {
 }
 
 /// A snapshot of every component's counters.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Live {
     pub run_number: u64,
     pub elapsed_s: f64,
-    pub mode: &'static str,
+    pub mode: String,
     pub paused: bool,
     pub sources: Vec<LiveSource>,
     pub readout_units: Vec<LiveReadout>,
@@ -111,14 +111,59 @@ pub struct Live {
     pub components: Vec<crate::Component>,
 }
 
+impl Live {
+    /// The view of a run spread over hosts, from every host's own: a source's sending side
+    /// from the host that runs it, its link from the host of its readout unit.
+    pub fn combine(run_number: u64, elapsed_s: f64, paused: bool, parts: Vec<Live>) -> Live {
+        let mut out = Live {
+            run_number,
+            elapsed_s,
+            mode: parts.first().map_or("push".into(), |p| p.mode.clone()),
+            paused,
+            sources: Vec::new(),
+            readout_units: Vec::new(),
+            builders: Vec::new(),
+            recorder: None,
+            components: Vec::new(),
+        };
+        let mut remote: BTreeMap<u32, LiveSource> = BTreeMap::new();
+        for p in parts {
+            for s in p.sources {
+                if s.link_state == crate::report::REMOTE {
+                    remote.insert(s.id, s);
+                } else {
+                    out.sources.push(s);
+                }
+            }
+            out.readout_units.extend(p.readout_units);
+            out.builders.extend(p.builders);
+            out.recorder = out.recorder.or(p.recorder);
+            out.components.extend(p.components);
+        }
+        for s in &mut out.sources {
+            if let Some(x) = remote.remove(&s.id) {
+                s.kind = x.kind;
+                s.fragments_sent = x.fragments_sent;
+                s.bytes_sent = x.bytes_sent;
+                s.held_ns = x.held_ns;
+            }
+        }
+        out.sources.extend(remote.into_values());
+        out.sources.sort_by_key(|s| s.id);
+        out.readout_units.sort_by_key(|u| u.id);
+        out.builders.sort_by_key(|b| b.id);
+        out
+    }
+}
+
 /// The answer to "why is event N incomplete".
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct WhyIncomplete {
     pub event_id: u64,
     /// `incomplete` (built without `missing`), `complete` (built with every source, as far as
     /// the builders remember), `pending` (not built yet: `missing` are the sources whose links
     /// have not reached it), `forgotten` (older than what the builders remember).
-    pub status: &'static str,
+    pub status: String,
     pub builder: Option<u16>,
     pub missing: Vec<u32>,
     /// Every source's link, the missing ones first.
@@ -126,7 +171,7 @@ pub struct WhyIncomplete {
     pub explanation: String,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LinkView {
     pub source: u32,
     pub readout_unit: u32,
@@ -166,7 +211,7 @@ impl Session {
                 let received = l.received();
                 sources.push(LiveSource {
                     id: l.source_id,
-                    kind: if e.is_some() { "emulated" } else { "external" },
+                    kind: if e.is_some() { "emulated" } else { "external" }.into(),
                     readout_unit: u.stats.id,
                     fragments_sent: e.map(|s| s.fragments.load(Relaxed)),
                     bytes_sent: e.map(|s| s.bytes.load(Relaxed)),
@@ -178,6 +223,28 @@ impl Session {
                         .then(|| l.last_event.load(Relaxed)),
                     skipped_bytes: l.skipped_bytes.load(Relaxed),
                     bytes_after_end: l.bytes_after_end.load(Relaxed),
+                });
+            }
+        }
+        // Emulated sources whose readout unit runs on another host: their side only.
+        for (id, e) in &emulated {
+            if !sources.iter().any(|x| x.id == *id) {
+                sources.push(LiveSource {
+                    id: *id,
+                    kind: "emulated".into(),
+                    readout_unit: r
+                        .source_ru
+                        .get(id)
+                        .map_or(0, |&i| r.topology.readout_units[i].id),
+                    fragments_sent: Some(e.fragments.load(Relaxed)),
+                    bytes_sent: Some(e.bytes.load(Relaxed)),
+                    held_ns: Some(e.held_ns.load(Relaxed)),
+                    received: 0,
+                    rejected: BTreeMap::new(),
+                    link_state: crate::report::REMOTE.into(),
+                    last_event_id: None,
+                    skipped_bytes: 0,
+                    bytes_after_end: 0,
                 });
             }
         }
@@ -264,7 +331,8 @@ impl Session {
             mode: match r.topology.run.mode {
                 tessera_config::Mode::Push => "push",
                 tessera_config::Mode::Request => "request",
-            },
+            }
+            .into(),
             paused: self.paused_at.lock().is_some(),
             sources,
             readout_units,
@@ -363,7 +431,7 @@ impl Session {
         links.sort_by_key(|l| (!l.missing, l.source));
         WhyIncomplete {
             event_id,
-            status,
+            status: status.into(),
             builder,
             missing,
             links,

@@ -3,7 +3,7 @@
 //! from the component that holds it. A non-zero `unaccounted` is a defect to investigate, and is
 //! reported as such.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
@@ -13,6 +13,21 @@ use tessera_readout::LinkState;
 use tessera_recorder::FileInfo;
 
 use crate::Running;
+
+/// The link state of a source counted by the host that runs it, whose readout unit runs
+/// elsewhere (its link's side is in that host's report).
+pub const REMOTE: &str = "remote";
+const REMOTE_DISCONNECTED: &str = "remote_disconnected";
+
+/// Every component's report, before the totals and the balance are taken.
+struct Parts {
+    sources: Vec<SourceReport>,
+    readout_units: Vec<ReadoutReport>,
+    builders: Vec<BuilderReport>,
+    recorder: Option<RecorderReport>,
+    event_manager: Option<ManagerReport>,
+    refused_outside_allow: u64,
+}
 
 pub struct RunInfo {
     pub run_number: u64,
@@ -24,10 +39,10 @@ pub struct RunInfo {
     pub partial: bool,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct SourceReport {
     pub id: u32,
-    pub kind: &'static str,
+    pub kind: String,
     /// Fragments the source sent (external: as declared in its end-of-stream, else as received).
     pub sent: u64,
     pub bytes: u64,
@@ -42,9 +57,13 @@ pub struct SourceReport {
     /// Bytes sent after the end of stream (a protocol error; not fragments).
     pub bytes_after_end: u64,
     pub error: Option<String>,
+    /// Its readout link has ended (cleanly or not): what it received beyond what was sent is
+    /// then final.
+    #[serde(default)]
+    pub link_ended: bool,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ReadoutReport {
     pub id: u32,
     pub super_fragments: u64,
@@ -55,12 +74,18 @@ pub struct ReadoutReport {
     pub busy_fraction: f64,
     pub refused_connections: u64,
     pub error: Option<String>,
+    /// Fragments of super-fragments lost with a builder's connection.
+    #[serde(default)]
+    pub builder_link_lost: u64,
+    /// Fragments it still holds (assembling, queued, or stored awaiting a clear).
+    #[serde(default)]
+    pub buffered_fragments: u64,
     /// Request mode only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub requests: Option<ReadoutRequestReport>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ReadoutRequestReport {
     pub requests: u64,
     pub answers: u64,
@@ -84,7 +109,7 @@ pub struct ReadoutRequestReport {
     pub manager_error: Option<String>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ManagerReport {
     pub announced: u64,
     pub assigned: u64,
@@ -106,7 +131,7 @@ pub struct ManagerReport {
     pub errors: Vec<String>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BuilderReport {
     pub id: u16,
     pub events_complete: u64,
@@ -126,9 +151,18 @@ pub struct BuilderReport {
     /// Request mode: the event manager's connection lost before the end (each time the builder
     /// waited for a takeover).
     pub manager_losses: u64,
+    /// Fragments of events lost with the recorder's connection.
+    #[serde(default)]
+    pub recorder_link_lost: u64,
+    /// Fragments of events the filter rejected.
+    #[serde(default)]
+    pub fragments_rejected_by_filter: u64,
+    /// Fragments it still holds (assembling, or queued for the recorder).
+    #[serde(default)]
+    pub buffered_fragments: u64,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct RecorderReport {
     /// Events the recorder received.
     pub events: u64,
@@ -155,9 +189,17 @@ pub struct RecorderReport {
     /// soft watermark) was on then.
     pub disk_free_bytes: u64,
     pub disk_alarm: bool,
+    /// Fragments in events recorded complete and incomplete.
+    #[serde(default)]
+    pub fragments_in_complete: u64,
+    #[serde(default)]
+    pub fragments_in_incomplete: u64,
+    /// Fragments received and not yet written.
+    #[serde(default)]
+    pub queued_fragments: u64,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Balance {
     pub sent: u64,
     pub in_complete_events: u64,
@@ -176,7 +218,7 @@ pub struct Balance {
     pub holds: bool,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Report {
     pub run_number: u64,
     pub started_unix_ns: u64,
@@ -209,6 +251,10 @@ pub struct Report {
     /// The monitor's stations and counters at the end of the run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub monitor: Option<tessera_monitor::MonitorStatus>,
+    /// A run spread over hosts: hosts whose part of the report is missing (agent lost), and
+    /// why. Their sources' counts are then missing from the balance, which says so.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts_missing: Vec<String>,
     /// How the stop went, stage by stage (absent while the run goes on).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stop: Option<crate::StopReport>,
@@ -226,28 +272,16 @@ impl Report {
     pub(crate) fn collect(r: &Resolved, run: &Running, info: RunInfo) -> Report {
         let secs = info.duration_s;
         let request_mode = r.topology.run.mode == tessera_config::Mode::Request;
-        let mut rejected: BTreeMap<String, u64> = BTreeMap::new();
-        let mut add = |k: &str, n: u64| {
-            if n > 0 {
-                *rejected.entry(k.to_string()).or_default() += n;
-            }
-        };
         let emulated: BTreeMap<u32, &tessera_source::SourceStats> = run
             .sources
             .as_ref()
             .map(|s| s.stats.iter().map(|x| (x.id, x.as_ref())).collect())
             .unwrap_or_default();
         let mut sources = Vec::new();
-        let mut buffered = 0u64;
-        let mut beyond_sent = 0u64;
         let mut readout_units = Vec::new();
         for u in &run.readout_units {
             let st = &u.stats;
             for l in &st.links {
-                let rej = l.rejected_by_reason();
-                for (label, n) in &rej {
-                    add(label, *n);
-                }
                 let received = l.received();
                 let (kind, sent, bytes, held, error) = match emulated.get(&l.source_id) {
                     Some(s) => (
@@ -272,31 +306,21 @@ impl Report {
                         )
                     }
                 };
-                // A link the stop aborted was cut with fragments its source had sent still in
-                // the kernel's buffers: they are named, not left unaccounted.
-                if l.state() == tessera_readout::LinkState::Aborted {
-                    add("unread_at_abort", sent.saturating_sub(received));
-                }
-                if l.state().ended() {
-                    beyond_sent += received.saturating_sub(sent);
-                }
                 sources.push(SourceReport {
                     id: l.source_id,
-                    kind,
+                    kind: kind.into(),
                     sent,
                     bytes,
                     held_fraction: held,
                     link_state: l.state().label().into(),
                     received,
-                    rejected: rej,
+                    rejected: l.rejected_by_reason(),
                     skipped_bytes: l.skipped_bytes.load(Ordering::Relaxed),
                     bytes_after_end: l.bytes_after_end.load(Ordering::Relaxed),
                     error,
+                    link_ended: l.state().ended(),
                 });
             }
-            add("builder_link_lost", st.builder_lost.load(Ordering::Relaxed));
-            buffered += st.held_fragments.load(Ordering::Relaxed)
-                + st.queued_fragments.load(Ordering::Relaxed);
             let (_, limit) = st.buffer_use();
             let peak: u64 = st
                 .links
@@ -316,6 +340,14 @@ impl Report {
                 busy_fraction: frac(st.busy_ns(), secs) / st.links.len().max(1) as f64,
                 refused_connections: st.refused_connections.load(Ordering::Relaxed),
                 error: st.builder_error.lock().clone(),
+                builder_link_lost: st.builder_lost.load(Ordering::Relaxed),
+                buffered_fragments: st.held_fragments.load(Ordering::Relaxed)
+                    + st.queued_fragments.load(Ordering::Relaxed)
+                    + if request_mode {
+                        st.requests.stored_fragments.load(Ordering::Relaxed)
+                    } else {
+                        0
+                    },
                 requests: request_mode.then(|| {
                     let q = &st.requests;
                     let l = |x: &std::sync::atomic::AtomicU64| x.load(Ordering::Relaxed);
@@ -341,96 +373,79 @@ impl Report {
                     }
                 }),
             });
-            if request_mode {
-                buffered += st.requests.stored_fragments.load(Ordering::Relaxed);
-            }
         }
-        // Emulated sources whose readout unit runs in another process (`tessera serve sources`).
+        // Emulated sources whose readout unit runs in another process (`tessera serve
+        // sources`, a host of a run spread over hosts): their side only, `remote`.
         for (id, st) in &emulated {
             if !sources.iter().any(|x| x.id == *id) {
                 sources.push(SourceReport {
                     id: *id,
-                    kind: "emulated",
+                    kind: "emulated".into(),
                     sent: st.fragments.load(Ordering::Relaxed),
                     bytes: st.bytes.load(Ordering::Relaxed),
                     held_fraction: frac(st.held_ns.load(Ordering::Relaxed), secs),
                     link_state: if st.disconnected.load(Ordering::Relaxed) {
-                        "disconnected".into()
+                        REMOTE_DISCONNECTED.into()
                     } else {
-                        "remote".into()
+                        REMOTE.into()
                     },
                     received: 0,
                     rejected: BTreeMap::new(),
                     skipped_bytes: 0,
                     bytes_after_end: 0,
                     error: st.error.lock().clone(),
+                    link_ended: false,
                 });
             }
         }
-        sources.sort_by_key(|s| s.id);
-        let mut builders = Vec::new();
-        let (mut complete_f, mut incomplete_f, mut ev_c, mut ev_i, mut bytes_built) =
-            (0, 0, 0, 0, 0);
-        for b in &run.builders {
-            let st = &b.stats;
-            let late = st.late_fragments.load(Ordering::Relaxed);
-            let dup = st.duplicate_fragments.load(Ordering::Relaxed);
-            let bad = st.malformed_fragments.load(Ordering::Relaxed);
-            add("late_at_builder", late);
-            add("duplicate_at_builder", dup);
-            add("malformed_super_fragment", bad);
-            add(
-                "recorder_link_lost",
-                st.recorder_lost.load(Ordering::Relaxed),
-            );
-            add(
-                "rejected_by_filter",
-                st.fragments_rejected.load(Ordering::Relaxed),
-            );
-            buffered += st.held_fragments.load(Ordering::Relaxed)
-                + st.queued_fragments.load(Ordering::Relaxed);
-            let rep = BuilderReport {
-                id: st.id,
-                events_complete: st.events_complete.load(Ordering::Relaxed),
-                events_incomplete: st.events_incomplete.load(Ordering::Relaxed),
-                fragments_in_complete: st.fragments_in_complete.load(Ordering::Relaxed),
-                fragments_in_incomplete: st.fragments_in_incomplete.load(Ordering::Relaxed),
-                bytes_built: st.bytes_built.load(Ordering::Relaxed),
-                late_fragments: late,
-                duplicate_fragments: dup,
-                malformed_fragments: bad,
-                busy_fraction: frac(st.busy_ns(), secs) / st.links.len().max(1) as f64,
-                missing_by_source: st.missing_by_source.lock().clone(),
-                errors: std::iter::once(st.recorder_error.lock().clone())
-                    .chain(st.links.iter().map(|l| {
-                        l.error
-                            .lock()
-                            .clone()
-                            .map(|e| format!("readout unit {}: {e}", l.readout_unit))
-                    }))
-                    .chain(std::iter::once(st.manager_error.lock().clone()))
-                    .flatten()
-                    .collect(),
-                events_rejected: st.events_rejected.load(Ordering::Relaxed),
-                events_rebuilt: st.events_rebuilt.load(Ordering::Relaxed),
-                manager_losses: st.manager_losses.load(Ordering::Relaxed),
-            };
-            complete_f += rep.fragments_in_complete;
-            incomplete_f += rep.fragments_in_incomplete;
-            ev_c += rep.events_complete;
-            ev_i += rep.events_incomplete;
-            bytes_built += rep.bytes_built;
-            builders.push(rep);
-        }
+        let builders = run
+            .builders
+            .iter()
+            .map(|b| {
+                let st = &b.stats;
+                BuilderReport {
+                    id: st.id,
+                    events_complete: st.events_complete.load(Ordering::Relaxed),
+                    events_incomplete: st.events_incomplete.load(Ordering::Relaxed),
+                    fragments_in_complete: st.fragments_in_complete.load(Ordering::Relaxed),
+                    fragments_in_incomplete: st.fragments_in_incomplete.load(Ordering::Relaxed),
+                    bytes_built: st.bytes_built.load(Ordering::Relaxed),
+                    late_fragments: st.late_fragments.load(Ordering::Relaxed),
+                    duplicate_fragments: st.duplicate_fragments.load(Ordering::Relaxed),
+                    malformed_fragments: st.malformed_fragments.load(Ordering::Relaxed),
+                    busy_fraction: frac(st.busy_ns(), secs) / st.links.len().max(1) as f64,
+                    missing_by_source: st.missing_by_source.lock().clone(),
+                    errors: std::iter::once(st.recorder_error.lock().clone())
+                        .chain(st.links.iter().map(|l| {
+                            l.error
+                                .lock()
+                                .clone()
+                                .map(|e| format!("readout unit {}: {e}", l.readout_unit))
+                        }))
+                        .chain(std::iter::once(st.manager_error.lock().clone()))
+                        .flatten()
+                        .collect(),
+                    events_rejected: st.events_rejected.load(Ordering::Relaxed),
+                    events_rebuilt: st.events_rebuilt.load(Ordering::Relaxed),
+                    manager_losses: st.manager_losses.load(Ordering::Relaxed),
+                    recorder_link_lost: st.recorder_lost.load(Ordering::Relaxed),
+                    fragments_rejected_by_filter: st.fragments_rejected.load(Ordering::Relaxed),
+                    buffered_fragments: st.held_fragments.load(Ordering::Relaxed)
+                        + st.queued_fragments.load(Ordering::Relaxed),
+                }
+            })
+            .collect();
         let recorder = run.recorder.as_ref().map(|rec| {
             let st = &rec.stats;
-            buffered += st.queued_fragments.load(Ordering::Relaxed);
             let files = st.files.lock().clone();
+            let (fc, fi) = (
+                st.fragments_in_complete.load(Ordering::Relaxed),
+                st.fragments_in_incomplete.load(Ordering::Relaxed),
+            );
             RecorderReport {
                 events: st.events.load(Ordering::Relaxed),
                 incomplete_events: st.incomplete_events.load(Ordering::Relaxed),
-                fragments: st.fragments_in_complete.load(Ordering::Relaxed)
-                    + st.fragments_in_incomplete.load(Ordering::Relaxed),
+                fragments: fc + fi,
                 record_bytes: st.record_bytes.load(Ordering::Relaxed),
                 file_bytes: st.file_bytes.load(Ordering::Relaxed),
                 throttled_s: st.throttled_ns.load(Ordering::Relaxed) as f64 / 1e9,
@@ -444,17 +459,11 @@ impl Report {
                 disk_free_bytes: st.disk_free.load(Ordering::Relaxed),
                 disk_alarm: st.disk_low.load(Ordering::Relaxed)
                     || st.disk_full.load(Ordering::Relaxed),
+                fragments_in_complete: fc,
+                fragments_in_incomplete: fi,
+                queued_fragments: st.queued_fragments.load(Ordering::Relaxed),
             }
         });
-        // Request mode: an event may be built twice (after a failover) but is recorded once;
-        // the recorder's counts are the ones that hold.
-        if request_mode {
-            if let Some(rec) = &run.recorder {
-                let st = &rec.stats;
-                complete_f = st.fragments_in_complete.load(Ordering::Relaxed);
-                incomplete_f = st.fragments_in_incomplete.load(Ordering::Relaxed);
-            }
-        }
         let event_manager = run.manager.as_ref().map(|m| {
             let v = m.view();
             ManagerReport {
@@ -475,9 +484,125 @@ impl Report {
                 errors: v.errors,
             }
         });
+        Report::assemble(
+            r,
+            info,
+            Parts {
+                sources,
+                readout_units,
+                builders,
+                recorder,
+                event_manager,
+                refused_outside_allow: tessera_net::io::REFUSED_BY_NETWORK
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            },
+        )
+    }
+
+    /// The report of a run spread over hosts, from every host's own report: a source's
+    /// counts come from the host that ran it and its link's from the host of its readout
+    /// unit; the balance is computed over the whole, as in one process.
+    pub fn combine(r: &Resolved, info: RunInfo, parts: Vec<Report>) -> Report {
+        let mut all = Parts {
+            sources: Vec::new(),
+            readout_units: Vec::new(),
+            builders: Vec::new(),
+            recorder: None,
+            event_manager: None,
+            refused_outside_allow: 0,
+        };
+        let mut monitor = None;
+        let mut remote: BTreeMap<u32, SourceReport> = BTreeMap::new();
+        for p in parts {
+            for s in p.sources {
+                if s.link_state.starts_with(REMOTE) {
+                    remote.insert(s.id, s);
+                } else {
+                    all.sources.push(s);
+                }
+            }
+            all.readout_units.extend(p.readout_units);
+            all.builders.extend(p.builders);
+            all.recorder = all.recorder.or(p.recorder);
+            all.event_manager = all.event_manager.or(p.event_manager);
+            all.refused_outside_allow += p.refused_outside_allow;
+            monitor = monitor.or(p.monitor);
+        }
+        for s in &mut all.sources {
+            if let Some(x) = remote.remove(&s.id) {
+                s.kind = x.kind;
+                s.sent = x.sent;
+                s.bytes = x.bytes;
+                s.held_fraction = x.held_fraction;
+                s.error = x.error;
+            }
+        }
+        // A source whose readout unit's host gave no report (lost) keeps its own side.
+        all.sources.extend(remote.into_values());
+        let mut report = Report::assemble(r, info, all);
+        report.monitor = monitor;
+        report
+    }
+
+    /// The totals and the balance from the components' reports.
+    fn assemble(r: &Resolved, info: RunInfo, mut p: Parts) -> Report {
+        let secs = info.duration_s;
+        let request_mode = r.topology.run.mode == tessera_config::Mode::Request;
+        p.sources.sort_by_key(|s| s.id);
+        p.readout_units.sort_by_key(|u| u.id);
+        p.builders.sort_by_key(|b| b.id);
+        let mut rejected: BTreeMap<String, u64> = BTreeMap::new();
+        let mut add = |k: &str, n: u64| {
+            if n > 0 {
+                *rejected.entry(k.to_string()).or_default() += n;
+            }
+        };
+        let mut buffered = 0u64;
+        let mut beyond_sent = 0u64;
+        for s in &p.sources {
+            for (label, n) in &s.rejected {
+                add(label, *n);
+            }
+            // A link the stop aborted was cut with fragments its source had sent still in the
+            // kernel's buffers: they are named, not left unaccounted.
+            if s.link_state == LinkState::Aborted.label() {
+                add("unread_at_abort", s.sent.saturating_sub(s.received));
+            }
+            if s.link_ended {
+                beyond_sent += s.received.saturating_sub(s.sent);
+            }
+        }
+        for u in &p.readout_units {
+            add("builder_link_lost", u.builder_link_lost);
+            buffered += u.buffered_fragments;
+        }
+        let (mut complete_f, mut incomplete_f, mut ev_c, mut ev_i, mut bytes_built) =
+            (0, 0, 0, 0, 0);
+        for b in &p.builders {
+            add("late_at_builder", b.late_fragments);
+            add("duplicate_at_builder", b.duplicate_fragments);
+            add("malformed_super_fragment", b.malformed_fragments);
+            add("recorder_link_lost", b.recorder_link_lost);
+            add("rejected_by_filter", b.fragments_rejected_by_filter);
+            buffered += b.buffered_fragments;
+            complete_f += b.fragments_in_complete;
+            incomplete_f += b.fragments_in_incomplete;
+            ev_c += b.events_complete;
+            ev_i += b.events_incomplete;
+            bytes_built += b.bytes_built;
+        }
+        if let Some(rc) = &p.recorder {
+            buffered += rc.queued_fragments;
+            // Request mode: an event may be built twice (after a failover) but is recorded
+            // once; the recorder's counts are the ones that hold.
+            if request_mode {
+                complete_f = rc.fragments_in_complete;
+                incomplete_f = rc.fragments_in_incomplete;
+            }
+        }
         // Fragments the builders sent on but the recorder has not counted are in flight between
         // them; they are part of what is buffered, not lost, until the recorder link is drained.
-        let recorder_shortfall = recorder.as_ref().map_or(0, |rc| {
+        let recorder_shortfall = p.recorder.as_ref().map_or(0, |rc| {
             let copies = if request_mode {
                 rc.duplicate_events as i64
             } else {
@@ -485,7 +610,7 @@ impl Report {
             };
             (ev_c + ev_i) as i64 - rc.events as i64 - copies
         });
-        let sent: u64 = sources.iter().map(|s| s.sent).sum();
+        let sent: u64 = p.sources.iter().map(|s| s.sent).sum();
         let rejected_total: u64 = rejected.values().sum();
         let unaccounted = (sent + beyond_sent) as i64
             - (complete_f + incomplete_f + rejected_total + buffered) as i64;
@@ -512,11 +637,11 @@ impl Report {
             } else {
                 0.0
             },
-            sources,
-            readout_units,
-            builders,
-            recorder,
-            event_manager,
+            sources: p.sources,
+            readout_units: p.readout_units,
+            builders: p.builders,
+            recorder: p.recorder,
+            event_manager: p.event_manager,
             balance: Balance {
                 sent,
                 in_complete_events: complete_f,
@@ -529,9 +654,9 @@ impl Report {
                 holds: unaccounted == 0,
             },
             recorder_shortfall,
-            refused_outside_allow: tessera_net::io::REFUSED_BY_NETWORK
-                .load(std::sync::atomic::Ordering::Relaxed),
+            refused_outside_allow: p.refused_outside_allow,
             monitor: None,
+            hosts_missing: Vec::new(),
             stop: None,
         }
     }

@@ -340,7 +340,10 @@ id = 0
     assert!(rep.ok(), "{}", rep.summary());
     assert_eq!(rep.events_complete, 1000, "{}", rep.summary());
     let s77 = rep.sources.iter().find(|s| s.id == 77).unwrap();
-    assert_eq!((s77.kind, s77.sent, s77.received), ("external", 1000, 1000));
+    assert_eq!(
+        (s77.kind.as_str(), s77.sent, s77.received),
+        ("external", 1000, 1000)
+    );
     assert_eq!(s77.link_state, "ended");
     let v = verify(dir.path());
     assert_eq!(v.fragments, 4000);

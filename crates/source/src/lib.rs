@@ -126,6 +126,20 @@ impl RunningSources {
         }
     }
 
+    /// One past the highest event ID any source here has claimed: after a pause or a stop,
+    /// where these sources end.
+    pub fn claimed(&self) -> u64 {
+        self.control.gate.lock().claimed
+    }
+
+    /// Raises the last event of a pause or a stop to `end` (one past it): sources on several
+    /// hosts each claim their own triggers, so the run control takes the highest of all and
+    /// has every host send up to it, and no event is left sent by only some sources.
+    pub fn align(&self, end: u64) {
+        let mut g = self.control.gate.lock();
+        g.claimed = g.claimed.max(end);
+    }
+
     pub fn paused(&self) -> bool {
         self.control.gate.lock().paused_since.is_some()
     }

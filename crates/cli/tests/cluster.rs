@@ -1,0 +1,508 @@
+//! Runs spread over hosts (issue 12): every host a network namespace made by the test, joined
+//! by a bridge in a "switch" namespace; a node agent (`tessera node`) in each, started with `ip
+//! netns exec`; the run control (`tessera run`) on the builder host. Without root or `ip netns`
+//! the namespace tests say SKIPPED and pass; CI runs as root.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use support::{eventually, Proc, LIMIT};
+use tessera_node_protocol as proto;
+
+const TOKEN: &str = "cluster-test-token";
+
+/// Namespaces made for one test, removed when it ends (their links go with them).
+struct Net {
+    names: Vec<String>,
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", n]).status();
+        }
+    }
+}
+
+/// One test host: its namespace, address, and its end of the link to the switch.
+struct Host {
+    ns: String,
+    ip: String,
+    link: String,
+}
+
+fn ip(args: &[&str]) -> bool {
+    Command::new("ip")
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// A switch (a bridge in its own namespace) and one namespace per name, host i at
+/// 10.78.0.(10+i)/24. `None` where namespaces cannot be made.
+fn make_net(names: &[&str]) -> Option<(Net, Vec<Host>)> {
+    static SEQ: AtomicU32 = AtomicU32::new(0);
+    let tag = format!(
+        "c{}{}",
+        std::process::id() % 10_000,
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    );
+    let mut net = Net { names: Vec::new() };
+    let sw = format!("{tag}sw");
+    ip(&["netns", "add", &sw]).then_some(())?;
+    net.names.push(sw.clone());
+    ip(&["-n", &sw, "link", "add", "name", "sw0", "type", "bridge"]).then_some(())?;
+    ip(&["-n", &sw, "link", "set", "sw0", "up"]).then_some(())?;
+    let mut hosts = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        let ns = format!("{tag}{name}");
+        ip(&["netns", "add", &ns]).then_some(())?;
+        net.names.push(ns.clone());
+        let (h, s) = (format!("{tag}h{i}"), format!("{tag}s{i}"));
+        let addr = format!("10.78.0.{}", 10 + i);
+        let steps: [&[&str]; 8] = [
+            &["-n", &ns, "link", "set", "lo", "up"],
+            &["link", "add", &h, "type", "veth", "peer", "name", &s],
+            &["link", "set", &h, "netns", &ns],
+            &["link", "set", &s, "netns", &sw],
+            &["-n", &sw, "link", "set", &s, "master", "sw0", "up"],
+            &["-n", &ns, "addr", "add", &format!("{addr}/24"), "dev", &h],
+            &["-n", &ns, "link", "set", &h, "up"],
+            &["-n", &ns, "link", "show", &h],
+        ];
+        for st in steps {
+            ip(st).then_some(())?;
+        }
+        hosts.push(Host {
+            ns,
+            ip: addr,
+            link: h,
+        });
+    }
+    Some((net, hosts))
+}
+
+fn tessera() -> &'static str {
+    env!("CARGO_BIN_EXE_tessera")
+}
+
+/// A node agent on `host`, writing under `dir/<name>`.
+fn agent(host: &Host, dir: &Path, name: &str) -> Proc {
+    Proc::spawn(
+        Command::new("ip")
+            .args(["netns", "exec", &host.ns, tessera(), "node", "--listen"])
+            .arg(format!("{}:7300", host.ip))
+            .arg("--output")
+            .arg(dir.join(name))
+            .env("TESSERA_TOKEN", TOKEN)
+            .env("TESSERA_LOG", "info"),
+    )
+}
+
+/// Runs `f` on a thread that lives in network namespace `ns`.
+fn on_host<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = format!("/var/run/netns/{ns}");
+    std::thread::spawn(move || {
+        let fd = std::fs::File::open(&path).unwrap();
+        use std::os::fd::AsRawFd;
+        // SAFETY: setns on this thread only, with a namespace file descriptor held open.
+        let r = unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(r, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        f()
+    })
+    .join()
+    .unwrap()
+}
+
+/// One HTTP call to the run control from inside `ns`: (status, body).
+fn call(ns: &str, addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
+    let (method, path) = (method.to_string(), path.to_string());
+    on_host(ns, move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        let body = if method == "POST" { "{}" } else { "" };
+        let req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nAuthorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).unwrap();
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).unwrap();
+        let status = resp[9..12].parse().unwrap();
+        let body = resp
+            .split_once("\r\n\r\n")
+            .map(|x| x.1)
+            .unwrap_or("")
+            .to_string();
+        (status, body)
+    })
+}
+
+fn json(ns: &str, addr: SocketAddr, path: &str) -> serde_json::Value {
+    let (st, body) = call(ns, addr, "GET", path);
+    assert_eq!(st, 200, "{path}: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e}: {body}"))
+}
+
+fn transition(ns: &str, addr: SocketAddr, t: &str) -> serde_json::Value {
+    let (st, body) = call(ns, addr, "POST", &format!("/api/transitions/{t}"));
+    assert_eq!(st, 200, "{t}: {body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+fn state(ns: &str, addr: SocketAddr) -> serde_json::Value {
+    json(ns, addr, "/api/state")
+}
+
+/// A COMET-like topology: front-end hosts fe1..feN each with a readout unit and its three
+/// sources beside it, the builder host `be` with the builder and the recorder.
+fn comet(dir: &Path, hosts: &[Host], extra: &str) -> PathBuf {
+    let fe = hosts.len() - 1;
+    let mut t = format!(
+        "[run]\noutput = \"{}\"\n\
+         [sources]\ncount = {}\nfragment_size = 512\ntrigger = \"periodic\"\nrate_hz = 2000\n\
+         [control]\nagent_timeout_ms = 2000\n\
+         [security]\nallow = [\"10.78.0.0/24\"]\n\
+         [recorder]\nhost = \"be\"\n\
+         [[builder]]\nid = 0\nhost = \"be\"\nevent_timeout_ms = 3000\n\
+         {extra}\n[hosts]\n",
+        dir.join("control").display(),
+        3 * fe
+    );
+    for (i, h) in hosts.iter().enumerate() {
+        let name = if i == fe {
+            "be".to_string()
+        } else {
+            format!("fe{}", i + 1)
+        };
+        t += &format!("{name} = \"{}:7300\"\n", h.ip);
+    }
+    for i in 0..fe {
+        t += &format!(
+            "[[readout]]\nid = {i}\nhost = \"fe{}\"\nsources = \"{}-{}\"\nevent_timeout_ms = 1000\n",
+            i + 1,
+            3 * i,
+            3 * i + 2
+        );
+    }
+    let p = dir.join("cluster.toml");
+    std::fs::write(&p, t).unwrap();
+    p
+}
+
+/// The run control on the builder host, in run-control mode; its HTTP address.
+fn run_control(be: &Host, cfg: &Path, dir: &Path) -> (Proc, SocketAddr) {
+    let p = Proc::spawn(
+        Command::new("ip")
+            .args(["netns", "exec", &be.ns, tessera(), "run"])
+            .arg(cfg)
+            .args(["--control", "--quiet", "--http", "127.0.0.1:0"])
+            .env("TESSERA_TOKEN", TOKEN)
+            .env("TESSERA_LOG", "info"),
+    );
+    let file = dir.join("control").join("control.addr");
+    assert!(
+        eventually(LIMIT, || std::fs::read_to_string(&file)
+            .is_ok_and(|s| s.trim().parse::<SocketAddr>().is_ok())),
+        "the run control never wrote {}",
+        file.display()
+    );
+    let addr = std::fs::read_to_string(&file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    (p, addr)
+}
+
+fn wait_state(ns: &str, addr: SocketAddr, want: &str) -> serde_json::Value {
+    let mut last = serde_json::Value::Null;
+    let ok = eventually(LIMIT, || {
+        last = state(ns, addr);
+        last["state"] == want && last["busy"].is_null()
+    });
+    assert!(ok, "never reached {want}: {last}");
+    last
+}
+
+/// Events recorded so far, from the live view.
+fn recorded(ns: &str, addr: SocketAddr) -> u64 {
+    json(ns, addr, "/api/live")["live"]["recorder"]["events"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// Issue 12: a COMET-like run over four hosts, driven as an operator would through the run
+/// control: configured (every agent binds its ports, all 0), started with one run number,
+/// paused, resumed, stopped in stages across hosts; then the files on the builder host hold
+/// every event once, complete, and the combined report's balance holds over all hosts.
+#[test]
+fn a_comet_like_run_over_four_hosts_is_started_paused_stopped_and_verified() {
+    let Some((_net, hosts)) = make_net(&["fe1", "fe2", "fe3", "be"]) else {
+        println!("SKIPPED: network namespaces need root and iproute2");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let agents: Vec<Proc> = ["fe1", "fe2", "fe3", "be"]
+        .iter()
+        .zip(&hosts)
+        .map(|(n, h)| agent(h, dir.path(), n))
+        .collect();
+    let cfg = comet(dir.path(), &hosts, "");
+    let be = &hosts[3];
+    let (ctl, addr) = run_control(be, &cfg, dir.path());
+    wait_state(&be.ns, addr, "configured");
+    transition(&be.ns, addr, "start");
+    assert!(
+        eventually(LIMIT, || recorded(&be.ns, addr) >= 500),
+        "nothing recorded"
+    );
+    transition(&be.ns, addr, "pause");
+    let live = json(&be.ns, addr, "/api/live");
+    assert_eq!(live["live"]["paused"], true, "{live}");
+    // One view: every host's components, each named with its host.
+    let st = state(&be.ns, addr);
+    let comps = st["components"].as_array().unwrap();
+    for h in ["fe1", "fe2", "fe3", "be"] {
+        assert!(
+            comps.iter().any(|c| c["host"] == h && c["kind"] != "node"),
+            "no component of {h}: {st}"
+        );
+    }
+    transition(&be.ns, addr, "resume");
+    assert!(eventually(LIMIT, || recorded(&be.ns, addr) >= 1500));
+    transition(&be.ns, addr, "stop");
+    let st = wait_state(&be.ns, addr, "stopped");
+    let run = st["run_number"].as_u64().unwrap();
+    let stages = st["last_stop"]["stages"].as_array().unwrap();
+    assert_eq!(stages.len(), 4, "{st}");
+    assert!(st["last_stop"]["drained"] == true, "{st}");
+    let rec = json(&be.ns, addr, &format!("/api/runs/{run}"));
+    let report = &rec["report"];
+    assert_eq!(report["balance"]["holds"], true, "{report}");
+    let sent = report["balance"]["sent"].as_u64().unwrap();
+    let events = report["recorder"]["events_in_files"].as_u64().unwrap();
+    assert!(events >= 1500, "{report}");
+    assert_eq!(sent, 9 * events, "{report}");
+    assert_eq!(report["events_incomplete"], 0, "{report}");
+    for s in report["sources"].as_array().unwrap() {
+        assert_eq!(s["sent"], s["received"], "source {s}");
+        assert!(s["sent"].as_u64().unwrap() > 0, "source {s}");
+    }
+    // The files are where the recorder ran, and hold every event once.
+    let out = dir.path().join("be");
+    let v = Command::new(tessera())
+        .args(["verify", "--json"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let verify: serde_json::Value = serde_json::from_slice(&v.stdout).unwrap();
+    assert!(v.status.success(), "{verify}");
+    assert_eq!(verify["events"].as_u64(), Some(events), "{verify}");
+    assert_eq!(verify["duplicate_event_ids"], 0, "{verify}");
+    // The agents survive the run: a second run starts on the same agents.
+    transition(&be.ns, addr, "start");
+    assert!(eventually(LIMIT, || recorded(&be.ns, addr) >= 100));
+    transition(&be.ns, addr, "stop");
+    let st = wait_state(&be.ns, addr, "stopped");
+    assert_eq!(st["run_number"].as_u64(), Some(run + 1));
+    ctl.signal("INT");
+    let o = ctl.finish(LIMIT);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for a in agents {
+        a.signal("INT");
+        assert!(a.finish(LIMIT).status.success());
+    }
+}
+
+/// Issue 12: a host's agent killed mid-run (kill -9): the run goes to error naming the host
+/// within `control.agent_timeout_ms`, the other hosts stop in stages, the report names the host
+/// whose part is missing, and nothing hangs.
+#[test]
+fn a_lost_agent_puts_the_run_in_error_naming_its_host() {
+    lost_host(|agents, hosts| {
+        let _ = hosts;
+        agents[1].kill();
+    });
+}
+
+/// Issue 12: a front-end host's link taken down mid-run: the same, seen only as silence.
+#[test]
+fn a_front_end_link_taken_down_puts_the_run_in_error_naming_its_host() {
+    lost_host(|_, hosts| {
+        assert!(ip(&[
+            "-n",
+            &hosts[1].ns,
+            "link",
+            "set",
+            &hosts[1].link,
+            "down"
+        ]));
+    });
+}
+
+fn lost_host(cut: impl FnOnce(&mut [Proc], &[Host])) {
+    let Some((_net, hosts)) = make_net(&["fe1", "fe2", "be"]) else {
+        println!("SKIPPED: network namespaces need root and iproute2");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut agents: Vec<Proc> = ["fe1", "fe2", "be"]
+        .iter()
+        .zip(&hosts)
+        .map(|(n, h)| agent(h, dir.path(), n))
+        .collect();
+    let cfg = comet(
+        dir.path(),
+        &hosts,
+        "[stop]\nreadout_ms = 2000\nbuilders_ms = 2000\n",
+    );
+    let be = &hosts[2];
+    let (ctl, addr) = run_control(be, &cfg, dir.path());
+    wait_state(&be.ns, addr, "configured");
+    transition(&be.ns, addr, "start");
+    assert!(eventually(LIMIT, || recorded(&be.ns, addr) >= 300));
+    cut(&mut agents, &hosts);
+    let st = wait_state(&be.ns, addr, "error");
+    let error = st["error"].as_str().unwrap_or_default();
+    assert!(error.contains("host fe2"), "{st}");
+    let run = st["run_number"].as_u64().unwrap();
+    let rec = json(&be.ns, addr, &format!("/api/runs/{run}"));
+    let report = &rec["report"];
+    let missing = report["hosts_missing"].to_string();
+    assert!(missing.contains("host fe2"), "{report}");
+    // What the other hosts counted is there: fe1's sources, the builder, the recorder.
+    assert!(report["recorder"]["events_in_files"].as_u64().unwrap() >= 300);
+    // The run control still answers and can be reset.
+    transition(&be.ns, addr, "reset");
+    ctl.signal("INT");
+    assert!(ctl.finish(LIMIT).status.success());
+    // (The killed agent has no process left to signal: `kill 0` would hit the test itself.)
+    for a in agents.into_iter().filter(|a| a.id() != 0) {
+        a.signal("INT");
+        a.finish(LIMIT);
+    }
+}
+
+/// Issue 12: an agent refuses a run control with the wrong token, and one of another protocol
+/// revision, naming both revisions; the run control refuses an agent of another revision the
+/// same way. Over loopback: no namespaces needed.
+#[test]
+fn agents_and_run_controls_refuse_wrong_tokens_and_other_revisions() {
+    let dir = tempfile::tempdir().unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    drop(l);
+    let agent = Proc::spawn(
+        Command::new(tessera())
+            .args(["node", "--listen", &format!("127.0.0.1:{port}")])
+            .arg("--output")
+            .arg(dir.path().join("node"))
+            .env("TESSERA_TOKEN", TOKEN),
+    );
+    let hello = |protocol: u32, token: &str| -> proto::Reply {
+        let mut s = None;
+        assert!(eventually(LIMIT, || {
+            s = TcpStream::connect(("127.0.0.1", port)).ok();
+            s.is_some()
+        }));
+        let mut s = s.unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        s.write_all(&proto::encode(&proto::Request::Hello {
+            protocol,
+            software: "test".into(),
+            token: token.into(),
+        }))
+        .unwrap();
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).unwrap_or_default();
+        proto::decode_frame::<proto::Reply>(&buf, proto::MAX_HELLO)
+            .unwrap()
+            .unwrap()
+            .0
+    };
+    match hello(proto::PROTOCOL, "not-the-token") {
+        proto::Reply::Refused { reason } => assert!(reason.contains("wrong token"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    match hello(99, TOKEN) {
+        proto::Reply::Refused { reason } => assert!(
+            reason.contains("revision 99") && reason.contains(&format!("{}", proto::PROTOCOL)),
+            "{reason}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    // The run control, told the wrong token, names the host and the refusal.
+    let cfg = dir.path().join("t.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[run]\nevents = 10\noutput = \"{}\"\n[control]\nlisten = \"\"\n[hosts]\nfe1 = \"127.0.0.1:{port}\"\n[recorder]\nhost = \"fe1\"\n[[readout]]\nid = 0\nhost = \"fe1\"\n[[builder]]\nid = 0\nhost = \"fe1\"\n",
+            dir.path().join("ctl").display()
+        ),
+    )
+    .unwrap();
+    let o = Proc::spawn_piped(
+        Command::new(tessera())
+            .args(["run", "--quiet"])
+            .arg(&cfg)
+            .env("TESSERA_TOKEN", "wrong"),
+    )
+    .finish(LIMIT);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("host fe1") && err.contains("wrong token"),
+        "{err}"
+    );
+    agent.signal("INT");
+    assert!(agent.finish(LIMIT).status.success());
+
+    // An agent of another revision (the test speaks for it): the run control names both.
+    let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+    let fake_port = fake.local_addr().unwrap().port();
+    let t = std::thread::spawn(move || {
+        let (mut s, _) = fake.accept().unwrap();
+        let mut h = [0u8; 4];
+        s.read_exact(&mut h).unwrap();
+        let len = proto::frame_len(&h, proto::MAX_HELLO).unwrap().unwrap();
+        let mut body = vec![0; len];
+        s.read_exact(&mut body).unwrap();
+        s.write_all(&proto::encode(&proto::Reply::Hello {
+            protocol: 7,
+            software: "tessera 9.9".into(),
+            host: "old".into(),
+        }))
+        .unwrap();
+    });
+    std::fs::write(
+        &cfg,
+        std::fs::read_to_string(&cfg)
+            .unwrap()
+            .replace(&format!(":{port}"), &format!(":{fake_port}")),
+    )
+    .unwrap();
+    let o = Proc::spawn_piped(
+        Command::new(tessera())
+            .args(["run", "--quiet"])
+            .arg(&cfg)
+            .env("TESSERA_TOKEN", TOKEN),
+    )
+    .finish(LIMIT);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("revision 7") && err.contains(&format!("{} (tessera", proto::PROTOCOL)),
+        "{err}"
+    );
+    t.join().unwrap();
+}

@@ -1,0 +1,588 @@
+//! The node agent: one per host, long-running, driven by one run control at a time. It takes
+//! the roles `[hosts]` places on its host, binds their listening sockets when it is configured
+//! (so every address is known before any role connects, whatever the ports), runs them through
+//! [`Session`] for each run, and answers what they count. It survives runs: a run ends, the
+//! agent waits for the next configure.
+//!
+//! A run control that goes silent (its host or network lost) for `control.agent_timeout_ms`
+//! is lost: the agent stops its run in stages, as a stop would, so that what its roles hold is
+//! drained and written rather than dropped, and writes the part's report beside its files.
+
+use anyhow::{anyhow, bail, Context, Result};
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tessera_config::{Resolved, Topology};
+use tessera_node_protocol::{self as proto, Deadlines, Reply, Request};
+use tessera_run::{RoleSet, Session, StageReport, StopDeadlines, StopStage};
+
+use crate::link::{recv, send};
+
+/// How the agent was started.
+#[derive(Clone, Debug)]
+pub struct AgentOptions {
+    /// What the run control must present in its hello.
+    pub token: String,
+    /// Overrides `run.output` for this host's files.
+    pub output: Option<PathBuf>,
+    /// How long the run control may be silent before this agent calls it lost (until a
+    /// configure gives `control.agent_timeout_ms`).
+    pub control_timeout: Duration,
+}
+
+/// Serves run controls on `listener` until `stop` is raised. One drives the agent at a time;
+/// another is refused, told which one drives it.
+pub fn serve(listener: TcpListener, opts: AgentOptions, stop: Arc<AtomicBool>) -> Result<()> {
+    if opts.token.is_empty() {
+        bail!("a node agent needs a token (--token or TESSERA_TOKEN): the run control presents the same one");
+    }
+    listener.set_nonblocking(true)?;
+    let driver: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
+    let mut threads = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        match listener.accept() {
+            Ok((s, peer)) => {
+                s.set_nonblocking(false)?;
+                let (opts, driver, stop) = (opts.clone(), driver.clone(), stop.clone());
+                threads.push(std::thread::spawn(move || {
+                    if let Err(e) = connection(s, peer, &opts, &driver, &stop) {
+                        tracing::warn!(%peer, error = %format!("{e:#}"), "run control connection ended");
+                    }
+                }));
+                threads.retain(|t: &std::thread::JoinHandle<()>| !t.is_finished());
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e).context("accepting run controls"),
+        }
+    }
+    for t in threads {
+        let _ = t.join();
+    }
+    Ok(())
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// One run control's connection: the hello, then requests answered in order.
+fn connection(
+    mut s: TcpStream,
+    peer: SocketAddr,
+    opts: &AgentOptions,
+    driver: &Mutex<Option<SocketAddr>>,
+    stop: &AtomicBool,
+) -> Result<()> {
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let hello: Request = recv(&mut s, proto::MAX_HELLO).context("reading the hello")?;
+    let Request::Hello {
+        protocol,
+        software,
+        token,
+    } = hello
+    else {
+        send(
+            &mut s,
+            &Reply::Refused {
+                reason: "the first message must be a hello".into(),
+            },
+        )?;
+        bail!("{peer}: first message not a hello");
+    };
+    let me = host_name();
+    let refuse = |s: &mut TcpStream, reason: String| -> Result<()> {
+        tracing::warn!(%peer, %reason, "run control refused");
+        send(
+            s,
+            &Reply::Refused {
+                reason: reason.clone(),
+            },
+        )?;
+        bail!("{reason}")
+    };
+    if protocol != proto::PROTOCOL {
+        return refuse(
+            &mut s,
+            format!(
+                "node protocol revision {protocol} ({software}) at the run control, {} ({}) at the agent on {me}",
+                proto::PROTOCOL,
+                crate::software()
+            ),
+        );
+    }
+    if !constant_time_eq(token.as_bytes(), opts.token.as_bytes()) {
+        return refuse(&mut s, format!("wrong token for the agent on {me}"));
+    }
+    {
+        let mut d = driver.lock();
+        if let Some(other) = *d {
+            drop(d);
+            return refuse(
+                &mut s,
+                format!("the agent on {me} is driven by the run control at {other}"),
+            );
+        }
+        *d = Some(peer);
+    }
+    tracing::info!(%peer, %software, "run control connected");
+    send(
+        &mut s,
+        &Reply::Hello {
+            protocol: proto::PROTOCOL,
+            software: crate::software(),
+            host: me,
+        },
+    )?;
+    let mut agent = Agent {
+        opts: opts.clone(),
+        part: None,
+    };
+    let result = agent.serve(&mut s, stop);
+    // Whatever ended the connection, a run still open is stopped in stages and its report
+    // kept here: its data is drained and written, not dropped with the run control.
+    if let Some(part) = agent.part.as_mut() {
+        if let Some(session) = part.session.take() {
+            tracing::warn!(
+                run = session.run_number(),
+                "the run control is gone: stopping this host's part of the run in stages"
+            );
+            let d = StopDeadlines::from(&part.r.topology.stop);
+            let stop = session.stop(&d);
+            match session.finish("run control lost", stop) {
+                Ok(report) => {
+                    let path = part.output.join(format!(
+                        "run{:06}.{}.report.json",
+                        report.run_number, part.host
+                    ));
+                    let _ = std::fs::write(&path, serde_json::to_vec_pretty(&report)?);
+                    tracing::warn!(file = %path.display(), "this host's report of the run written");
+                }
+                Err(e) => tracing::error!(error = %format!("{e:#}"), "finishing the run"),
+            }
+        }
+    }
+    *driver.lock() = None;
+    result
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// This host's share of the configured run.
+struct Part {
+    host: String,
+    r: Resolved,
+    roles: RoleSet,
+    output: PathBuf,
+    /// Bound at configure, taken by the run's start.
+    listeners: HashMap<String, TcpListener>,
+    session: Option<Session>,
+    stages: Vec<StageReport>,
+}
+
+struct Agent {
+    opts: AgentOptions,
+    part: Option<Part>,
+}
+
+impl Agent {
+    fn serve(&mut self, s: &mut TcpStream, stop: &AtomicBool) -> Result<()> {
+        loop {
+            // Twice the run control's own limit: it asks five times a second, and it should be
+            // the one to see a broken link first and name the host.
+            let timeout = self.part.as_ref().map_or(self.opts.control_timeout, |p| {
+                Duration::from_millis(2 * p.r.topology.control.agent_timeout_ms.max(100))
+            });
+            s.set_read_timeout(Some(timeout))?;
+            let req: Request = match recv(s, proto::MAX_FRAME) {
+                Ok(r) => r,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    bail!(
+                        "the run control was silent for {} ms: lost",
+                        timeout.as_millis()
+                    )
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(e).context("reading a request"),
+            };
+            if stop.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            // A request that takes long (a stop stage draining) says `working` every second,
+            // so the run control can tell a busy agent from a lost one.
+            let (tx, rx) = std::sync::mpsc::channel();
+            let writer = s.try_clone()?;
+            let reply = std::thread::scope(|scope| {
+                scope.spawn(|| {
+                    let r = self.handle(req);
+                    let _ = tx.send(r);
+                });
+                let mut w = writer;
+                loop {
+                    match rx.recv_timeout(Duration::from_secs(1)) {
+                        Ok(r) => return Ok::<Reply, anyhow::Error>(r),
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                            send(&mut w, &Reply::Working {})?
+                        }
+                        Err(_) => return Err(anyhow!("request handler ended without a reply")),
+                    }
+                }
+            })?;
+            send(s, &reply)?;
+        }
+    }
+
+    fn handle(&mut self, req: Request) -> Reply {
+        let result = match req {
+            Request::Hello { .. } => Err(anyhow!("a second hello")),
+            Request::Configure {
+                topology,
+                origin,
+                host,
+            } => return self.configure(&topology, &origin, &host),
+            Request::Start {
+                run_number,
+                addresses,
+                events,
+            } => self
+                .start(run_number, &addresses, events)
+                .map(|_| Reply::Ok {}),
+            Request::Release {} | Request::Resume {} => self.with_session(|s| s.resume()),
+            Request::Hold {} => self.session().map(|s| Reply::Held {
+                claimed: s.hold_triggers(),
+            }),
+            Request::Align { end } => self.with_session(|s| s.align_triggers(end)),
+            Request::Status {} => Ok(self.status()),
+            Request::StopBegin { deadlines } => {
+                self.with_session(|s| s.stop_begin(&from(&deadlines)))
+            }
+            Request::StopStage { stage, deadlines } => self.stop_stage(&stage, &deadlines),
+            Request::Finish { stop_reason } => self.finish(&stop_reason),
+            Request::Report {} => self.report(),
+            Request::Why { event_id } => self.why(event_id),
+            Request::Reset {} => {
+                self.reset();
+                Ok(Reply::Ok {})
+            }
+        };
+        result.unwrap_or_else(|e| Reply::Error {
+            message: format!("{e:#}"),
+        })
+    }
+
+    fn session(&self) -> Result<&Session> {
+        self.part
+            .as_ref()
+            .and_then(|p| p.session.as_ref())
+            .ok_or_else(|| anyhow!("no run is open on this host"))
+    }
+
+    fn with_session(&self, f: impl FnOnce(&Session)) -> Result<Reply> {
+        f(self.session()?);
+        Ok(Reply::Ok {})
+    }
+
+    fn reset(&mut self) {
+        if let Some(mut p) = self.part.take() {
+            if let Some(s) = p.session.take() {
+                let mut d = StopDeadlines::from(&p.r.topology.stop);
+                d.max_ms = d.max_ms.max(1);
+                let stop = s.stop(&d);
+                let _ = s.finish("reset", stop);
+            }
+        }
+    }
+
+    /// Parses the topology, checks this host's roles and binds their sockets: every problem
+    /// found is said, not only the first.
+    fn configure(&mut self, text: &str, origin: &str, host: &str) -> Reply {
+        if self.part.as_ref().is_some_and(|p| p.session.is_some()) {
+            return Reply::Error {
+                message: "a run is open on this host: stop it before configuring".into(),
+            };
+        }
+        // Sockets of an earlier configure are released before the new ones bind.
+        self.part = None;
+        let r = match Topology::parse(text, origin) {
+            Ok(r) => r,
+            Err(e) => {
+                return Reply::Problems {
+                    problems: vec![e.to_string()],
+                }
+            }
+        };
+        let Some(entry) = r.topology.hosts.get(host) else {
+            return Reply::Problems {
+                problems: vec![format!("{origin}: hosts: no host {host:?}")],
+            };
+        };
+        let data_ip: Option<IpAddr> = entry.data_address().parse().ok();
+        let roles = RoleSet::of_host(host, &r);
+        let output = self
+            .opts
+            .output
+            .clone()
+            .unwrap_or_else(|| r.topology.run.output.clone());
+        let mut problems = Vec::new();
+        if let Err(e) = writable(&output) {
+            problems.push(format!("output directory {}: {e:#}", output.display()));
+        }
+        let need = memory_needed(&r, &roles);
+        if let Some(avail) = memory_available() {
+            if need > avail {
+                problems.push(format!(
+                    "its roles' buffers need {} MB, the host has {} MB available",
+                    need >> 20,
+                    avail >> 20
+                ));
+            }
+        }
+        let mut listeners = HashMap::new();
+        let mut addresses = BTreeMap::new();
+        for (key, listen) in roles.listens(&r) {
+            let (bind, advertise_ip) = placed(&listen, data_ip);
+            match TcpListener::bind(&bind) {
+                Ok(l) => {
+                    let got = match l.local_addr() {
+                        Ok(a) => a,
+                        Err(e) => {
+                            problems.push(format!("{key}: {e}"));
+                            continue;
+                        }
+                    };
+                    let ip = advertise_ip.unwrap_or(got.ip());
+                    addresses.insert(key.clone(), SocketAddr::new(ip, got.port()).to_string());
+                    listeners.insert(key, l);
+                }
+                Err(e) => problems.push(format!("{key}: cannot listen on {bind}: {e}")),
+            }
+        }
+        if !problems.is_empty() {
+            return Reply::Problems { problems };
+        }
+        let names = roles.names();
+        tracing::info!(host, roles = ?names, ?addresses, "configured");
+        self.part = Some(Part {
+            host: host.to_string(),
+            r,
+            roles,
+            output,
+            listeners,
+            session: None,
+            stages: Vec::new(),
+        });
+        Reply::Configured {
+            roles: names,
+            addresses,
+        }
+    }
+
+    fn start(
+        &mut self,
+        run_number: u64,
+        addresses: &BTreeMap<String, String>,
+        events: Option<u64>,
+    ) -> Result<()> {
+        let p = self
+            .part
+            .as_mut()
+            .ok_or_else(|| anyhow!("not configured"))?;
+        if p.session.is_some() {
+            bail!("a run is already open on this host");
+        }
+        if p.listeners.len() != p.roles.listens(&p.r).len() {
+            bail!("this host's sockets were used by an earlier run: configure again");
+        }
+        let r = tessera_run::with_addresses(&p.r, addresses)?;
+        let listeners: tessera_run::Listeners =
+            Arc::new(Mutex::new(std::mem::take(&mut p.listeners)));
+        let opts = tessera_run::Options {
+            events,
+            output: Some(p.output.clone()),
+            status: tessera_run::StatusMode::Off,
+            manifest: false,
+            run_number: Some(run_number),
+            roles: Some(p.roles.clone()),
+            listeners,
+            start_held: true,
+            part: Some(p.host.clone()),
+            ..Default::default()
+        };
+        let session = Session::start(&r, &opts)
+            .with_context(|| format!("starting {}", p.roles.names().join(", ")))?;
+        tracing::info!(run = run_number, host = %p.host, "started");
+        p.session = Some(session);
+        p.stages.clear();
+        Ok(())
+    }
+
+    fn status(&self) -> Reply {
+        match self
+            .part
+            .as_ref()
+            .and_then(|p| Some((p, p.session.as_ref()?)))
+        {
+            None => Reply::Status {
+                live: serde_json::Value::Null,
+                sources_ended: false,
+                disk_full: false,
+            },
+            Some((p, s)) => {
+                let mut live = s.live();
+                for c in &mut live.components {
+                    c.host = Some(p.host.clone());
+                }
+                Reply::Status {
+                    live: serde_json::to_value(live).unwrap_or_default(),
+                    sources_ended: s.sources_ended(),
+                    disk_full: s.disk_full(),
+                }
+            }
+        }
+    }
+
+    fn stop_stage(&mut self, stage: &str, d: &Deadlines) -> Result<Reply> {
+        let stage: StopStage = serde_json::from_value(serde_json::Value::String(stage.into()))
+            .map_err(|_| anyhow!("{stage:?} is not a stage of a stop"))?;
+        let rep = self.session()?.stop_stage(stage, &from(d));
+        if let Some(p) = self.part.as_mut() {
+            p.stages.push(rep.clone());
+        }
+        Ok(Reply::Stage {
+            report: serde_json::to_value(rep)?,
+        })
+    }
+
+    fn finish(&mut self, reason: &str) -> Result<Reply> {
+        let p = self
+            .part
+            .as_mut()
+            .ok_or_else(|| anyhow!("not configured"))?;
+        let s = p
+            .session
+            .take()
+            .ok_or_else(|| anyhow!("no run is open on this host"))?;
+        let stop = s.stop_report(std::mem::take(&mut p.stages));
+        let report = s.finish(reason, stop)?;
+        tracing::info!(run = report.run_number, host = %p.host, "finished");
+        Ok(Reply::Report {
+            report: serde_json::to_value(report)?,
+        })
+    }
+
+    fn report(&self) -> Result<Reply> {
+        Ok(Reply::Report {
+            report: serde_json::to_value(self.session()?.report("running", false))?,
+        })
+    }
+
+    fn why(&self, event_id: u64) -> Result<Reply> {
+        Ok(Reply::Why {
+            answer: serde_json::to_value(self.session()?.why_incomplete(event_id))?,
+        })
+    }
+}
+
+fn from(d: &Deadlines) -> StopDeadlines {
+    StopDeadlines {
+        sources_ms: d.sources_ms,
+        readout_ms: d.readout_ms,
+        builders_ms: d.builders_ms,
+        recorder_ms: d.recorder_ms,
+        abort_grace_ms: d.abort_grace_ms,
+        max_ms: d.max_ms,
+    }
+}
+
+/// Where a role's socket binds on this host, and the address it is reached at when that is
+/// not the bound one. A loopback address in the topology (the default, `127.0.0.1:0`) means
+/// "this host's data address", since a role on another host could not reach it; an
+/// unspecified one (`0.0.0.0:7100`) binds every interface and is reached at the data address.
+fn placed(listen: &str, data_ip: Option<IpAddr>) -> (String, Option<IpAddr>) {
+    let (h, port) = listen.rsplit_once(':').unwrap_or((listen, "0"));
+    let h = h.trim_start_matches('[').trim_end_matches(']');
+    let ip: Option<IpAddr> = if h == "localhost" {
+        Some(IpAddr::from([127, 0, 0, 1]))
+    } else {
+        h.parse().ok()
+    };
+    match (ip, data_ip) {
+        (Some(ip), Some(d)) if ip.is_loopback() => (
+            SocketAddr::new(d, port.parse().unwrap_or(0)).to_string(),
+            None,
+        ),
+        (Some(ip), Some(d)) if ip.is_unspecified() => (listen.to_string(), Some(d)),
+        _ => (listen.to_string(), None),
+    }
+}
+
+fn writable(dir: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(dir).context("cannot create it")?;
+    let probe = dir.join(format!(".tessera-node-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"probe").context("cannot write in it")?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// The buffers this host's roles take at most, by configuration.
+fn memory_needed(r: &Resolved, roles: &RoleSet) -> u64 {
+    let t = &r.topology;
+    let mut need = 0u64;
+    for u in t
+        .readout_units
+        .iter()
+        .filter(|u| roles.readout_units.contains(&u.id))
+    {
+        need += u.buffer.0;
+    }
+    for b in t.builders.iter().filter(|b| roles.builders.contains(&b.id)) {
+        need += b.buffer.0;
+    }
+    if roles.recorder {
+        need += t.recorder.queue.0;
+    }
+    need
+}
+
+fn memory_available() -> Option<u64> {
+    let m = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_loopback_listen_is_placed_on_the_data_address() {
+        let d: IpAddr = "10.77.1.2".parse().unwrap();
+        assert_eq!(placed("127.0.0.1:0", Some(d)), ("10.77.1.2:0".into(), None));
+        assert_eq!(
+            placed("0.0.0.0:7100", Some(d)),
+            ("0.0.0.0:7100".into(), Some(d))
+        );
+        assert_eq!(
+            placed("10.9.9.9:7100", Some(d)),
+            ("10.9.9.9:7100".into(), None)
+        );
+        assert_eq!(placed("127.0.0.1:0", None), ("127.0.0.1:0".into(), None));
+    }
+}

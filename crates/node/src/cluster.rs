@@ -1,0 +1,804 @@
+//! The run control's side of a run spread over hosts: one connection to every host's node
+//! agent, and the run itself ([`ClusterRun`]) driven through the same [`RunSession`] as a run
+//! in one process. Configure checks every host and binds every socket; start hands every host
+//! the addresses of all (sink first), then releases the triggers once all have started; a
+//! stop runs each stage on every host before the next; the report and the live view are
+//! combined from every host's own, and the balance is taken over the whole.
+//!
+//! An agent silent for `control.agent_timeout_ms` (agents say `working` every second while a
+//! request lasts) is lost: the run goes to error naming its host, and its stop and report go
+//! on without it, saying so.
+
+use anyhow::{anyhow, bail, Context, Result};
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::net::{TcpStream, ToSocketAddrs};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tessera_config::Resolved;
+use tessera_node_protocol::{self as proto, Deadlines, Reply, Request};
+use tessera_run::live::{Live, WhyIncomplete};
+use tessera_run::{
+    Component, ComponentState, Report, RunSession, StageReport, StopDeadlines, StopReport,
+    StopStage,
+};
+
+use crate::link::{recv, send};
+
+/// One host's agent, as the run control holds it.
+struct AgentLink {
+    host: String,
+    addr: String,
+    conn: Mutex<Option<TcpStream>>,
+    /// Why it was lost, once it was.
+    lost: Mutex<Option<String>>,
+    /// When the run starts: 0 for hosts with the recorder or event manager, 1 builders, 2
+    /// readout units, 3 sources only (sink first).
+    rank: u8,
+}
+
+impl AgentLink {
+    fn name(&self) -> String {
+        format!("host {} ({})", self.host, self.addr)
+    }
+
+    fn is_lost(&self) -> bool {
+        self.lost.lock().is_some()
+    }
+
+    /// Sends a request and waits for its answer; a silent agent (no answer and no `working`
+    /// within `timeout`) or a broken connection loses it.
+    fn call(&self, req: &Request, timeout: Duration) -> Result<Reply> {
+        if let Some(why) = self.lost.lock().clone() {
+            bail!("{}: lost earlier: {why}", self.name());
+        }
+        let mut conn = self.conn.lock();
+        let s = conn
+            .as_mut()
+            .ok_or_else(|| anyhow!("{}: not connected", self.name()))?;
+        let result = (|| -> std::io::Result<Reply> {
+            s.set_read_timeout(Some(timeout))?;
+            send(s, req)?;
+            loop {
+                match recv::<Reply>(s, proto::MAX_FRAME)? {
+                    Reply::Working {} => continue,
+                    r => return Ok(r),
+                }
+            }
+        })();
+        match result {
+            Ok(r) => Ok(r),
+            Err(e) => {
+                let why = if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) {
+                    format!("silent for {} ms", timeout.as_millis())
+                } else {
+                    e.to_string()
+                };
+                tracing::error!(host = %self.host, agent = %self.addr, %why, "node agent lost");
+                *self.lost.lock() = Some(why.clone());
+                *conn = None;
+                bail!("{}: node agent lost: {why}", self.name())
+            }
+        }
+    }
+}
+
+/// Every host's agent, connected and configured. Lives from a configure to the reset.
+pub struct Cluster {
+    r: Resolved,
+    agents: Vec<AgentLink>,
+    timeout: Duration,
+    /// The agents hold sockets bound by a configure that no start has used yet.
+    fresh: AtomicBool,
+    /// Where every listening socket of the run is, from the last configure.
+    addresses: Mutex<BTreeMap<String, String>>,
+    /// Every host's part as last polled (each agent is asked five times a second, from the
+    /// configure on: the live view, and a lost agent seen within the timeout, in a run or not).
+    statuses: Mutex<BTreeMap<String, HostStatus>>,
+    closing: AtomicBool,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.closing.store(true, Ordering::Relaxed);
+    }
+}
+
+fn check(reply: Reply, what: &str) -> Result<Reply> {
+    match reply {
+        Reply::Error { message } => bail!("{what}: {message}"),
+        Reply::Refused { reason } => bail!("{what}: refused: {reason}"),
+        r => Ok(r),
+    }
+}
+
+impl Cluster {
+    /// Connects to every host of `[hosts]`, checks the protocol revision and the token both
+    /// ways, and configures each: every host's problems are gathered and said together.
+    pub fn configure(r: &Resolved, token: &str) -> Result<Arc<Cluster>> {
+        let t = &r.topology;
+        let timeout = Duration::from_millis(t.control.agent_timeout_ms.max(100));
+        let rank = |host: &str| -> u8 {
+            let roles = tessera_run::RoleSet::of_host(host, r);
+            if roles.recorder || roles.event_manager {
+                0
+            } else if !roles.builders.is_empty() {
+                1
+            } else if !roles.readout_units.is_empty() {
+                2
+            } else {
+                3
+            }
+        };
+        let mut agents: Vec<AgentLink> = t
+            .hosts
+            .iter()
+            .map(|(host, e)| AgentLink {
+                host: host.clone(),
+                addr: e.agent().to_string(),
+                conn: Mutex::new(None),
+                lost: Mutex::new(None),
+                rank: rank(host),
+            })
+            .collect();
+        agents.sort_by_key(|a| a.rank);
+        let errors: Vec<String> = std::thread::scope(|scope| {
+            let handles: Vec<_> = agents
+                .iter()
+                .map(|a| scope.spawn(move || connect(a, token, timeout).err()))
+                .collect();
+            handles
+                .into_iter()
+                .filter_map(|h| h.join().ok().flatten())
+                .map(|e| format!("{e:#}"))
+                .collect()
+        });
+        if !errors.is_empty() {
+            bail!("{}", errors.join("\n"));
+        }
+        let cluster = Cluster {
+            r: r.clone(),
+            agents,
+            timeout,
+            fresh: AtomicBool::new(false),
+            addresses: Mutex::default(),
+            statuses: Mutex::default(),
+            closing: AtomicBool::new(false),
+        };
+        cluster.configure_agents()?;
+        let cluster = Arc::new(cluster);
+        for i in 0..cluster.agents.len() {
+            let weak = Arc::downgrade(&cluster);
+            std::thread::Builder::new()
+                .name(format!("poll-{}", cluster.agents[i].host))
+                .spawn(move || poll(weak, i))?;
+        }
+        Ok(cluster)
+    }
+
+    /// Configures every agent, which binds its sockets; keeps their addresses.
+    fn configure_agents(&self) -> Result<()> {
+        let replies = self.on_every_agent(|a| {
+            a.call(
+                &Request::Configure {
+                    topology: self.r.text.clone(),
+                    origin: self.r.origin.clone(),
+                    host: a.host.clone(),
+                },
+                self.timeout,
+            )
+        });
+        let mut problems = Vec::new();
+        let mut addresses = BTreeMap::new();
+        for (a, reply) in self.agents.iter().zip(replies) {
+            match reply {
+                Ok(Reply::Configured {
+                    roles,
+                    addresses: got,
+                }) => {
+                    tracing::info!(host = %a.host, ?roles, "host configured");
+                    addresses.extend(got);
+                }
+                Ok(Reply::Problems { problems: p }) => {
+                    problems.extend(p.into_iter().map(|p| format!("{}: {p}", a.name())))
+                }
+                Ok(other) => problems.push(format!("{}: {:?}", a.name(), other)),
+                Err(e) => problems.push(format!("{e:#}")),
+            }
+        }
+        if !problems.is_empty() {
+            bail!("{}", problems.join("\n"));
+        }
+        *self.addresses.lock() = addresses;
+        self.fresh.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// `f` on every agent not lost, at once; the results in the agents' order.
+    fn on_every_agent<T: Send>(
+        &self,
+        f: impl Fn(&AgentLink) -> Result<T> + Sync,
+    ) -> Vec<Result<T>> {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = self
+                .agents
+                .iter()
+                .map(|a| {
+                    let f = &f;
+                    scope.spawn(move || f(a))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow!("request thread panicked")))
+                })
+                .collect()
+        })
+    }
+
+    /// Tells every agent to drop its configuration (and any run still open).
+    pub fn reset(&self) {
+        self.closing.store(true, Ordering::Relaxed);
+        for a in self.agents.iter().filter(|a| !a.is_lost()) {
+            let _ = a.call(&Request::Reset {}, self.timeout);
+        }
+    }
+
+    /// Starts run `run_number` on every host (sink first), then releases the triggers.
+    pub fn start(
+        self: &Arc<Self>,
+        run_number: u64,
+        opts: &tessera_run::Options,
+    ) -> Result<ClusterRun> {
+        if let Some(a) = self.agents.iter().find(|a| a.is_lost()) {
+            bail!("{} was lost: configure again", a.name());
+        }
+        // Each start needs sockets bound for it (an earlier run used its own).
+        if !self.fresh.load(Ordering::Acquire) {
+            self.configure_agents()?;
+        }
+        self.fresh.store(false, Ordering::Release);
+        let addresses = self.addresses.lock().clone();
+        let started_unix_ns = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        self.statuses.lock().clear();
+        let mut started: Vec<&AgentLink> = Vec::new();
+        for a in &self.agents {
+            let r = a
+                .call(
+                    &Request::Start {
+                        run_number,
+                        addresses: addresses.clone(),
+                        events: opts.events,
+                    },
+                    self.timeout,
+                )
+                .and_then(|r| check(r, &a.name()));
+            if let Err(e) = r {
+                for s in started {
+                    let _ = s.call(&Request::Reset {}, self.timeout);
+                }
+                return Err(e).context("starting the run");
+            }
+            started.push(a);
+        }
+        for r in self.on_every_agent(|a| a.call(&Request::Release {}, self.timeout)) {
+            check(r?, "releasing the triggers")?;
+        }
+        let t = &self.r.topology;
+        let run = ClusterRun {
+            cluster: self.clone(),
+            run_number,
+            started_unix_ns,
+            t0: Instant::now(),
+            events: opts.events.unwrap_or(t.run.events),
+            duration: opts.duration_s.unwrap_or(t.run.duration_s),
+            output: opts.output.clone().unwrap_or_else(|| t.run.output.clone()),
+            stop_flag: opts.stop.clone(),
+            paused_at: Mutex::new(None),
+            paused_total: Mutex::new(Duration::ZERO),
+            status_mode: opts.status,
+            last_line: Mutex::new(Instant::now()),
+        };
+        Ok(run)
+    }
+}
+
+/// Connects to one agent and exchanges hellos.
+fn connect(a: &AgentLink, token: &str, timeout: Duration) -> Result<()> {
+    let addr = a
+        .addr
+        .to_socket_addrs()
+        .with_context(|| format!("{}: not an address", a.name()))?
+        .next()
+        .ok_or_else(|| anyhow!("{}: no address", a.name()))?;
+    let mut s = TcpStream::connect_timeout(&addr, timeout).with_context(|| {
+        format!(
+            "{}: cannot reach its node agent (is `tessera node` running there?)",
+            a.name()
+        )
+    })?;
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(timeout))?;
+    send(
+        &mut s,
+        &Request::Hello {
+            protocol: proto::PROTOCOL,
+            software: crate::software(),
+            token: token.to_string(),
+        },
+    )?;
+    let reply: Reply = recv(&mut s, proto::MAX_HELLO)
+        .with_context(|| format!("{}: no hello from its node agent", a.name()))?;
+    match reply {
+        Reply::Hello {
+            protocol,
+            software,
+            host,
+        } => {
+            if protocol != proto::PROTOCOL {
+                bail!(
+                    "{}: the node agent speaks node protocol revision {protocol} ({software}), this run control {} ({})",
+                    a.name(),
+                    proto::PROTOCOL,
+                    crate::software()
+                );
+            }
+            tracing::info!(host = %a.host, system = %host, %software, "node agent connected");
+        }
+        Reply::Refused { reason } => bail!("{}: the node agent refused: {reason}", a.name()),
+        other => bail!("{}: unexpected answer to the hello: {other:?}", a.name()),
+    }
+    *a.conn.lock() = Some(s);
+    Ok(())
+}
+
+/// Asks agent `i` for its status five times a second while the cluster lives: the live view,
+/// the end of the sources, and the loss of an agent (in a run or between runs) come from here.
+fn poll(cluster: std::sync::Weak<Cluster>, i: usize) {
+    let every = Duration::from_millis(200);
+    loop {
+        let Some(c) = cluster.upgrade() else { return };
+        let a = &c.agents[i];
+        if c.closing.load(Ordering::Relaxed) || a.is_lost() {
+            return;
+        }
+        let t = Instant::now();
+        if let Ok(Reply::Status {
+            live,
+            sources_ended,
+            disk_full,
+        }) = a.call(&Request::Status {}, c.timeout)
+        {
+            c.statuses.lock().insert(
+                a.host.clone(),
+                HostStatus {
+                    live: serde_json::from_value(live).ok(),
+                    sources_ended,
+                    disk_full,
+                },
+            );
+        }
+        drop(c);
+        std::thread::sleep(every.saturating_sub(t.elapsed()));
+    }
+}
+
+/// One host's part as last polled.
+#[derive(Default)]
+struct HostStatus {
+    live: Option<Live>,
+    sources_ended: bool,
+    disk_full: bool,
+}
+
+/// A run spread over hosts.
+pub struct ClusterRun {
+    cluster: Arc<Cluster>,
+    run_number: u64,
+    started_unix_ns: u64,
+    t0: Instant,
+    events: u64,
+    duration: f64,
+    output: PathBuf,
+    stop_flag: Arc<AtomicBool>,
+    paused_at: Mutex<Option<Instant>>,
+    paused_total: Mutex<Duration>,
+    status_mode: tessera_run::StatusMode,
+    last_line: Mutex<Instant>,
+}
+
+impl ClusterRun {
+    fn paused_for(&self) -> Duration {
+        *self.paused_total.lock()
+            + self
+                .paused_at
+                .lock()
+                .map_or(Duration::ZERO, |t| t.elapsed())
+    }
+
+    fn lost(&self) -> Vec<(String, String)> {
+        self.cluster
+            .agents
+            .iter()
+            .filter_map(|a| a.lost.lock().clone().map(|w| (a.name(), w)))
+            .collect()
+    }
+
+    fn everyone(&self, req: Request) {
+        for r in self
+            .cluster
+            .on_every_agent(|a| a.call(&req, self.cluster.timeout))
+        {
+            if let Err(e) = r {
+                tracing::error!(error = %format!("{e:#}"), "request to a node agent");
+            }
+        }
+    }
+
+    /// Holds the triggers on every host and has every host's sources send up to the highest
+    /// trigger any of them claimed: a pause or a stop leaves no event sent by only some
+    /// sources, as the one trigger gate of a single process does.
+    fn hold_and_align(&self) {
+        let replies = self
+            .cluster
+            .on_every_agent(|a| a.call(&Request::Hold {}, self.cluster.timeout));
+        let end = replies
+            .into_iter()
+            .filter_map(|r| match r {
+                Ok(Reply::Held { claimed }) => Some(claimed),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
+        self.everyone(Request::Align { end });
+    }
+
+    fn info(&self, stop_reason: &str, drained: bool) -> tessera_run::report::RunInfo {
+        tessera_run::report::RunInfo {
+            run_number: self.run_number,
+            started_unix_ns: self.started_unix_ns,
+            duration_s: self.t0.elapsed().as_secs_f64(),
+            stop_reason: stop_reason.into(),
+            drained,
+            output: self.output.display().to_string(),
+            partial: false,
+        }
+    }
+
+    fn reports(&self, req: Request) -> (Vec<Report>, Vec<String>) {
+        let mut parts = Vec::new();
+        let mut missing = Vec::new();
+        let replies = self
+            .cluster
+            .on_every_agent(|a| a.call(&req, self.cluster.timeout));
+        for (a, r) in self.cluster.agents.iter().zip(replies) {
+            match r.and_then(|r| check(r, &a.name())) {
+                Ok(Reply::Report { report }) => match serde_json::from_value(report) {
+                    Ok(rep) => parts.push(rep),
+                    Err(e) => missing.push(format!("{}: its report does not parse: {e}", a.name())),
+                },
+                Ok(other) => missing.push(format!("{}: {other:?}", a.name())),
+                Err(e) => missing.push(format!("{e:#}")),
+            }
+        }
+        (parts, missing)
+    }
+}
+
+impl RunSession for ClusterRun {
+    fn run_number(&self) -> u64 {
+        self.run_number
+    }
+
+    fn monitor(&self) -> Option<&tessera_monitor::Monitor> {
+        None
+    }
+
+    fn tick_status(&self, phase: &str) {
+        if self.status_mode == tessera_run::StatusMode::Off {
+            return;
+        }
+        let mut last = self.last_line.lock();
+        if last.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        *last = Instant::now();
+        let live = self.live();
+        let built: u64 = live
+            .builders
+            .iter()
+            .map(|b| b.events_complete + b.events_incomplete)
+            .sum();
+        let recorded = live.recorder.as_ref().map_or(0, |r| r.events);
+        eprintln!(
+            "run {} {phase} {:.1} s: {built} events built, {recorded} recorded, {} hosts ({} lost)",
+            self.run_number,
+            self.t0.elapsed().as_secs_f64(),
+            self.cluster.agents.len(),
+            self.lost().len()
+        );
+    }
+
+    fn end_reason(&self) -> Option<String> {
+        if self.stop_flag.load(Ordering::Relaxed) {
+            return Some("interrupted".into());
+        }
+        let st = self.cluster.statuses.lock();
+        if st.values().any(|s| s.disk_full) {
+            return Some("disk full".into());
+        }
+        let active = self.t0.elapsed().saturating_sub(self.paused_for());
+        if self.duration > 0.0 && active.as_secs_f64() >= self.duration {
+            return Some("duration".into());
+        }
+        let all_polled = self
+            .cluster
+            .agents
+            .iter()
+            .all(|a| st.get(&a.host).is_some_and(|s| s.live.is_some()));
+        if all_polled && st.values().all(|s| s.sources_ended) {
+            let emulated = self.cluster.r.topology.sources.count > 0;
+            return Some(
+                if self.events > 0 && emulated {
+                    "events"
+                } else {
+                    "sources ended"
+                }
+                .into(),
+            );
+        }
+        None
+    }
+
+    fn failure(&self) -> Option<String> {
+        if let Some((name, why)) = self.lost().into_iter().next() {
+            return Some(format!("{name}: node agent lost: {why}"));
+        }
+        self.components()
+            .into_iter()
+            .find(|c| c.state == ComponentState::Failed)
+            .map(|c| {
+                format!(
+                    "host {}: {}: {}",
+                    c.host.as_deref().unwrap_or("?"),
+                    c.name,
+                    c.detail
+                )
+            })
+    }
+
+    fn components(&self) -> Vec<Component> {
+        let mut v: Vec<Component> = self
+            .cluster
+            .statuses
+            .lock()
+            .values()
+            .filter_map(|s| s.live.as_ref())
+            .flat_map(|l| l.components.clone())
+            .collect();
+        for a in &self.cluster.agents {
+            v.push(Component {
+                name: format!("node agent {}", a.host),
+                host: Some(a.host.clone()),
+                kind: "node".into(),
+                state: if a.is_lost() {
+                    ComponentState::Failed
+                } else {
+                    ComponentState::Running
+                },
+                detail: a.lost.lock().clone().unwrap_or_default(),
+            });
+        }
+        v
+    }
+
+    fn pause(&self) {
+        self.hold_and_align();
+        let mut p = self.paused_at.lock();
+        if p.is_none() {
+            *p = Some(Instant::now());
+        }
+    }
+
+    fn resume(&self) {
+        self.everyone(Request::Resume {});
+        if let Some(t) = self.paused_at.lock().take() {
+            *self.paused_total.lock() += t.elapsed();
+        }
+    }
+
+    fn stop(&self, d: &StopDeadlines) -> StopReport {
+        let deadlines = Deadlines {
+            sources_ms: d.sources_ms,
+            readout_ms: d.readout_ms,
+            builders_ms: d.builders_ms,
+            recorder_ms: d.recorder_ms,
+            abort_grace_ms: d.abort_grace_ms,
+            max_ms: d.max_ms,
+        };
+        self.hold_and_align();
+        self.everyone(Request::StopBegin {
+            deadlines: deadlines.clone(),
+        });
+        let mut stages = Vec::new();
+        for stage in StopStage::ALL {
+            let name = serde_json::to_value(stage)
+                .ok()
+                .and_then(|v| v.as_str().map(String::from))
+                .unwrap_or_default();
+            let t = Instant::now();
+            let replies = self.cluster.on_every_agent(|a| {
+                a.call(
+                    &Request::StopStage {
+                        stage: name.clone(),
+                        deadlines: deadlines.clone(),
+                    },
+                    self.cluster.timeout,
+                )
+            });
+            let mut finished = true;
+            let mut left = Vec::new();
+            for (a, r) in self.cluster.agents.iter().zip(replies) {
+                match r.and_then(|r| check(r, &a.name())) {
+                    Ok(Reply::Stage { report }) => {
+                        match serde_json::from_value::<StageReport>(report) {
+                            Ok(s) if !s.finished => {
+                                finished = false;
+                                left.push(format!("host {}: {}", a.host, s.left));
+                            }
+                            Ok(_) => {}
+                            Err(e) => {
+                                finished = false;
+                                left.push(format!("host {}: {e}", a.host));
+                            }
+                        }
+                    }
+                    Ok(other) => {
+                        finished = false;
+                        left.push(format!("host {}: {other:?}", a.host));
+                    }
+                    Err(e) => {
+                        finished = false;
+                        left.push(format!("{e:#}"));
+                    }
+                }
+            }
+            let deadline_ms = match stage {
+                StopStage::Sources => d.sources_ms,
+                StopStage::Readout => d.readout_ms,
+                StopStage::Builders => d.builders_ms,
+                StopStage::Recorder => d.recorder_ms,
+            };
+            stages.push(StageReport {
+                stage: name,
+                deadline_ms,
+                elapsed_ms: t.elapsed().as_millis() as u64,
+                finished,
+                left: left.join("; "),
+            });
+        }
+        let drained = stages.iter().all(|s| s.finished);
+        StopReport {
+            stages,
+            drained,
+            all_finished: self.lost().is_empty(),
+        }
+    }
+
+    fn report(&self, stop_reason: &str, drained: bool) -> Report {
+        let (parts, _) = self.reports(Request::Report {});
+        Report::combine(&self.cluster.r, self.info(stop_reason, drained), parts)
+    }
+
+    fn live(&self) -> Live {
+        let parts: Vec<Live> = self
+            .cluster
+            .statuses
+            .lock()
+            .values()
+            .filter_map(|s| s.live.clone())
+            .collect();
+        Live::combine(
+            self.run_number,
+            self.t0.elapsed().as_secs_f64(),
+            self.paused_at.lock().is_some(),
+            parts,
+        )
+    }
+
+    fn why_incomplete(&self, event_id: u64) -> WhyIncomplete {
+        let replies = self
+            .cluster
+            .on_every_agent(|a| a.call(&Request::Why { event_id }, self.cluster.timeout));
+        let answers: Vec<(bool, WhyIncomplete)> = self
+            .cluster
+            .agents
+            .iter()
+            .zip(replies)
+            .filter_map(|(a, r)| match r {
+                Ok(Reply::Why { answer }) => {
+                    let builds = !tessera_run::RoleSet::of_host(&a.host, &self.cluster.r)
+                        .builders
+                        .is_empty();
+                    serde_json::from_value(answer).ok().map(|w| (builds, w))
+                }
+                _ => None,
+            })
+            .collect();
+        combine_why(event_id, answers)
+    }
+
+    fn finish(self: Box<Self>, stop_reason: &str, stop: StopReport) -> Result<Report> {
+        let (parts, missing) = self.reports(Request::Finish {
+            stop_reason: stop_reason.into(),
+        });
+        let mut report =
+            Report::combine(&self.cluster.r, self.info(stop_reason, stop.drained), parts);
+        report.stop = Some(stop);
+        report.hosts_missing = missing;
+        let path = self
+            .output
+            .join(format!("run{:06}.manifest.json", self.run_number));
+        std::fs::create_dir_all(&self.output).ok();
+        std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        Ok(report)
+    }
+}
+
+/// "Why is event N incomplete" over hosts: the builders' hosts say whether it was built and
+/// without whom; every host with readout units says where its links are.
+fn combine_why(event_id: u64, answers: Vec<(bool, WhyIncomplete)>) -> WhyIncomplete {
+    let rank = |s: &str| match s {
+        "incomplete" => 0,
+        "forgotten" => 1,
+        "pending" => 2,
+        _ => 3,
+    };
+    let verdict = answers
+        .iter()
+        .filter(|(builds, _)| *builds)
+        .min_by_key(|(_, w)| rank(&w.status))
+        .map(|(_, w)| w.clone());
+    let mut links: Vec<_> = answers.iter().flat_map(|(_, w)| w.links.clone()).collect();
+    let mut out = match verdict {
+        Some(w) => w,
+        None => WhyIncomplete {
+            event_id,
+            status: "pending".into(),
+            builder: None,
+            missing: Vec::new(),
+            links: Vec::new(),
+            explanation: "no host with a builder answered".into(),
+        },
+    };
+    if out.status == "pending" {
+        // Every host with readout units names the links that have not reached it.
+        let mut behind: Vec<u32> = answers
+            .iter()
+            .filter(|(builds, _)| !*builds)
+            .flat_map(|(_, w)| w.missing.clone())
+            .chain(out.missing.iter().copied())
+            .collect();
+        behind.sort_unstable();
+        behind.dedup();
+        out.missing = behind;
+    }
+    for l in &mut links {
+        l.missing = out.missing.contains(&l.source);
+    }
+    links.sort_by_key(|l| (!l.missing, l.source));
+    links.dedup_by_key(|l| l.source);
+    out.links = links;
+    out
+}

@@ -1,0 +1,18 @@
+//! A run spread over hosts. Each host runs a node agent ([`agent`], `tessera node`), started by
+//! what the site already runs (systemd, OpenSSH, Kubernetes); the run control drives every
+//! agent through one state machine ([`cluster`]) over the node protocol
+//! (`tessera-node-protocol`, docs/node-protocol.md). An agent runs its host's roles through the
+//! same [`tessera_run::Session`] as `tessera run` in one process; the data between roles on
+//! different hosts crosses the network exactly as it crosses loopback in one process.
+
+pub mod agent;
+pub mod cluster;
+mod link;
+
+pub use agent::{serve, AgentOptions};
+pub use cluster::{Cluster, ClusterRun};
+
+/// This build's name and version, said in hellos.
+pub fn software() -> String {
+    format!("tessera {}", env!("CARGO_PKG_VERSION"))
+}

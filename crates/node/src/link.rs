@@ -1,0 +1,25 @@
+//! Frames over a blocking TCP stream.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+
+use tessera_node_protocol as proto;
+
+pub(crate) fn send<T: serde::Serialize>(s: &mut TcpStream, msg: &T) -> std::io::Result<()> {
+    s.write_all(&proto::encode(msg))
+}
+
+/// Reads one frame (its length checked against `max` before the body is read).
+pub(crate) fn recv<T: serde::de::DeserializeOwned>(
+    s: &mut TcpStream,
+    max: usize,
+) -> std::io::Result<T> {
+    let mut h = [0u8; 4];
+    s.read_exact(&mut h)?;
+    let len = proto::frame_len(&h, max)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?
+        .unwrap_or(0);
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body)?;
+    proto::decode(&body).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
