@@ -434,6 +434,29 @@ impl ClusterRun {
             .collect()
     }
 
+    /// A lost host that ran only request-mode builders, while builders run elsewhere: the
+    /// event manager gives its events to the others (failover, as in one process), so its
+    /// loss is no failure of the run.
+    fn failed_over(&self, a: &AgentLink) -> bool {
+        let r = &self.cluster.r;
+        if r.topology.run.mode != tessera_config::Mode::Request {
+            return false;
+        }
+        let roles = tessera_run::RoleSet::of_host(&a.host, r);
+        let only_builders = !roles.builders.is_empty()
+            && roles.readout_units.is_empty()
+            && roles.sources.is_empty()
+            && !roles.recorder
+            && !roles.event_manager;
+        let others = self.cluster.agents.iter().any(|b| {
+            !b.is_lost()
+                && !tessera_run::RoleSet::of_host(&b.host, r)
+                    .builders
+                    .is_empty()
+        });
+        only_builders && others
+    }
+
     fn everyone(&self, req: Request) {
         for r in self
             .cluster
@@ -541,12 +564,22 @@ impl RunSession for ClusterRun {
         if self.duration > 0.0 && active.as_secs_f64() >= self.duration {
             return Some("duration".into());
         }
-        let all_polled = self
+        // A host lost and failed over has no say (its last status stays as it was).
+        let polled: Vec<&HostStatus> = self
             .cluster
             .agents
             .iter()
-            .all(|a| st.get(&a.host).is_some_and(|s| s.live.is_some()));
-        if all_polled && st.values().all(|s| s.sources_ended) {
+            .filter(|a| !(a.is_lost() && self.failed_over(a)))
+            .filter_map(|a| st.get(&a.host).filter(|s| s.live.is_some()))
+            .collect();
+        let all_polled = polled.len()
+            == self
+                .cluster
+                .agents
+                .iter()
+                .filter(|a| !(a.is_lost() && self.failed_over(a)))
+                .count();
+        if all_polled && polled.iter().all(|s| s.sources_ended) {
             let emulated = self.cluster.r.topology.sources.count > 0;
             return Some(
                 if self.events > 0 && emulated {
@@ -561,8 +594,14 @@ impl RunSession for ClusterRun {
     }
 
     fn failure(&self) -> Option<String> {
-        if let Some((name, why)) = self.lost().into_iter().next() {
-            return Some(format!("{name}: node agent lost: {why}"));
+        if let Some(a) = self
+            .cluster
+            .agents
+            .iter()
+            .find(|a| a.is_lost() && !self.failed_over(a))
+        {
+            let why = a.lost.lock().clone().unwrap_or_default();
+            return Some(format!("{}: node agent lost: {why}", a.name()));
         }
         self.components()
             .into_iter()
@@ -578,25 +617,39 @@ impl RunSession for ClusterRun {
     }
 
     fn components(&self) -> Vec<Component> {
+        // A lost host's components are as it last said: it stands for them itself.
+        let lost: Vec<String> = self
+            .cluster
+            .agents
+            .iter()
+            .filter(|a| a.is_lost())
+            .map(|a| a.host.clone())
+            .collect();
         let mut v: Vec<Component> = self
             .cluster
             .statuses
             .lock()
-            .values()
-            .filter_map(|s| s.live.as_ref())
+            .iter()
+            .filter(|(h, _)| !lost.contains(h))
+            .filter_map(|(_, s)| s.live.as_ref())
             .flat_map(|l| l.components.clone())
             .collect();
         for a in &self.cluster.agents {
+            let lost = a.lost.lock().clone();
+            let (state, detail) = match lost {
+                None => (ComponentState::Running, String::new()),
+                Some(why) if self.failed_over(a) => (
+                    ComponentState::Finished,
+                    format!("lost ({why}); its builders' events were given to the others"),
+                ),
+                Some(why) => (ComponentState::Failed, why),
+            };
             v.push(Component {
                 name: format!("node agent {}", a.host),
                 host: Some(a.host.clone()),
                 kind: "node".into(),
-                state: if a.is_lost() {
-                    ComponentState::Failed
-                } else {
-                    ComponentState::Running
-                },
-                detail: a.lost.lock().clone().unwrap_or_default(),
+                state,
+                detail,
             });
         }
         v
@@ -649,6 +702,9 @@ impl RunSession for ClusterRun {
             let mut finished = true;
             let mut left = Vec::new();
             for (a, r) in self.cluster.agents.iter().zip(replies) {
+                if a.is_lost() && self.failed_over(a) {
+                    continue;
+                }
                 match r.and_then(|r| check(r, &a.name())) {
                     Ok(Reply::Stage { report }) => {
                         match serde_json::from_value::<StageReport>(report) {
@@ -745,7 +801,27 @@ impl RunSession for ClusterRun {
         let mut report =
             Report::combine(&self.cluster.r, self.info(stop_reason, stop.drained), parts);
         report.stop = Some(stop);
-        report.hosts_missing = missing;
+        // A builder host lost in request mode was failed over: its events were built again by
+        // the others and recorded once, but what it had built is lost with it, so the builders'
+        // totals cannot be set against the recorder's.
+        let failed_over: Vec<&AgentLink> = self
+            .cluster
+            .agents
+            .iter()
+            .filter(|a| a.is_lost() && self.failed_over(a))
+            .collect();
+        if !failed_over.is_empty() {
+            report.recorder_shortfall = 0;
+        }
+        report.hosts_missing = missing
+            .into_iter()
+            .map(|m| match failed_over.iter().find(|a| m.starts_with(&a.name())) {
+                Some(_) => format!(
+                    "{m} (failed over: its builders' events were built again by the others and recorded once; its own counts are lost with it)"
+                ),
+                None => m,
+            })
+            .collect();
         let path = self
             .output
             .join(format!("run{:06}.manifest.json", self.run_number));
