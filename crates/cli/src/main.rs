@@ -124,6 +124,27 @@ enum Cmd {
         #[arg(long)]
         output: Option<PathBuf>,
     },
+    /// Start the node agent of every host of the topology's `[hosts]` that has none running,
+    /// over OpenSSH (the token is handed over on the agent's standard input).
+    Launch {
+        /// Topology file with `[hosts]`.
+        config: PathBuf,
+        /// The ssh command and its options.
+        #[arg(long, default_value = "ssh -o BatchMode=yes")]
+        ssh: String,
+        /// The `tessera` binary on the hosts.
+        #[arg(long, default_value = "tessera")]
+        binary: String,
+        /// The agents' output directory (overrides run.output).
+        #[arg(long)]
+        output: Option<String>,
+        /// Each agent's log file on its host.
+        #[arg(long, default_value = "/tmp/tessera-node.log")]
+        log: String,
+        /// The run control's token (better: the environment variable TESSERA_TOKEN).
+        #[arg(long, env = "TESSERA_TOKEN", hide_env_values = true)]
+        token: String,
+    },
     /// Check recorded files: checksums, counts, every fragment present or flagged, payloads.
     Verify {
         /// Files or directories (every *.tsr inside).
@@ -354,6 +375,37 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 },
                 stop,
             )?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Launch {
+            config,
+            ssh,
+            binary,
+            output,
+            log,
+            token,
+        } => {
+            let r = tessera_config::Topology::load(&config)?;
+            if r.topology.hosts.is_empty() {
+                anyhow::bail!("{}: no [hosts] table: nothing to launch", r.origin);
+            }
+            let launched = tessera_node::launch::launch(
+                &r,
+                &tessera_node::launch::LaunchOptions {
+                    ssh,
+                    binary,
+                    output,
+                    log,
+                    token,
+                    patience: std::time::Duration::from_secs(30),
+                },
+            )?;
+            for l in launched {
+                match l.pid {
+                    Some(pid) => println!("{}: agent started at {} (pid {pid})", l.host, l.agent),
+                    None => println!("{}: agent already running at {}", l.host, l.agent),
+                }
+            }
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Recover { dir, json } => {

@@ -598,3 +598,131 @@ fn a_builder_host_lost_in_request_mode_fails_over_and_nothing_is_lost() {
         a.finish(LIMIT);
     }
 }
+
+/// Issue 12: `tessera launch` starts a host's agent over OpenSSH (a real sshd from Debian's
+/// openssh-server in the front-end namespace, a throwaway key), handing it the token on its
+/// standard input; a run then goes through that agent as through any other. Skipped, saying
+/// so, without namespaces or without sshd.
+#[test]
+fn launch_starts_an_agent_over_openssh_and_the_run_goes_through_it() {
+    let sshd = "/usr/sbin/sshd";
+    if !Path::new(sshd).exists() {
+        println!("SKIPPED: no {sshd} (Debian's openssh-server)");
+        return;
+    }
+    let Some((_net, hosts)) = make_net(&["fe1", "be"]) else {
+        println!("SKIPPED: network namespaces need root and iproute2");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let keygen = |name: &str| {
+        assert!(Command::new("ssh-keygen")
+            .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+            .arg(d.join(name))
+            .status()
+            .unwrap()
+            .success());
+    };
+    keygen("host_key");
+    keygen("client_key");
+    std::fs::copy(d.join("client_key.pub"), d.join("authorized_keys")).unwrap();
+    let _ = std::fs::create_dir_all("/run/sshd");
+    let fe1 = &hosts[0];
+    let cfg = d.join("sshd_config");
+    std::fs::write(
+        &cfg,
+        format!(
+            "ListenAddress {}\nPort 22\nHostKey {}\nPidFile {}\nAuthorizedKeysFile {}\n\
+             PermitRootLogin prohibit-password\nPasswordAuthentication no\nStrictModes no\nUsePAM no\n",
+            fe1.ip,
+            d.join("host_key").display(),
+            d.join("sshd.pid").display(),
+            d.join("authorized_keys").display()
+        ),
+    )
+    .unwrap();
+    let sshd = Proc::spawn(
+        Command::new("ip")
+            .args(["netns", "exec", &fe1.ns, sshd, "-D", "-e", "-f"])
+            .arg(&cfg),
+    );
+    let be = &hosts[1];
+    let be_agent = agent(be, d, "be");
+    let topo = comet(d, &hosts, "[run]\n");
+    // `comet` wrote [run] first; the extra above must not repeat it.
+    let text = std::fs::read_to_string(&topo)
+        .unwrap()
+        .replacen("[run]\n\n", "", 1);
+    let text = text.replace("[run]\noutput", "[run]\nevents = 2000\noutput");
+    std::fs::write(&topo, text).unwrap();
+    let ssh = format!(
+        "ssh -i {} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes -o LogLevel=ERROR -o ConnectTimeout=10",
+        d.join("client_key").display()
+    );
+    // sshd takes a moment to listen: launch is retried until it reaches it.
+    let mut out = None;
+    assert!(
+        eventually(Duration::from_secs(60), || {
+            let o = Command::new("ip")
+                .args(["netns", "exec", &be.ns, tessera(), "launch"])
+                .arg(&topo)
+                .args(["--ssh", &ssh, "--binary", tessera(), "--output"])
+                .arg(d.join("fe1"))
+                .arg("--log")
+                .arg(d.join("fe1.log"))
+                .env("TESSERA_TOKEN", TOKEN)
+                .output()
+                .unwrap();
+            let ok = o.status.success();
+            out = Some(o);
+            ok
+        }),
+        "launch never succeeded: {:?}",
+        out
+    );
+    let said = String::from_utf8_lossy(&out.as_ref().unwrap().stdout).to_string();
+    assert!(said.contains("fe1: agent started at"), "{said}");
+    assert!(said.contains("be: agent already running"), "{said}");
+    let pid: u32 = said
+        .lines()
+        .find(|l| l.starts_with("fe1:"))
+        .and_then(|l| {
+            l.rsplit_once("pid ")
+                .map(|x| x.1.trim_end_matches(')').to_string())
+        })
+        .and_then(|p| p.parse().ok())
+        .unwrap();
+    // Whatever happens below, the launched agent (no child of this test) is stopped.
+    struct Stop(u32);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            let _ = Command::new("kill")
+                .args(["-INT", &self.0.to_string()])
+                .status();
+        }
+    }
+    let _launched = Stop(pid);
+    // The token never appears on the remote agent's command line.
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    assert!(!String::from_utf8_lossy(&cmdline).contains(TOKEN));
+    let run = Proc::spawn_piped(
+        Command::new("ip")
+            .args(["netns", "exec", &be.ns, tessera(), "run"])
+            .arg(&topo)
+            .args(["--json", "--http", "off"])
+            .env("TESSERA_TOKEN", TOKEN),
+    )
+    .finish(LIMIT);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(report["recorder"]["events_in_files"], 2000, "{report}");
+    assert_eq!(report["balance"]["holds"], true, "{report}");
+    be_agent.signal("INT");
+    be_agent.finish(LIMIT);
+    drop(sshd);
+}

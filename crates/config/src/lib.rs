@@ -73,6 +73,10 @@ pub enum HostEntry {
         /// The address its roles' data ports bind and are reached at (default: the agent's).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         data: Option<String>,
+        /// Where `tessera launch` reaches it over OpenSSH (`user@host`; default: the agent's
+        /// address).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ssh: Option<String>,
     },
 }
 
@@ -81,6 +85,17 @@ impl HostEntry {
     pub fn agent(&self) -> &str {
         match self {
             HostEntry::Agent(a) | HostEntry::Full { agent: a, .. } => a,
+        }
+    }
+
+    /// The OpenSSH destination of `tessera launch`: `ssh`, else the agent's host part.
+    pub fn ssh_destination(&self) -> String {
+        match self {
+            HostEntry::Full { ssh: Some(s), .. } => s.clone(),
+            _ => {
+                let a = self.agent();
+                a.rsplit_once(':').map_or(a, |(h, _)| h).to_string()
+            }
         }
     }
 

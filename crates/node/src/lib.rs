@@ -7,6 +7,7 @@
 
 pub mod agent;
 pub mod cluster;
+pub mod launch;
 mod link;
 
 pub use agent::{serve, AgentOptions};
