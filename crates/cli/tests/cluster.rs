@@ -525,13 +525,10 @@ fn a_builder_host_lost_in_request_mode_fails_over_and_nothing_is_lost() {
         .zip(&hosts)
         .map(|(n, h)| agent(h, dir.path(), n))
         .collect();
-    // A rate the builders keep up with here (request mode on two cores builds ~1 000 events
-    // of this size per second): see the closing note of session 8 on a run whose sources end
-    // far ahead of the readout units.
-    let events = 8_000u64;
+    let events = 16_000u64;
     let mut t = format!(
         "[run]\nmode = \"request\"\nevents = {events}\noutput = \"{}\"\n\
-         [sources]\ncount = 8\nfragment_size = 256\ntrigger = \"periodic\"\nrate_hz = 800\n\
+         [sources]\ncount = 8\nfragment_size = 256\ntrigger = \"periodic\"\nrate_hz = 4000\n\
          [control]\nagent_timeout_ms = 2000\n\
          [security]\nallow = [\"10.78.0.0/24\"]\n\
          [event_manager]\nhost = \"evm\"\nheartbeat_timeout_ms = 1000\n\
@@ -564,7 +561,7 @@ fn a_builder_host_lost_in_request_mode_fails_over_and_nothing_is_lost() {
         .parse()
         .unwrap();
     assert!(
-        eventually(LIMIT, || recorded(&evm.ns, addr) >= 2000),
+        eventually(LIMIT, || recorded(&evm.ns, addr) >= 3000),
         "nothing recorded"
     );
     agents[3].kill();
@@ -649,6 +646,11 @@ fn launch_starts_an_agent_over_openssh_and_the_run_goes_through_it() {
     );
     let be = &hosts[1];
     let be_agent = agent(be, d, "be");
+    // be's agent must answer before the launch, which would otherwise try to start it too.
+    let be_addr: SocketAddr = format!("{}:7300", be.ip).parse().unwrap();
+    assert!(eventually(LIMIT, || on_host(&be.ns, move || {
+        TcpStream::connect(be_addr).is_ok()
+    })));
     let topo = comet(d, &hosts, "[run]\n");
     // `comet` wrote [run] first; the extra above must not repeat it.
     let text = std::fs::read_to_string(&topo)

@@ -84,7 +84,16 @@ fn connection(
 ) -> Result<()> {
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let hello: Request = recv(&mut s, proto::MAX_HELLO).context("reading the hello")?;
+    let hello: Request = match recv(&mut s, proto::MAX_HELLO) {
+        Ok(h) => h,
+        // A connection closed before a word (a port probe, `tessera launch` asking whether
+        // the agent answers) is no run control.
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            tracing::debug!(%peer, "connection closed before its hello");
+            return Ok(());
+        }
+        Err(e) => return Err(e).context("reading the hello"),
+    };
     let Request::Hello {
         protocol,
         software,

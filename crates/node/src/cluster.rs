@@ -798,9 +798,22 @@ impl RunSession for ClusterRun {
         let (parts, missing) = self.reports(Request::Finish {
             stop_reason: stop_reason.into(),
         });
+        // The files are on the recorder's host, in its output directory.
+        let files_at = parts
+            .iter()
+            .find(|p| p.recorder.is_some())
+            .map(|p| p.output.clone());
+        let recorder_host = self
+            .cluster
+            .agents
+            .iter()
+            .find(|a| tessera_run::RoleSet::of_host(&a.host, &self.cluster.r).recorder);
         let mut report =
             Report::combine(&self.cluster.r, self.info(stop_reason, stop.drained), parts);
         report.stop = Some(stop);
+        if let (Some(dir), Some(a)) = (files_at, recorder_host) {
+            report.output = format!("{dir} on host {}", a.host);
+        }
         // A builder host lost in request mode was failed over: its events were built again by
         // the others and recorded once, but what it had built is lost with it, so the builders'
         // totals cannot be set against the recorder's.

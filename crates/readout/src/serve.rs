@@ -198,6 +198,11 @@ impl LinkSink for Unit {
                         if self.abort.load(Ordering::Relaxed) {
                             break Some(Rejection::NoSpace);
                         }
+                        // What this batch stored so far is announced (and answers the requests
+                        // waiting for it) before the wait: a read can hold more fragments than
+                        // the link has pages, and pages full of events nobody has been told of
+                        // would never be cleared.
+                        self.publish(slot, &mut stored);
                         let t = Instant::now();
                         rs.links_waiting.fetch_add(1, Ordering::Relaxed);
                         let mut g = self.space_lock.lock();
@@ -225,24 +230,7 @@ impl LinkSink for Unit {
                 }
             }
         }
-        if stored.is_empty() {
-            return;
-        }
-        // Announce the events this unit sees first; the event manager keeps the first sighting.
-        let fresh: Vec<u64> = {
-            let mut a = self.announced.lock();
-            stored.iter().copied().filter(|&e| a.insert(e)).collect()
-        };
-        if !fresh.is_empty() {
-            rs.announced
-                .fetch_add(fresh.len() as u64, Ordering::Relaxed);
-            self.to_manager(Message::Announce { event_ids: fresh });
-        }
-        let answers: Vec<Answer> = {
-            let mut t = self.requests.lock();
-            stored.iter().flat_map(|&e| t.arrived(e, slot)).collect()
-        };
-        self.route(answers);
+        self.publish(slot, &mut stored);
     }
 
     fn close_link(&self, _slot: usize) {
@@ -301,6 +289,30 @@ impl Unit {
                 tracing::error!(readout_unit = self.id, "answer queue overflow");
             }
         }
+    }
+
+    /// Announces the events of `stored` this unit sees first (the event manager keeps the first
+    /// sighting) and answers the requests that waited for them on link `slot`; empties it.
+    fn publish(&self, slot: usize, stored: &mut Vec<u64>) {
+        if stored.is_empty() {
+            return;
+        }
+        let rs = &self.stats.requests;
+        let fresh: Vec<u64> = {
+            let mut a = self.announced.lock();
+            stored.iter().copied().filter(|&e| a.insert(e)).collect()
+        };
+        if !fresh.is_empty() {
+            rs.announced
+                .fetch_add(fresh.len() as u64, Ordering::Relaxed);
+            self.to_manager(Message::Announce { event_ids: fresh });
+        }
+        let answers: Vec<Answer> = {
+            let mut t = self.requests.lock();
+            stored.iter().flat_map(|&e| t.arrived(e, slot)).collect()
+        };
+        stored.clear();
+        self.route(answers);
     }
 
     fn publish_pages(&self) {

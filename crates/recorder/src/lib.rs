@@ -168,6 +168,8 @@ struct Written {
     per_link: Vec<AtomicU64>,
     /// A link waits for its last acknowledgement: write the partial block now.
     flush_wanted: AtomicBool,
+    /// Some builder asked for acknowledgements (request mode).
+    acks_wanted: AtomicBool,
 }
 
 /// Event IDs remembered for deduplication. A builder that fails after handing an event over gets
@@ -215,6 +217,7 @@ impl Recorder {
         let written = Arc::new(Written {
             per_link: (0..n).map(|_| AtomicU64::new(0)).collect(),
             flush_wanted: AtomicBool::new(false),
+            acks_wanted: AtomicBool::new(false),
         });
         {
             let st = stats.clone();
@@ -321,6 +324,9 @@ fn accept(
                 st.links.lock().push((builders[slot], budget.clone()));
                 let (tx, st, abort, ends) = (tx.clone(), st.clone(), abort.clone(), ends.clone());
                 let written = written.clone();
+                if acks {
+                    written.acks_wanted.store(true, Ordering::Release);
+                }
                 readers.push(spawn(format!("recorder-bu{}", builders[slot]), move || {
                     let link = BuilderLink {
                         slot,
@@ -604,7 +610,12 @@ fn write_loop(
             st.queued_fragments.fetch_sub(nf as u64, Ordering::Relaxed);
         }
         let wanted = written.flush_wanted.swap(false, Ordering::AcqRel);
-        if wanted && enabled && !failed {
+        // Builders that wait for acknowledgements (request mode) hold their credit until their
+        // events are in the file: when nothing more is queued, the partial block is written now,
+        // not after a quiet spell, or a run would go at one credit's worth of events per quiet
+        // spell (measured: ~160 events/s with 32 pages per link). Busy, blocks still fill.
+        let idle = written.acks_wanted.load(Ordering::Acquire) && rx.is_empty();
+        if (wanted || idle) && enabled && !failed && w.unwritten() > 0 {
             if let Err(e) = w.flush(st) {
                 fail(&mut w, &mut failed, "writing", e);
             }

@@ -236,3 +236,52 @@ id = 1
     );
     rep
 }
+
+/// Found running request mode over hosts (issue 12): a link read can bring more fragments than
+/// the link has pages (sources that ran ahead fill the socket; one read takes up to a read
+/// chunk). The unit stored what fitted and waited for space before announcing any of it, so
+/// nobody could clear those pages: the run stalled, and its stop cut the links. Here each link
+/// has 32 pages (one fragment each) and reads up to 64 KiB (over 200 fragments) at once.
+#[test]
+fn a_read_holding_more_fragments_than_pages_does_not_stall_the_unit() {
+    let dir = tempfile::tempdir().unwrap();
+    let events = 3000u64;
+    let t = topology(&format!(
+        r#"
+[run]
+mode = "request"
+events = {events}
+max_fragment_size = "1 KiB"
+[sources]
+count = 4
+fragment_size = 256
+batch = "64 KiB"
+[request]
+page_size = "4 KiB"
+[[readout]]
+id = 0
+sources = "0-3"
+buffer = "512 KiB"
+read_chunk = "64 KiB"
+[[builder]]
+id = 0
+[[builder]]
+id = 1
+[stop]
+readout_ms = 3000
+"#
+    ));
+    let rep = run(&t, dir.path());
+    assert_eq!(
+        rep.recorder.as_ref().map(|r| r.events_in_files),
+        Some(events),
+        "{}",
+        rep.summary()
+    );
+    assert!(
+        rep.balance.holds && rep.balance.rejected_total == 0,
+        "{}",
+        rep.summary()
+    );
+    pages_all_back(&rep);
+}
