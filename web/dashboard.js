@@ -110,7 +110,7 @@ function showState(s) {
     b.disabled = !!s.busy || !s.allowed.includes(b.dataset.t);
   }
   rows($("components").tBodies[0], s.components.map((c) =>
-    `<tr><td>${esc(c.name)}</td><td class="${esc(c.state)}">${esc(c.state)}</td><td>${esc(c.detail)}</td></tr>`));
+    `<tr><td>${esc(c.name)}</td><td>${esc(c.host ?? "")}</td><td class="${esc(c.state)}">${esc(c.state)}</td><td>${esc(c.detail)}</td></tr>`));
   const ls = s.last_stop;
   $("last-stop").innerHTML = ls ? "<h2>Last stop</h2>" + ls.stages.map((x) =>
     `<div class="${x.finished ? "busy" : "blocked"}">${esc(x.stage)}: ${x.finished ? "done" : "deadline passed"} in ${x.elapsed_ms} ms (deadline ${x.deadline_ms} ms)${x.left ? " — " + esc(x.left) : ""}</div>`).join("") : "";
@@ -238,7 +238,25 @@ async function refreshSample() {
   } catch (e) { /* none yet */ }
 }
 
-refresh(); refreshRuns(); refreshSample();
+// The message log: the newest lines first, the last 200 kept on the page.
+let logAfter = 0;
+async function refreshLog() {
+  try {
+    const l = await getJSON("/api/log?after=" + logAfter + "&limit=500");
+    logAfter = l.next;
+    const tb = $("log").tBodies[0];
+    for (const x of l.lines) {
+      const tr = document.createElement("tr");
+      tr.className = x.level === "ERROR" ? "failed" : (x.level === "WARN" ? "blocked" : "");
+      tr.innerHTML = `<td>${new Date(x.unix_ns / 1e6).toLocaleTimeString()}</td><td>${esc(x.host || "run control")}</td><td>${esc(x.role)}</td><td>${esc(x.level)}</td><td>${esc(x.message)}</td>`;
+      tb.prepend(tr);
+    }
+    while (tb.rows.length > 200) tb.deleteRow(tb.rows.length - 1);
+  } catch (e) { /* server away: the state box says so */ }
+}
+
+refresh(); refreshRuns(); refreshSample(); refreshLog();
+setInterval(refreshLog, 2000);
 setInterval(refresh, 1000);
 setInterval(refreshRuns, 3000);
 setInterval(refreshSample, 2000);

@@ -118,6 +118,10 @@ try {
   assert.equal(await page.textContent("#events-rate"), "0");
   assert.equal(await page.locator("#files tbody tr.writing").count(), 0);
   await until("files of run 1", async () => (await page.locator("#files tbody tr").count()) > 0);
+  // The message log shows what the run control said, with its role.
+  await until("the message log", async () =>
+    (await page.locator("#log tbody tr").count()) > 0 && (await page.textContent("#log")).includes("transition done"));
+  assert.ok((await page.textContent("#log")).includes("run_control"), "the log names the role");
   await page.fill("#why-event", "10");
   await page.click("#why-form button");
   await sleep(300);

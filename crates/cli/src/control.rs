@@ -243,7 +243,24 @@ pub fn runs(cmd: Option<crate::RunsCmd>, data: &Path, json: bool) -> Result<Exit
                         a.result
                     );
                 }
-                println!("  (the full configuration: tessera runs show {number} --json)");
+                let said = |lvl: &str| r.log.iter().filter(|l| l.level == lvl).count();
+                println!(
+                    "  log            {} lines ({} errors, {} warnings); the errors and warnings:",
+                    r.log.len(),
+                    said("ERROR"),
+                    said("WARN")
+                );
+                for l in r.log.iter().filter(|l| l.level != "INFO") {
+                    println!(
+                        "    {} {:5} {} {}: {}",
+                        utc(l.unix_ns),
+                        l.level,
+                        l.host,
+                        l.role,
+                        l.message
+                    );
+                }
+                println!("  (the full configuration and log: tessera runs show {number} --json)");
             }
         }
         crate::RunsCmd::Comment { number, text } => {

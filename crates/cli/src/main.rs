@@ -207,20 +207,34 @@ fn main() -> ExitCode {
     let filter = || {
         tracing_subscriber::EnvFilter::try_from_env("TESSERA_LOG").unwrap_or_else(|_| "warn".into())
     };
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer as _;
+    // Two readers of every event: the terminal (TESSERA_LOG, default warn) and the message log
+    // (INFO and above: what the run control shows and keeps per run, whatever the terminal).
+    let book =
+        tessera_node::logbook::Layer.with_filter(tracing_subscriber::filter::LevelFilter::INFO);
+    let registry = tracing_subscriber::registry().with(book);
     match cli.log_format {
         LogFormat::Text => {
             use std::io::IsTerminal;
             // Colour codes only where a terminal shows them, never in a pipe or a file.
-            tracing_subscriber::fmt()
-                .with_env_filter(filter())
-                .with_ansi(std::io::stderr().is_terminal())
-                .with_writer(std::io::stderr)
+            registry
+                .with(
+                    tracing_subscriber::fmt::layer()
+                        .with_ansi(std::io::stderr().is_terminal())
+                        .with_writer(std::io::stderr)
+                        .with_filter(filter()),
+                )
                 .init()
         }
-        LogFormat::Json => tracing_subscriber::fmt()
-            .json()
-            .with_env_filter(filter())
-            .with_writer(std::io::stderr)
+        LogFormat::Json => registry
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .json()
+                    .with_writer(std::io::stderr)
+                    .with_filter(filter()),
+            )
             .init(),
     }
     match real_main(cli) {

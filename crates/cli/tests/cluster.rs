@@ -298,6 +298,22 @@ fn a_comet_like_run_over_four_hosts_is_started_paused_stopped_and_verified() {
         assert_eq!(s["sent"], s["received"], "source {s}");
         assert!(s["sent"].as_u64().unwrap() > 0, "source {s}");
     }
+    // One message log: every host's agent said it started the run, under the host's name,
+    // live (/api/log) and kept with the run.
+    let log = json(&be.ns, addr, "/api/log?limit=10000");
+    let kept = rec["log"].as_array().unwrap();
+    for h in ["fe1", "fe2", "fe3", "be"] {
+        let started = |l: &serde_json::Value| {
+            l["host"] == h
+                && l["role"] == "node"
+                && l["message"].as_str().unwrap().starts_with("started")
+        };
+        assert!(
+            log["lines"].as_array().unwrap().iter().any(started),
+            "{h} in {log}"
+        );
+        assert!(kept.iter().any(started), "{h} in the run's log: {kept:?}");
+    }
     // The files are where the recorder ran, and hold every event once.
     let out = dir.path().join("be");
     let v = Command::new(tessera())

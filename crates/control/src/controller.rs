@@ -541,6 +541,29 @@ impl Controller {
         if let Some(db) = db {
             let failed = self.shared.ctl.lock().error.clone();
             record_end(&db, number, &report, failed.as_deref())?;
+            // The run's message log: every host's lines from its start to now.
+            let lines: Vec<tessera_rundb::LogRow> = tessera_node::logbook::LOG
+                .between(
+                    report.started_unix_ns,
+                    unix_ns(),
+                    tessera_rundb::MAX_LOG_LINES,
+                )
+                .into_iter()
+                .map(|l| tessera_rundb::LogRow {
+                    unix_ns: l.unix_ns,
+                    host: if l.host.is_empty() {
+                        "run control".into()
+                    } else {
+                        l.host
+                    },
+                    role: l.role,
+                    level: l.level,
+                    message: l.message,
+                })
+                .collect();
+            if let Err(e) = db.add_log(number, &lines) {
+                tracing::error!(error = %e, "cannot keep the run's message log");
+            }
             if let Some(c) = comment.filter(|c| !c.is_empty()) {
                 db.set_comment(number, c)?;
             }

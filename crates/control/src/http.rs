@@ -138,6 +138,7 @@ fn router(app: Arc<App>) -> Router {
         .route("/api/runs/{number}", get(run))
         .route("/api/runs/{number}/comment", put(comment))
         .route("/api/actions", get(actions))
+        .route("/api/log", get(log))
         .route("/api/events/{event_id}/why", get(why))
         .route("/api/sample", get(sample))
         .with_state(app)
@@ -441,6 +442,27 @@ async fn run(AxState(app): AxState<Arc<App>>, Path(number): Path<u64>) -> Respon
 async fn actions(AxState(app): AxState<Arc<App>>, Query(q): Query<Limit>) -> Response {
     let limit = q.limit.unwrap_or(50).min(10_000);
     db_call(&app, |db| db.actions(limit))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LogQuery {
+    /// Lines numbered above this one.
+    after: Option<u64>,
+    limit: Option<usize>,
+}
+
+/// The message log: what every role and agent said (INFO and above), oldest first, from the
+/// line after `after`; `next` is what to ask from next time.
+async fn log(Query(q): Query<LogQuery>) -> Response {
+    let (lines, next) =
+        tessera_node::logbook::LOG.since(q.after.unwrap_or(0), q.limit.unwrap_or(500).min(10_000));
+    Json(serde_json::json!({
+        "lines": lines,
+        "next": next,
+        "forgotten": tessera_node::logbook::LOG.forgotten(),
+    }))
+    .into_response()
 }
 
 #[derive(Deserialize)]

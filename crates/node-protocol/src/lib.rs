@@ -33,6 +33,27 @@ pub struct Deadlines {
     pub max_ms: u64,
 }
 
+/// One line of the message log: what a role or an agent said (INFO and above).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogLine {
+    /// Rising per process (an agent's own numbering; the run control renumbers what it keeps).
+    pub seq: u64,
+    pub unix_ns: u64,
+    /// The host (its `[hosts]` name); empty where the run control fills it in.
+    #[serde(default)]
+    pub host: String,
+    /// `readout`, `builder`, `event_manager`, `recorder`, `monitor`, `sources`, `node`,
+    /// `run_control`, or the Rust module for anything else.
+    pub role: String,
+    /// `ERROR`, `WARN`, `INFO`.
+    pub level: String,
+    /// The run it is about, where the line says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<u64>,
+    pub message: String,
+}
+
 /// From the run control to an agent.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
@@ -128,11 +149,15 @@ pub enum Reply {
         message: String,
     },
     /// The host's part now: `live` (a `Live` document), whether its sources have all ended,
-    /// whether its recorder's disk is full.
+    /// whether its recorder's disk is full, and its new log lines.
     Status {
         live: serde_json::Value,
         sources_ended: bool,
         disk_full: bool,
+        /// What the agent and its roles logged since the last `status` (at most 1 000 lines;
+        /// more are left for the next).
+        #[serde(default)]
+        logs: Vec<LogLine>,
     },
     Stage {
         report: serde_json::Value,

@@ -155,6 +155,8 @@ fn connection(
     let mut agent = Agent {
         opts: opts.clone(),
         part: None,
+        // What was logged before this run control came is not its business.
+        log_seq: crate::logbook::LOG.last_seq(),
     };
     let result = agent.serve(&mut s, stop);
     // Whatever ended the connection, a run still open is stopped in stages and its report
@@ -203,6 +205,8 @@ struct Part {
 struct Agent {
     opts: AgentOptions,
     part: Option<Part>,
+    /// The last log line handed to the run control.
+    log_seq: u64,
 }
 
 impl Agent {
@@ -441,7 +445,17 @@ impl Agent {
         Ok(())
     }
 
-    fn status(&self) -> Reply {
+    fn status(&mut self) -> Reply {
+        let (mut logs, next) = crate::logbook::LOG.since(self.log_seq, 1000);
+        self.log_seq = next;
+        let host = self
+            .part
+            .as_ref()
+            .map(|p| p.host.clone())
+            .unwrap_or_default();
+        for l in &mut logs {
+            l.host.clone_from(&host);
+        }
         match self
             .part
             .as_ref()
@@ -451,6 +465,7 @@ impl Agent {
                 live: serde_json::Value::Null,
                 sources_ended: false,
                 disk_full: false,
+                logs,
             },
             Some((p, s)) => {
                 let mut live = s.live();
@@ -461,6 +476,7 @@ impl Agent {
                     live: serde_json::to_value(live).unwrap_or_default(),
                     sources_ended: s.sources_ended(),
                     disk_full: s.disk_full(),
+                    logs,
                 }
             }
         }

@@ -377,8 +377,14 @@ fn poll(cluster: std::sync::Weak<Cluster>, i: usize) {
             live,
             sources_ended,
             disk_full,
+            logs,
         }) = a.call(&Request::Status {}, c.timeout)
         {
+            // Every host's lines go into this process's log, under the host's name.
+            for mut l in logs {
+                l.host.clone_from(&a.host);
+                crate::logbook::LOG.push(l);
+            }
             c.statuses.lock().insert(
                 a.host.clone(),
                 HostStatus {

@@ -9,6 +9,7 @@ pub mod agent;
 pub mod cluster;
 pub mod launch;
 mod link;
+pub mod logbook;
 
 pub use agent::{serve, AgentOptions};
 pub use cluster::{Cluster, ClusterRun};

@@ -15,7 +15,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 /// The schema this code writes and reads.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
@@ -90,7 +90,29 @@ CREATE TABLE IF NOT EXISTS actions (
     result      TEXT NOT NULL,          -- ok, or why it was refused
     run         INTEGER
 );
+CREATE TABLE IF NOT EXISTS log (
+    run         INTEGER NOT NULL REFERENCES runs(number),
+    unix_ns     INTEGER NOT NULL,
+    host        TEXT NOT NULL,
+    role        TEXT NOT NULL,
+    level       TEXT NOT NULL,          -- ERROR, WARN, INFO
+    message     TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS log_by_run ON log (run);
 ";
+
+/// Lines of a run's message log kept in the database (at most this many per run).
+pub const MAX_LOG_LINES: usize = 10_000;
+
+/// One line of a run's message log.
+#[derive(Clone, Debug, Serialize)]
+pub struct LogRow {
+    pub unix_ns: u64,
+    pub host: String,
+    pub role: String,
+    pub level: String,
+    pub message: String,
+}
 
 /// The run database, shared by the threads of one process.
 pub struct RunDb {
@@ -150,6 +172,8 @@ pub struct RunRecord {
     pub actions: Vec<ActionRow>,
     /// The run report (JSON), once the run stopped.
     pub report: Option<serde_json::Value>,
+    /// What every role and host said during the run (INFO and above), oldest first.
+    pub log: Vec<LogRow>,
 }
 
 /// What a run is started with.
@@ -324,6 +348,33 @@ impl RunDb {
         Ok(())
     }
 
+    /// Keeps a run's message log (the first [`MAX_LOG_LINES`] lines).
+    pub fn add_log(&self, run: u64, lines: &[LogRow]) -> Result<(), DbError> {
+        let mut c = self.conn();
+        let tx = c.transaction().map_err(|e| self.err(e))?;
+        {
+            let mut st = tx
+                .prepare(
+                    "INSERT INTO log (run, unix_ns, host, role, level, message)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                )
+                .map_err(|e| self.err(e))?;
+            for l in lines.iter().take(MAX_LOG_LINES) {
+                st.execute(params![
+                    run as i64,
+                    l.unix_ns as i64,
+                    l.host,
+                    l.role,
+                    l.level,
+                    l.message
+                ])
+                .map_err(|e| self.err(e))?;
+            }
+        }
+        tx.commit().map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
     /// Logs a state-changing action (accepted or refused).
     pub fn log_action(&self, a: &ActionRow) -> Result<(), DbError> {
         self.conn()
@@ -422,7 +473,26 @@ impl RunDb {
             .map_err(|e| self.err(e))?
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| self.err(e))?;
+        let mut st = c
+            .prepare(
+                "SELECT unix_ns, host, role, level, message FROM log WHERE run = ?1 ORDER BY rowid",
+            )
+            .map_err(|e| self.err(e))?;
+        let log = st
+            .query_map([number as i64], |r| {
+                Ok(LogRow {
+                    unix_ns: r.get::<_, i64>(0)? as u64,
+                    host: r.get(1)?,
+                    role: r.get(2)?,
+                    level: r.get(3)?,
+                    message: r.get(4)?,
+                })
+            })
+            .map_err(|e| self.err(e))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.err(e))?;
         Ok(RunRecord {
+            log,
             summary,
             config_sha256,
             config,
