@@ -12,7 +12,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use support::{eventually, Proc, LIMIT};
+use support::{eventually, ip, on_host, Proc, LIMIT};
 use tessera_node_protocol as proto;
 
 const TOKEN: &str = "cluster-test-token";
@@ -35,16 +35,6 @@ struct Host {
     ns: String,
     ip: String,
     link: String,
-}
-
-fn ip(args: &[&str]) -> bool {
-    Command::new("ip")
-        .args(args)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false)
 }
 
 /// A switch (a bridge in its own namespace) and one namespace per name, host i at
@@ -106,21 +96,6 @@ fn agent(host: &Host, dir: &Path, name: &str) -> Proc {
             .env("TESSERA_TOKEN", TOKEN)
             .env("TESSERA_LOG", "info"),
     )
-}
-
-/// Runs `f` on a thread that lives in network namespace `ns`.
-fn on_host<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let path = format!("/var/run/netns/{ns}");
-    std::thread::spawn(move || {
-        let fd = std::fs::File::open(&path).unwrap();
-        use std::os::fd::AsRawFd;
-        // SAFETY: setns on this thread only, with a namespace file descriptor held open.
-        let r = unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) };
-        assert_eq!(r, 0, "setns {path}: {}", std::io::Error::last_os_error());
-        f()
-    })
-    .join()
-    .unwrap()
 }
 
 /// One HTTP call to the run control from inside `ns`: (status, body).

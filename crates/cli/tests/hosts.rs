@@ -9,7 +9,7 @@ use std::net::TcpStream;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use support::{Proc, LIMIT};
+use support::{ip, on_host, Proc, LIMIT};
 use tessera_format::wire::{encode_fragment, FragmentHeader, Hello, StreamEnd};
 
 /// Namespaces and links made for one test, removed when it ends.
@@ -23,15 +23,6 @@ impl Drop for Hosts {
             let _ = Command::new("ip").args(["netns", "del", n]).status();
         }
     }
-}
-
-fn ip(args: &[&str]) -> bool {
-    Command::new("ip")
-        .args(args)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false)
 }
 
 /// `daq`, joined by a veth pair to each front-end host `ok` (10.77.1.0/24) and `bad`
@@ -64,22 +55,6 @@ fn make_hosts() -> Option<(Hosts, [String; 3])> {
         }
     }
     Some((hosts, [daq, ok, bad]))
-}
-
-/// Runs `f` on a thread that lives in network namespace `ns`: the sockets it opens are that
-/// host's.
-fn on_host<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let path = format!("/var/run/netns/{ns}");
-    std::thread::spawn(move || {
-        let fd = std::fs::File::open(&path).unwrap();
-        use std::os::fd::AsRawFd;
-        // SAFETY: setns on this thread only, with a namespace file descriptor held open.
-        let r = unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) };
-        assert_eq!(r, 0, "setns {path}: {}", std::io::Error::last_os_error());
-        f()
-    })
-    .join()
-    .unwrap()
 }
 
 /// Connects, retrying while the readout unit is not listening yet.

@@ -232,3 +232,31 @@ impl Ports {
         self.listeners[i].borrow_mut().take();
     }
 }
+
+/// Runs `ip ARGS` (iproute2); whether it succeeded. For tests that make their hosts as network
+/// namespaces.
+pub fn ip(args: &[&str]) -> bool {
+    std::process::Command::new("ip")
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// Runs `f` on a thread that lives in network namespace `ns`: the sockets it opens are that
+/// host's.
+pub fn on_host<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = format!("/var/run/netns/{ns}");
+    std::thread::spawn(move || {
+        let fd = std::fs::File::open(&path).unwrap();
+        use std::os::fd::AsRawFd;
+        // SAFETY: setns on this thread only, with a namespace file descriptor held open.
+        let r = unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(r, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        f()
+    })
+    .join()
+    .unwrap()
+}
