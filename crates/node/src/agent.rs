@@ -23,6 +23,9 @@ use tessera_run::{RoleSet, Session, StageReport, StopDeadlines, StopStage};
 
 use crate::link::{recv, send};
 
+/// Connections served at once (the driving run control's among them).
+const MAX_CONNECTIONS: usize = 16;
+
 /// How the agent was started.
 #[derive(Clone, Debug)]
 pub struct AgentOptions {
@@ -47,6 +50,15 @@ pub fn serve(listener: TcpListener, opts: AgentOptions, stop: Arc<AtomicBool>) -
     while !stop.load(Ordering::Relaxed) {
         match listener.accept() {
             Ok((s, peer)) => {
+                threads.retain(|t: &std::thread::JoinHandle<()>| !t.is_finished());
+                // One run control drives the agent; a few more may be saying hello or be told
+                // it is taken. Beyond that a connection is closed at once: strangers cannot make
+                // the agent hold a thread each.
+                if threads.len() >= MAX_CONNECTIONS {
+                    tracing::warn!(%peer, "too many connections at once: closed");
+                    drop(s);
+                    continue;
+                }
                 s.set_nonblocking(false)?;
                 let (opts, driver, stop) = (opts.clone(), driver.clone(), stop.clone());
                 threads.push(std::thread::spawn(move || {
@@ -54,7 +66,6 @@ pub fn serve(listener: TcpListener, opts: AgentOptions, stop: Arc<AtomicBool>) -
                         tracing::warn!(%peer, error = %format!("{e:#}"), "run control connection ended");
                     }
                 }));
-                threads.retain(|t: &std::thread::JoinHandle<()>| !t.is_finished());
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(20));
@@ -283,7 +294,7 @@ impl Agent {
             Request::Align { end } => self.with_session(|s| s.align_triggers(end)),
             Request::Status {} => Ok(self.status()),
             Request::StopBegin { deadlines } => {
-                self.with_session(|s| s.stop_begin(&from(&deadlines)))
+                self.with_session(|s| s.stop_begin(&crate::from_wire(&deadlines)))
             }
             Request::StopStage { stage, deadlines } => self.stop_stage(&stage, &deadlines),
             Request::Finish { stop_reason } => self.finish(&stop_reason),
@@ -485,7 +496,7 @@ impl Agent {
     fn stop_stage(&mut self, stage: &str, d: &Deadlines) -> Result<Reply> {
         let stage: StopStage = serde_json::from_value(serde_json::Value::String(stage.into()))
             .map_err(|_| anyhow!("{stage:?} is not a stage of a stop"))?;
-        let rep = self.session()?.stop_stage(stage, &from(d));
+        let rep = self.session()?.stop_stage(stage, &crate::from_wire(d));
         if let Some(p) = self.part.as_mut() {
             p.stages.push(rep.clone());
         }
@@ -521,17 +532,6 @@ impl Agent {
         Ok(Reply::Why {
             answer: serde_json::to_value(self.session()?.why_incomplete(event_id))?,
         })
-    }
-}
-
-fn from(d: &Deadlines) -> StopDeadlines {
-    StopDeadlines {
-        sources_ms: d.sources_ms,
-        readout_ms: d.readout_ms,
-        builders_ms: d.builders_ms,
-        recorder_ms: d.recorder_ms,
-        abort_grace_ms: d.abort_grace_ms,
-        max_ms: d.max_ms,
     }
 }
 

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tessera_config::Resolved;
-use tessera_node_protocol::{self as proto, Deadlines, Reply, Request};
+use tessera_node_protocol::{self as proto, Reply, Request};
 use tessera_run::live::{Live, WhyIncomplete};
 use tessera_run::{
     Component, ComponentState, Report, RunSession, StageReport, StopDeadlines, StopReport,
@@ -677,14 +677,7 @@ impl RunSession for ClusterRun {
     }
 
     fn stop(&self, d: &StopDeadlines) -> StopReport {
-        let deadlines = Deadlines {
-            sources_ms: d.sources_ms,
-            readout_ms: d.readout_ms,
-            builders_ms: d.builders_ms,
-            recorder_ms: d.recorder_ms,
-            abort_grace_ms: d.abort_grace_ms,
-            max_ms: d.max_ms,
-        };
+        let deadlines = crate::to_wire(d);
         self.hold_and_align();
         self.everyone(Request::StopBegin {
             deadlines: deadlines.clone(),

@@ -18,3 +18,42 @@ pub use cluster::{Cluster, ClusterRun};
 pub fn software() -> String {
     format!("tessera {}", env!("CARGO_PKG_VERSION"))
 }
+
+/// A stop's deadlines as the node protocol carries them, and back.
+pub(crate) fn to_wire(d: &tessera_run::StopDeadlines) -> tessera_node_protocol::Deadlines {
+    let tessera_run::StopDeadlines {
+        sources_ms,
+        readout_ms,
+        builders_ms,
+        recorder_ms,
+        abort_grace_ms,
+        max_ms,
+    } = *d;
+    tessera_node_protocol::Deadlines {
+        sources_ms,
+        readout_ms,
+        builders_ms,
+        recorder_ms,
+        abort_grace_ms,
+        max_ms,
+    }
+}
+
+pub(crate) fn from_wire(d: &tessera_node_protocol::Deadlines) -> tessera_run::StopDeadlines {
+    let tessera_node_protocol::Deadlines {
+        sources_ms,
+        readout_ms,
+        builders_ms,
+        recorder_ms,
+        abort_grace_ms,
+        max_ms,
+    } = *d;
+    tessera_run::StopDeadlines {
+        sources_ms,
+        readout_ms,
+        builders_ms,
+        recorder_ms,
+        abort_grace_ms,
+        max_ms,
+    }
+}
