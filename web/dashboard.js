@@ -131,6 +131,12 @@ function unreachable(why) {
   $("message").className = "alarm";
   document.body.classList.add("stale");
 }
+// Alarms raised now, errors first; nothing shown when there are none.
+function showAlarms(list) {
+  const a = [...list].sort((x, y) => (x.level === y.level ? 0 : x.level === "error" ? -1 : 1));
+  $("alarms").innerHTML = a.map((x) =>
+    `<div class="alarm-${esc(x.level)}" data-alarm="${esc(x.alarm)}"><b>${esc(x.level === "error" ? "ALARM" : "alarm")}</b> ${esc(x.subject)}: ${esc(x.message)}</div>`).join("");
+}
 const RUNNING = ["running", "paused"];
 async function refresh() {
   let v;
@@ -141,6 +147,7 @@ async function refresh() {
     $("message").className = "";
   }
   showState(v.state);
+  showAlarms(v.alarms || []);
   const taking = RUNNING.includes(v.state.state);
   const h = v.history.slice(-HISTORY);
   ratePlot.setData([h.map((p) => p.t), h.map((p) => p.events_per_s), h.map((p) => p.incomplete_per_s)]);
@@ -168,7 +175,7 @@ async function refresh() {
       (rec.disk_full ? ' <span class="blocked">FULL: the run stops</span>' : rec.disk_low ? ' <span class="blocked">LOW: writes slowed</span>' : "") : "";
     $("ru-buffers").innerHTML = live.readout_units.map((u) => {
       const f = u.buffer_limit ? u.buffer_used / u.buffer_limit : 0;
-      return `<div>RU ${u.id}${u.busy ? ' <span class="blocked">BUSY</span>' : ""}<div class="bar"><div style="width:${(100 * f).toFixed(1)}%"></div><span>${(100 * f).toFixed(1)}% of ${bytes(u.buffer_limit)}</span></div></div>`;
+      return `<div>RU ${u.id}${u.host ? " on " + esc(u.host) : ""}${u.busy ? ' <span class="blocked">BUSY</span>' : ""}<div class="bar"><div style="width:${(100 * f).toFixed(1)}%"></div><span>${(100 * f).toFixed(1)}% of ${bytes(u.buffer_limit)}</span></div></div>`;
     }).join("");
     const maxEv = Math.max(0, ...live.sources.map((s) => s.last_event_id ?? 0));
     rows($("alignment").tBodies[0], live.sources.map((s) => {
@@ -184,7 +191,7 @@ async function refresh() {
   const r = v.rates;
   if (r && live && taking) {
     rows($("stages").tBodies[0], r.stages.map((s) =>
-      `<tr><td>${esc(s.stage)}</td><td class="${esc(s.condition)}">${esc(s.condition)}</td><td>${esc(s.why)}</td></tr>`));
+      `<tr><td>${esc(s.stage)}</td><td>${esc(s.host || "")}</td><td class="${esc(s.condition)}">${esc(s.condition)}</td><td>${esc(s.why)}</td></tr>`));
     $("bottleneck").textContent = "bottleneck: " + r.bottleneck;
     $("bottleneck").className = "bottleneck" + (r.bottleneck.startsWith("none") ? "" : " named");
   } else {

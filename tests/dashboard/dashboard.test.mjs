@@ -3,7 +3,7 @@
 //
 //   TESSERA_BIN     the binary (default: target/release/tessera)
 //   SCREENSHOT      where to write the screenshot (default: target/dashboard.png)
-import { chromium } from "playwright-core";
+import { sleep, until, launch } from "./common.mjs";
 import { spawn } from "node:child_process";
 import { mkdtempSync, writeFileSync, readFileSync, existsSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -41,17 +41,6 @@ builders_ms = 5000
 recorder_ms = 5000
 `);
 
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
-async function until(what, f, limit = 30000) {
-  const t0 = Date.now();
-  for (;;) {
-    const v = await f();
-    if (v) return v;
-    if (Date.now() - t0 > limit) throw new Error("timed out waiting for " + what);
-    await sleep(100);
-  }
-}
-
 const tessera = spawn(bin, ["run", join(dir, "t.toml"), "--control", "--quiet", "--http", "127.0.0.1:0"], { stdio: ["ignore", "inherit", "inherit"] });
 let exited = null;
 tessera.on("exit", (code) => { exited = code; });
@@ -62,12 +51,7 @@ try {
     if (exited !== null) throw new Error("tessera run exited with " + exited);
     return existsSync(addrFile) && readFileSync(addrFile, "utf8").trim();
   });
-  browser = await chromium.launch({
-    executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
-    args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-      "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-    // Playwright gives every launch a new, empty profile directory of its own.
-  });
+  browser = await launch();
   const page = await browser.newPage({ viewport: { width: 1400, height: 1300 } });
   const errors = [];
   page.on("pageerror", (e) => errors.push(String(e)));

@@ -123,6 +123,10 @@ enum Cmd {
         /// Output directory for this host's files (overrides run.output).
         #[arg(long)]
         output: Option<PathBuf>,
+        /// Serve this host's `/metrics` here (e.g. `0.0.0.0:9300`); the run control lists it
+        /// for Prometheus. Default: not served.
+        #[arg(long)]
+        metrics: Option<String>,
     },
     /// Start the node agent of every host of the topology's `[hosts]` that has none running,
     /// over OpenSSH (the token is handed over on the agent's standard input).
@@ -361,6 +365,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             listen,
             token,
             output,
+            metrics,
         } => {
             // The roles' own checks (a monitor beyond loopback needs the token) read it here.
             std::env::set_var("TESSERA_TOKEN", &token);
@@ -380,15 +385,29 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 "tessera node: waiting for the run control at {}",
                 listener.local_addr()?
             );
+            let published = tessera_node::metrics::Shared::default();
+            let metrics = match metrics {
+                Some(m) => {
+                    let l = std::net::TcpListener::bind(&m)
+                        .with_context(|| format!("--metrics: cannot listen on {m}"))?;
+                    let server = tessera_node::metrics::serve(l, published.clone())?;
+                    eprintln!("tessera node: /metrics at http://{}/metrics", server.addr);
+                    Some(server)
+                }
+                None => None,
+            };
             tessera_node::serve(
                 listener,
                 tessera_node::AgentOptions {
                     token,
                     output,
                     control_timeout: std::time::Duration::from_secs(10),
+                    metrics: metrics.as_ref().map(|m| m.addr),
+                    published,
                 },
                 stop,
             )?;
+            drop(metrics);
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Launch {

@@ -93,6 +93,7 @@ fn agent(host: &Host, dir: &Path, name: &str) -> Proc {
             .arg(format!("{}:7300", host.ip))
             .arg("--output")
             .arg(dir.join(name))
+            .args(["--metrics", "0.0.0.0:9300"])
             .env("TESSERA_TOKEN", TOKEN)
             .env("TESSERA_LOG", "info"),
     )
@@ -241,6 +242,76 @@ fn a_comet_like_run_over_four_hosts_is_started_paused_stopped_and_verified() {
         eventually(LIMIT, || recorded(&be.ns, addr) >= 500),
         "nothing recorded"
     );
+    // One view over hosts: each stage's condition per host, the bottleneck with its host.
+    let mut live = serde_json::Value::Null;
+    assert!(
+        eventually(LIMIT, || {
+            live = json(&be.ns, addr, "/api/live");
+            let stages = live["rates"]["stages"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            ["fe1", "fe2", "fe3"].iter().all(|h| {
+                stages
+                    .iter()
+                    .any(|s| s["stage"] == "readout" && s["host"] == *h)
+            }) && stages
+                .iter()
+                .any(|s| s["stage"] == "recorder" && s["host"] == "be")
+        }),
+        "stages per host: {}",
+        live["rates"]
+    );
+    // /metrics labels each component's series with the host it runs on.
+    let (code, metrics) = call(&be.ns, addr, "GET", "/metrics");
+    assert_eq!(code, 200);
+    for (ru, h) in [(0, "fe1"), (1, "fe2"), (2, "fe3")] {
+        let want = format!("tessera_readout_fragments_total{{readout_unit=\"{ru}\",host=\"{h}\"}}");
+        assert!(metrics.contains(&want), "no {want} in {metrics}");
+    }
+    assert!(
+        metrics.contains("tessera_recorder_events_total{host=\"be\"}"),
+        "{metrics}"
+    );
+    // Every agent serves its host's part, and the run control lists them for Prometheus
+    // (file-based discovery, written at configure; the same over HTTP).
+    let file = dir.path().join("control").join("prometheus-targets.json");
+    let targets: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    assert_eq!(targets, json(&be.ns, addr, "/api/prometheus/targets"));
+    for (i, h) in ["fe1", "fe2", "fe3", "be"].iter().enumerate() {
+        let group = targets
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["labels"]["host"] == *h)
+            .unwrap_or_else(|| panic!("no target group for {h}: {targets}"));
+        let target: SocketAddr = group["targets"][0].as_str().unwrap().parse().unwrap();
+        assert_eq!(target.ip().to_string(), hosts[i].ip, "{targets}");
+        // Scraped from the run control's host, as a Prometheus there would.
+        let (code, text) = call(&be.ns, target, "GET", "/metrics");
+        assert_eq!(code, 200, "{text}");
+        assert!(
+            text.contains(&format!("tessera_node_run_open{{host=\"{h}\"}} 1")),
+            "{h}: {text}"
+        );
+        if i < 3 {
+            let want =
+                format!("tessera_readout_fragments_total{{readout_unit=\"{i}\",host=\"{h}\"}}");
+            assert!(text.contains(&want), "no {want} at {h}: {text}");
+        }
+    }
+    // The monitor runs with the recorder on the builder host; the dashboard samples it there.
+    let mut sample = (0, String::new());
+    assert!(
+        eventually(LIMIT, || {
+            sample = call(&be.ns, addr, "GET", "/api/sample");
+            sample.0 == 200
+        }),
+        "no sampled event: {sample:?}"
+    );
+    let ev: serde_json::Value = serde_json::from_str(&sample.1).unwrap();
+    assert_eq!(ev["fragment_count"], 9, "{ev}");
     transition(&be.ns, addr, "pause");
     let live = json(&be.ns, addr, "/api/live");
     assert_eq!(live["live"]["paused"], true, "{live}");
@@ -366,6 +437,35 @@ fn lost_host(cut: impl FnOnce(&mut [Proc], &[Host])) {
     let st = wait_state(&be.ns, addr, "error");
     let error = st["error"].as_str().unwrap_or_default();
     assert!(error.contains("host fe2"), "{st}");
+    // Alarms name the host: its agent lost (for as long as it is), the run failed by it.
+    let mut alarms = serde_json::Value::Null;
+    assert!(
+        eventually(LIMIT, || {
+            alarms = json(&be.ns, addr, "/api/alarms");
+            let active = alarms["active"].as_array().cloned().unwrap_or_default();
+            active
+                .iter()
+                .any(|a| a["alarm"] == "agent_lost" && a["subject"] == "host fe2")
+                && active.iter().any(|a| {
+                    a["alarm"] == "component_failed"
+                        && a["subject"].as_str().unwrap().starts_with("host fe2")
+                })
+        }),
+        "{alarms}"
+    );
+    let log = json(&be.ns, addr, "/api/log?limit=10000");
+    assert!(
+        log["lines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l["level"] == "ERROR"
+                && l["message"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with("alarm: the node agent of host fe2 is lost")),
+        "{log}"
+    );
     let run = st["run_number"].as_u64().unwrap();
     let rec = json(&be.ns, addr, &format!("/api/runs/{run}"));
     let report = &rec["report"];
@@ -472,6 +572,7 @@ fn agents_and_run_controls_refuse_wrong_tokens_and_other_revisions() {
             protocol: 7,
             software: "tessera 9.9".into(),
             host: "old".into(),
+            metrics: None,
         }))
         .unwrap();
     });
@@ -567,6 +668,11 @@ fn a_builder_host_lost_in_request_mode_fails_over_and_nothing_is_lost() {
     assert!(
         report["hosts_missing"].to_string().contains("host bu2"),
         "{report}"
+    );
+    // The run went on, but its loss was raised as an alarm in the log.
+    assert!(
+        err.contains("alarm: the node agent of host bu2 is lost"),
+        "{err}"
     );
     let rec = &report["recorder"];
     assert_eq!(rec["events_in_files"].as_u64(), Some(events), "{report}");

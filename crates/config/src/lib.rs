@@ -52,6 +52,8 @@ pub struct Topology {
     pub stop: StopSection,
     /// The run control: HTTP API, dashboard, metrics, run database.
     pub control: ControlSection,
+    /// `[alarms]`: when the run control raises an alarm while a run takes data.
+    pub alarms: AlarmsSection,
     /// `[security]`: who may connect to the data and monitor ports.
     pub security: SecuritySection,
     /// `[hosts]`: the machines of a run spread over hosts, each with its node agent (`tessera
@@ -186,6 +188,33 @@ impl Default for StopSection {
     }
 }
 
+/// `[alarms]`: the levels at which the run control raises an alarm (on the dashboard, in the
+/// message log, as `tessera_alarm_active` in /metrics). A lost agent or a failed component
+/// always raises one. 0 turns a check off.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AlarmsSection {
+    /// A stage (on any host) blocked by the stage after it for this long, in seconds.
+    pub blocked_s: f64,
+    /// No event built for this long while running (not paused), in seconds.
+    pub no_events_s: f64,
+    /// Incomplete events above this fraction of the events built over a sampling interval.
+    pub incomplete_fraction: f64,
+    /// A readout unit's, builder's or the recorder's buffer fuller than this fraction.
+    pub buffer_fraction: f64,
+}
+
+impl Default for AlarmsSection {
+    fn default() -> Self {
+        AlarmsSection {
+            blocked_s: 30.0,
+            no_events_s: 10.0,
+            incomplete_fraction: 0.05,
+            buffer_fraction: 0.95,
+        }
+    }
+}
+
 /// A value read from the configuration that must never leave the process: it serialises and
 /// prints as `<redacted>` (or empty when unset), so no topology written to the API, the run
 /// database, a manifest or a log can carry it.
@@ -249,6 +278,11 @@ pub struct ControlSection {
     /// long is lost, and the run goes to error naming its host, in milliseconds. Agents answer
     /// within a few ms and say they are still working every second while a request lasts.
     pub agent_timeout_ms: u64,
+    /// With `[hosts]`: the node agents that serve `/metrics` (`tessera node --metrics`), written
+    /// at every configure as Prometheus scrape targets in its file-based discovery format
+    /// (`file_sd_configs`), relative to `run.output`; the same list is at
+    /// `/api/prometheus/targets` for `http_sd_configs`.
+    pub prometheus_targets: PathBuf,
 }
 
 impl ControlSection {
@@ -269,6 +303,7 @@ impl Default for ControlSection {
             database: PathBuf::from("runs.sqlite"),
             sample_interval_ms: 500,
             agent_timeout_ms: 5000,
+            prometheus_targets: PathBuf::from("prometheus-targets.json"),
         }
     }
 }
@@ -1586,6 +1621,24 @@ impl Topology {
                         m.chain().len(),
                         m.max_stations
                     ),
+                ));
+            }
+        }
+        let a = &self.alarms;
+        for (key, v, max) in [
+            ("alarms.blocked_s", a.blocked_s, f64::MAX),
+            ("alarms.no_events_s", a.no_events_s, f64::MAX),
+            ("alarms.incomplete_fraction", a.incomplete_fraction, 1.0),
+            ("alarms.buffer_fraction", a.buffer_fraction, 1.0),
+        ] {
+            if !(v.is_finite() && (0.0..=max).contains(&v)) {
+                return Err(err(
+                    key,
+                    if max == 1.0 {
+                        format!("{v} is not a fraction from 0 (off) to 1")
+                    } else {
+                        format!("{v} is not a number of seconds (0: off)")
+                    },
                 ));
             }
         }

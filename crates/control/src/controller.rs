@@ -21,6 +21,7 @@ use tessera_run::{Report, RunSession, Session, StopDeadlines, StopReport};
 pub type OpenRun = Arc<Box<dyn RunSession>>;
 use tessera_rundb::{ActionRow, FileRow, RunDb, RunEnd, RunStart};
 
+use crate::alarms::{Alarms, Look};
 use crate::sampler::Sampler;
 use crate::state::{State, Transition};
 
@@ -101,6 +102,7 @@ pub(crate) struct Shared {
     /// Raised by Ctrl-C: the open run stops as if asked.
     pub interrupt: Arc<AtomicBool>,
     pub sampler: Mutex<Sampler>,
+    pub alarms: Mutex<Alarms>,
     closing: AtomicBool,
 }
 
@@ -138,6 +140,7 @@ impl Controller {
             changed: Condvar::new(),
             interrupt,
             sampler: Mutex::new(Sampler::default()),
+            alarms: Mutex::new(Alarms::default()),
             closing: AtomicBool::new(false),
         });
         let c = Controller { shared };
@@ -196,6 +199,22 @@ impl Controller {
     }
 
     /// The report of the last run that ended.
+    /// The node agents serving `/metrics`, as Prometheus scrape targets (none without
+    /// `[hosts]`).
+    pub fn prometheus_targets(&self) -> serde_json::Value {
+        self.shared
+            .ctl
+            .lock()
+            .cluster
+            .as_ref()
+            .map_or(serde_json::json!([]), |c| c.prometheus_targets())
+    }
+
+    /// The alarms raised now and the last cleared.
+    pub fn alarms(&self) -> crate::alarms::AlarmsView {
+        self.shared.alarms.lock().view()
+    }
+
     pub fn last_report(&self) -> Option<Arc<Report>> {
         self.shared.ctl.lock().last_report.clone()
     }
@@ -402,8 +421,18 @@ impl Controller {
                     r.origin
                 )
             })?;
-            Some(Cluster::configure(&r, &token).context("configuring the hosts")?)
+            let cluster = Cluster::configure(&r, &token).context("configuring the hosts")?;
+            let targets = r
+                .topology
+                .run
+                .output
+                .join(&r.topology.control.prometheus_targets);
+            let text = serde_json::to_vec_pretty(&cluster.prometheus_targets())?;
+            tessera_recorder::file_write_atomic(&targets, &text)
+                .with_context(|| format!("writing {}", targets.display()))?;
+            Some(cluster)
         };
+        self.shared.alarms.lock().clear_all(unix_ns());
         let mut c = self.shared.ctl.lock();
         c.resolved = Some(r);
         c.db = Some(Arc::new(db));
@@ -489,6 +518,7 @@ impl Controller {
             }
         };
         self.shared.sampler.lock().reset();
+        self.shared.alarms.lock().clear_all(unix_ns());
         let mut c = self.shared.ctl.lock();
         c.session = Some(Arc::new(session));
         c.run_number = Some(number);
@@ -577,26 +607,57 @@ impl Controller {
     /// Watches the open run: ends it when it ends by itself, puts the system in error when a
     /// component fails; feeds the sampler.
     fn watch(&self) {
+        let t0 = Instant::now();
         let mut last_sample = Instant::now() - Duration::from_secs(60);
         while !self.shared.closing.load(Ordering::Relaxed) {
             std::thread::sleep(Duration::from_millis(10));
-            let (state, busy, session, interval) = {
+            let (state, busy, session, cluster, interval, alarms_cfg, run) = {
                 let c = self.shared.ctl.lock();
                 (
                     c.state,
                     c.busy,
                     c.session.clone(),
+                    c.cluster.clone(),
                     c.resolved
                         .as_ref()
                         .map_or(500, |r| r.topology.control.sample_interval_ms),
+                    c.resolved
+                        .as_ref()
+                        .map(|r| r.topology.alarms.clone())
+                        .unwrap_or_default(),
+                    c.run_number,
                 )
             };
-            let Some(session) = session else { continue };
             if last_sample.elapsed() >= Duration::from_millis(interval) {
                 last_sample = Instant::now();
-                let live = session.live();
-                self.shared.sampler.lock().push(&live);
+                let live = session.as_ref().map(|s| s.live());
+                let (rates, point) = match &live {
+                    Some(l) => {
+                        let mut s = self.shared.sampler.lock();
+                        s.push(l);
+                        (s.rates.clone(), s.history.back().cloned())
+                    }
+                    None => (None, None),
+                };
+                let lost = cluster.as_ref().map(|c| c.lost_hosts()).unwrap_or_default();
+                let taking_data = state == State::Running
+                    && busy.is_none()
+                    && live.as_ref().is_some_and(|l| !l.paused);
+                self.shared.alarms.lock().evaluate(
+                    &Look {
+                        t: t0.elapsed().as_secs_f64(),
+                        unix_ns: unix_ns(),
+                        taking_data,
+                        run,
+                        live: live.as_ref(),
+                        rates: rates.as_ref(),
+                        point: point.as_ref(),
+                        lost_hosts: &lost,
+                    },
+                    &alarms_cfg,
+                );
             }
+            let Some(session) = session else { continue };
             if busy.is_some() || !matches!(state, State::Running | State::Paused) {
                 continue;
             }
@@ -662,6 +723,15 @@ impl Controller {
             return;
         };
         tracing::error!(reason = why, "a component failed: the system goes to error");
+        // Named by what comes before the reason: `host fe1 (…)`, `readout unit 0`.
+        let subject = why.split(": ").next().unwrap_or(why);
+        self.shared.alarms.lock().raise(
+            crate::alarms::kind::COMPONENT_FAILED,
+            subject,
+            why,
+            self.run(),
+            unix_ns(),
+        );
         self.shared.ctl.lock().error = Some(why.to_string());
         let result = self.stop_run(&format!("error: {why}"), None);
         let why = match result {

@@ -14,6 +14,7 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
+use bytes::Bytes;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::net::{SocketAddr, TcpListener};
@@ -35,8 +36,14 @@ struct App {
 #[derive(Default)]
 struct SampleTap {
     run: Option<u64>,
-    consumer: Option<tessera_monitor::LocalConsumer>,
+    consumer: Option<Tap>,
     last: Option<Sample>,
+}
+
+/// The dashboard's consumer: in this process, or on the recorder's host.
+enum Tap {
+    Local(tessera_monitor::LocalConsumer),
+    Remote(Box<tessera_monitor::Consumer>),
 }
 
 /// The station the dashboard samples from (sampling: it never holds the data path).
@@ -139,6 +146,8 @@ fn router(app: Arc<App>) -> Router {
         .route("/api/runs/{number}/comment", put(comment))
         .route("/api/actions", get(actions))
         .route("/api/log", get(log))
+        .route("/api/alarms", get(alarms))
+        .route("/api/prometheus/targets", get(prometheus_targets))
         .route("/api/events/{event_id}/why", get(why))
         .route("/api/sample", get(sample))
         .with_state(app)
@@ -379,12 +388,14 @@ async fn live(AxState(app): AxState<Arc<App>>) -> Response {
     let ctl = app.ctl.clone();
     let r = tokio::task::spawn_blocking(move || {
         let live = ctl.session().map(|s| s.live());
+        let alarms: Vec<_> = ctl.shared.alarms.lock().active().cloned().collect();
         let s = ctl.shared.sampler.lock();
         serde_json::json!({
             "state": ctl.view(),
             "live": live,
             "rates": s.rates,
             "history": s.history,
+            "alarms": alarms,
         })
     })
     .await;
@@ -442,6 +453,14 @@ async fn run(AxState(app): AxState<Arc<App>>, Path(number): Path<u64>) -> Respon
 async fn actions(AxState(app): AxState<Arc<App>>, Query(q): Query<Limit>) -> Response {
     let limit = q.limit.unwrap_or(50).min(10_000);
     db_call(&app, |db| db.actions(limit))
+}
+
+async fn prometheus_targets(AxState(app): AxState<Arc<App>>) -> Response {
+    Json(app.ctl.prometheus_targets()).into_response()
+}
+
+async fn alarms(AxState(app): AxState<Arc<App>>) -> Response {
+    Json(app.ctl.shared.alarms.lock().view()).into_response()
 }
 
 #[derive(Deserialize)]
@@ -567,9 +586,6 @@ fn take_sample(app: &App) -> Result<Option<Sample>, String> {
     let Some(session) = app.ctl.session() else {
         return Ok(app.sample.lock().last.clone());
     };
-    let Some(monitor) = session.monitor() else {
-        return Err("this run has no monitor (monitor.enabled = false, or no recorder)".into());
-    };
     let run = session.run_number();
     let mut tap = app.sample.lock();
     if tap.run != Some(run) {
@@ -577,35 +593,84 @@ fn take_sample(app: &App) -> Result<Option<Sample>, String> {
         tap.last = None;
         tap.run = Some(run);
     }
+    let station = tessera_config::StationSection {
+        name: SAMPLE_STATION.into(),
+        queue: 4,
+        ..Default::default()
+    };
     if tap.consumer.is_none() {
-        let st = tessera_config::StationSection {
-            name: SAMPLE_STATION.into(),
-            queue: 4,
-            ..Default::default()
-        };
-        let exists = monitor
-            .status()
-            .stations
-            .iter()
-            .any(|s| s.config.name == SAMPLE_STATION);
-        if !exists {
-            monitor.create_station(st).map_err(|e| e.to_string())?;
-        }
-        tap.consumer = Some(
-            monitor
-                .attach(SAMPLE_STATION, "dashboard")
-                .map_err(|e| e.to_string())?,
-        );
+        tap.consumer = Some(if let Some(monitor) = session.monitor() {
+            let exists = monitor
+                .status()
+                .stations
+                .iter()
+                .any(|s| s.config.name == SAMPLE_STATION);
+            if !exists {
+                monitor.create_station(station).map_err(|e| e.to_string())?;
+            }
+            Tap::Local(
+                monitor
+                    .attach(SAMPLE_STATION, "dashboard")
+                    .map_err(|e| e.to_string())?,
+            )
+        } else if let Some(addr) = session.monitor_address() {
+            // The monitor runs on the recorder's host: attach over its protocol, with the
+            // token the run control and its agents share.
+            let mut o = tessera_monitor::ClientOptions::new(&addr, SAMPLE_STATION);
+            o.consumer = "dashboard".into();
+            o.create = Some(station);
+            o.reattach = false;
+            if let Some(t) = app
+                .ctl
+                .resolved()
+                .and_then(|r| r.topology.control.effective_token())
+            {
+                o.token = Some(t);
+            }
+            Tap::Remote(Box::new(
+                tessera_monitor::Consumer::attach(o)
+                    .map_err(|e| format!("the monitor at {addr}: {e}"))?,
+            ))
+        } else {
+            return Err("this run has no monitor (monitor.enabled = false, or no recorder)".into());
+        });
     }
     let tap = &mut *tap;
-    let c = tap.consumer.as_ref().expect("attached above");
-    let events = c
-        .get(16, tessera_monitor::Wait::Timed(200))
-        .map_err(|e| e.to_string())?;
-    if let Some(e) = events.last() {
-        let h = &e.header;
-        let hex = e
-            .bytes
+    let c = tap.consumer.as_mut().expect("attached above");
+    // Events as (arrival number, record); a remote station's are parsed here.
+    let events: Vec<(u64, Bytes)> = match c {
+        Tap::Local(c) => {
+            let events = c
+                .get(16, tessera_monitor::Wait::Timed(200))
+                .map_err(|e| e.to_string())?;
+            let out = events.iter().map(|e| (e.seq, e.bytes.clone())).collect();
+            if !events.is_empty() {
+                let _ = c.put(events);
+            }
+            out
+        }
+        Tap::Remote(c) => match c.get(16, tessera_monitor::Wait::Timed(200)) {
+            Ok(events) => {
+                let out = events.iter().map(|e| (e.seq, e.record.clone())).collect();
+                let _ = c.put(&events);
+                out
+            }
+            Err(e) => {
+                // Attach again on the next look (the monitor's host may come back).
+                tap.consumer = None;
+                return Err(format!("the monitor: {e}"));
+            }
+        },
+    };
+    if let Some((seq, bytes)) = events.last() {
+        let Ok(Some((h, _))) =
+            tessera_format::event::EventRecordHeader::decode_prefix(bytes, bytes.len())
+        else {
+            return Err(format!(
+                "sampled event {seq} has no valid event record header"
+            ));
+        };
+        let hex = bytes
             .chunks(16)
             .take(16)
             .map(|row| {
@@ -617,7 +682,7 @@ fn take_sample(app: &App) -> Result<Option<Sample>, String> {
             .collect();
         tap.last = Some(Sample {
             run_number: run,
-            seq: e.seq,
+            seq: *seq,
             event_id: h.event_id,
             trigger_type: h.trigger_type,
             builder_id: h.builder_id,
@@ -625,12 +690,9 @@ fn take_sample(app: &App) -> Result<Option<Sample>, String> {
             record_size: h.record_size,
             flags: h.flags.names(),
             missing: h.missing.clone(),
-            text: tessera_monitor::console::describe(e.seq, &e.bytes, 16),
+            text: tessera_monitor::console::describe(*seq, bytes, 16),
             hex,
         });
-    }
-    if !events.is_empty() {
-        let _ = c.put(events);
     }
     Ok(tap.last.clone())
 }

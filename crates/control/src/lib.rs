@@ -1,3 +1,4 @@
+pub mod alarms;
 pub mod controller;
 pub mod http;
 pub mod metrics;

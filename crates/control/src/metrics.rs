@@ -4,22 +4,20 @@
 //! for dashboards that do not compute `rate()` themselves.
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeCounterValue, EncodeMetric};
-use prometheus_client::metrics::counter::ConstCounter;
-use prometheus_client::metrics::gauge::ConstGauge;
-use prometheus_client::metrics::MetricType;
+use prometheus_client::encoding::DescriptorEncoder;
 use prometheus_client::registry::Registry;
 
-use tessera_run::live::{Live, LiveHistogram};
+use tessera_metrics::{l1, Enc, Hosts};
+use tessera_run::live::Live;
 
 use crate::controller::Controller;
 use crate::sampler::Rates;
 use crate::state::State;
 
-type Labels = Vec<(&'static str, String)>;
-
 #[derive(Debug)]
 struct Snapshot {
+    alarms: Vec<(&'static str, String)>,
+    raised: Vec<(&'static str, u64)>,
     state: State,
     run_number: Option<u64>,
     live: Option<Live>,
@@ -31,15 +29,22 @@ pub fn render(c: &Controller) -> String {
     let view = c.view();
     let live = c.session().map(|s| s.live());
     let rates = c.shared.sampler.lock().rates.clone();
-    // Every series names the host it comes from: one Prometheus scrapes every host of a run.
-    let mut reg = Registry::with_labels(
-        [(
-            std::borrow::Cow::Borrowed("host"),
-            std::borrow::Cow::Owned(host_name()),
-        )]
-        .into_iter(),
-    );
+    // Every series names the host it comes from (one Prometheus scrapes every host of a run):
+    // over hosts, a component's series the host the component runs on.
+    let mut reg = Registry::default();
+    let (alarms, raised) = {
+        let a = c.shared.alarms.lock();
+        (
+            a.active().map(|x| (x.alarm, x.subject.clone())).collect(),
+            crate::alarms::kind::ALL
+                .iter()
+                .map(|k| (*k, a.raised_total().get(k).copied().unwrap_or(0)))
+                .collect(),
+        )
+    };
     reg.register_collector(Box::new(Snapshot {
+        alarms,
+        raised,
         state: view.state,
         run_number: view.run_number,
         rates: live.as_ref().and(rates),
@@ -51,89 +56,14 @@ pub fn render(c: &Controller) -> String {
     out
 }
 
-/// This machine's name (the kernel's), or `unknown`.
-pub fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "unknown".into())
-}
-
-struct Enc<'a, 'b>(&'a mut DescriptorEncoder<'b>);
-
-impl Enc<'_, '_> {
-    fn counter<N: EncodeCounterValue + std::fmt::Debug + Copy>(
-        &mut self,
-        name: &str,
-        help: &str,
-        v: &[(Labels, N)],
-    ) -> std::fmt::Result {
-        if v.is_empty() {
-            return Ok(());
-        }
-        let mut d = self
-            .0
-            .encode_descriptor(name, help, None, MetricType::Counter)?;
-        for (l, x) in v {
-            ConstCounter::new(*x).encode(d.encode_family(l)?)?;
-        }
-        Ok(())
-    }
-
-    fn gauge(&mut self, name: &str, help: &str, v: &[(Labels, f64)]) -> std::fmt::Result {
-        if v.is_empty() {
-            return Ok(());
-        }
-        let mut d = self
-            .0
-            .encode_descriptor(name, help, None, MetricType::Gauge)?;
-        for (l, x) in v {
-            ConstGauge::new(*x).encode(d.encode_family(l)?)?;
-        }
-        Ok(())
-    }
-
-    fn histogram(
-        &mut self,
-        name: &str,
-        help: &str,
-        v: &[(Labels, &LiveHistogram)],
-    ) -> std::fmt::Result {
-        if v.is_empty() {
-            return Ok(());
-        }
-        let mut d = self
-            .0
-            .encode_descriptor(name, help, None, MetricType::Histogram)?;
-        for (l, h) in v {
-            // The encoder takes per-bucket counts and f64::MAX for the +Inf bound.
-            let mut prev = 0;
-            let buckets: Vec<(f64, u64)> = h
-                .buckets
-                .iter()
-                .map(|(le, cum)| {
-                    let n = cum - prev;
-                    prev = *cum;
-                    (le.unwrap_or(f64::MAX), n)
-                })
-                .collect();
-            d.encode_family(l)?
-                .encode_histogram::<prometheus_client::encoding::NoLabelSet>(
-                    h.sum_s, h.count, &buckets, None,
-                )?;
-        }
-        Ok(())
-    }
-}
-
-fn l1(k: &'static str, v: impl ToString) -> Labels {
-    vec![(k, v.to_string())]
-}
+pub use tessera_metrics::host_name;
 
 impl Collector for Snapshot {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let mut e = Enc(&mut encoder);
+        let mut e = Enc {
+            d: &mut encoder,
+            hosts: Hosts::of(host_name(), self.live.as_ref()),
+        };
         let states = [
             State::Initial,
             State::Configured,
@@ -150,6 +80,24 @@ impl Collector for Snapshot {
                 .map(|s| (l1("state", s.name()), (*s == self.state) as u8 as f64))
                 .collect::<Vec<_>>(),
         )?;
+        e.gauge(
+            "tessera_alarm_active",
+            "1 for each alarm raised now (alarm: its kind; subject: what it is about)",
+            &self
+                .alarms
+                .iter()
+                .map(|(a, s)| (vec![("alarm", a.to_string()), ("subject", s.clone())], 1.0))
+                .collect::<Vec<_>>(),
+        )?;
+        e.counter(
+            "tessera_alarms_raised",
+            "alarms raised since the run control started, by kind",
+            &self
+                .raised
+                .iter()
+                .map(|(a, n)| (l1("alarm", a), *n))
+                .collect::<Vec<_>>(),
+        )?;
         if let Some(n) = self.run_number {
             e.gauge(
                 "tessera_run_number",
@@ -160,269 +108,12 @@ impl Collector for Snapshot {
         let Some(live) = &self.live else {
             return Ok(());
         };
-        e.gauge(
-            "tessera_run_elapsed_seconds",
-            "time since the open run started",
-            &[(vec![], live.elapsed_s)],
-        )?;
-
-        // Sources.
-        let src = |s: &tessera_run::live::LiveSource| -> Labels {
-            vec![
-                ("source", s.id.to_string()),
-                ("readout_unit", s.readout_unit.to_string()),
-            ]
-        };
-        e.counter(
-            "tessera_source_fragments",
-            "fragments read from each source's link (good or rejected at the wire)",
-            &live
-                .sources
-                .iter()
-                .map(|s| (src(s), s.received))
-                .collect::<Vec<_>>(),
-        )?;
-        e.counter(
-            "tessera_source_bytes",
-            "bytes each emulated source put on the wire",
-            &live
-                .sources
-                .iter()
-                .filter_map(|s| Some((src(s), s.bytes_sent?)))
-                .collect::<Vec<_>>(),
-        )?;
-        e.counter(
-            "tessera_source_dead_time_seconds",
-            "time each emulated source was held by back-pressure (dead time)",
-            &live
-                .sources
-                .iter()
-                .filter_map(|s| Some((src(s), s.held_ns? as f64 * 1e-9)))
-                .collect::<Vec<_>>(),
-        )?;
-        let mut rejected = Vec::new();
-        let mut by_reason = std::collections::BTreeMap::<String, u64>::new();
-        for s in &live.sources {
-            for (reason, n) in &s.rejected {
-                let mut l = src(s);
-                l.push(("reason", reason.clone()));
-                rejected.push((l, *n));
-                *by_reason.entry(reason.clone()).or_default() += n;
-            }
-        }
-        e.counter(
-            "tessera_source_skipped_bytes",
-            "bytes each readout link skipped while resynchronising after bad data",
-            &live
-                .sources
-                .iter()
-                .map(|s| (src(s), s.skipped_bytes))
-                .collect::<Vec<_>>(),
-        )?;
-        e.counter(
-            "tessera_source_bytes_after_end",
-            "bytes each source sent after its end of stream (a protocol error)",
-            &live
-                .sources
-                .iter()
-                .map(|s| (src(s), s.bytes_after_end))
-                .collect::<Vec<_>>(),
-        )?;
-        e.counter(
-            "tessera_source_rejected_fragments",
-            "fragments each readout link rejected, by reason",
-            &rejected,
-        )?;
-        e.counter(
-            "tessera_rejected_fragments",
-            "fragments rejected over all links, by reason",
-            &by_reason
-                .into_iter()
-                .map(|(r, n)| (l1("reason", r), n))
-                .collect::<Vec<_>>(),
-        )?;
-        e.gauge(
-            "tessera_source_last_event_id",
-            "event ID of each link's last good fragment (alignment across sources)",
-            &live
-                .sources
-                .iter()
-                .filter_map(|s| Some((src(s), s.last_event_id? as f64)))
-                .collect::<Vec<_>>(),
-        )?;
-
-        // Readout units.
-        let ru = |id: u32| l1("readout_unit", id);
-        let rus = &live.readout_units;
-        e.counter(
-            "tessera_readout_fragments",
-            "fragments each readout unit sent to builders",
-            &rus.iter()
-                .map(|u| (ru(u.id), u.fragments_forwarded))
-                .collect::<Vec<_>>(),
-        )?;
-        e.counter(
-            "tessera_readout_bytes",
-            "bytes each readout unit sent to builders",
-            &rus.iter()
-                .map(|u| (ru(u.id), u.bytes_forwarded))
-                .collect::<Vec<_>>(),
-        )?;
-        e.gauge(
-            "tessera_readout_buffer_bytes",
-            "buffer each readout unit holds now",
-            &rus.iter()
-                .map(|u| (ru(u.id), u.buffer_used as f64))
-                .collect::<Vec<_>>(),
-        )?;
-        e.gauge(
-            "tessera_readout_buffer_limit_bytes",
-            "buffer bound of each readout unit",
-            &rus.iter()
-                .map(|u| (ru(u.id), u.buffer_limit as f64))
-                .collect::<Vec<_>>(),
-        )?;
-        e.gauge(
-            "tessera_readout_buffer_occupancy",
-            "fraction of each readout unit's buffer in use",
-            &rus.iter()
-                .map(|u| {
-                    (
-                        ru(u.id),
-                        u.buffer_used as f64 / u.buffer_limit.max(1) as f64,
-                    )
-                })
-                .collect::<Vec<_>>(),
-        )?;
-        e.counter(
-            "tessera_readout_busy_seconds",
-            "time links of each readout unit could not read for lack of buffer, summed over links",
-            &rus.iter()
-                .map(|u| (ru(u.id), u.busy_ns as f64 * 1e-9))
-                .collect::<Vec<_>>(),
-        )?;
-        e.gauge(
-            "tessera_readout_busy",
-            "1 while the readout unit asserts BUSY",
-            &rus.iter()
-                .map(|u| (ru(u.id), u.busy as u8 as f64))
-                .collect::<Vec<_>>(),
-        )?;
-
-        // Builders.
-        let bu = |id: u16| l1("builder", id);
-        let bus = &live.builders;
-        let mut events = Vec::new();
-        for b in bus {
-            for (outcome, n) in [
-                ("complete", b.events_complete),
-                ("incomplete", b.events_incomplete),
-                ("rejected", b.events_rejected),
-            ] {
-                events.push((
-                    vec![
-                        ("builder", b.id.to_string()),
-                        ("outcome", outcome.to_string()),
-                    ],
-                    n,
-                ));
-            }
-        }
-        e.counter(
-            "tessera_builder_events",
-            "events each builder built, by outcome (rejected: by the filter)",
-            &events,
-        )?;
-        e.counter(
-            "tessera_incomplete_events",
-            "events built with a source missing, over all builders",
-            &[(vec![], bus.iter().map(|b| b.events_incomplete).sum::<u64>())],
-        )?;
-        e.counter(
-            "tessera_builder_bytes",
-            "bytes of events each builder built",
-            &bus.iter()
-                .map(|b| (bu(b.id), b.bytes_built))
-                .collect::<Vec<_>>(),
-        )?;
-        e.gauge(
-            "tessera_builder_buffer_occupancy",
-            "fraction of each builder's buffer in use",
-            &bus.iter()
-                .map(|b| {
-                    (
-                        bu(b.id),
-                        b.buffer_used as f64 / b.buffer_limit.max(1) as f64,
-                    )
-                })
-                .collect::<Vec<_>>(),
-        )?;
-        e.counter(
-            "tessera_builder_busy_seconds",
-            "time links of each builder could not read for lack of buffer, summed over links",
-            &bus.iter()
-                .map(|b| (bu(b.id), b.busy_ns as f64 * 1e-9))
-                .collect::<Vec<_>>(),
-        )?;
-        e.gauge(
-            "tessera_builder_pending_events",
-            "events each builder is assembling",
-            &bus.iter()
-                .map(|b| (bu(b.id), b.pending_events as f64))
-                .collect::<Vec<_>>(),
-        )?;
-        e.histogram(
-            "tessera_builder_event_latency_seconds",
-            "time from an event's first part at the builder to its build",
-            &bus.iter()
-                .map(|b| (bu(b.id), &b.latency))
-                .collect::<Vec<_>>(),
-        )?;
-
-        // Recorder.
-        if let Some(r) = &live.recorder {
-            e.counter(
-                "tessera_recorder_events",
-                "events the recorder received",
-                &[(vec![], r.events)],
-            )?;
-            e.counter(
-                "tessera_recorder_bytes",
-                "bytes the recorder took in (record) and wrote to files (file, after compression)",
-                &[
-                    (l1("kind", "record"), r.record_bytes),
-                    (l1("kind", "file"), r.file_bytes),
-                ],
-            )?;
-            e.counter(
-                "tessera_recorder_files",
-                "files the recorder finished",
-                &[(vec![], r.files)],
-            )?;
-            e.gauge(
-                "tessera_recorder_buffer_occupancy",
-                "fraction of the recorder's buffer in use",
-                &[(vec![], r.buffer_used as f64 / r.buffer_limit.max(1) as f64)],
-            )?;
-            e.counter(
-                "tessera_recorder_write_seconds",
-                "time the recorder spent in write and fsync calls",
-                &[(vec![], r.write_ns as f64 * 1e-9)],
-            )?;
-            e.gauge(
-                "tessera_recorder_disk_free_bytes",
-                "free bytes on the output file system at the recorder's last look",
-                &[(vec![], r.disk_free as f64)],
-            )?;
-            e.gauge(
-                "tessera_recorder_disk_alarm",
-                "1 below the soft free-space watermark (writes slowed), 2 below the hard one (the run stops), else 0",
-                &[(vec![], if r.disk_full { 2.0 } else if r.disk_low { 1.0 } else { 0.0 })],
-            )?;
-        }
+        tessera_metrics::live_series(&mut e, live)?;
 
         // Rates and fractions over the last sampling interval.
         if let Some(rt) = &self.rates {
+            let ru = |id: u32| l1("readout_unit", id);
+            let bu = |id: u16| l1("builder", id);
             e.gauge(
                 "tessera_source_fragments_per_second",
                 "fragments per second read from each source's link, last interval",
@@ -490,10 +181,11 @@ impl Collector for Snapshot {
                 &rt.stages
                     .iter()
                     .map(|s| {
-                        (
-                            l1("stage", s.stage),
-                            (s.condition == "blocked") as u8 as f64,
-                        )
+                        let mut l = l1("stage", s.stage);
+                        if let Some(h) = &s.host {
+                            l.push(("host", h.clone()));
+                        }
+                        (l, (s.condition == "blocked") as u8 as f64)
                     })
                     .collect::<Vec<_>>(),
             )?;

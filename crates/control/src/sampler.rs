@@ -7,7 +7,7 @@
 //! rate sets it.
 
 use serde::Serialize;
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
 use tessera_run::live::Live;
@@ -35,11 +35,17 @@ pub struct Point {
 pub struct StageView {
     /// `sources`, `readout`, `builders`, `recorder`.
     pub stage: &'static str,
+    /// The host this view is of, in a run spread over hosts (one view per stage and host; the
+    /// sources by the host of the readout unit their link ends at).
+    pub host: Option<String>,
     /// `starved` (nothing to do), `busy` (moving data, not held), `blocked` (held by the next
     /// stage), `idle` (paused).
     pub condition: &'static str,
     /// What the condition is read from, in words.
     pub why: String,
+    /// The larger of the fullest buffer's occupancy and the fraction of the interval unable to
+    /// read (0..1).
+    pub load: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -237,130 +243,91 @@ fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
         _ => 0.0,
     };
 
-    // Conditions.
-    let max = |v: &[f64]| v.iter().cloned().fold(0.0, f64::max);
-    let moved_src: f64 = live
-        .sources
-        .iter()
-        .map(|s| per_s(s.received, find_src(s.id).map_or(0, |o| o.received), dt))
-        .sum();
-    let dead = max(&per_source_dead_fraction
-        .iter()
-        .map(|x| x.1)
-        .collect::<Vec<_>>());
+    // Conditions, per stage and, in a run spread over hosts, per host: the bottleneck then
+    // names the host as well as the stage.
     let mut stages = Vec::new();
-    stages.push(if live.paused {
-        StageView {
-            stage: "sources",
-            condition: "idle",
-            why: "paused: triggers held".into(),
-        }
-    } else if dead > HELD {
-        StageView {
-            stage: "sources",
-            condition: "blocked",
-            why: format!("held by back-pressure {:.0}% of the time", dead * 100.0),
-        }
-    } else if moved_src == 0.0 {
-        StageView {
-            stage: "sources",
-            condition: "starved",
-            why: "no fragment arrived".into(),
-        }
-    } else {
-        StageView {
-            stage: "sources",
-            condition: "busy",
-            why: format!("{moved_src:.0} fragments/s"),
-        }
-    });
-    let stage = |name: &'static str, occupancy: f64, busy: f64, moved: f64| -> StageView {
-        if occupancy > BLOCKED || busy > HELD {
-            StageView {
-                stage: name,
-                condition: "blocked",
-                why: format!(
-                    "buffers {:.0}% full, unable to read {:.0}% of the time",
-                    occupancy * 100.0,
-                    busy * 100.0
-                ),
-            }
-        } else if moved == 0.0 {
-            StageView {
-                stage: name,
-                condition: "starved",
-                why: format!("nothing moved; buffers {:.0}% full", occupancy * 100.0),
-            }
-        } else {
-            StageView {
-                stage: name,
-                condition: "busy",
-                why: format!("buffers {:.0}% full", occupancy * 100.0),
-            }
-        }
+    let ru_host = |id: u32| {
+        live.readout_units
+            .iter()
+            .find(|u| u.id == id)
+            .and_then(|u| u.host.clone())
     };
-    let ru_occ = live
-        .readout_units
-        .iter()
-        .map(|u| occ(u.buffer_used, u.buffer_limit))
-        .fold(0.0, f64::max);
-    let ru_moved: f64 = live
-        .readout_units
-        .iter()
-        .map(|u| {
-            per_s(
-                u.bytes_forwarded,
-                find_ru(u.id).map_or(0, |o| o.bytes_forwarded),
+    // Sources are grouped by the host of the readout unit their link ends at.
+    let mut src: BTreeMap<Option<String>, Load> = BTreeMap::new();
+    for s in &live.sources {
+        let l = src.entry(ru_host(s.readout_unit)).or_default();
+        l.moved += per_s(s.received, find_src(s.id).map_or(0, |o| o.received), dt);
+        if let Some(h) = s.held_ns {
+            let f = frac(
+                h,
+                find_src(s.id).and_then(|o| o.held_ns).unwrap_or(h),
                 dt,
+                1,
+            );
+            l.busy = l.busy.max(f);
+        }
+    }
+    for (host, l) in src {
+        stages.push(if live.paused {
+            StageView::new("sources", host, "idle", "paused: triggers held".into(), 0.0)
+        } else if l.busy > HELD {
+            StageView::new(
+                "sources",
+                host,
+                "blocked",
+                format!("held by back-pressure {:.0}% of the time", l.busy * 100.0),
+                l.busy,
             )
-        })
-        .sum();
-    stages.push(stage(
-        "readout",
-        ru_occ,
-        max(&per_readout_busy_fraction
-            .iter()
-            .map(|x| x.1)
-            .collect::<Vec<_>>()),
-        ru_moved,
-    ));
-    let bu_occ = live
-        .builders
-        .iter()
-        .map(|b| occ(b.buffer_used, b.buffer_limit))
-        .fold(0.0, f64::max);
-    let bu_moved: f64 = live
-        .builders
-        .iter()
-        .map(|b| {
-            per_s(
-                b.bytes_built,
-                find_bu(b.id).map_or(0, |o| o.bytes_built),
-                dt,
+        } else if l.moved == 0.0 {
+            StageView::new(
+                "sources",
+                host,
+                "starved",
+                "no fragment arrived".into(),
+                0.0,
             )
-        })
-        .sum();
-    stages.push(stage(
-        "builders",
-        bu_occ,
-        max(&per_builder_busy_fraction
-            .iter()
-            .map(|x| x.1)
-            .collect::<Vec<_>>()),
-        bu_moved,
-    ));
-    if let Some(rec) = &live.recorder {
-        let moved = per_s(
-            rec.record_bytes,
-            then.recorder.as_ref().map_or(0, |o| o.record_bytes),
-            dt,
+        } else {
+            StageView::new(
+                "sources",
+                host,
+                "busy",
+                format!("{:.0} fragments/s", l.moved),
+                l.busy,
+            )
+        });
+    }
+    let mut ru: BTreeMap<Option<String>, Load> = BTreeMap::new();
+    for u in &live.readout_units {
+        let o = find_ru(u.id);
+        ru.entry(u.host.clone()).or_default().add(
+            occ(u.buffer_used, u.buffer_limit),
+            frac(u.busy_ns, o.map_or(0, |o| o.busy_ns), dt, u.links),
+            per_s(u.bytes_forwarded, o.map_or(0, |o| o.bytes_forwarded), dt),
         );
-        stages.push(stage(
-            "recorder",
+    }
+    stages.extend(ru.into_iter().map(|(h, l)| l.view("readout", h)));
+    let mut bu: BTreeMap<Option<String>, Load> = BTreeMap::new();
+    for b in &live.builders {
+        let o = find_bu(b.id);
+        bu.entry(b.host.clone()).or_default().add(
+            occ(b.buffer_used, b.buffer_limit),
+            frac(b.busy_ns, o.map_or(0, |o| o.busy_ns), dt, b.links),
+            per_s(b.bytes_built, o.map_or(0, |o| o.bytes_built), dt),
+        );
+    }
+    stages.extend(bu.into_iter().map(|(h, l)| l.view("builders", h)));
+    if let Some(rec) = &live.recorder {
+        let mut l = Load::default();
+        l.add(
             occ(rec.buffer_used, rec.buffer_limit),
             recorder_busy_fraction,
-            moved,
-        ));
+            per_s(
+                rec.record_bytes,
+                then.recorder.as_ref().map_or(0, |o| o.record_bytes),
+                dt,
+            ),
+        );
+        stages.push(l.view("recorder", rec.host.clone()));
     }
     let bottleneck = bottleneck(&stages);
     Rates {
@@ -379,16 +346,111 @@ fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
     }
 }
 
+/// What one stage does on one host over the interval.
+#[derive(Default)]
+struct Load {
+    /// Fullest buffer, as a fraction of its limit.
+    occupancy: f64,
+    /// Largest fraction of the interval a reader could not read (sources: held).
+    busy: f64,
+    /// Summed rate (bytes or fragments per second).
+    moved: f64,
+}
+
+impl Load {
+    fn add(&mut self, occupancy: f64, busy: f64, moved: f64) {
+        self.occupancy = self.occupancy.max(occupancy);
+        self.busy = self.busy.max(busy);
+        self.moved += moved;
+    }
+
+    fn view(&self, stage: &'static str, host: Option<String>) -> StageView {
+        let load = self.occupancy.max(self.busy);
+        if self.occupancy > BLOCKED || self.busy > HELD {
+            StageView::new(
+                stage,
+                host,
+                "blocked",
+                format!(
+                    "buffers {:.0}% full, unable to read {:.0}% of the time",
+                    self.occupancy * 100.0,
+                    self.busy * 100.0
+                ),
+                load,
+            )
+        } else if self.moved == 0.0 {
+            StageView::new(
+                stage,
+                host,
+                "starved",
+                format!("nothing moved; buffers {:.0}% full", self.occupancy * 100.0),
+                load,
+            )
+        } else {
+            StageView::new(
+                stage,
+                host,
+                "busy",
+                format!("buffers {:.0}% full", self.occupancy * 100.0),
+                load,
+            )
+        }
+    }
+}
+
+impl StageView {
+    fn new(
+        stage: &'static str,
+        host: Option<String>,
+        condition: &'static str,
+        why: String,
+        load: f64,
+    ) -> StageView {
+        StageView {
+            stage,
+            host,
+            condition,
+            why,
+            load,
+        }
+    }
+}
+
 /// The first stage that is not blocked after one that is; the last stage if every stage is
-/// blocked (it waits on what is after it: the disk, or a blocking monitor station).
+/// blocked (it waits on what is after it: the disk, or a blocking monitor station). A stage is
+/// blocked when it is on any host; over hosts the bottleneck names the stage's most loaded host
+/// (fullest buffers or longest unable to read), or its blocked one.
 pub fn bottleneck(stages: &[StageView]) -> String {
-    let last_blocked = stages.iter().rposition(|s| s.condition == "blocked");
-    match last_blocked {
+    let mut order: Vec<&'static str> = Vec::new();
+    for s in stages {
+        if !order.contains(&s.stage) {
+            order.push(s.stage);
+        }
+    }
+    let blocked = |name: &str| {
+        stages
+            .iter()
+            .any(|s| s.stage == name && s.condition == "blocked")
+    };
+    // The host to name within a stage: a blocked one first, then the most loaded.
+    let at = |name: &str| -> String {
+        let worst = stages.iter().filter(|s| s.stage == name).max_by(|a, b| {
+            let key = |s: &StageView| ((s.condition == "blocked") as u8, s.load);
+            key(a)
+                .partial_cmp(&key(b))
+                .unwrap_or(std::cmp::Ordering::Equal)
+        });
+        match worst.and_then(|s| s.host.as_deref()) {
+            Some(h) => format!("{name} on {h}"),
+            None => name.to_string(),
+        }
+    };
+    match order.iter().rposition(|s| blocked(s)) {
         None => "none: the sources' trigger rate sets the pace".into(),
-        Some(i) if i + 1 < stages.len() => stages[i + 1].stage.to_string(),
+        Some(i) if i + 1 < order.len() => at(order[i + 1]),
         Some(i) => format!(
             "{} (held by what comes after it: disk or a blocking monitor station)",
-            stages[i].stage
+            at(order[i])
         ),
     }
 }
@@ -398,11 +460,11 @@ mod tests {
     use super::*;
 
     fn s(stage: &'static str, condition: &'static str) -> StageView {
-        StageView {
-            stage,
-            condition,
-            why: String::new(),
-        }
+        StageView::new(stage, None, condition, String::new(), 0.0)
+    }
+
+    fn on(stage: &'static str, host: &str, condition: &'static str, load: f64) -> StageView {
+        StageView::new(stage, Some(host.into()), condition, String::new(), load)
     }
 
     #[test]
@@ -422,5 +484,27 @@ mod tests {
         assert!(bottleneck(&v).starts_with("none"));
         let v = [s("sources", "blocked"), s("recorder", "blocked")];
         assert!(bottleneck(&v).starts_with("recorder"));
+    }
+
+    #[test]
+    fn over_hosts_a_stage_blocked_on_one_host_is_blocked_and_the_next_names_its_host() {
+        let v = [
+            on("sources", "fe1", "busy", 0.0),
+            on("readout", "fe1", "busy", 0.1),
+            on("readout", "fe2", "blocked", 0.95),
+            on("builders", "bu1", "busy", 0.3),
+            on("builders", "bu2", "busy", 0.7),
+            on("recorder", "bu1", "busy", 0.1),
+        ];
+        assert_eq!(bottleneck(&v), "builders on bu2");
+        let v = [
+            on("readout", "fe1", "blocked", 0.9),
+            on("recorder", "bu1", "blocked", 0.99),
+        ];
+        assert!(
+            bottleneck(&v).starts_with("recorder on bu1 (held"),
+            "{}",
+            bottleneck(&v)
+        );
     }
 }

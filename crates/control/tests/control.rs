@@ -279,6 +279,90 @@ abort_grace_ms = 1000
 }
 
 #[test]
+fn alarms_rise_while_back_pressure_holds_the_data_path_and_clear_when_it_moves() {
+    let dir = tempfile::tempdir().unwrap();
+    // A blocking station whose consumer does not read holds the recorder, and everything
+    // behind it: no event is built, and the stages stay blocked.
+    let c = controller(
+        dir.path(),
+        r#"
+[run]
+max_fragment_size = "64 KiB"
+[sources]
+count = 2
+fragment_size = 4096
+trigger = "unlimited"
+[[readout]]
+id = 0
+sources = "0-1"
+buffer = "4 MiB"
+[[builder]]
+id = 0
+buffer = "4 MiB"
+[monitor]
+[[monitor.station]]
+name = "hold"
+mode = "blocking"
+queue = 4
+[control]
+sample_interval_ms = 100
+[alarms]
+blocked_s = 1
+no_events_s = 1
+[stop]
+sources_ms = 1000
+readout_ms = 1000
+builders_ms = 1000
+recorder_ms = 1000
+abort_grace_ms = 1000
+"#,
+    );
+    c.request(Transition::Configure, WHO, None).unwrap();
+    c.request(Transition::Start, WHO, None).unwrap();
+    let s = c.session().unwrap();
+    let stuck = s.monitor().unwrap().attach("hold", "stuck").unwrap();
+    let raised = |kind: &str| c.alarms().active.iter().any(|a| a.alarm == kind);
+    assert!(
+        eventually(Duration::from_secs(60), || raised("no_events")
+            && raised("stage_blocked")),
+        "{:?}",
+        c.alarms()
+    );
+    let m = tessera_control::metrics::render(&c);
+    assert!(
+        m.contains(r#"tessera_alarm_active{alarm="no_events",subject="run""#),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"tessera_alarms_raised_total{alarm="stage_blocked""#),
+        "{m}"
+    );
+    // The consumer reads: events move again and the alarms clear.
+    let ev = stuck.get(64, tessera_monitor::Wait::Poll).unwrap();
+    stuck.put(ev).unwrap();
+    drop(stuck);
+    assert!(
+        eventually(Duration::from_secs(60), || !raised("no_events")),
+        "{:?}",
+        c.alarms()
+    );
+    assert!(c
+        .alarms()
+        .recent
+        .iter()
+        .any(|a| a.alarm == "no_events" && a.cleared_unix_ns.is_some()));
+    drop(s);
+    c.request(Transition::Stop, WHO, None).unwrap();
+    // Nothing taking data: no data-path alarm stays raised.
+    assert!(
+        eventually(Duration::from_secs(10), || c.alarms().active.is_empty()),
+        "{:?}",
+        c.alarms()
+    );
+    c.close();
+}
+
+#[test]
 fn a_component_that_fails_puts_the_system_in_error_with_the_reason() {
     let dir = tempfile::tempdir().unwrap();
     let c = controller(dir.path(), PACED);
@@ -294,6 +378,19 @@ fn a_component_that_fails_puts_the_system_in_error_with_the_reason() {
     let v = c.view();
     let why = v.error.unwrap();
     assert!(why.starts_with("recorder:"), "{why}");
+    // An alarm names it, on the API and in /metrics, until the next configure.
+    let a = c.alarms();
+    assert!(
+        a.active.iter().any(|x| x.alarm == "component_failed"
+            && x.subject == "recorder"
+            && x.level == "error"),
+        "{a:?}"
+    );
+    let m = tessera_control::metrics::render(&c);
+    assert!(
+        m.contains(r#"tessera_alarm_active{alarm="component_failed",subject="recorder""#),
+        "{m}"
+    );
     // The run was stopped and recorded as failed, with the reason.
     let db = c.db().unwrap();
     let r = db.get(1).unwrap();
@@ -312,6 +409,8 @@ fn a_component_that_fails_puts_the_system_in_error_with_the_reason() {
     c.request(Transition::Reset, WHO, None).unwrap();
     assert_eq!(c.view().error, None);
     c.request(Transition::Configure, WHO, None).unwrap();
+    assert!(c.alarms().active.is_empty(), "{:?}", c.alarms());
+    assert_eq!(c.alarms().recent[0].alarm, "component_failed");
     std::fs::remove_dir(out(dir.path()).join("run000001_0001.tsr.part")).unwrap();
     let v = c.request(Transition::Start, WHO, None).unwrap();
     assert_eq!(v.run_number, Some(2));

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 /// The protocol revision this build speaks. Peers of another revision refuse each other in
 /// their hellos, naming both.
-pub const PROTOCOL: u32 = 1;
+pub const PROTOCOL: u32 = 2;
 
 /// Largest frame body accepted once the peer is known (a run's report with its file list).
 pub const MAX_FRAME: usize = 64 << 20;
@@ -127,6 +127,10 @@ pub enum Reply {
         software: String,
         /// The agent's own host name (the system's), for messages.
         host: String,
+        /// Where the agent serves its host's `/metrics` (`host:port`), if it does: the run
+        /// control lists it for Prometheus (revision 2).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        metrics: Option<String>,
     },
     /// The hello was refused (revision, token, another run control already driving this
     /// agent); the agent closes the connection after it.
@@ -238,8 +242,15 @@ pub fn vectors() -> Vec<(&'static str, String)> {
         roles: vec!["readout unit 0".into()],
         addresses: [("readout:0".to_string(), "10.77.1.2:40001".to_string())].into(),
     };
+    let welcome = Reply::Hello {
+        protocol: PROTOCOL,
+        software: "tessera 0.1.0".into(),
+        host: "fe1-pc".into(),
+        metrics: Some("10.77.1.2:9300".into()),
+    };
     vec![
         ("hello", hex(&encode(&hello))),
+        ("agent hello", hex(&encode(&welcome))),
         ("release", hex(&encode(&Request::Release {}))),
         ("configured", hex(&encode(&configured))),
     ]

@@ -36,6 +36,10 @@ pub struct AgentOptions {
     /// How long the run control may be silent before this agent calls it lost (until a
     /// configure gives `control.agent_timeout_ms`).
     pub control_timeout: Duration,
+    /// Where this agent serves `/metrics` (`tessera node --metrics`), told to the run control.
+    pub metrics: Option<SocketAddr>,
+    /// What `/metrics` shows, kept up to date by the driving connection.
+    pub published: crate::metrics::Shared,
 }
 
 /// Serves run controls on `listener` until `stop` is raised. One drives the agent at a time;
@@ -155,14 +159,24 @@ fn connection(
         *d = Some(peer);
     }
     tracing::info!(%peer, %software, "run control connected");
+    // Bound to every interface: reached where the run control reached this agent.
+    let metrics = opts.metrics.map(|m| {
+        let ip = match (m.ip().is_unspecified(), s.local_addr()) {
+            (true, Ok(local)) => local.ip(),
+            _ => m.ip(),
+        };
+        SocketAddr::new(ip, m.port()).to_string()
+    });
     send(
         &mut s,
         &Reply::Hello {
             protocol: proto::PROTOCOL,
             software: crate::software(),
             host: me,
+            metrics,
         },
     )?;
+    opts.published.lock().driven = true;
     let mut agent = Agent {
         opts: opts.clone(),
         part: None,
@@ -192,6 +206,11 @@ fn connection(
                 Err(e) => tracing::error!(error = %format!("{e:#}"), "finishing the run"),
             }
         }
+    }
+    {
+        let mut p = opts.published.lock();
+        p.driven = false;
+        p.live = None;
     }
     *driver.lock() = None;
     result
@@ -343,7 +362,7 @@ impl Agent {
         }
         // Sockets of an earlier configure are released before the new ones bind.
         self.part = None;
-        let r = match Topology::parse(text, origin) {
+        let mut r = match Topology::parse(text, origin) {
             Ok(r) => r,
             Err(e) => {
                 return Reply::Problems {
@@ -357,6 +376,11 @@ impl Agent {
             };
         };
         let data_ip: Option<IpAddr> = entry.data_address().parse().ok();
+        // The run control holds the same token as this agent: a monitor placed beyond loopback
+        // asks consumers for it (the dashboard's sampler among them).
+        if r.topology.control.effective_token().is_none() {
+            r.topology.control.token = tessera_config::Secret::new(self.opts.token.clone());
+        }
         let roles = RoleSet::of_host(host, &r);
         let output = self
             .opts
@@ -402,6 +426,7 @@ impl Agent {
         }
         let names = roles.names();
         tracing::info!(host, roles = ?names, ?addresses, "configured");
+        self.opts.published.lock().host = Some(host.to_string());
         self.part = Some(Part {
             host: host.to_string(),
             r,
@@ -472,16 +497,24 @@ impl Agent {
             .as_ref()
             .and_then(|p| Some((p, p.session.as_ref()?)))
         {
-            None => Reply::Status {
-                live: serde_json::Value::Null,
-                sources_ended: false,
-                disk_full: false,
-                logs,
-            },
+            None => {
+                self.opts.published.lock().live = None;
+                Reply::Status {
+                    live: serde_json::Value::Null,
+                    sources_ended: false,
+                    disk_full: false,
+                    logs,
+                }
+            }
             Some((p, s)) => {
                 let mut live = s.live();
                 for c in &mut live.components {
                     c.host = Some(p.host.clone());
+                }
+                {
+                    let mut pb = self.opts.published.lock();
+                    pb.host = Some(p.host.clone());
+                    pb.live = Some(live.clone());
                 }
                 Reply::Status {
                     live: serde_json::to_value(live).unwrap_or_default(),
@@ -515,6 +548,7 @@ impl Agent {
             .take()
             .ok_or_else(|| anyhow!("no run is open on this host"))?;
         let stop = s.stop_report(std::mem::take(&mut p.stages));
+        self.opts.published.lock().live = None;
         let report = s.finish(reason, stop)?;
         tracing::info!(run = report.run_number, host = %p.host, "finished");
         Ok(Reply::Report {

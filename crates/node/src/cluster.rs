@@ -38,6 +38,8 @@ struct AgentLink {
     /// When the run starts: 0 for hosts with the recorder or event manager, 1 builders, 2
     /// readout units, 3 sources only (sink first).
     rank: u8,
+    /// Where the agent serves its host's `/metrics`, as its hello said.
+    metrics: Mutex<Option<String>>,
 }
 
 impl AgentLink {
@@ -145,6 +147,7 @@ impl Cluster {
                 conn: Mutex::new(None),
                 lost: Mutex::new(None),
                 rank: rank(host),
+                metrics: Mutex::new(None),
             })
             .collect();
         agents.sort_by_key(|a| a.rank);
@@ -252,6 +255,31 @@ impl Cluster {
         }
     }
 
+    /// The agents that serve `/metrics`, as Prometheus scrape targets in its file-based (and
+    /// HTTP) discovery format: one group per host, labelled with the host's `[hosts]` name.
+    pub fn prometheus_targets(&self) -> serde_json::Value {
+        serde_json::Value::Array(
+            self.agents
+                .iter()
+                .filter_map(|a| {
+                    let m = a.metrics.lock().clone()?;
+                    Some(serde_json::json!({
+                        "targets": [m],
+                        "labels": {"host": a.host, "job": "tessera-node"},
+                    }))
+                })
+                .collect(),
+        )
+    }
+
+    /// The hosts whose agent is lost, with why (failed-over builder hosts among them).
+    pub fn lost_hosts(&self) -> Vec<(String, String)> {
+        self.agents
+            .iter()
+            .filter_map(|a| a.lost.lock().clone().map(|w| (a.host.clone(), w)))
+            .collect()
+    }
+
     /// Starts run `run_number` on every host (sink first), then releases the triggers.
     pub fn start(
         self: &Arc<Self>,
@@ -308,6 +336,7 @@ impl Cluster {
             paused_total: Mutex::new(Duration::ZERO),
             status_mode: opts.status,
             last_line: Mutex::new(Instant::now()),
+            monitor_address: addresses.get("monitor").cloned(),
         };
         Ok(run)
     }
@@ -344,6 +373,7 @@ fn connect(a: &AgentLink, token: &str, timeout: Duration) -> Result<()> {
             protocol,
             software,
             host,
+            metrics,
         } => {
             if protocol != proto::PROTOCOL {
                 bail!(
@@ -353,7 +383,8 @@ fn connect(a: &AgentLink, token: &str, timeout: Duration) -> Result<()> {
                     crate::software()
                 );
             }
-            tracing::info!(host = %a.host, system = %host, %software, "node agent connected");
+            tracing::info!(host = %a.host, system = %host, %software, metrics = ?metrics, "node agent connected");
+            *a.metrics.lock() = metrics;
         }
         Reply::Refused { reason } => bail!("{}: the node agent refused: {reason}", a.name()),
         other => bail!("{}: unexpected answer to the hello: {other:?}", a.name()),
@@ -421,6 +452,8 @@ pub struct ClusterRun {
     paused_total: Mutex<Duration>,
     status_mode: tessera_run::StatusMode,
     last_line: Mutex<Instant>,
+    /// Where the recorder's host serves the monitor (the dashboard samples there).
+    monitor_address: Option<String>,
 }
 
 impl ClusterRun {
@@ -531,6 +564,10 @@ impl RunSession for ClusterRun {
 
     fn monitor(&self) -> Option<&tessera_monitor::Monitor> {
         None
+    }
+
+    fn monitor_address(&self) -> Option<String> {
+        self.monitor_address.clone()
     }
 
     fn tick_status(&self, phase: &str) {

@@ -10,6 +10,7 @@ pub mod cluster;
 pub mod launch;
 mod link;
 pub mod logbook;
+pub mod metrics;
 
 pub use agent::{serve, AgentOptions};
 pub use cluster::{Cluster, ClusterRun};

@@ -1470,6 +1470,11 @@ pub trait RunSession: Send + Sync {
     fn run_number(&self) -> u64;
     /// The monitor, where it runs in this process.
     fn monitor(&self) -> Option<&tessera_monitor::Monitor>;
+    /// Where the monitor listens when it runs in another process (the recorder's host of a run
+    /// spread over hosts): consumers attach there over docs/monitor-protocol.md.
+    fn monitor_address(&self) -> Option<String> {
+        None
+    }
     fn tick_status(&self, phase: &str);
     /// Why the run should end now, if it should (see [`Session::end_reason`]).
     fn end_reason(&self) -> Option<String>;

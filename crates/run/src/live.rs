@@ -35,6 +35,9 @@ pub struct LiveSource {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LiveReadout {
     pub id: u32,
+    /// The host it runs on (`[hosts]`; none in a run in one process).
+    #[serde(default)]
+    pub host: Option<String>,
     pub super_fragments: u64,
     pub fragments_forwarded: u64,
     pub bytes_forwarded: u64,
@@ -59,6 +62,8 @@ pub struct LiveHistogram {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LiveBuilder {
     pub id: u16,
+    #[serde(default)]
+    pub host: Option<String>,
     pub events_complete: u64,
     pub events_incomplete: u64,
     pub events_rejected: u64,
@@ -76,6 +81,8 @@ pub struct LiveBuilder {
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LiveRecorder {
+    #[serde(default)]
+    pub host: Option<String>,
     pub events: u64,
     pub incomplete_events: u64,
     pub record_bytes: u64,
@@ -268,6 +275,12 @@ impl Session {
                 };
                 LiveReadout {
                     id: s.id,
+                    host: r
+                        .topology
+                        .readout_units
+                        .iter()
+                        .find(|u| u.id == s.id)
+                        .and_then(|u| u.host.clone()),
                     super_fragments: s.super_fragments.load(Relaxed),
                     fragments_forwarded: s.fragments_forwarded.load(Relaxed)
                         + q.fragments_sent.load(Relaxed),
@@ -289,6 +302,12 @@ impl Session {
                 let (used, limit) = s.buffer_use();
                 LiveBuilder {
                     id: s.id,
+                    host: r
+                        .topology
+                        .builders
+                        .iter()
+                        .find(|b| b.id == u32::from(s.id))
+                        .and_then(|b| b.host.clone()),
                     events_complete: s.events_complete.load(Relaxed),
                     events_incomplete: s.events_incomplete.load(Relaxed),
                     events_rejected: s.events_rejected.load(Relaxed),
@@ -307,6 +326,7 @@ impl Session {
             let s = &rec.stats;
             let (used, limit) = s.buffer_use();
             LiveRecorder {
+                host: r.topology.recorder.host.clone(),
                 events: s.events.load(Relaxed),
                 incomplete_events: s.incomplete_events.load(Relaxed),
                 record_bytes: s.record_bytes.load(Relaxed),

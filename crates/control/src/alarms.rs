@@ -1,0 +1,504 @@
+//! Alarms: conditions an operator must see while a run takes data, raised on the dashboard, in
+//! the message log and as metrics, and cleared when the condition goes. Evaluated by the run
+//! control at every sample from what the sampler computed (`[alarms]` sets the levels); a lost
+//! agent or a failed component is raised as it is found.
+//!
+//! Time enters as an argument (seconds on a monotonic clock), so the rules are tested without
+//! waiting.
+
+use serde::Serialize;
+use std::collections::{BTreeMap, VecDeque};
+
+use tessera_config::AlarmsSection;
+use tessera_run::live::Live;
+
+use crate::sampler::{Point, Rates};
+
+/// Cleared alarms kept for the dashboard and `/api/alarms`.
+pub const RECENT: usize = 200;
+/// Alarms active at once: one per stage and host, buffer and lost host is far below this; past
+/// it the rest are counted, not kept.
+pub const MAX_ACTIVE: usize = 1000;
+
+/// What an alarm is about, in the field's words.
+pub mod kind {
+    /// A stage held by the stage after it for longer than `alarms.blocked_s`.
+    pub const STAGE_BLOCKED: &str = "stage_blocked";
+    /// No event built for `alarms.no_events_s` while running.
+    pub const NO_EVENTS: &str = "no_events";
+    /// Incomplete events above `alarms.incomplete_fraction` of those built.
+    pub const INCOMPLETE: &str = "incomplete_fraction";
+    /// A buffer fuller than `alarms.buffer_fraction`.
+    pub const BUFFER_FULL: &str = "buffer_full";
+    /// A host's node agent lost (a run spread over hosts; raised also when its builders were
+    /// failed over and the run goes on).
+    pub const AGENT_LOST: &str = "agent_lost";
+    /// A component failed: the run went to error.
+    pub const COMPONENT_FAILED: &str = "component_failed";
+    pub const ALL: [&str; 6] = [
+        STAGE_BLOCKED,
+        NO_EVENTS,
+        INCOMPLETE,
+        BUFFER_FULL,
+        AGENT_LOST,
+        COMPONENT_FAILED,
+    ];
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Alarm {
+    /// One of [`kind`].
+    pub alarm: &'static str,
+    /// What it is about: `readout on fe2`, `builder 1`, `host bu2`, `run`.
+    pub subject: String,
+    /// `warning` or `error`.
+    pub level: &'static str,
+    pub message: String,
+    pub run: Option<u64>,
+    pub raised_unix_ns: u64,
+    /// Set once the condition went (in the recent list).
+    pub cleared_unix_ns: Option<u64>,
+}
+
+/// A condition found true now.
+struct Found {
+    alarm: &'static str,
+    subject: String,
+    level: &'static str,
+    message: String,
+}
+
+/// What an evaluation looks at.
+pub struct Look<'a> {
+    /// Seconds on a monotonic clock.
+    pub t: f64,
+    pub unix_ns: u64,
+    /// Running (not paused, not stopping).
+    pub taking_data: bool,
+    pub run: Option<u64>,
+    pub live: Option<&'a Live>,
+    pub rates: Option<&'a Rates>,
+    pub point: Option<&'a Point>,
+    /// Hosts whose agent is lost, with why.
+    pub lost_hosts: &'a [(String, String)],
+}
+
+#[derive(Default)]
+pub struct Alarms {
+    active: BTreeMap<(&'static str, String), Alarm>,
+    recent: VecDeque<Alarm>,
+    raised_total: BTreeMap<&'static str, u64>,
+    /// Alarms not kept because [`MAX_ACTIVE`] were active.
+    pub not_kept: u64,
+    blocked_since: BTreeMap<String, f64>,
+    quiet_since: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct AlarmsView {
+    pub active: Vec<Alarm>,
+    /// Cleared, newest first.
+    pub recent: Vec<Alarm>,
+    pub raised_total: BTreeMap<&'static str, u64>,
+}
+
+fn stage_subject(stage: &str, host: Option<&str>) -> String {
+    match host {
+        Some(h) => format!("{stage} on {h}"),
+        None => stage.to_string(),
+    }
+}
+
+impl Alarms {
+    pub fn view(&self) -> AlarmsView {
+        AlarmsView {
+            active: self.active.values().cloned().collect(),
+            recent: self.recent.iter().rev().cloned().collect(),
+            raised_total: self.raised_total.clone(),
+        }
+    }
+
+    pub fn active(&self) -> impl Iterator<Item = &Alarm> {
+        self.active.values()
+    }
+
+    pub fn raised_total(&self) -> &BTreeMap<&'static str, u64> {
+        &self.raised_total
+    }
+
+    /// Raises an alarm found outside the periodic look (a component failure); it stays until
+    /// [`clear_all`](Self::clear_all).
+    pub fn raise(
+        &mut self,
+        alarm: &'static str,
+        subject: &str,
+        message: &str,
+        run: Option<u64>,
+        unix_ns: u64,
+    ) {
+        self.raise_found(
+            Found {
+                alarm,
+                subject: subject.to_string(),
+                level: "error",
+                message: message.to_string(),
+            },
+            run,
+            unix_ns,
+        );
+    }
+
+    /// Clears every alarm (a new configure or start: what they were about is gone).
+    pub fn clear_all(&mut self, unix_ns: u64) {
+        let keys: Vec<_> = self.active.keys().cloned().collect();
+        for k in keys {
+            self.clear(&k, unix_ns);
+        }
+        self.blocked_since.clear();
+        self.quiet_since = None;
+    }
+
+    /// Looks at the run now: raises what has become true, clears what no longer is.
+    pub fn evaluate(&mut self, look: &Look<'_>, cfg: &AlarmsSection) {
+        let mut found = Vec::new();
+        for (host, why) in look.lost_hosts {
+            found.push(Found {
+                alarm: kind::AGENT_LOST,
+                subject: format!("host {host}"),
+                level: "error",
+                message: format!("the node agent of host {host} is lost: {why}"),
+            });
+        }
+        if look.taking_data {
+            self.data_conditions(look, cfg, &mut found);
+        } else {
+            self.blocked_since.clear();
+            self.quiet_since = None;
+        }
+        // Clear what the look covers and no longer finds (a component failure stays).
+        let keys: Vec<_> = self
+            .active
+            .keys()
+            .filter(|(a, s)| {
+                *a != kind::COMPONENT_FAILED
+                    && !found.iter().any(|f| f.alarm == *a && &f.subject == s)
+            })
+            .cloned()
+            .collect();
+        for k in keys {
+            self.clear(&k, look.unix_ns);
+        }
+        for f in found {
+            self.raise_found(f, look.run, look.unix_ns);
+        }
+    }
+
+    fn data_conditions(&mut self, look: &Look<'_>, cfg: &AlarmsSection, found: &mut Vec<Found>) {
+        let t = look.t;
+        if let Some(rates) = look.rates {
+            let mut still = BTreeMap::new();
+            for s in &rates.stages {
+                if s.condition != "blocked" {
+                    continue;
+                }
+                let subject = stage_subject(s.stage, s.host.as_deref());
+                let since = self.blocked_since.get(&subject).copied().unwrap_or(t);
+                still.insert(subject.clone(), since);
+                if cfg.blocked_s > 0.0 && t - since >= cfg.blocked_s {
+                    found.push(Found {
+                        alarm: kind::STAGE_BLOCKED,
+                        message: format!(
+                            "{subject} blocked for {:.0} s ({}); bottleneck: {}",
+                            t - since,
+                            s.why,
+                            rates.bottleneck
+                        ),
+                        subject,
+                        level: "warning",
+                    });
+                }
+            }
+            self.blocked_since = still;
+        }
+        if let Some(p) = look.point {
+            if p.events_per_s == 0.0 {
+                let since = *self.quiet_since.get_or_insert(t);
+                if cfg.no_events_s > 0.0 && t - since >= cfg.no_events_s {
+                    found.push(Found {
+                        alarm: kind::NO_EVENTS,
+                        subject: "run".into(),
+                        level: "warning",
+                        message: format!("no event built for {:.0} s while running", t - since),
+                    });
+                }
+            } else {
+                self.quiet_since = None;
+                let f = p.incomplete_per_s / p.events_per_s;
+                if cfg.incomplete_fraction > 0.0 && f > cfg.incomplete_fraction {
+                    found.push(Found {
+                        alarm: kind::INCOMPLETE,
+                        subject: "builders".into(),
+                        level: "warning",
+                        message: format!(
+                            "{:.1}% of the events built over the last interval were incomplete (alarm above {:.1}%)",
+                            f * 100.0,
+                            cfg.incomplete_fraction * 100.0
+                        ),
+                    });
+                }
+            }
+        }
+        if let (Some(live), true) = (look.live, cfg.buffer_fraction > 0.0) {
+            let mut buffer = |subject: String, used: u64, limit: u64| {
+                if limit > 0 && used as f64 > cfg.buffer_fraction * limit as f64 {
+                    found.push(Found {
+                        alarm: kind::BUFFER_FULL,
+                        message: format!(
+                            "{subject}'s buffer {:.0}% full ({used} of {limit} bytes; alarm above {:.0}%)",
+                            used as f64 * 100.0 / limit as f64,
+                            cfg.buffer_fraction * 100.0
+                        ),
+                        subject,
+                        level: "warning",
+                    });
+                }
+            };
+            for u in &live.readout_units {
+                buffer(
+                    stage_subject(&format!("readout unit {}", u.id), u.host.as_deref()),
+                    u.buffer_used,
+                    u.buffer_limit,
+                );
+            }
+            for b in &live.builders {
+                buffer(
+                    stage_subject(&format!("builder {}", b.id), b.host.as_deref()),
+                    b.buffer_used,
+                    b.buffer_limit,
+                );
+            }
+            if let Some(r) = &live.recorder {
+                buffer(
+                    stage_subject("recorder", r.host.as_deref()),
+                    r.buffer_used,
+                    r.buffer_limit,
+                );
+            }
+        }
+    }
+
+    fn raise_found(&mut self, f: Found, run: Option<u64>, unix_ns: u64) {
+        let key = (f.alarm, f.subject.clone());
+        if let Some(a) = self.active.get_mut(&key) {
+            // Still true: the message follows the condition (how long, how full).
+            a.message = f.message;
+            return;
+        }
+        if self.active.len() >= MAX_ACTIVE {
+            self.not_kept += 1;
+            return;
+        }
+        *self.raised_total.entry(f.alarm).or_default() += 1;
+        if f.level == "error" {
+            tracing::error!(alarm = f.alarm, subject = %f.subject, run, "alarm: {}", f.message);
+        } else {
+            tracing::warn!(alarm = f.alarm, subject = %f.subject, run, "alarm: {}", f.message);
+        }
+        self.active.insert(
+            key,
+            Alarm {
+                alarm: f.alarm,
+                subject: f.subject,
+                level: f.level,
+                message: f.message,
+                run,
+                raised_unix_ns: unix_ns,
+                cleared_unix_ns: None,
+            },
+        );
+    }
+
+    fn clear(&mut self, key: &(&'static str, String), unix_ns: u64) {
+        let Some(mut a) = self.active.remove(key) else {
+            return;
+        };
+        tracing::info!(alarm = a.alarm, subject = %a.subject, run = a.run, "alarm cleared: {}", a.message);
+        a.cleared_unix_ns = Some(unix_ns);
+        self.recent.push_back(a);
+        while self.recent.len() > RECENT {
+            self.recent.pop_front();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampler::StageView;
+
+    fn rates(stages: Vec<StageView>) -> Rates {
+        Rates {
+            interval_s: 0.5,
+            per_source_fragments_per_s: vec![],
+            per_source_bytes_per_s: vec![],
+            per_source_dead_fraction: vec![],
+            per_readout_bytes_per_s: vec![],
+            per_readout_busy_fraction: vec![],
+            per_builder_events_per_s: vec![],
+            per_builder_bytes_per_s: vec![],
+            per_builder_busy_fraction: vec![],
+            recorder_busy_fraction: 0.0,
+            bottleneck: crate::sampler::bottleneck(&stages),
+            stages,
+        }
+    }
+
+    fn point(events_per_s: f64, incomplete_per_s: f64) -> Point {
+        Point {
+            t: 0.0,
+            events_per_s,
+            built_bytes_per_s: 0.0,
+            recorded_bytes_per_s: 0.0,
+            incomplete_per_s,
+            rejected_per_s: 0.0,
+        }
+    }
+
+    fn stage(stage: &'static str, host: &str, condition: &'static str) -> StageView {
+        StageView {
+            stage,
+            host: Some(host.into()),
+            condition,
+            why: "buffers 99% full".into(),
+            load: 0.99,
+        }
+    }
+
+    fn look<'a>(t: f64, rates: Option<&'a Rates>, point: Option<&'a Point>) -> Look<'a> {
+        Look {
+            t,
+            unix_ns: (t * 1e9) as u64,
+            taking_data: true,
+            run: Some(7),
+            live: None,
+            rates,
+            point,
+            lost_hosts: &[],
+        }
+    }
+
+    fn active(a: &Alarms) -> Vec<(&'static str, String)> {
+        a.active().map(|x| (x.alarm, x.subject.clone())).collect()
+    }
+
+    #[test]
+    fn a_stage_blocked_longer_than_the_level_raises_one_alarm_naming_its_host_then_clears() {
+        let cfg = AlarmsSection {
+            blocked_s: 30.0,
+            ..Default::default()
+        };
+        let mut a = Alarms::default();
+        let blocked = rates(vec![
+            stage("readout", "fe1", "busy"),
+            stage("readout", "fe2", "blocked"),
+            stage("builders", "bu1", "busy"),
+        ]);
+        let flowing = point(1000.0, 0.0);
+        for t in [0.0, 10.0, 29.5] {
+            a.evaluate(&look(t, Some(&blocked), Some(&flowing)), &cfg);
+            assert!(active(&a).is_empty(), "raised at {t} s: {:?}", active(&a));
+        }
+        a.evaluate(&look(30.0, Some(&blocked), Some(&flowing)), &cfg);
+        a.evaluate(&look(31.0, Some(&blocked), Some(&flowing)), &cfg);
+        assert_eq!(
+            active(&a),
+            vec![(kind::STAGE_BLOCKED, "readout on fe2".to_string())]
+        );
+        let msg = &a.view().active[0].message;
+        assert!(msg.contains("bottleneck: builders on bu1"), "{msg}");
+        assert_eq!(a.raised_total()[kind::STAGE_BLOCKED], 1);
+        // Unblocked: cleared, kept among the recent, and the timer starts again.
+        let ok = rates(vec![stage("readout", "fe2", "busy")]);
+        a.evaluate(&look(32.0, Some(&ok), Some(&flowing)), &cfg);
+        assert!(active(&a).is_empty());
+        let v = a.view();
+        assert_eq!(v.recent.len(), 1);
+        assert_eq!(v.recent[0].cleared_unix_ns, Some(32_000_000_000));
+        a.evaluate(&look(33.0, Some(&blocked), Some(&flowing)), &cfg);
+        assert!(active(&a).is_empty());
+    }
+
+    #[test]
+    fn no_events_while_running_raises_after_its_time_and_not_while_paused() {
+        let cfg = AlarmsSection {
+            no_events_s: 10.0,
+            ..Default::default()
+        };
+        let mut a = Alarms::default();
+        let quiet = point(0.0, 0.0);
+        a.evaluate(&look(0.0, None, Some(&quiet)), &cfg);
+        a.evaluate(&look(9.0, None, Some(&quiet)), &cfg);
+        assert!(active(&a).is_empty());
+        a.evaluate(&look(10.0, None, Some(&quiet)), &cfg);
+        assert_eq!(active(&a), vec![(kind::NO_EVENTS, "run".to_string())]);
+        // Paused: not taking data, so cleared, and the quiet time starts again on resume.
+        let mut paused = look(11.0, None, Some(&quiet));
+        paused.taking_data = false;
+        a.evaluate(&paused, &cfg);
+        assert!(active(&a).is_empty());
+        a.evaluate(&look(12.0, None, Some(&quiet)), &cfg);
+        assert!(active(&a).is_empty());
+    }
+
+    #[test]
+    fn incomplete_fraction_and_full_buffers_raise_at_their_levels_and_zero_turns_a_check_off() {
+        let cfg = AlarmsSection {
+            incomplete_fraction: 0.05,
+            ..Default::default()
+        };
+        let mut a = Alarms::default();
+        a.evaluate(&look(0.0, None, Some(&point(1000.0, 50.0))), &cfg);
+        assert!(active(&a).is_empty(), "5% is the level, not above it");
+        a.evaluate(&look(1.0, None, Some(&point(1000.0, 60.0))), &cfg);
+        assert_eq!(active(&a), vec![(kind::INCOMPLETE, "builders".to_string())]);
+        let off = AlarmsSection {
+            incomplete_fraction: 0.0,
+            ..Default::default()
+        };
+        a.evaluate(&look(2.0, None, Some(&point(1000.0, 1000.0))), &off);
+        assert!(active(&a).is_empty());
+    }
+
+    #[test]
+    fn a_lost_agent_stays_raised_while_lost_and_a_component_failure_until_cleared() {
+        let cfg = AlarmsSection::default();
+        let mut a = Alarms::default();
+        let lost = [("bu2".to_string(), "no status for 5 s".to_string())];
+        let mut l = look(0.0, None, None);
+        l.lost_hosts = &lost;
+        l.taking_data = false;
+        a.evaluate(&l, &cfg);
+        a.evaluate(&l, &cfg);
+        assert_eq!(active(&a), vec![(kind::AGENT_LOST, "host bu2".to_string())]);
+        assert_eq!(
+            a.raised_total()[kind::AGENT_LOST],
+            1,
+            "raised once, not per look"
+        );
+        a.raise(
+            kind::COMPONENT_FAILED,
+            "host fe1",
+            "host fe1: readout unit 0: link",
+            Some(7),
+            5,
+        );
+        a.evaluate(&look(1.0, None, None), &cfg);
+        assert_eq!(
+            active(&a),
+            vec![(kind::COMPONENT_FAILED, "host fe1".to_string())]
+        );
+        a.clear_all(9);
+        assert!(active(&a).is_empty());
+        assert_eq!(a.view().recent.len(), 2);
+    }
+}

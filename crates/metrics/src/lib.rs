@@ -1,0 +1,464 @@
+//! The OpenMetrics encoding of a run's live counters (`tessera_` names, a `host` label on every
+//! series), shared by the run control's `/metrics` and each node agent's: the series are read
+//! from a [`Live`] snapshot, so there is no second set of counters to keep in step.
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeCounterValue, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+use tessera_run::live::{Live, LiveHistogram};
+
+pub type Labels = Vec<(&'static str, String)>;
+
+/// This machine's name (the kernel's), or `unknown`.
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+pub struct Enc<'a, 'b> {
+    pub d: &'a mut DescriptorEncoder<'b>,
+    pub hosts: Hosts,
+}
+
+/// Where each component runs, for the `host` label.
+pub struct Hosts {
+    here: String,
+    readout_units: std::collections::HashMap<String, String>,
+    builders: std::collections::HashMap<String, String>,
+    recorder: Option<String>,
+}
+
+impl Hosts {
+    /// The hosts of `live`'s components; `here` for every other series.
+    pub fn of(here: String, live: Option<&Live>) -> Hosts {
+        let mut h = Hosts {
+            here,
+            readout_units: Default::default(),
+            builders: Default::default(),
+            recorder: None,
+        };
+        if let Some(l) = live {
+            for u in &l.readout_units {
+                if let Some(x) = &u.host {
+                    h.readout_units.insert(u.id.to_string(), x.clone());
+                }
+            }
+            for b in &l.builders {
+                if let Some(x) = &b.host {
+                    h.builders.insert(b.id.to_string(), x.clone());
+                }
+            }
+            h.recorder = l.recorder.as_ref().and_then(|r| r.host.clone());
+        }
+        h
+    }
+
+    /// `labels` with the host of the component they name (this machine's if none).
+    fn place(&self, name: &str, labels: &Labels) -> Labels {
+        let mut l = labels.clone();
+        if l.iter().any(|(k, _)| *k == "host") {
+            return l;
+        }
+        let find = |key: &str, map: &std::collections::HashMap<String, String>| {
+            labels
+                .iter()
+                .find(|(k, _)| *k == key)
+                .and_then(|(_, v)| map.get(v).cloned())
+        };
+        let host = find("readout_unit", &self.readout_units)
+            .or_else(|| find("builder", &self.builders))
+            .or_else(|| {
+                self.recorder
+                    .clone()
+                    .filter(|_| name.starts_with("tessera_recorder"))
+            })
+            .unwrap_or_else(|| self.here.clone());
+        l.push(("host", host));
+        l
+    }
+}
+
+impl Enc<'_, '_> {
+    pub fn counter<N: EncodeCounterValue + std::fmt::Debug + Copy>(
+        &mut self,
+        name: &str,
+        help: &str,
+        v: &[(Labels, N)],
+    ) -> std::fmt::Result {
+        if v.is_empty() {
+            return Ok(());
+        }
+        let mut d = self
+            .d
+            .encode_descriptor(name, help, None, MetricType::Counter)?;
+        for (l, x) in v {
+            ConstCounter::new(*x).encode(d.encode_family(&self.hosts.place(name, l))?)?;
+        }
+        Ok(())
+    }
+
+    pub fn gauge(&mut self, name: &str, help: &str, v: &[(Labels, f64)]) -> std::fmt::Result {
+        if v.is_empty() {
+            return Ok(());
+        }
+        let mut d = self
+            .d
+            .encode_descriptor(name, help, None, MetricType::Gauge)?;
+        for (l, x) in v {
+            ConstGauge::new(*x).encode(d.encode_family(&self.hosts.place(name, l))?)?;
+        }
+        Ok(())
+    }
+
+    pub fn histogram(
+        &mut self,
+        name: &str,
+        help: &str,
+        v: &[(Labels, &LiveHistogram)],
+    ) -> std::fmt::Result {
+        if v.is_empty() {
+            return Ok(());
+        }
+        let mut d = self
+            .d
+            .encode_descriptor(name, help, None, MetricType::Histogram)?;
+        for (l, h) in v {
+            // The encoder takes per-bucket counts and f64::MAX for the +Inf bound.
+            let mut prev = 0;
+            let buckets: Vec<(f64, u64)> = h
+                .buckets
+                .iter()
+                .map(|(le, cum)| {
+                    let n = cum - prev;
+                    prev = *cum;
+                    (le.unwrap_or(f64::MAX), n)
+                })
+                .collect();
+            d.encode_family(&self.hosts.place(name, l))?
+                .encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+                    h.sum_s, h.count, &buckets, None,
+                )?;
+        }
+        Ok(())
+    }
+}
+
+pub fn l1(k: &'static str, v: impl ToString) -> Labels {
+    vec![(k, v.to_string())]
+}
+
+/// Every component's series of `live`.
+pub fn live_series(e: &mut Enc<'_, '_>, live: &Live) -> std::fmt::Result {
+    e.gauge(
+        "tessera_run_elapsed_seconds",
+        "time since the open run started",
+        &[(vec![], live.elapsed_s)],
+    )?;
+
+    // Sources.
+    let src = |s: &tessera_run::live::LiveSource| -> Labels {
+        vec![
+            ("source", s.id.to_string()),
+            ("readout_unit", s.readout_unit.to_string()),
+        ]
+    };
+    e.counter(
+        "tessera_source_fragments",
+        "fragments read from each source's link (good or rejected at the wire)",
+        &live
+            .sources
+            .iter()
+            .map(|s| (src(s), s.received))
+            .collect::<Vec<_>>(),
+    )?;
+    e.counter(
+        "tessera_source_bytes",
+        "bytes each emulated source put on the wire",
+        &live
+            .sources
+            .iter()
+            .filter_map(|s| Some((src(s), s.bytes_sent?)))
+            .collect::<Vec<_>>(),
+    )?;
+    e.counter(
+        "tessera_source_dead_time_seconds",
+        "time each emulated source was held by back-pressure (dead time)",
+        &live
+            .sources
+            .iter()
+            .filter_map(|s| Some((src(s), s.held_ns? as f64 * 1e-9)))
+            .collect::<Vec<_>>(),
+    )?;
+    let mut rejected = Vec::new();
+    let mut by_reason = std::collections::BTreeMap::<String, u64>::new();
+    for s in &live.sources {
+        for (reason, n) in &s.rejected {
+            let mut l = src(s);
+            l.push(("reason", reason.clone()));
+            rejected.push((l, *n));
+            *by_reason.entry(reason.clone()).or_default() += n;
+        }
+    }
+    e.counter(
+        "tessera_source_skipped_bytes",
+        "bytes each readout link skipped while resynchronising after bad data",
+        &live
+            .sources
+            .iter()
+            .map(|s| (src(s), s.skipped_bytes))
+            .collect::<Vec<_>>(),
+    )?;
+    e.counter(
+        "tessera_source_bytes_after_end",
+        "bytes each source sent after its end of stream (a protocol error)",
+        &live
+            .sources
+            .iter()
+            .map(|s| (src(s), s.bytes_after_end))
+            .collect::<Vec<_>>(),
+    )?;
+    e.counter(
+        "tessera_source_rejected_fragments",
+        "fragments each readout link rejected, by reason",
+        &rejected,
+    )?;
+    e.counter(
+        "tessera_rejected_fragments",
+        "fragments rejected over all links, by reason",
+        &by_reason
+            .into_iter()
+            .map(|(r, n)| (l1("reason", r), n))
+            .collect::<Vec<_>>(),
+    )?;
+    e.gauge(
+        "tessera_source_last_event_id",
+        "event ID of each link's last good fragment (alignment across sources)",
+        &live
+            .sources
+            .iter()
+            .filter_map(|s| Some((src(s), s.last_event_id? as f64)))
+            .collect::<Vec<_>>(),
+    )?;
+
+    // Readout units.
+    let ru = |id: u32| l1("readout_unit", id);
+    let rus = &live.readout_units;
+    e.counter(
+        "tessera_readout_fragments",
+        "fragments each readout unit sent to builders",
+        &rus.iter()
+            .map(|u| (ru(u.id), u.fragments_forwarded))
+            .collect::<Vec<_>>(),
+    )?;
+    e.counter(
+        "tessera_readout_bytes",
+        "bytes each readout unit sent to builders",
+        &rus.iter()
+            .map(|u| (ru(u.id), u.bytes_forwarded))
+            .collect::<Vec<_>>(),
+    )?;
+    e.gauge(
+        "tessera_readout_buffer_bytes",
+        "buffer each readout unit holds now",
+        &rus.iter()
+            .map(|u| (ru(u.id), u.buffer_used as f64))
+            .collect::<Vec<_>>(),
+    )?;
+    e.gauge(
+        "tessera_readout_buffer_limit_bytes",
+        "buffer bound of each readout unit",
+        &rus.iter()
+            .map(|u| (ru(u.id), u.buffer_limit as f64))
+            .collect::<Vec<_>>(),
+    )?;
+    e.gauge(
+        "tessera_readout_buffer_occupancy",
+        "fraction of each readout unit's buffer in use",
+        &rus.iter()
+            .map(|u| {
+                (
+                    ru(u.id),
+                    u.buffer_used as f64 / u.buffer_limit.max(1) as f64,
+                )
+            })
+            .collect::<Vec<_>>(),
+    )?;
+    e.counter(
+        "tessera_readout_busy_seconds",
+        "time links of each readout unit could not read for lack of buffer, summed over links",
+        &rus.iter()
+            .map(|u| (ru(u.id), u.busy_ns as f64 * 1e-9))
+            .collect::<Vec<_>>(),
+    )?;
+    e.gauge(
+        "tessera_readout_busy",
+        "1 while the readout unit asserts BUSY",
+        &rus.iter()
+            .map(|u| (ru(u.id), u.busy as u8 as f64))
+            .collect::<Vec<_>>(),
+    )?;
+
+    // Builders.
+    let bu = |id: u16| l1("builder", id);
+    let bus = &live.builders;
+    let mut events = Vec::new();
+    for b in bus {
+        for (outcome, n) in [
+            ("complete", b.events_complete),
+            ("incomplete", b.events_incomplete),
+            ("rejected", b.events_rejected),
+        ] {
+            events.push((
+                vec![
+                    ("builder", b.id.to_string()),
+                    ("outcome", outcome.to_string()),
+                ],
+                n,
+            ));
+        }
+    }
+    e.counter(
+        "tessera_builder_events",
+        "events each builder built, by outcome (rejected: by the filter)",
+        &events,
+    )?;
+    e.counter(
+        "tessera_incomplete_events",
+        "events built with a source missing, over all builders",
+        &[(vec![], bus.iter().map(|b| b.events_incomplete).sum::<u64>())],
+    )?;
+    e.counter(
+        "tessera_builder_bytes",
+        "bytes of events each builder built",
+        &bus.iter()
+            .map(|b| (bu(b.id), b.bytes_built))
+            .collect::<Vec<_>>(),
+    )?;
+    e.gauge(
+        "tessera_builder_buffer_occupancy",
+        "fraction of each builder's buffer in use",
+        &bus.iter()
+            .map(|b| {
+                (
+                    bu(b.id),
+                    b.buffer_used as f64 / b.buffer_limit.max(1) as f64,
+                )
+            })
+            .collect::<Vec<_>>(),
+    )?;
+    e.counter(
+        "tessera_builder_busy_seconds",
+        "time links of each builder could not read for lack of buffer, summed over links",
+        &bus.iter()
+            .map(|b| (bu(b.id), b.busy_ns as f64 * 1e-9))
+            .collect::<Vec<_>>(),
+    )?;
+    e.gauge(
+        "tessera_builder_pending_events",
+        "events each builder is assembling",
+        &bus.iter()
+            .map(|b| (bu(b.id), b.pending_events as f64))
+            .collect::<Vec<_>>(),
+    )?;
+    e.histogram(
+        "tessera_builder_event_latency_seconds",
+        "time from an event's first part at the builder to its build",
+        &bus.iter()
+            .map(|b| (bu(b.id), &b.latency))
+            .collect::<Vec<_>>(),
+    )?;
+
+    // Recorder.
+    if let Some(r) = &live.recorder {
+        e.counter(
+            "tessera_recorder_events",
+            "events the recorder received",
+            &[(vec![], r.events)],
+        )?;
+        e.counter(
+            "tessera_recorder_bytes",
+            "bytes the recorder took in (record) and wrote to files (file, after compression)",
+            &[
+                (l1("kind", "record"), r.record_bytes),
+                (l1("kind", "file"), r.file_bytes),
+            ],
+        )?;
+        e.counter(
+            "tessera_recorder_files",
+            "files the recorder finished",
+            &[(vec![], r.files)],
+        )?;
+        e.gauge(
+            "tessera_recorder_buffer_occupancy",
+            "fraction of the recorder's buffer in use",
+            &[(vec![], r.buffer_used as f64 / r.buffer_limit.max(1) as f64)],
+        )?;
+        e.counter(
+            "tessera_recorder_write_seconds",
+            "time the recorder spent in write and fsync calls",
+            &[(vec![], r.write_ns as f64 * 1e-9)],
+        )?;
+        e.gauge(
+            "tessera_recorder_disk_free_bytes",
+            "free bytes on the output file system at the recorder's last look",
+            &[(vec![], r.disk_free as f64)],
+        )?;
+        e.gauge(
+                "tessera_recorder_disk_alarm",
+                "1 below the soft free-space watermark (writes slowed), 2 below the hard one (the run stops), else 0",
+                &[(vec![], if r.disk_full { 2.0 } else if r.disk_low { 1.0 } else { 0.0 })],
+            )?;
+    }
+
+    Ok(())
+}
+
+/// A node agent's own series and its part of the run.
+#[derive(Debug)]
+struct Part {
+    here: String,
+    gauges: Vec<(&'static str, &'static str, f64)>,
+    live: Option<Live>,
+}
+
+impl Collector for Part {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let mut e = Enc {
+            d: &mut encoder,
+            hosts: Hosts::of(self.here.clone(), self.live.as_ref()),
+        };
+        for (name, help, v) in &self.gauges {
+            e.gauge(name, help, &[(vec![], *v)])?;
+        }
+        if let Some(live) = &self.live {
+            live_series(&mut e, live)?;
+        }
+        Ok(())
+    }
+}
+
+/// OpenMetrics text of one host (`here`, its `host` label): `gauges` of its own, then every
+/// series of its part of the run, if one is open.
+pub fn render_part(
+    here: &str,
+    gauges: Vec<(&'static str, &'static str, f64)>,
+    live: Option<Live>,
+) -> String {
+    let mut reg = Registry::default();
+    reg.register_collector(Box::new(Part {
+        here: here.to_string(),
+        gauges,
+        live,
+    }));
+    let mut out = String::new();
+    // Writing to a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut out, &reg);
+    out
+}
