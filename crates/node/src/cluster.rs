@@ -687,12 +687,18 @@ impl RunSession for ClusterRun {
                 ),
                 Some(why) => (ComponentState::Failed, why),
             };
+            let failure =
+                (state == ComponentState::Failed).then(|| tessera_run::role::Failure::LinkLost {
+                    peer: "node agent".into(),
+                    detail: detail.clone(),
+                });
             v.push(Component {
                 name: format!("node agent {}", a.host),
                 host: Some(a.host.clone()),
                 kind: "node".into(),
                 state,
                 detail,
+                failure,
             });
         }
         v

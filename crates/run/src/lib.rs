@@ -14,6 +14,7 @@
 pub mod check;
 pub mod live;
 pub mod report;
+pub mod role;
 mod status;
 
 use anyhow::{bail, Context, Result};
@@ -275,12 +276,15 @@ pub fn max_fragment_wire(max_payload: usize) -> usize {
 }
 
 /// The components of a running topology.
-pub(crate) struct Running {
+pub struct Running {
     pub sources: Option<tessera_source::RunningSources>,
     pub readout_units: Vec<ReadoutUnit>,
     pub builders: Vec<BuilderUnit>,
     pub recorder: Option<Recorder>,
     pub manager: Option<tessera_manager::EventManager>,
+    pub request_mode: bool,
+    /// Builders of the whole topology (the recorder's upstream, wherever they run).
+    pub builders_in_topology: u64,
 }
 
 /// A running topology (or the roles of it this process runs): started by [`Session::start`],
@@ -336,8 +340,11 @@ pub struct Component {
     pub host: Option<String>,
     pub kind: String,
     pub state: ComponentState,
-    /// Why it failed; empty otherwise.
+    /// Why it failed, in words; empty otherwise (or why an early end is none).
     pub detail: String,
+    /// Why it failed, typed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<role::Failure>,
 }
 
 /// The deadline of each stage of a stop (`[stop]` in the topology).
@@ -762,6 +769,8 @@ impl Session {
             builders,
             recorder,
             manager,
+            request_mode,
+            builders_in_topology: t.builders.len() as u64,
         };
         let mut status =
             status::Status::new(opts.status, Duration::from_millis(t.run.status_interval_ms));
@@ -896,132 +905,37 @@ impl Session {
     pub fn components(&self) -> Vec<Component> {
         let run = &self.running;
         let stopping = self.stop_begun.load(Ordering::Relaxed);
-        // A component finishes normally once what feeds it has (`upstream_done`) or a stop has
-        // begun; finishing otherwise is a failure.
-        let component = |name: String,
-                         kind: &'static str,
-                         finished: bool,
-                         upstream_done: bool,
-                         error: Option<String>| {
-            let (state, detail) = match error {
-                Some(e) => (ComponentState::Failed, e),
-                None if finished && !upstream_done && !stopping => (
-                    ComponentState::Failed,
-                    "ended by itself while the run goes on".to_string(),
-                ),
-                None if finished => (ComponentState::Finished, String::new()),
-                None if stopping => (ComponentState::Stopping, String::new()),
-                None => (ComponentState::Running, String::new()),
-            };
-            Component {
-                name,
-                host: None,
-                kind: kind.into(),
-                state,
-                detail,
-            }
-        };
-        let mut v = Vec::new();
-        if let Some(s) = &run.sources {
-            let mut c = component(
-                "sources".into(),
-                "sources",
-                s.threads_finished(),
-                true,
-                None,
-            );
-            if c.state == ComponentState::Running && s.paused() {
-                c.state = ComponentState::Paused;
-            }
-            v.push(c);
-        }
-        let request_mode = self.r.topology.run.mode == tessera_config::Mode::Request;
-        for u in &run.readout_units {
-            let err = if request_mode {
-                u.stats
-                    .requests
-                    .manager_error
-                    .lock()
-                    .clone()
-                    .map(|e| format!("event manager link: {e}"))
-            } else {
-                u.stats
-                    .builder_error
-                    .lock()
-                    .clone()
-                    .map(|e| format!("builder link: {e}"))
-            };
-            // A readout unit ends with its own links' streams.
-            let links_done = u.stats.links.iter().all(|l| l.state().ended());
-            v.push(component(
-                format!("readout unit {}", u.stats.id),
-                "readout",
-                u.is_finished(),
-                links_done,
-                err,
-            ));
-        }
-        for b in &run.builders {
-            let err = b
-                .stats
-                .recorder_error
-                .lock()
-                .clone()
-                .map(|e| format!("recorder link: {e}"));
-            // Its upstream is done when the readout units finished, or (push mode) when every
-            // unit's link brought its peer end: the units' own threads may finish a moment
-            // after the builder has read their goodbyes, and that is no failure.
-            let goodbyes = !request_mode
-                && b.stats
-                    .links
-                    .iter()
-                    .all(|l| l.declared_fragments.load(Ordering::Relaxed) != u64::MAX);
-            // Request mode: a builder the event manager declared dead (late heartbeats on a
-            // loaded machine, say) has had its events given to the others: once it ends, that
-            // is the failover doing its work, not a failure of the run.
-            let dismissed = request_mode
-                && b.is_finished()
-                && run.manager.as_ref().is_some_and(|m| {
-                    m.view()
-                        .builders
-                        .iter()
-                        .any(|&(id, alive, _, _)| id == b.stats.id as u32 && !alive)
+        run.roles()
+            .map(|role| {
+                // A role finishes normally once what feeds it has or a stop has begun;
+                // finishing otherwise is a failure.
+                let finished = role.is_finished();
+                let failure = role.failure().or_else(|| {
+                    (finished && !role.upstream_done(run) && !stopping)
+                        .then_some(role::Failure::EndedByItself)
                 });
-            let mut c = component(
-                format!("builder {}", b.stats.id),
-                "builder",
-                b.is_finished(),
-                goodbyes || dismissed || all_ru_finished(run),
-                err,
-            );
-            if dismissed && c.state == ComponentState::Finished {
-                c.detail =
-                    "declared dead by the event manager; its events were rebuilt by the others"
-                        .into();
-            }
-            v.push(c);
-        }
-        if let Some(rec) = &run.recorder {
-            v.push(component(
-                "recorder".into(),
-                "recorder",
-                rec.is_finished(),
-                run.builders.iter().all(|b| b.is_finished())
-                    || rec.stats.links_ended_clean.load(Ordering::Acquire)
-                        >= self.r.topology.builders.len() as u64,
-                rec.stats.error.lock().clone(),
-            ));
-        }
-        if let Some(m) = &run.manager {
-            v.push(component(
-                "event manager".into(),
-                "event_manager",
-                m.is_finished(),
-                all_ru_finished(run),
-                None,
-            ));
-        }
-        v
+                let state = match &failure {
+                    Some(_) => ComponentState::Failed,
+                    None if finished => ComponentState::Finished,
+                    None if stopping => ComponentState::Stopping,
+                    None if role.paused() => ComponentState::Paused,
+                    None => ComponentState::Running,
+                };
+                let detail = match &failure {
+                    Some(f) => f.to_string(),
+                    None if finished => role.note(run).unwrap_or_default(),
+                    None => String::new(),
+                };
+                Component {
+                    name: role.name(),
+                    host: None,
+                    kind: role.kind().into(),
+                    state,
+                    detail,
+                    failure,
+                }
+            })
+            .collect()
     }
 
     /// Holds the triggers of the emulated sources (external sources cannot be told: the wire
@@ -1192,149 +1106,64 @@ impl Session {
     }
 
     /// One stage of a stop (after [`stop_begin`](Self::stop_begin)): waits for this process's
-    /// components of the stage, and past the deadline gives up on what they hold.
+    /// roles of the stage, and past the deadline gives up on what they hold.
     pub fn stop_stage(&self, stage: StopStage, deadlines: &StopDeadlines) -> StageReport {
         let run = &self.running;
         let grace = Duration::from_millis(deadlines.abort_grace_ms);
-        match stage {
-            StopStage::Sources => {
-                // 1. Sources.
-                let t = Instant::now();
-                let done = self.wait_stage(deadlines.sources_ms, "stopping: sources", || {
-                    run.sources.as_ref().is_none_or(|s| s.threads_finished())
-                });
-                StageReport {
-                    stage: "sources".into(),
-                    deadline_ms: deadlines.sources_ms,
-                    elapsed_ms: t.elapsed().as_millis() as u64,
-                    finished: done,
-                    left: if done {
-                        String::new()
-                    } else {
-                        let held: Vec<String> = run
-                            .sources
-                            .iter()
-                            .flat_map(|s| s.stats.iter())
-                            .filter(|s| !s.finished.load(Ordering::Relaxed))
-                            .map(|s| s.id.to_string())
-                            .collect();
-                        format!(
-                            "sources {} still held by back-pressure; their readout links are cut",
-                            held.join(",")
-                        )
-                    },
-                }
-            }
-            StopStage::Readout => {
-                // 2. Readout units.
-                let t = Instant::now();
-                let done = self.wait_stage(deadlines.readout_ms, "stopping: readout units", || {
-                    all_ru_finished(run)
-                });
-                let mut left = String::new();
-                if !done {
-                    let held: u64 = run
-                        .readout_units
-                        .iter()
-                        .map(|u| {
-                            u.stats.held_fragments.load(Ordering::Relaxed)
-                                + u.stats.queued_fragments.load(Ordering::Relaxed)
-                                + u.stats.requests.stored_fragments.load(Ordering::Relaxed)
-                        })
-                        .sum();
-                    let open: Vec<String> = run
-                        .readout_units
-                        .iter()
-                        .filter(|u| !u.is_finished())
-                        .map(|u| u.stats.id.to_string())
-                        .collect();
-                    left = format!(
-                        "readout units {} had {held} fragments buffered; links aborted",
-                        open.join(",")
-                    );
-                    for u in &run.readout_units {
-                        u.abort();
-                    }
-                    if let Some(m) = &run.manager {
-                        m.abort();
-                    }
-                    wait_until(grace, || all_ru_finished(run));
-                }
-                StageReport {
-                    stage: "readout".into(),
-                    deadline_ms: deadlines.readout_ms,
-                    elapsed_ms: t.elapsed().as_millis() as u64,
-                    finished: done,
-                    left,
-                }
-            }
-            StopStage::Builders => {
-                // 3. Builders.
-                let t = Instant::now();
-                let done = self.wait_stage(deadlines.builders_ms, "stopping: builders", || {
-                    run.builders.iter().all(|b| b.is_finished())
-                        && run.manager.as_ref().is_none_or(|m| m.is_finished())
-                });
-                let mut left = String::new();
-                if !done {
-                    let (pending, queued) = run.builders.iter().fold((0, 0), |a, b| {
-                        (
-                            a.0 + b.stats.pending_events.load(Ordering::Relaxed),
-                            a.1 + b.stats.queued_fragments.load(Ordering::Relaxed),
-                        )
-                    });
-                    left = format!(
-                        "{pending} events still being assembled and {queued} fragments not handed to the recorder; builders aborted"
-                    );
-                    for b in run.builders.iter().filter(|b| !b.is_finished()) {
-                        b.abort();
-                    }
-                    if let Some(m) = &run.manager {
-                        m.abort();
-                    }
-                    wait_until(grace, || run.builders.iter().all(|b| b.is_finished()));
-                }
-                StageReport {
-                    stage: "builders".into(),
-                    deadline_ms: deadlines.builders_ms,
-                    elapsed_ms: t.elapsed().as_millis() as u64,
-                    finished: done,
-                    left,
-                }
-            }
-            StopStage::Recorder => {
-                // 4. Recorder. A consumer of a blocking station that stopped taking events must not
-                // hold the stop: past the deadline the monitor lets the recorder go on without it.
-                let t = Instant::now();
-                let done = self.wait_stage(deadlines.recorder_ms, "stopping: recorder", || {
-                    run.recorder.as_ref().is_none_or(|r| r.is_finished())
-                });
-                let mut left = String::new();
-                if !done {
+        let (name, ms, phase) = match stage {
+            StopStage::Sources => ("sources", deadlines.sources_ms, "stopping: sources"),
+            StopStage::Readout => ("readout", deadlines.readout_ms, "stopping: readout units"),
+            StopStage::Builders => ("builders", deadlines.builders_ms, "stopping: builders"),
+            StopStage::Recorder => ("recorder", deadlines.recorder_ms, "stopping: recorder"),
+        };
+        let of_stage = || run.roles().filter(move |r| r.stage() == stage);
+        let stage_done = || of_stage().all(|r| r.is_finished());
+        let t = Instant::now();
+        let done = self.wait_stage(ms, phase, stage_done);
+        let mut left = String::new();
+        if !done {
+            let open: Vec<&dyn role::RunRole> = of_stage().filter(|r| !r.is_finished()).collect();
+            left = open.iter().map(|r| r.left()).collect::<Vec<_>>().join("; ");
+            match stage {
+                // Nothing to abort: the sources held by back-pressure are cut at their
+                // readout links in the next stage.
+                StopStage::Sources => {}
+                StopStage::Recorder => {
+                    // A consumer of a blocking station that stopped taking events must not hold
+                    // the stop: the monitor is closed first, and the recorder goes on without it.
                     if let Some((m, _)) = &self.monitor {
                         m.close();
                     }
-                    if wait_until(grace, || {
-                        run.recorder.as_ref().is_none_or(|r| r.is_finished())
-                    }) {
+                    if wait_until(grace, stage_done) {
                         left = "the monitor was closed (a blocking station may have held the recorder) and the recorder finished".into();
-                    } else if let Some(rec) = &run.recorder {
-                        left = format!(
-                            "{} fragments not written; the open file is left unfinished; recorder aborted",
-                            rec.stats.queued_fragments.load(Ordering::Relaxed)
-                        );
-                        rec.abort();
-                        wait_until(grace, || rec.is_finished());
+                    } else {
+                        for r in &open {
+                            r.abort();
+                        }
+                        wait_until(grace, stage_done);
                     }
                 }
-                StageReport {
-                    stage: "recorder".into(),
-                    deadline_ms: deadlines.recorder_ms,
-                    elapsed_ms: t.elapsed().as_millis() as u64,
-                    finished: done,
-                    left,
+                StopStage::Readout | StopStage::Builders => {
+                    for r in &open {
+                        r.abort();
+                    }
+                    // Readout units that give up end their announcements: the event manager,
+                    // which waits on them, is told to end too.
+                    if stage == StopStage::Readout {
+                        if let Some(m) = &run.manager {
+                            m.abort();
+                        }
+                    }
+                    wait_until(grace, stage_done);
                 }
             }
+        }
+        StageReport {
+            stage: name.into(),
+            deadline_ms: ms,
+            elapsed_ms: t.elapsed().as_millis() as u64,
+            finished: done,
+            left,
         }
     }
 
@@ -1362,34 +1191,10 @@ impl Session {
         }
     }
 
-    /// Bytes moved so far by every stage: sent by sources, read and forwarded by readout units,
+    /// Bytes moved so far by every role: sent by sources, read and forwarded by readout units,
     /// built, and recorded. Any change means the system still makes progress.
     fn moved(&self) -> u64 {
-        let run = &self.running;
-        let mut m = 0u64;
-        if let Some(s) = &run.sources {
-            m += s
-                .stats
-                .iter()
-                .map(|x| x.bytes.load(Ordering::Relaxed))
-                .sum::<u64>();
-        }
-        for u in &run.readout_units {
-            m += u.stats.bytes_forwarded.load(Ordering::Relaxed);
-            m += u
-                .stats
-                .links
-                .iter()
-                .map(|l| l.fragments.load(Ordering::Relaxed))
-                .sum::<u64>();
-        }
-        for b in &run.builders {
-            m += b.stats.bytes_built.load(Ordering::Relaxed);
-        }
-        if let Some(r) = &run.recorder {
-            m += r.stats.record_bytes.load(Ordering::Relaxed);
-        }
-        m
+        self.running.roles().map(|r| r.progress()).sum()
     }
 
     /// What every component counted so far (live, while the run goes on), as the report.
@@ -1437,6 +1242,7 @@ impl Session {
             builders,
             recorder,
             manager,
+            ..
         } = running;
         if let Some(m) = manager.filter(|m| m.is_finished()) {
             m.join();
@@ -1563,10 +1369,6 @@ fn wait_until(limit: Duration, done: impl Fn() -> bool) -> bool {
     done()
 }
 
-fn all_ru_finished(r: &Running) -> bool {
-    r.readout_units.iter().all(|u| u.is_finished())
-}
-
 /// A role run alone reaches its peers at their configured addresses: those need fixed ports.
 fn check_daemon_addresses(r: &Resolved, role: Role) -> Result<()> {
     let t = &r.topology;
@@ -1664,11 +1466,7 @@ fn external_links_done(run: &Running, r: &Resolved) -> bool {
 }
 
 fn all_finished(r: &Running) -> bool {
-    r.sources.as_ref().is_none_or(|s| s.threads_finished())
-        && r.readout_units.iter().all(|u| u.is_finished())
-        && r.builders.iter().all(|b| b.is_finished())
-        && r.recorder.as_ref().is_none_or(|x| x.is_finished())
-        && r.manager.as_ref().is_none_or(|m| m.is_finished())
+    r.roles().all(|x| x.is_finished())
 }
 
 /// One more than the highest run number recorded in `dir` (by its `last_run` file).
