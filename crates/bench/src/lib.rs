@@ -22,6 +22,7 @@ use tessera_format::pattern::Pattern;
 use tessera_run::{Options, StatusMode};
 use tessera_source::SourcePlan;
 
+pub mod hosts;
 pub mod monitor;
 pub mod request;
 
@@ -29,7 +30,9 @@ pub mod request;
 pub struct BenchArgs {
     /// `request`: the request-mode readout unit under a request mix (the ATLAS ROSTester), with
     /// the utilisation model fitted. `monitor`: the monitor against the CODA ET figures (TCP
-    /// consumer rate, data path with sampling consumers, SIGKILLed blocking consumer). Absent:
+    /// consumer rate, data path with sampling consumers, SIGKILLed blocking consumer). `hosts`:
+    /// building over node agents in network namespaces with tc-shaped links against raw TCP on
+    /// the same links, and over agents on one host against one process (root). Absent:
     /// push-mode building against the relay baseline.
     pub what: Option<String>,
     /// A small set of points (building: under a minute; request: under five).
@@ -127,9 +130,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         None => {}
         Some("request") => return run_request(a),
         Some("monitor") => return monitor::run_monitor(a),
+        Some("hosts") => return hosts::run_hosts(a),
         Some(other) => {
             anyhow::bail!(
-                "unknown benchmark `{other}`: the choices are `request`, `monitor` or none"
+                "unknown benchmark `{other}`: the choices are `request`, `monitor`, `hosts` or none"
             )
         }
     }

@@ -825,3 +825,41 @@ fn launch_starts_an_agent_over_openssh_and_the_run_goes_through_it() {
     be_agent.finish(LIMIT);
     drop(sshd);
 }
+
+/// Issue 12: `tessera bench hosts` builds over node agents in namespaces it makes, with links
+/// shaped by tc, against raw TCP on the same links; then over agents on one host against one
+/// process. Only that it measures every point and builds every event is checked here: speed is
+/// the benchmark's to report (docs/PERFORMANCE.md), not a test's to assert.
+#[test]
+fn bench_hosts_measures_building_over_shaped_links_and_over_agents() {
+    let Some(probe) = make_net(&["probe"]) else {
+        println!("SKIPPED: network namespaces need root and iproute2");
+        return;
+    };
+    drop(probe);
+    let o = Command::new(tessera())
+        .args([
+            "bench", "hosts", "--sizes", "4096", "--bytes", "5e7", "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let points: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let settings: Vec<&str> = points
+        .iter()
+        .map(|p| p["setting"].as_str().unwrap())
+        .collect();
+    assert_eq!(settings, ["shaped", "one host"], "{points:?}");
+    for p in &points {
+        assert_eq!(p["clean"], true, "{p}");
+        for key in ["built_bytes_per_s", "baseline_bytes_per_s", "ratio"] {
+            assert!(p[key].as_f64().is_some_and(|x| x > 0.0), "{key} in {p}");
+        }
+    }
+    assert!(points[0]["line_rate_fraction"]
+        .as_f64()
+        .is_some_and(|x| x > 0.0));
+}

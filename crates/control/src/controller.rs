@@ -666,9 +666,9 @@ impl Controller {
             } else {
                 "running"
             });
-            if let Some(why) = session.failure() {
+            if let Some(failed) = session.failure() {
                 drop(session);
-                self.fail(&why);
+                self.fail(&failed);
             } else if let Some(reason) = session.end_reason() {
                 drop(session);
                 self.end_by_itself(&reason);
@@ -718,16 +718,15 @@ impl Controller {
         }
     }
 
-    fn fail(&self, why: &str) {
+    fn fail(&self, failed: &tessera_run::role::Failed) {
         let Some(from) = self.claim(Transition::Stop) else {
             return;
         };
+        let why = &failed.to_string();
         tracing::error!(reason = why, "a component failed: the system goes to error");
-        // Named by what comes before the reason: `host fe1 (…)`, `readout unit 0`.
-        let subject = why.split(": ").next().unwrap_or(why);
         self.shared.alarms.lock().raise(
             crate::alarms::kind::COMPONENT_FAILED,
-            subject,
+            &failed.subject,
             why,
             self.run(),
             unix_ns(),

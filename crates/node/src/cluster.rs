@@ -636,7 +636,7 @@ impl RunSession for ClusterRun {
         None
     }
 
-    fn failure(&self) -> Option<String> {
+    fn failure(&self) -> Option<tessera_run::role::Failed> {
         if let Some(a) = self
             .cluster
             .agents
@@ -644,18 +644,22 @@ impl RunSession for ClusterRun {
             .find(|a| a.is_lost() && !self.failed_over(a))
         {
             let why = a.lost.lock().clone().unwrap_or_default();
-            return Some(format!("{}: node agent lost: {why}", a.name()));
+            return Some(tessera_run::role::Failed {
+                subject: a.name(),
+                reason: format!("node agent lost: {why}"),
+                failure: Some(tessera_run::role::Failure::LinkLost {
+                    peer: "node agent".into(),
+                    detail: why,
+                }),
+            });
         }
         self.components()
             .into_iter()
             .find(|c| c.state == ComponentState::Failed)
-            .map(|c| {
-                format!(
-                    "host {}: {}: {}",
-                    c.host.as_deref().unwrap_or("?"),
-                    c.name,
-                    c.detail
-                )
+            .map(|c| tessera_run::role::Failed {
+                subject: format!("host {}: {}", c.host.as_deref().unwrap_or("?"), c.name),
+                reason: c.detail,
+                failure: c.failure,
             })
     }
 

@@ -894,11 +894,15 @@ impl Session {
 
     /// The first component found failed, with the reason: the run cannot go on as configured.
     /// A component that ended by itself while the run goes on has failed too.
-    pub fn failure(&self) -> Option<String> {
+    pub fn failure(&self) -> Option<role::Failed> {
         self.components()
             .into_iter()
             .find(|c| c.state == ComponentState::Failed)
-            .map(|c| format!("{}: {}", c.name, c.detail))
+            .map(|c| role::Failed {
+                subject: c.name,
+                reason: c.detail,
+                failure: c.failure,
+            })
     }
 
     /// Every component and its state.
@@ -1285,7 +1289,7 @@ pub trait RunSession: Send + Sync {
     /// Why the run should end now, if it should (see [`Session::end_reason`]).
     fn end_reason(&self) -> Option<String>;
     /// The first component found failed, with the reason (and its host, if elsewhere).
-    fn failure(&self) -> Option<String>;
+    fn failure(&self) -> Option<role::Failed>;
     fn components(&self) -> Vec<Component>;
     fn pause(&self);
     fn resume(&self);
@@ -1312,7 +1316,7 @@ impl RunSession for Session {
     fn end_reason(&self) -> Option<String> {
         Session::end_reason(self).map(String::from)
     }
-    fn failure(&self) -> Option<String> {
+    fn failure(&self) -> Option<role::Failed> {
         Session::failure(self)
     }
     fn components(&self) -> Vec<Component> {

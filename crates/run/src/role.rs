@@ -31,6 +31,17 @@ pub enum Failure {
     EndedByItself,
 }
 
+/// The first failure of a run, as the run control acts on it: what failed (`recorder`,
+/// `host fe1: readout unit 0`, `host fe2 (10.1.0.12:7300)`) and why.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{subject}: {reason}")]
+pub struct Failed {
+    pub subject: String,
+    pub reason: String,
+    /// The component's failure, typed, where a component failed.
+    pub failure: Option<Failure>,
+}
+
 /// What every role is to the code that drives it.
 pub trait RunRole: Send + Sync {
     /// `readout unit 3`, `builder 1`, `recorder`, `event manager`, `sources`.
