@@ -3,6 +3,8 @@
 //! netns exec`; the run control (`tessera run`) on the builder host. Without root or `ip netns`
 //! the namespace tests say SKIPPED and pass; CI runs as root.
 
+#[path = "../../run/tests/support/spec_source.rs"]
+mod spec_source;
 mod support;
 
 use std::io::{Read, Write};
@@ -862,4 +864,89 @@ fn bench_hosts_measures_building_over_shaped_links_and_over_agents() {
     assert!(points[0]["line_rate_fraction"]
         .as_f64()
         .is_some_and(|x| x > 0.0));
+}
+
+/// Issue 12 (noticed in session 8): an external source on a front-end host holds every host's
+/// emulated sources until it has said its hello, as in one process: the run starts held, the
+/// run control releases the triggers from the agents' statuses once the external link has
+/// connected. Before, every host's triggers were released at the start, and each event sent
+/// before the external source connected was built without it.
+#[test]
+fn an_external_source_on_a_front_end_host_holds_every_host_until_it_connects() {
+    let Some((_net, hosts)) = make_net(&["fe1", "be"]) else {
+        println!("SKIPPED: network namespaces need root and iproute2");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let agents: Vec<Proc> = ["fe1", "be"]
+        .iter()
+        .zip(&hosts)
+        .map(|(n, h)| agent(h, dir.path(), n))
+        .collect();
+    let events = 2000u64;
+    let cfg = dir.path().join("external.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[run]\nevents = {events}\noutput = \"{}\"\n\
+             [sources]\ncount = 2\nexternal = [77]\ntrigger_types = 1\nfragment_size = 256\n\
+             trigger = \"periodic\"\nrate_hz = 4000\n\
+             [control]\nagent_timeout_ms = 2000\n\
+             [security]\nallow = [\"10.78.0.0/24\"]\n\
+             [recorder]\nhost = \"be\"\n\
+             [[builder]]\nid = 0\nhost = \"be\"\nevent_timeout_ms = 1000\n\
+             [[readout]]\nid = 0\nhost = \"fe1\"\nsources = [0, 1, 77]\nevent_timeout_ms = 200\n\
+             [hosts]\nfe1 = \"{}:7300\"\nbe = \"{}:7300\"\n",
+            dir.path().join("control").display(),
+            hosts[0].ip,
+            hosts[1].ip
+        ),
+    )
+    .unwrap();
+    let be = &hosts[1];
+    let (ctl, addr) = run_control(be, &cfg, dir.path());
+    wait_state(&be.ns, addr, "configured");
+    transition(&be.ns, addr, "start");
+    // Held: a second passes (five event timeouts) and no emulated source sends.
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < Duration::from_secs(1) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let live = json(&be.ns, addr, "/api/live");
+    assert_eq!(live["live"]["paused"], true, "{live}");
+    let sent: u64 = live["live"]["sources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["fragments_sent"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(
+        sent, 0,
+        "an emulated source sent before the external one connected: {live}"
+    );
+    // The external source connects on fe1, where its readout unit listens.
+    let file = dir.path().join("fe1").join("addresses.fe1.json");
+    let addrs: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    let to = addrs["sources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["id"] == 77)
+        .unwrap()["connect"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    on_host(&hosts[0].ns, move || spec_source::send(&to, 77, events));
+    let st = wait_state(&be.ns, addr, "stopped");
+    let run = st["run_number"].as_u64().unwrap();
+    let report = &json(&be.ns, addr, &format!("/api/runs/{run}"))["report"];
+    assert_eq!(report["balance"]["holds"], true, "{report}");
+    assert_eq!(report["events_incomplete"], 0, "{report}");
+    assert_eq!(report["events_complete"].as_u64(), Some(events), "{report}");
+    ctl.signal("INT");
+    assert!(ctl.finish(LIMIT).status.success());
+    for a in agents {
+        a.signal("INT");
+        a.finish(LIMIT);
+    }
 }

@@ -600,23 +600,18 @@ fn writable(dir: &std::path::Path) -> Result<()> {
 }
 
 /// The buffers this host's roles take at most, by configuration.
+/// What this host's roles may hold at most, as `tessera check` counts it.
 fn memory_needed(r: &Resolved, roles: &RoleSet) -> u64 {
-    let t = &r.topology;
-    let mut need = 0u64;
-    for u in t
-        .readout_units
-        .iter()
-        .filter(|u| roles.readout_units.contains(&u.id))
-    {
-        need += u.buffer.0;
-    }
-    for b in t.builders.iter().filter(|b| roles.builders.contains(&b.id)) {
-        need += b.buffer.0;
-    }
-    if roles.recorder {
-        need += t.recorder.queue.0;
-    }
-    need
+    use tessera_run::check::Unit;
+    tessera_run::check::memory(r)
+        .into_iter()
+        .filter(|(u, _)| match u {
+            Unit::Readout(id) => roles.readout_units.contains(id),
+            Unit::Builder(id) => roles.builders.contains(id),
+            Unit::Recorder => roles.recorder,
+        })
+        .map(|(_, m)| m)
+        .sum()
 }
 
 fn memory_available() -> Option<u64> {

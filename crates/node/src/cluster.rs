@@ -319,8 +319,16 @@ impl Cluster {
             }
             started.push(a);
         }
-        for r in self.on_every_agent(|a| a.call(&Request::Release {}, self.timeout)) {
-            check(r?, "releasing the triggers")?;
+        // With external sources the triggers stay held until every one has said its hello at
+        // its readout unit, wherever that runs (or `sources.external_wait_s` passed), as in one
+        // process: no event is triggered that a source not yet connected would miss. The run
+        // releases them itself, from the statuses (see `release_when_external_sources_connected`).
+        let s = &self.r.topology.sources;
+        let hold_for_external = !s.external.is_empty() && s.external_wait_s > 0.0;
+        if !hold_for_external {
+            for r in self.on_every_agent(|a| a.call(&Request::Release {}, self.timeout)) {
+                check(r?, "releasing the triggers")?;
+            }
         }
         let t = &self.r.topology;
         let run = ClusterRun {
@@ -332,8 +340,9 @@ impl Cluster {
             duration: opts.duration_s.unwrap_or(t.run.duration_s),
             output: opts.output.clone().unwrap_or_else(|| t.run.output.clone()),
             stop_flag: opts.stop.clone(),
-            paused_at: Mutex::new(None),
+            paused_at: Mutex::new(hold_for_external.then(Instant::now)),
             paused_total: Mutex::new(Duration::ZERO),
+            held_for_external: AtomicBool::new(hold_for_external),
             status_mode: opts.status,
             last_line: Mutex::new(Instant::now()),
             monitor_address: addresses.get("monitor").cloned(),
@@ -454,6 +463,8 @@ pub struct ClusterRun {
     last_line: Mutex<Instant>,
     /// Where the recorder's host serves the monitor (the dashboard samples there).
     monitor_address: Option<String>,
+    /// The triggers are held until every external source has connected.
+    held_for_external: AtomicBool,
 }
 
 impl ClusterRun {
@@ -537,6 +548,52 @@ impl ClusterRun {
         }
     }
 
+    /// Releases the held triggers once every external source's link, on whatever host, has
+    /// seen its hello (from the statuses the agents report five times a second), or once
+    /// `sources.external_wait_s` has passed.
+    fn release_when_external_sources_connected(&self) {
+        if !self.held_for_external.load(Ordering::Acquire) {
+            return;
+        }
+        let s = &self.cluster.r.topology.sources;
+        let connected: std::collections::BTreeSet<u32> = self
+            .cluster
+            .statuses
+            .lock()
+            .values()
+            .filter_map(|h| h.live.as_ref())
+            .flat_map(|l| l.sources.iter())
+            .filter(|x| x.kind == "external" && x.link_state != "waiting")
+            .map(|x| x.id)
+            .collect();
+        let missing: Vec<u32> = s
+            .external
+            .iter()
+            .copied()
+            .filter(|id| !connected.contains(id))
+            .collect();
+        let waited = self.t0.elapsed().as_secs_f64();
+        if !missing.is_empty() && waited < s.external_wait_s {
+            return;
+        }
+        if !self.held_for_external.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        if missing.is_empty() {
+            tracing::info!("every external source connected: the emulated sources start");
+        } else {
+            tracing::warn!(
+                ?missing,
+                waited_s = waited,
+                "external sources not connected after sources.external_wait_s: the run starts without them"
+            );
+        }
+        self.everyone(Request::Release {});
+        if let Some(t) = self.paused_at.lock().take() {
+            *self.paused_total.lock() += t.elapsed();
+        }
+    }
+
     fn reports(&self, req: Request) -> (Vec<Report>, Vec<String>) {
         let mut parts = Vec::new();
         let mut missing = Vec::new();
@@ -596,6 +653,7 @@ impl RunSession for ClusterRun {
     }
 
     fn end_reason(&self) -> Option<String> {
+        self.release_when_external_sources_connected();
         if self.stop_flag.load(Ordering::Relaxed) {
             return Some("interrupted".into());
         }
@@ -717,6 +775,10 @@ impl RunSession for ClusterRun {
     }
 
     fn resume(&self) {
+        // Held for external sources: only their hellos (or the wait's end) release the run.
+        if self.held_for_external.load(Ordering::Acquire) {
+            return;
+        }
         self.everyone(Request::Resume {});
         if let Some(t) = self.paused_at.lock().take() {
             *self.paused_total.lock() += t.elapsed();

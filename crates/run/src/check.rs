@@ -102,6 +102,50 @@ fn human_rate(b: f64) -> String {
 }
 
 /// Checks a loaded topology (loading already checked keys, IDs and sources).
+/// A unit whose memory [`memory`] counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unit {
+    Readout(u32),
+    Builder(u32),
+    /// The recorder with its block being filled and the monitor's station queues.
+    Recorder,
+}
+
+/// The memory each unit's configuration lets it hold at most (buffers, read chunks, the
+/// recorder's queue and block, the monitor's queues of mean-sized events): what `tessera check`
+/// prints and what a node agent checks against the memory its host has.
+pub fn memory(r: &Resolved) -> Vec<(Unit, u64)> {
+    let t = &r.topology;
+    let frag_wire =
+        tessera_format::wire::fragment_wire_size(t.sources.fragment_size.0 as usize) as f64;
+    let mean_event = 48.0 + r.source_ru.len().max(1) as f64 * (4.0 + frag_wire);
+    let mut v = Vec::new();
+    for (i, u) in t.readout_units.iter().enumerate() {
+        let links = r.ru_sources.get(i).map_or(1, |s| s.len().max(1)) as u64;
+        v.push((Unit::Readout(u.id), u.buffer.0 + 2 * links * u.read_chunk.0));
+    }
+    for b in &t.builders {
+        v.push((Unit::Builder(b.id), b.buffer.0));
+    }
+    if t.recorder.enabled {
+        let monitor_bytes: u64 = if t.monitor.enabled {
+            t.monitor
+                .chain()
+                .iter()
+                .map(|st| st.queue as u64)
+                .sum::<u64>()
+                * mean_event as u64
+        } else {
+            0
+        };
+        v.push((
+            Unit::Recorder,
+            t.recorder.queue.0 + t.recorder.block_size.0 + monitor_bytes,
+        ));
+    }
+    v
+}
+
 pub fn check(r: &Resolved) -> CheckReport {
     let t = &r.topology;
     let mut problems = Vec::new();
@@ -159,6 +203,8 @@ pub fn check(r: &Resolved) -> CheckReport {
     let n_sources = r.source_ru.len().max(1);
     let mean_event = 48.0 + n_sources as f64 * (4.0 + frag_wire);
     let mut units = Vec::new();
+    let mem = memory(r);
+    let memory_of = |unit: Unit| mem.iter().find(|(u, _)| *u == unit).map_or(0, |(_, m)| *m);
 
     for (i, u) in t.readout_units.iter().enumerate() {
         let links = r.ru_sources[i].len().max(1);
@@ -190,7 +236,7 @@ pub fn check(r: &Resolved) -> CheckReport {
             links,
             bytes_per_s_in: bytes_in,
             bytes_per_s_per_link: per_link,
-            memory_bytes: u.buffer.0 + 2 * links as u64 * u.read_chunk.0,
+            memory_bytes: memory_of(Unit::Readout(u.id)),
             buffer_holds_ms: holds,
         });
     }
@@ -222,23 +268,13 @@ pub fn check(r: &Resolved) -> CheckReport {
             links,
             bytes_per_s_in: bytes_in,
             bytes_per_s_per_link: bytes_in.map(|x| x / links as f64),
-            memory_bytes: b.buffer.0,
+            memory_bytes: memory_of(Unit::Builder(b.id)),
             buffer_holds_ms: holds,
         });
     }
 
     if t.recorder.enabled {
         let bytes_in = events_per_s.map(|r| r * mean_event);
-        let monitor_bytes: u64 = if t.monitor.enabled {
-            t.monitor
-                .chain()
-                .iter()
-                .map(|st| st.queue as u64)
-                .sum::<u64>()
-                * mean_event as u64
-        } else {
-            0
-        };
         if let Some(bps) = bytes_in {
             if t.recorder.throttle.0 > 0 && (t.recorder.throttle.0 as f64) < bps {
                 warnings.push(Finding {
@@ -314,7 +350,7 @@ pub fn check(r: &Resolved) -> CheckReport {
             links: t.builders.len(),
             bytes_per_s_in: bytes_in,
             bytes_per_s_per_link: bytes_in.map(|x| x / n_builders),
-            memory_bytes: t.recorder.queue.0 + t.recorder.block_size.0 + monitor_bytes,
+            memory_bytes: memory_of(Unit::Recorder),
             buffer_holds_ms: bytes_in.map(|bps| t.recorder.queue.0 as f64 / bps * 1e3),
         });
     }
