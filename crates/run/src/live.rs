@@ -119,6 +119,21 @@ pub struct Live {
 }
 
 impl Live {
+    /// A view with nothing in it yet, for roles to add their entries to.
+    pub fn empty(run_number: u64) -> Live {
+        Live {
+            run_number,
+            elapsed_s: 0.0,
+            mode: "push".into(),
+            paused: false,
+            sources: Vec::new(),
+            readout_units: Vec::new(),
+            builders: Vec::new(),
+            recorder: None,
+            components: Vec::new(),
+        }
+    }
+
     /// The view of a run spread over hosts, from every host's own: a source's sending side
     /// from the host that runs it, its link from the host of its readout unit.
     pub fn combine(run_number: u64, elapsed_s: f64, paused: bool, parts: Vec<Live>) -> Live {
@@ -188,7 +203,7 @@ pub struct LinkView {
     pub rejected: BTreeMap<String, u64>,
 }
 
-fn histogram(h: &tessera_builder::stats::Histogram) -> LiveHistogram {
+pub(crate) fn histogram(h: &tessera_builder::stats::Histogram) -> LiveHistogram {
     let (b, sum_s, count) = h.snapshot();
     LiveHistogram {
         buckets: b
@@ -201,165 +216,28 @@ fn histogram(h: &tessera_builder::stats::Histogram) -> LiveHistogram {
 }
 
 impl Session {
-    /// Every component's counters now.
+    /// Every component's counters now: each role's own entries (a source's link from its
+    /// readout unit, its sending side from the sources), joined as a run over hosts joins its
+    /// hosts' views.
     pub fn live(&self) -> Live {
-        let run = &self.running;
         let r = &self.r;
-        let emulated: BTreeMap<u32, &tessera_source::SourceStats> = run
-            .sources
-            .as_ref()
-            .map(|s| s.stats.iter().map(|x| (x.id, x.as_ref())).collect())
-            .unwrap_or_default();
-        let mut sources = Vec::new();
-        for u in &run.readout_units {
-            for l in &u.stats.links {
-                let e = emulated.get(&l.source_id);
-                let rejected = l.rejected_by_reason();
-                let received = l.received();
-                sources.push(LiveSource {
-                    id: l.source_id,
-                    kind: if e.is_some() { "emulated" } else { "external" }.into(),
-                    readout_unit: u.stats.id,
-                    fragments_sent: e.map(|s| s.fragments.load(Relaxed)),
-                    bytes_sent: e.map(|s| s.bytes.load(Relaxed)),
-                    held_ns: e.map(|s| s.held_ns.load(Relaxed)),
-                    received,
-                    rejected,
-                    link_state: l.state().label().to_string(),
-                    last_event_id: (l.fragments.load(Relaxed) > 0)
-                        .then(|| l.last_event.load(Relaxed)),
-                    skipped_bytes: l.skipped_bytes.load(Relaxed),
-                    bytes_after_end: l.bytes_after_end.load(Relaxed),
-                });
-            }
+        let mut part = Live::empty(self.run_number);
+        for role in self.running.roles() {
+            role.live(r, &mut part);
         }
-        // Emulated sources whose readout unit runs on another host: their side only.
-        for (id, e) in &emulated {
-            if !sources.iter().any(|x| x.id == *id) {
-                sources.push(LiveSource {
-                    id: *id,
-                    kind: "emulated".into(),
-                    readout_unit: r
-                        .source_ru
-                        .get(id)
-                        .map_or(0, |&i| r.topology.readout_units[i].id),
-                    fragments_sent: Some(e.fragments.load(Relaxed)),
-                    bytes_sent: Some(e.bytes.load(Relaxed)),
-                    held_ns: Some(e.held_ns.load(Relaxed)),
-                    received: 0,
-                    rejected: BTreeMap::new(),
-                    link_state: crate::report::REMOTE.into(),
-                    last_event_id: None,
-                    skipped_bytes: 0,
-                    bytes_after_end: 0,
-                });
-            }
+        part.mode = match r.topology.run.mode {
+            tessera_config::Mode::Push => "push",
+            tessera_config::Mode::Request => "request",
         }
-        sources.sort_by_key(|s| s.id);
-        let readout_units = run
-            .readout_units
-            .iter()
-            .map(|u| {
-                let s = &u.stats;
-                let q = &s.requests;
-                let total = q.total_pages.load(Relaxed);
-                // Request mode: the occupancy that matters is the paged buffers'.
-                let (used, limit) = if total > 0 {
-                    let page = (s.buffer_use().1 / total.max(1)).max(1);
-                    (
-                        (total - q.free_pages.load(Relaxed).min(total)) * page,
-                        total * page,
-                    )
-                } else {
-                    s.buffer_use()
-                };
-                LiveReadout {
-                    id: s.id,
-                    host: r
-                        .topology
-                        .readout_units
-                        .iter()
-                        .find(|u| u.id == s.id)
-                        .and_then(|u| u.host.clone()),
-                    super_fragments: s.super_fragments.load(Relaxed),
-                    fragments_forwarded: s.fragments_forwarded.load(Relaxed)
-                        + q.fragments_sent.load(Relaxed),
-                    bytes_forwarded: s.bytes_forwarded.load(Relaxed) + q.bytes_sent.load(Relaxed),
-                    buffer_used: used,
-                    buffer_limit: limit,
-                    busy_ns: s.busy_ns() + q.throttled_ns.load(Relaxed),
-                    links: s.links.len(),
-                    busy: s.busy(),
-                    pending_events: s.pending_events.load(Relaxed),
-                }
-            })
-            .collect();
-        let builders = run
-            .builders
-            .iter()
-            .map(|b| {
-                let s = &b.stats;
-                let (used, limit) = s.buffer_use();
-                LiveBuilder {
-                    id: s.id,
-                    host: r
-                        .topology
-                        .builders
-                        .iter()
-                        .find(|b| b.id == u32::from(s.id))
-                        .and_then(|b| b.host.clone()),
-                    events_complete: s.events_complete.load(Relaxed),
-                    events_incomplete: s.events_incomplete.load(Relaxed),
-                    events_rejected: s.events_rejected.load(Relaxed),
-                    bytes_built: s.bytes_built.load(Relaxed),
-                    buffer_used: used,
-                    buffer_limit: limit,
-                    busy_ns: s.busy_ns(),
-                    links: s.links.len(),
-                    pending_events: s.pending_events.load(Relaxed),
-                    queued_fragments: s.queued_fragments.load(Relaxed),
-                    latency: histogram(&s.latency),
-                }
-            })
-            .collect();
-        let recorder = run.recorder.as_ref().map(|rec| {
-            let s = &rec.stats;
-            let (used, limit) = s.buffer_use();
-            LiveRecorder {
-                host: r.topology.recorder.host.clone(),
-                events: s.events.load(Relaxed),
-                incomplete_events: s.incomplete_events.load(Relaxed),
-                record_bytes: s.record_bytes.load(Relaxed),
-                file_bytes: s.file_bytes.load(Relaxed),
-                files: s.files.lock().len() as u64,
-                buffer_used: used,
-                buffer_limit: limit,
-                busy_ns: s.busy_ns(),
-                links: s.links.lock().len(),
-                write_ns: s.write_ns.load(Relaxed),
-                queued_fragments: s.queued_fragments.load(Relaxed),
-                error: s.error.lock().clone(),
-                current_file: s.current_file.lock().clone(),
-                disk_free: s.disk_free.load(Relaxed),
-                disk_low: s.disk_low.load(Relaxed),
-                disk_full: s.disk_full.load(Relaxed),
-            }
-        });
-        Live {
-            run_number: self.run_number,
-            elapsed_s: self.t0.elapsed().as_secs_f64(),
-            mode: match r.topology.run.mode {
-                tessera_config::Mode::Push => "push",
-                tessera_config::Mode::Request => "request",
-            }
-            .into(),
-            paused: self.paused_at.lock().is_some(),
-            sources,
-            readout_units,
-            builders,
-            recorder,
-            components: self.components(),
-        }
+        .into();
+        let mut live = Live::combine(
+            self.run_number,
+            self.t0.elapsed().as_secs_f64(),
+            self.paused_at.lock().is_some(),
+            vec![part],
+        );
+        live.components = self.components();
+        live
     }
 
     /// Which sources are missing for event `event_id`, and the state of their links.

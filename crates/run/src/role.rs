@@ -10,6 +10,11 @@
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::Ordering::Relaxed;
 
+use std::collections::BTreeMap;
+
+use tessera_config::Resolved;
+
+use crate::live::{Live, LiveBuilder, LiveReadout, LiveRecorder, LiveSource};
 use crate::{Running, StopStage};
 
 /// Why a role failed, typed: the run control acts on the kind, the words are for people.
@@ -70,6 +75,8 @@ pub trait RunRole: Send + Sync {
     fn note(&self, _run: &Running) -> Option<String> {
         None
     }
+    /// Adds its counters and gauges to `live` (the live view, `/metrics`).
+    fn live(&self, r: &Resolved, live: &mut Live);
 }
 
 impl Running {
@@ -129,6 +136,29 @@ impl RunRole for tessera_source::RunningSources {
     fn paused(&self) -> bool {
         tessera_source::RunningSources::paused(self)
     }
+    fn live(&self, r: &Resolved, live: &mut Live) {
+        // The sending side; the link's side comes from the readout unit, here or on another
+        // host, and the two are joined by `Live::combine`.
+        for e in &self.stats {
+            live.sources.push(LiveSource {
+                id: e.id,
+                kind: "emulated".into(),
+                readout_unit: r
+                    .source_ru
+                    .get(&e.id)
+                    .map_or(0, |&i| r.topology.readout_units[i].id),
+                fragments_sent: Some(e.fragments.load(Relaxed)),
+                bytes_sent: Some(e.bytes.load(Relaxed)),
+                held_ns: Some(e.held_ns.load(Relaxed)),
+                received: 0,
+                rejected: BTreeMap::new(),
+                link_state: crate::report::REMOTE.into(),
+                last_event_id: None,
+                skipped_bytes: 0,
+                bytes_after_end: 0,
+            });
+        }
+    }
 }
 
 impl RunRole for tessera_readout::ReadoutUnit {
@@ -184,6 +214,62 @@ impl RunRole for tessera_readout::ReadoutUnit {
                 + s.requests.stored_fragments.load(Relaxed)
         )
     }
+    fn live(&self, r: &Resolved, live: &mut Live) {
+        let s = &self.stats;
+        let emulated: std::collections::BTreeSet<u32> = r.emulated_sources().collect();
+        for l in &s.links {
+            live.sources.push(LiveSource {
+                id: l.source_id,
+                kind: if emulated.contains(&l.source_id) {
+                    "emulated"
+                } else {
+                    "external"
+                }
+                .into(),
+                readout_unit: s.id,
+                fragments_sent: None,
+                bytes_sent: None,
+                held_ns: None,
+                received: l.received(),
+                rejected: l.rejected_by_reason(),
+                link_state: l.state().label().to_string(),
+                last_event_id: (l.fragments.load(Relaxed) > 0).then(|| l.last_event.load(Relaxed)),
+                skipped_bytes: l.skipped_bytes.load(Relaxed),
+                bytes_after_end: l.bytes_after_end.load(Relaxed),
+            });
+        }
+        let q = &s.requests;
+        let total = q.total_pages.load(Relaxed);
+        // Request mode: the occupancy that matters is the paged buffers'.
+        let (used, limit) = if total > 0 {
+            let page = (s.buffer_use().1 / total.max(1)).max(1);
+            (
+                (total - q.free_pages.load(Relaxed).min(total)) * page,
+                total * page,
+            )
+        } else {
+            s.buffer_use()
+        };
+        live.readout_units.push(LiveReadout {
+            id: s.id,
+            host: r
+                .topology
+                .readout_units
+                .iter()
+                .find(|u| u.id == s.id)
+                .and_then(|u| u.host.clone()),
+            super_fragments: s.super_fragments.load(Relaxed),
+            fragments_forwarded: s.fragments_forwarded.load(Relaxed)
+                + q.fragments_sent.load(Relaxed),
+            bytes_forwarded: s.bytes_forwarded.load(Relaxed) + q.bytes_sent.load(Relaxed),
+            buffer_used: used,
+            buffer_limit: limit,
+            busy_ns: s.busy_ns() + q.throttled_ns.load(Relaxed),
+            links: s.links.len(),
+            busy: s.busy(),
+            pending_events: s.pending_events.load(Relaxed),
+        });
+    }
 }
 
 impl RunRole for tessera_builder::BuilderUnit {
@@ -233,6 +319,30 @@ impl RunRole for tessera_builder::BuilderUnit {
             self.stats.pending_events.load(Relaxed),
             self.stats.queued_fragments.load(Relaxed)
         )
+    }
+    fn live(&self, r: &Resolved, live: &mut Live) {
+        let s = &self.stats;
+        let (used, limit) = s.buffer_use();
+        live.builders.push(LiveBuilder {
+            id: s.id,
+            host: r
+                .topology
+                .builders
+                .iter()
+                .find(|b| b.id == u32::from(s.id))
+                .and_then(|b| b.host.clone()),
+            events_complete: s.events_complete.load(Relaxed),
+            events_incomplete: s.events_incomplete.load(Relaxed),
+            events_rejected: s.events_rejected.load(Relaxed),
+            bytes_built: s.bytes_built.load(Relaxed),
+            buffer_used: used,
+            buffer_limit: limit,
+            busy_ns: s.busy_ns(),
+            links: s.links.len(),
+            pending_events: s.pending_events.load(Relaxed),
+            queued_fragments: s.queued_fragments.load(Relaxed),
+            latency: crate::live::histogram(&s.latency),
+        });
     }
     fn note(&self, run: &Running) -> Option<String> {
         // Request mode: a builder the event manager declared dead (late heartbeats on a loaded
@@ -291,6 +401,29 @@ impl RunRole for tessera_recorder::Recorder {
             self.stats.queued_fragments.load(Relaxed)
         )
     }
+    fn live(&self, r: &Resolved, live: &mut Live) {
+        let s = &self.stats;
+        let (used, limit) = s.buffer_use();
+        live.recorder = Some(LiveRecorder {
+            host: r.topology.recorder.host.clone(),
+            events: s.events.load(Relaxed),
+            incomplete_events: s.incomplete_events.load(Relaxed),
+            record_bytes: s.record_bytes.load(Relaxed),
+            file_bytes: s.file_bytes.load(Relaxed),
+            files: s.files.lock().len() as u64,
+            buffer_used: used,
+            buffer_limit: limit,
+            busy_ns: s.busy_ns(),
+            links: s.links.lock().len(),
+            write_ns: s.write_ns.load(Relaxed),
+            queued_fragments: s.queued_fragments.load(Relaxed),
+            error: s.error.lock().clone(),
+            current_file: s.current_file.lock().clone(),
+            disk_free: s.disk_free.load(Relaxed),
+            disk_low: s.disk_low.load(Relaxed),
+            disk_full: s.disk_full.load(Relaxed),
+        });
+    }
 }
 
 impl RunRole for tessera_manager::EventManager {
@@ -321,6 +454,9 @@ impl RunRole for tessera_manager::EventManager {
     }
     fn left(&self) -> String {
         "event manager aborted".into()
+    }
+    fn live(&self, _: &Resolved, _: &mut Live) {
+        // Its counters are in the report (assignments, clears, dead builders), not live.
     }
 }
 
