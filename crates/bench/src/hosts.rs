@@ -225,16 +225,21 @@ impl Drop for Proc {
     }
 }
 
-fn agent(ns: Option<&str>, listen: &str, out: &Path) -> Result<(Proc, String)> {
+/// This `tessera` binary, run in namespace `ns` (`ip netns exec`) or here.
+fn tessera_on(ns: Option<&str>) -> Result<Command> {
     let exe = std::env::current_exe()?;
-    let mut c = match ns {
+    Ok(match ns {
         Some(ns) => {
             let mut c = Command::new("ip");
             c.args(["netns", "exec", ns]).arg(&exe);
             c
         }
         None => Command::new(&exe),
-    };
+    })
+}
+
+fn agent(ns: Option<&str>, listen: &str, out: &Path) -> Result<(Proc, String)> {
+    let mut c = tessera_on(ns)?;
     c.args(["node", "--listen", listen, "--output"])
         .arg(out)
         .env("TESSERA_TOKEN", TOKEN)
@@ -310,16 +315,7 @@ fn topology(p: &Plan, out: &Path, hosts: Option<&[(String, String)]>, allow: boo
 
 /// Runs the topology at `cfg` through `tessera run` (in `ns` if given) and returns its report.
 fn run_control(ns: Option<&str>, cfg: &Path) -> Result<serde_json::Value> {
-    let exe = std::env::current_exe()?;
-    let mut c = match ns {
-        Some(ns) => {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", ns]).arg(&exe);
-            c
-        }
-        None => Command::new(&exe),
-    };
-    let o = c
+    let o = tessera_on(ns)?
         .arg("run")
         .arg(cfg)
         .args(["--json", "--quiet", "--http", "off"])

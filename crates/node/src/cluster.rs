@@ -555,7 +555,6 @@ impl ClusterRun {
         if !self.held_for_external.load(Ordering::Acquire) {
             return;
         }
-        let s = &self.cluster.r.topology.sources;
         let connected: std::collections::BTreeSet<u32> = self
             .cluster
             .statuses
@@ -566,27 +565,15 @@ impl ClusterRun {
             .filter(|x| x.kind == "external" && x.link_state != "waiting")
             .map(|x| x.id)
             .collect();
-        let missing: Vec<u32> = s
-            .external
-            .iter()
-            .copied()
-            .filter(|id| !connected.contains(id))
-            .collect();
-        let waited = self.t0.elapsed().as_secs_f64();
-        if !missing.is_empty() && waited < s.external_wait_s {
+        if !tessera_run::external_sources_ready(
+            &self.cluster.r,
+            |id| connected.contains(&id),
+            self.t0.elapsed().as_secs_f64(),
+        ) {
             return;
         }
         if !self.held_for_external.swap(false, Ordering::AcqRel) {
             return;
-        }
-        if missing.is_empty() {
-            tracing::info!("every external source connected: the emulated sources start");
-        } else {
-            tracing::warn!(
-                ?missing,
-                waited_s = waited,
-                "external sources not connected after sources.external_wait_s: the run starts without them"
-            );
         }
         self.everyone(Request::Release {});
         if let Some(t) = self.paused_at.lock().take() {

@@ -1012,35 +1012,24 @@ impl Session {
         if !self.held_for_external.load(Ordering::Acquire) {
             return;
         }
-        let external: std::collections::HashSet<u32> =
-            self.r.topology.sources.external.iter().copied().collect();
-        let missing: Vec<u32> = self
+        let waiting: std::collections::HashSet<u32> = self
             .running
             .readout_units
             .iter()
             .flat_map(|u| u.stats.links.iter())
-            .filter(|l| {
-                external.contains(&l.source_id) && l.state() == tessera_readout::LinkState::Waiting
-            })
+            .filter(|l| l.state() == tessera_readout::LinkState::Waiting)
             .map(|l| l.source_id)
             .collect();
-        let waited = self.t0.elapsed().as_secs_f64();
-        if !missing.is_empty() && waited < self.r.topology.sources.external_wait_s {
+        if !external_sources_ready(
+            &self.r,
+            |id| !waiting.contains(&id),
+            self.t0.elapsed().as_secs_f64(),
+        ) {
             return;
         }
-        if !self.held_for_external.swap(false, Ordering::AcqRel) {
-            return;
+        if self.held_for_external.swap(false, Ordering::AcqRel) {
+            self.resume();
         }
-        if missing.is_empty() {
-            tracing::info!("every external source connected: the emulated sources start");
-        } else {
-            tracing::warn!(
-                ?missing,
-                waited_s = waited,
-                "external sources not connected after sources.external_wait_s: the run starts without them"
-            );
-        }
-        self.resume();
     }
 
     fn paused_for(&self) -> Duration {
@@ -1371,6 +1360,37 @@ fn wait_until(limit: Duration, done: impl Fn() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(5));
     }
     done()
+}
+
+/// Whether a run held for its external sources may release its triggers: every external
+/// source `connected` (its link has seen the hello), or `sources.external_wait_s` passed
+/// (`waited_s`). Says which in the log when it may. Shared by a run in one process and the
+/// run control of a run over hosts.
+pub fn external_sources_ready(
+    r: &Resolved,
+    connected: impl Fn(u32) -> bool,
+    waited_s: f64,
+) -> bool {
+    let s = &r.topology.sources;
+    let missing: Vec<u32> = s
+        .external
+        .iter()
+        .copied()
+        .filter(|&id| !connected(id))
+        .collect();
+    if missing.is_empty() {
+        tracing::info!("every external source connected: the emulated sources start");
+        return true;
+    }
+    if waited_s < s.external_wait_s {
+        return false;
+    }
+    tracing::warn!(
+        ?missing,
+        waited_s,
+        "external sources not connected after sources.external_wait_s: the run starts without them"
+    );
+    true
 }
 
 /// A role run alone reaches its peers at their configured addresses: those need fixed ports.
