@@ -439,6 +439,8 @@ fn lost_host(cut: impl FnOnce(&mut [Proc], &[Host])) {
     let st = wait_state(&be.ns, addr, "error");
     let error = st["error"].as_str().unwrap_or_default();
     assert!(error.contains("host fe2"), "{st}");
+    // The roles lost with it are named.
+    assert!(error.contains("3 emulated sources, readout unit 1"), "{st}");
     // Alarms name the host: its agent lost (for as long as it is), the run failed by it.
     let mut alarms = serde_json::Value::Null;
     assert!(

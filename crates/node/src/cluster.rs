@@ -689,9 +689,17 @@ impl RunSession for ClusterRun {
             .find(|a| a.is_lost() && !self.failed_over(a))
         {
             let why = a.lost.lock().clone().unwrap_or_default();
+            let roles = tessera_run::RoleSet::of_host(&a.host, &self.cluster.r).names();
             return Some(tessera_run::role::Failed {
                 subject: a.name(),
-                reason: format!("node agent lost: {why}"),
+                reason: format!(
+                    "node agent lost, and with it {}: {why}",
+                    if roles.is_empty() {
+                        "no role".to_string()
+                    } else {
+                        roles.join(", ")
+                    }
+                ),
                 failure: Some(tessera_run::role::Failure::LinkLost {
                     peer: "node agent".into(),
                     detail: why,
