@@ -119,7 +119,9 @@ be = "${agents.be.addr}"
     const h = await hostsOf("log", 1);
     return ["fe1", "fe2", "be"].every((x) => h.has(x));
   });
-  assert.equal(await page.locator("#alarms div").count(), 0, "alarms while all is well: " + await page.textContent("#alarms"));
+  // No host lost and nothing failed yet (a warning, such as a buffer filling on a loaded
+  // machine, may come and go).
+  assert.equal(await page.locator("#alarms div.alarm-error").count(), 0, "alarms while all is well: " + await page.textContent("#alarms"));
 
   // fe2's agent dies: the run goes to error naming it, and an alarm says so on the page.
   agents.fe2.proc.p.kill("SIGKILL");
