@@ -1040,3 +1040,32 @@ fn a_readout_unit_killed_mid_run_leaves_events_incomplete_naming_its_sources() {
         r["events_in_files"]
     );
 }
+
+/// Over hosts, `tessera check` names each unit's host and what each host's roles may hold.
+#[test]
+fn check_over_hosts_names_each_units_host_and_each_hosts_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(
+        dir.path(),
+        "hosts.toml",
+        "[sources]\ncount = 4\n\
+         [[readout]]\nid = 0\nhost = \"fe1\"\nsources = \"0-3\"\n\
+         [[builder]]\nid = 0\nhost = \"be\"\nbuffer = \"100 MiB\"\n\
+         [recorder]\nhost = \"be\"\n\
+         [hosts]\nfe1 = \"127.0.0.1:7301\"\nbe = \"127.0.0.1:7302\"\n",
+    );
+    let o = tessera(&["check", &cfg]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{text}{}", stderr(&o));
+    assert!(text.contains("readout 0 on fe1"), "{text}");
+    assert!(text.contains("builder 0 on be"), "{text}");
+    // fe1 runs the readout unit alone: the host holds what the unit holds.
+    let unit = text
+        .lines()
+        .find(|l| l.contains("readout 0 on fe1"))
+        .and_then(|l| l.split("memory ").nth(1))
+        .unwrap()
+        .to_string();
+    assert!(text.contains(&format!("host fe1: memory {unit}")), "{text}");
+    assert!(text.contains("host be: memory"), "{text}");
+}

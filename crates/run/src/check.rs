@@ -21,6 +21,9 @@ pub struct Finding {
 #[derive(Clone, Debug, Serialize)]
 pub struct UnitExpectation {
     pub unit: String,
+    /// The host it runs on (`[hosts]`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
     pub links: usize,
     pub bytes_per_s_in: Option<f64>,
     pub bytes_per_s_per_link: Option<f64>,
@@ -70,7 +73,11 @@ impl CheckReport {
         };
         let _ = writeln!(s, "  {} mode; {rate}", self.mode);
         for u in &self.units {
-            let mut line = format!("  {:<14} {:>3} link(s)", u.unit, u.links);
+            let name = match &u.host {
+                Some(h) => format!("{} on {h}", u.unit),
+                None => u.unit.clone(),
+            };
+            let mut line = format!("  {:<18} {:>3} link(s)", name, u.links);
             if let Some(b) = u.bytes_per_s_in {
                 let _ = write!(line, ", {} in", human_rate(b));
             }
@@ -82,6 +89,16 @@ impl CheckReport {
                 let _ = write!(line, " = {ms:.0} ms of its input");
             }
             let _ = writeln!(s, "{line}");
+        }
+        // Over hosts: what each host's roles may hold, for the machines' memory.
+        let mut per_host: BTreeMap<&str, u64> = BTreeMap::new();
+        for u in &self.units {
+            if let Some(h) = &u.host {
+                *per_host.entry(h).or_default() += u.memory_bytes;
+            }
+        }
+        for (h, m) in per_host {
+            let _ = writeln!(s, "  host {h}: memory {}", human(m as f64));
         }
         for f in &self.problems {
             let _ = writeln!(s, "  problem: {}: {}", f.key, f.reason);
@@ -233,6 +250,7 @@ pub fn check(r: &Resolved) -> CheckReport {
         }
         units.push(UnitExpectation {
             unit: format!("readout {}", u.id),
+            host: u.host.clone(),
             links,
             bytes_per_s_in: bytes_in,
             bytes_per_s_per_link: per_link,
@@ -265,6 +283,7 @@ pub fn check(r: &Resolved) -> CheckReport {
         }
         units.push(UnitExpectation {
             unit: format!("builder {}", b.id),
+            host: b.host.clone(),
             links,
             bytes_per_s_in: bytes_in,
             bytes_per_s_per_link: bytes_in.map(|x| x / links as f64),
@@ -347,6 +366,7 @@ pub fn check(r: &Resolved) -> CheckReport {
         }
         units.push(UnitExpectation {
             unit: "recorder".into(),
+            host: t.recorder.host.clone(),
             links: t.builders.len(),
             bytes_per_s_in: bytes_in,
             bytes_per_s_per_link: bytes_in.map(|x| x / n_builders),
