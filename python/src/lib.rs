@@ -194,7 +194,7 @@ struct ConsumerPy {
 #[pymethods]
 impl ConsumerPy {
     #[new]
-    #[pyo3(signature = (addr, station, consumer, create_json=None, reattach=true))]
+    #[pyo3(signature = (addr, station, consumer, create_json=None, reattach=true, token=None))]
     fn new(
         py: Python<'_>,
         addr: String,
@@ -202,10 +202,16 @@ impl ConsumerPy {
         consumer: String,
         create_json: Option<String>,
         reattach: bool,
+        token: Option<String>,
     ) -> PyResult<Self> {
         let mut opts = ClientOptions::new(&addr, &station);
         opts.consumer = consumer;
         opts.reattach = reattach;
+        // A monitor beyond loopback (the recorder's host of a run over hosts) asks for the run
+        // control's token; without one given, TESSERA_TOKEN is used.
+        if let Some(t) = token.filter(|t| !t.is_empty()) {
+            opts.token = Some(t);
+        }
         if let Some(j) = create_json {
             opts.create = Some(
                 serde_json::from_str(&j)

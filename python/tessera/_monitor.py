@@ -22,12 +22,14 @@ class Consumer:
     """
 
     def __init__(self, addr: str, station: str = "sample", name: Optional[str] = None,
-                 create: Optional[Dict[str, Any]] = None, reattach: bool = True):
+                 create: Optional[Dict[str, Any]] = None, reattach: bool = True,
+                 token: Optional[str] = None):
         self.addr = addr
         self.station = station
         name = name or f"python pid {os.getpid()}"
         self._c = _native.ConsumerPy(addr, station, name,
-                                     json.dumps(create) if create is not None else None, reattach)
+                                     json.dumps(create) if create is not None else None, reattach,
+                                     token)
 
     @property
     def settings(self) -> Dict[str, Any]:
@@ -82,12 +84,15 @@ class Consumer:
 
 
 def attach(addr: str = "127.0.0.1:7711", station: str = "sample", name: Optional[str] = None,
-           create: Optional[Dict[str, Any]] = None, reattach: bool = True) -> Consumer:
+           create: Optional[Dict[str, Any]] = None, reattach: bool = True,
+           token: Optional[str] = None) -> Consumer:
     """Attaches to a station of the monitor at ``addr`` (the demo's is 127.0.0.1:7711; a run
     writes its address to ``monitor.addr`` in its output directory). ``create`` gives settings
     to create the station with if it does not exist, e.g. ``{"name": "mine", "mode":
-    "sampling", "prescale": 10, "trigger_types": [1]}``."""
-    return Consumer(addr, station, name, create, reattach)
+    "sampling", "prescale": 10, "trigger_types": [1]}``. ``token``: the run control's, which a
+    monitor listening beyond loopback (on the recorder's host of a run spread over hosts) asks
+    for; default: the environment variable ``TESSERA_TOKEN``."""
+    return Consumer(addr, station, name, create, reattach, token)
 
 
 def monitor_command(addr: str, command: Dict[str, Any], timeout: float = 5.0) -> Dict[str, Any]:
