@@ -15,6 +15,7 @@ pub mod check;
 pub mod live;
 pub mod report;
 pub mod role;
+mod start;
 mod status;
 
 use anyhow::{bail, Context, Result};
@@ -27,12 +28,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tessera_builder::{BuilderConfig, BuilderUnit};
+use tessera_builder::BuilderUnit;
 use tessera_config::Resolved;
 use tessera_format::wire::{MAX_HEADER_SIZE, TRAILER_SIZE};
-use tessera_readout::{ReadoutConfig, ReadoutUnit};
-use tessera_recorder::{Recorder, RecorderConfig};
-use tessera_source::SourcePlan;
+use tessera_readout::ReadoutUnit;
+use tessera_recorder::Recorder;
 
 pub use report::Report;
 
@@ -436,284 +436,31 @@ impl Session {
         if let (Some(role), None) = (opts.only, &opts.roles) {
             check_daemon_addresses(r, role)?;
         }
-        let runs_recorder = sel.as_ref().is_none_or(|s| s.recorder);
-        let runs_manager = sel.as_ref().is_none_or(|s| s.event_manager);
-        let runs_builder = |id: u32| sel.as_ref().is_none_or(|s| s.builders.contains(&id));
-        let runs_readout = |id: u32| sel.as_ref().is_none_or(|s| s.readout_units.contains(&id));
-        let runs_source = |id: u32| sel.as_ref().is_none_or(|s| s.sources.contains(&id));
         // Peers beyond loopback only from the allowed networks (checked when the file loaded).
         tessera_net::io::allow_networks(t.security.networks().unwrap_or_default());
-        let events = opts.events.unwrap_or(t.run.events);
         let duration = opts.duration_s.unwrap_or(t.run.duration_s);
-        let max_payload = t.run.max_fragment_size.0 as usize;
-        let frag_wire = max_fragment_wire(max_payload);
-        let max_ru_links = r.ru_sources.iter().map(Vec::len).max().unwrap_or(1);
-        let max_sf = 64 + max_ru_links * (4 + frag_wire);
-        let n_sources = r.source_ru.len();
-        let max_event = 64 + n_sources * (4 + frag_wire);
         let started_unix_ns = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
-
-        // A socket bound before the start (by a node agent) is taken as it is; a role run
-        // alone may be handed its listening socket (systemd socket activation, or a harness
-        // that bound it): then the configured port must be the one it is bound to.
-        let bind = |key: &str, addr: &str, what: &str| -> Result<TcpListener> {
-            if let Some(l) = opts.listeners.lock().remove(key) {
-                return Ok(l);
-            }
-            let fresh = || {
-                TcpListener::bind(addr).with_context(|| format!("{what}: cannot listen on {addr}"))
-            };
-            if opts.only.is_none() || key == "monitor" {
-                return fresh();
-            }
-            match tessera_net::io::inherited_listener() {
-                None => fresh(),
-                Some(Err(e)) => Err(e).with_context(|| format!("{what}: the inherited socket")),
-                Some(Ok(l)) => {
-                    let got = l.local_addr()?;
-                    let want_port = addr
-                        .rsplit_once(':')
-                        .and_then(|(_, p)| p.parse::<u16>().ok());
-                    if want_port.is_some_and(|p| p != 0 && p != got.port()) {
-                        bail!("{what}: the inherited socket is bound to {got}, the topology says {addr}");
-                    }
-                    Ok(l)
-                }
-            }
-        };
-
-        // Recorder.
-        let recording = !opts.sink_at_builders && t.recorder.enabled;
-        let recorder_addr = recording.then(|| t.recorder.listen.clone());
-        // The monitor lives with the recorder, which offers it every event it records.
-        let mut monitor = None;
-        if recording && runs_recorder && t.monitor.enabled {
-            let m = tessera_monitor::Monitor::new(&t.monitor)
-                .map_err(|e| anyhow::anyhow!("{}: monitor: {e}", r.origin))?;
-            // Beyond loopback the monitor asks for the run control's token in every command
-            // but `status` (an allowed network is not enough to hold the recorder).
-            let monitor_token = if tessera_config::is_loopback_listen(&t.monitor.listen) {
-                None
-            } else {
-                let token = t.control.effective_token();
-                if token.is_none() {
-                    anyhow::bail!(
-                        "{}: monitor.listen = {} is not a loopback address: set control.token (or TESSERA_TOKEN); consumers present it in their commands",
-                        r.origin,
-                        t.monitor.listen
-                    );
-                }
-                token
-            };
-            let l = bind("monitor", &t.monitor.listen, "monitor")?;
-            let server = tessera_monitor::Server::start(
-                l,
-                m.clone(),
-                tessera_monitor::ServerOptions {
-                    heartbeat: Duration::from_millis(t.monitor.heartbeat_ms as u64),
-                    consumer_timeout: Duration::from_millis(t.monitor.consumer_timeout_ms as u64),
-                    sampling_idle_priority: t.monitor.sampling_idle_priority,
-                    token: monitor_token,
-                },
-            )
-            .context("starting the monitor")?;
-            // Consumers of a run with an ephemeral port find it here.
-            let addr_file = output.join("monitor.addr");
-            std::fs::write(&addr_file, format!("{}\n", server.addr))
-                .with_context(|| format!("writing {}", addr_file.display()))?;
-            monitor = Some((m, server));
-        }
-        let recorder = if !recording || !runs_recorder {
-            None
-        } else {
-            let l = bind("recorder", &t.recorder.listen, "recorder")?;
-            let addr = l.local_addr()?.to_string();
-            let rec = Recorder::start(RecorderConfig {
-                listener: l,
-                builders: t.builders.iter().map(|b| b.id as u16).collect(),
-                output: output.clone(),
-                run_number,
-                config_digest: r.digest,
-                pattern: r.pattern.name().into(),
-                sources: r.all_sources(),
-                pattern_sources: r.emulated_sources().collect(),
-                settings: t.recorder.clone(),
-                max_message: max_event,
-                monitor: monitor.as_ref().map(|(m, _)| m.clone()),
-            })?;
-            Some((rec, addr))
-        };
-        let request_mode = t.run.mode == tessera_config::Mode::Request;
+        let st = start::Starter::new(r, opts, sel.clone(), output.clone(), run_number);
+        let events = st.events;
+        // Sink first: the recorder (with the monitor), the event manager, the builders, the
+        // readout units; then the sources, which connect to them.
+        let monitor = st.monitor()?;
+        let recorder = st.recorder(monitor.as_ref().map(|(m, _)| m))?;
         let recorder_for_builders = recorder
             .as_ref()
             .map(|(_, a)| a.clone())
-            .or_else(|| recorder_addr.clone());
-        // Request mode: the event manager listens before anyone connects to it.
-        let mut manager = None;
-        let mut manager_addr = t.event_manager.listen.clone();
-        if request_mode && runs_manager {
-            let l = bind("event_manager", &t.event_manager.listen, "event_manager")?;
-            manager_addr = l.local_addr()?.to_string();
-            let m = &t.event_manager;
-            manager = Some(
-                tessera_manager::EventManager::start(tessera_manager::ManagerConfig {
-                    listener: l,
-                    readout_units: t.readout_units.iter().map(|u| u.id).collect(),
-                    builders: t.builders.iter().map(|b| b.id).collect(),
-                    settings: tessera_manager::Settings {
-                        clear_group: m.clear_group as usize,
-                        clear_delay_ns: m.clear_delay_ms * 1_000_000,
-                        heartbeat_timeout_ns: m.heartbeat_timeout_ms * 1_000_000,
-                        busy_threshold: m.busy_threshold as usize,
-                        done_memory: 1 << 20,
-                    },
-                })
-                .context("starting the event manager")?,
-            );
-        }
-        let max_answer = 64 + 4 * max_ru_links + max_ru_links * (4 + frag_wire);
-        // Builders (push mode: they listen, readout units connect to them).
-        let mut builders = Vec::new();
-        let mut builder_addrs = Vec::new();
-        for (i, b) in t.builders.iter().enumerate() {
-            if request_mode || !runs_builder(b.id) {
-                builder_addrs.push(b.listen.clone());
-                continue;
-            }
-            let l = bind(
-                &format!("builder:{}", b.id),
-                &b.listen,
-                &format!("builder[{i}]"),
-            )?;
-            builder_addrs.push(l.local_addr()?.to_string());
-            builders.push(
-                BuilderUnit::start(BuilderConfig {
-                    id: b.id as u16,
-                    listener: l,
-                    readout_units: t
-                        .readout_units
-                        .iter()
-                        .zip(&r.ru_sources)
-                        .map(|(ru, s)| (ru.id, s.clone()))
-                        .collect(),
-                    recorder: recorder_for_builders.clone(),
-                    buffer: b.buffer.0,
-                    read_chunk: b.read_chunk.0 as usize,
-                    event_timeout: Duration::from_millis(b.event_timeout_ms),
-                    max_open_events: b.max_open_events,
-                    max_message: max_sf,
-                })
-                .with_context(|| format!("starting builder {}", b.id))?,
-            );
-        }
-        // Readout units.
-        let mut rus = Vec::new();
-        let mut ru_addrs = Vec::new();
-        for (i, ru) in t.readout_units.iter().enumerate() {
-            if !runs_readout(ru.id) {
-                ru_addrs.push(ru.listen.clone());
-                continue;
-            }
-            let l = bind(
-                &format!("readout:{}", ru.id),
-                &ru.listen,
-                &format!("readout[{i}]"),
-            )?;
-            ru_addrs.push(l.local_addr()?.to_string());
-            let q = &t.request;
-            rus.push(
-                ReadoutUnit::start(ReadoutConfig {
-                    id: ru.id,
-                    listener: l,
-                    sources: r.ru_sources[i].clone(),
-                    builders: builder_addrs.clone(),
-                    assignment: t.assignment.clone(),
-                    buffer: ru.buffer.0,
-                    read_chunk: ru.read_chunk.0 as usize,
-                    event_timeout: Duration::from_millis(ru.event_timeout_ms),
-                    max_open_events: ru.max_open_events,
-                    max_payload,
-                    quarantine: ru.quarantine.then(|| {
-                        (
-                            output
-                                .join("quarantine")
-                                .join(format!("run{run_number:06}_ru{}.dump", ru.id)),
-                            ru.quarantine_limit.0,
-                        )
-                    }),
-                    request_mode: request_mode.then(|| tessera_readout::RequestMode {
-                        page_size: q.page_size.0 as usize,
-                        descriptors: q.descriptors as usize,
-                        timeout: Duration::from_millis(q.timeout_ms),
-                        event_manager: manager_addr.clone(),
-                        builders: t.builders.iter().map(|b| b.id).collect(),
-                        takeover: Duration::from_secs(t.event_manager.takeover_s),
-                    }),
-                })
-                .with_context(|| format!("starting readout unit {}", ru.id))?,
-            );
-        }
-        // Request-mode builders connect to the readout units and the event manager.
-        if request_mode {
-            let filter: Arc<dyn tessera_filter::Filter> =
-                Arc::new(tessera_filter::Builtin::new(&t.filter, r.roi.clone()));
-            for b in &t.builders {
-                if !runs_builder(b.id) {
-                    continue;
-                }
-                let q = &t.request;
-                builders.push(
-                    BuilderUnit::start_pull(tessera_builder::PullConfig {
-                        id: b.id as u16,
-                        event_manager: manager_addr.clone(),
-                        readout_units: t
-                            .readout_units
-                            .iter()
-                            .zip(&r.ru_sources)
-                            .zip(&ru_addrs)
-                            .map(|((ru, s), a)| (ru.id, a.clone(), s.clone()))
-                            .collect(),
-                        recorder: recorder_for_builders.clone(),
-                        credits: q.credits,
-                        heartbeat: Duration::from_millis(t.event_manager.heartbeat_ms),
-                        event_timeout: Duration::from_millis(q.builder_timeout_ms),
-                        filter: filter.clone(),
-                        max_message: max_answer,
-                        buffer: b.buffer.0,
-                        read_chunk: b.read_chunk.0 as usize,
-                        takeover: Duration::from_secs(t.event_manager.takeover_s),
-                        takeover_memory: t.event_manager.takeover_memory as usize,
-                    })
-                    .with_context(|| format!("starting builder {}", b.id))?,
-                );
-            }
-        }
-        // Sources.
+            .or_else(|| st.recording().then(|| t.recorder.listen.clone()));
+        let (manager, manager_addr) = st.event_manager()?;
+        let (mut builders, builder_addrs) = st.push_builders(&recorder_for_builders)?;
+        let (rus, ru_addrs) = st.readout_units(&builder_addrs, &manager_addr)?;
+        builders.extend(st.pull_builders(&ru_addrs, &manager_addr, &recorder_for_builders)?);
         let wait_for_external =
             !t.sources.external.is_empty() && t.sources.external_wait_s > 0.0 && sel.is_none();
-        let emulated: Vec<(u32, String)> = r
-            .emulated_sources()
-            .filter(|&s| runs_source(s))
-            .map(|s| (s, ru_addrs[r.source_ru[&s]].clone()))
-            .collect();
-        let sources = if emulated.is_empty() {
-            None
-        } else {
-            Some(
-                tessera_source::start(SourcePlan {
-                    settings: t.sources.clone(),
-                    pattern: r.pattern,
-                    max_payload,
-                    sources: emulated,
-                    injections: t.injections.clone(),
-                    events,
-                    start_held: wait_for_external || opts.start_held,
-                })
-                .context("connecting the emulated sources")?,
-            )
-        };
+        let sources = st.sources(&ru_addrs, wait_for_external || opts.start_held)?;
+        let request_mode = st.request_mode();
+        let runs_readout = |id: u32| st.runs_readout(id);
         let (recorder, _) = match recorder {
             Some((rec, a)) => (Some(rec), a),
             None => (None, String::new()),
