@@ -353,7 +353,6 @@ pub fn run_hosts(a: &BenchArgs) -> Result<()> {
     // Enough for a few seconds at the shaped line rate.
     let bytes = a.bytes.unwrap_or(if a.quick { 0.4e9 } else { 1.5e9 });
     let dir = tempfile::tempdir()?;
-    let mut points = Vec::new();
     if !a.json {
         eprintln!(
             "tessera bench hosts: {front_ends} front ends x {sources} sources -> 1 builder; shaped: front-end links {} Gb/s, builder link {} Gb/s (tc tbf)",
@@ -404,19 +403,21 @@ pub fn run_hosts(a: &BenchArgs) -> Result<()> {
         )?;
         let rep = run_control(Some(&hosts[hosts.len() - 1].ns), &cfg)?;
         let (bps, clean) = built(&rep, events);
-        points.push(HostsPoint {
-            setting: "shaped".into(),
-            front_ends,
-            sources_per_front_end: sources,
-            fragment_size: size,
-            events,
-            built_bytes_per_s: bps,
-            baseline_bytes_per_s: base,
-            ratio: bps / base.max(1e-9),
-            line_rate_fraction: Some(bps / (front_ends as f64 * FE_RATE / 8.0)),
-            clean,
-        });
-        print_point(a, points.last().expect("pushed"))?;
+        print_point(
+            a,
+            &HostsPoint {
+                setting: "shaped".into(),
+                front_ends,
+                sources_per_front_end: sources,
+                fragment_size: size,
+                events,
+                built_bytes_per_s: bps,
+                baseline_bytes_per_s: base,
+                ratio: bps / base.max(1e-9),
+                line_rate_fraction: Some(bps / (front_ends as f64 * FE_RATE / 8.0)),
+                clean,
+            },
+        )?;
     }
     drop(procs);
     drop(net);
@@ -450,19 +451,21 @@ pub fn run_hosts(a: &BenchArgs) -> Result<()> {
         )?;
         let rep = run_control(None, &cfg)?;
         let (bps, clean) = built(&rep, events);
-        points.push(HostsPoint {
-            setting: "one host".into(),
-            front_ends,
-            sources_per_front_end: sources,
-            fragment_size: size,
-            events,
-            built_bytes_per_s: bps,
-            baseline_bytes_per_s: base,
-            ratio: bps / base.max(1e-9),
-            line_rate_fraction: None,
-            clean: clean && clean1,
-        });
-        print_point(a, points.last().expect("pushed"))?;
+        print_point(
+            a,
+            &HostsPoint {
+                setting: "one host".into(),
+                front_ends,
+                sources_per_front_end: sources,
+                fragment_size: size,
+                events,
+                built_bytes_per_s: bps,
+                baseline_bytes_per_s: base,
+                ratio: bps / base.max(1e-9),
+                line_rate_fraction: None,
+                clean: clean && clean1,
+            },
+        )?;
     }
     drop(procs);
     Ok(())

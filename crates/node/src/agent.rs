@@ -511,7 +511,8 @@ impl Agent {
                 for c in &mut live.components {
                     c.host = Some(p.host.clone());
                 }
-                {
+                // Kept for /metrics only where it is served: no copy of the view otherwise.
+                if self.opts.metrics.is_some() {
                     let mut pb = self.opts.published.lock();
                     pb.host = Some(p.host.clone());
                     pb.live = Some(live.clone());
