@@ -29,7 +29,9 @@ pub use stats::{BuilderStats, RuLinkStats};
 
 pub struct BuilderConfig {
     pub id: u16,
-    pub listener: TcpListener,
+    /// Where readout units connect: one listener per rail (the first is `listen`, the others
+    /// `rails`); every readout unit connects to each.
+    pub listeners: Vec<TcpListener>,
     /// Readout unit IDs it expects, and the sources each reads (to name missing sources).
     pub readout_units: Vec<(u32, Vec<u32>)>,
     /// Where to send event records; `None`: count them and drop them (building measurements).
@@ -62,9 +64,24 @@ impl tessera_net::sender::Outgoing for Built {
     }
 }
 
+/// One connection of a readout unit (a unit has one per rail).
+#[derive(Clone, Copy, Debug, Default)]
+struct Rail {
+    connected: bool,
+    closed: bool,
+    /// Its last progress floor: everything below it that went this way was sent.
+    floor: Option<u64>,
+    /// Fragments its end message declared.
+    ended: Option<u64>,
+    /// Silent from .0, still silent at .1 (ns since the start).
+    silent: Option<(u64, u64)>,
+}
+
 struct Shared {
     id: u16,
     rus: Vec<(u32, Vec<u32>)>,
+    /// Per readout unit, its rails.
+    rails: Vec<Mutex<Vec<Rail>>>,
     assembler: Mutex<Assembler<Part>>,
     to_recorder: Option<Sender<Vec<Built>>>,
     stats: Arc<BuilderStats>,
@@ -83,11 +100,14 @@ pub struct BuilderUnit {
 impl BuilderUnit {
     pub fn start(cfg: BuilderConfig) -> std::io::Result<BuilderUnit> {
         let n = cfg.readout_units.len();
-        let per_link = (cfg.buffer / n.max(1) as u64).max(2 * cfg.read_chunk as u64);
+        let rails = cfg.listeners.len().max(1);
+        // Every rail's reader holds a chunk of its own.
+        let per_link = (cfg.buffer / n.max(1) as u64).max(2 * rails as u64 * cfg.read_chunk as u64);
         let stats = Arc::new(BuilderStats::new(
             cfg.id,
             cfg.readout_units.iter().map(|r| r.0),
             per_link,
+            rails,
         ));
         let mut role = RoleThreads::default();
         let stop = role.stop.clone();
@@ -108,6 +128,9 @@ impl BuilderUnit {
         };
         let shared = Arc::new(Shared {
             id: cfg.id,
+            rails: (0..n)
+                .map(|_| Mutex::new(vec![Rail::default(); rails]))
+                .collect(),
             rus: cfg.readout_units,
             // Readout units send events in the order they finish them, not by event ID: where
             // they are comes from their progress messages instead.
@@ -128,12 +151,11 @@ impl BuilderUnit {
             role.threads
                 .push(spawn(format!("bu{}-sweep", cfg.id), move || sweep(&sh)));
         }
-        {
-            let sh = shared;
-            let l = cfg.listener;
+        for (rail, l) in cfg.listeners.into_iter().enumerate() {
+            let sh = shared.clone();
             role.threads
-                .push(spawn(format!("bu{}-accept", cfg.id), move || {
-                    accept(&sh, l)
+                .push(spawn(format!("bu{}-accept{rail}", cfg.id), move || {
+                    accept(&sh, rail, l)
                 }));
         }
         Ok(BuilderUnit { stats, role })
@@ -165,6 +187,86 @@ impl Shared {
         self.stats
             .pending_events
             .store(a.pending_events() as u64, Ordering::Relaxed);
+    }
+
+    /// Rail `rail` of readout unit `slot` delivers nothing more; the unit is closed with its
+    /// last rail. A rail that ended early leaves the others' promises: events sent its way and
+    /// lost with it are excused by the others' floors (everything below them was sent).
+    fn close_rail(&self, slot: usize, rail: usize) {
+        let last = {
+            let mut rs = self.rails[slot].lock();
+            rs[rail].closed = true;
+            rs[rail].connected = true;
+            if let Some(sum) = rs.iter().map(|r| r.ended).sum::<Option<u64>>() {
+                self.stats.links[slot]
+                    .declared_fragments
+                    .store(sum, Ordering::Relaxed);
+            }
+            rs.iter().all(|r| r.closed)
+        };
+        if last {
+            self.close_link(slot);
+        } else {
+            self.rails_changed(slot);
+        }
+    }
+
+    /// Tells the assembler what the rails of `slot` say together: the lowest floor of the
+    /// open rails (none while one has said nothing), and a silence while any open rail is
+    /// silent (the earliest silence: its events cannot arrive).
+    fn rails_changed(&self, slot: usize) {
+        let now = self.now_ns();
+        let (floor, silent) = {
+            let rs = self.rails[slot].lock();
+            let open = rs.iter().filter(|r| !r.closed);
+            let floor = open.clone().map(|r| r.floor).min().flatten();
+            let silent = open
+                .filter_map(|r| {
+                    if r.connected {
+                        r.silent
+                    } else {
+                        Some((0, now))
+                    }
+                })
+                .min_by_key(|s| s.0);
+            (floor, silent)
+        };
+        let ready = {
+            let mut a = self.assembler.lock();
+            a.heard(slot);
+            if let Some((since, until)) = silent {
+                a.quiet(slot, since, until);
+            }
+            let r = match floor {
+                Some(f) => {
+                    a.promise_floor(slot, f);
+                    a.expire(now)
+                }
+                None => Vec::new(),
+            };
+            self.publish_held(&a);
+            r
+        };
+        self.finish(ready);
+    }
+
+    /// A rail's reader found it silent from `since` to `until` (`Some`), or heard it (`None`).
+    fn rail_silent(&self, slot: usize, rail: usize, s: Option<(u64, u64)>) {
+        let single = {
+            let mut rs = self.rails[slot].lock();
+            rs[rail].silent =
+                s.map(|(since, until)| (rs[rail].silent.map_or(since, |(first, _)| first), until));
+            rs.len() == 1
+        };
+        if single {
+            let mut a = self.assembler.lock();
+            match s {
+                Some((since, until)) => a.quiet(slot, since, until),
+                None => a.heard(slot),
+            }
+        } else {
+            self.rails_changed(slot);
+        }
     }
 
     fn close_link(&self, slot: usize) {
@@ -224,11 +326,11 @@ impl Shared {
     }
 }
 
-/// Accepts readout units until every link has ended (or the stop). Each hello is read on its own
-/// thread with its own deadline, so a silent connection holds nobody else's; a second
-/// connection for a unit already connected, an unknown unit, or a bad hello is refused, counted
-/// and logged with its address, also after every unit has connected.
-fn accept(sh: &Arc<Shared>, listener: TcpListener) {
+/// Accepts readout units on rail `rail` until every link has ended (or the stop). Each hello
+/// is read on its own thread with its own deadline, so a silent connection holds nobody else's;
+/// a second connection for a unit already connected on this rail, an unknown unit, or a bad
+/// hello is refused, counted and logged with its address, also after every unit has connected.
+fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener) {
     let readers = Mutex::new(Vec::new());
     let hellos = tessera_net::io::Hellos::default();
     let open = || {
@@ -246,10 +348,10 @@ fn accept(sh: &Arc<Shared>, listener: TcpListener) {
         let mut v = readers.lock();
         tessera_net::role::reap(&mut v);
         v.push(spawn(format!("bu{}-link", sh.id), move || {
-            let r = handshake(&sh2, &mut stream);
+            let r = handshake(&sh2, rail, &mut stream);
             drop(hello);
             match r {
-                Ok(slot) => read_link(&sh2, slot, stream),
+                Ok(slot) => read_link(&sh2, slot, rail, stream),
                 Err(why) => refused(&sh2, peer, &why),
             }
         }));
@@ -257,9 +359,13 @@ fn accept(sh: &Arc<Shared>, listener: TcpListener) {
     if end == tessera_net::io::AcceptEnd::Stopped {
         // Connections taken before the stop are still saying hello (each within its deadline).
         hellos.wait_done();
-        for (slot, l) in sh.stats.links.iter().enumerate() {
-            if !l.connected.swap(true, Ordering::AcqRel) {
-                sh.close_link(slot);
+        for slot in 0..sh.rus.len() {
+            let never = {
+                let mut rs = sh.rails[slot].lock();
+                !std::mem::replace(&mut rs[rail].connected, true)
+            };
+            if never {
+                sh.close_rail(slot, rail);
             }
         }
     }
@@ -273,21 +379,42 @@ fn refused(sh: &Shared, peer: std::net::SocketAddr, why: &str) {
     sh.stats.refused_connections.fetch_add(1, Ordering::Relaxed);
 }
 
-fn handshake(sh: &Shared, stream: &mut TcpStream) -> Result<usize, String> {
+fn handshake(sh: &Shared, rail: usize, stream: &mut TcpStream) -> Result<usize, String> {
     let hello = tessera_net::peer::read_hello(stream, PeerRole::ReadoutUnit)?;
     let slot = sh
         .rus
         .iter()
         .position(|r| r.0 == hello.id)
         .ok_or_else(|| format!("readout unit {} is not in this topology", hello.id))?;
-    if sh.stats.links[slot].connected.swap(true, Ordering::AcqRel) {
-        return Err(format!("readout unit {} is already connected", hello.id));
+    let mut rs = sh.rails[slot].lock();
+    if std::mem::replace(&mut rs[rail].connected, true) {
+        return Err(if rs.len() > 1 {
+            format!(
+                "readout unit {} is already connected on rail {rail}",
+                hello.id
+            )
+        } else {
+            format!("readout unit {} is already connected", hello.id)
+        });
     }
+    // Silent until it says something (an unconnected rail is silent from the start).
+    rs[rail].silent = None;
+    sh.stats.links[slot]
+        .connected
+        .store(true, Ordering::Release);
     Ok(slot)
 }
 
-fn read_link(sh: &Shared, slot: usize, mut stream: TcpStream) {
+fn read_link(sh: &Shared, slot: usize, rail: usize, mut stream: TcpStream) {
     let link = &sh.stats.links[slot];
+    let several = link.rail_super_fragments.len() > 1;
+    let fail = |e: String| {
+        *link.error.lock() = Some(if several {
+            format!("rail {rail}: {e}")
+        } else {
+            e
+        });
+    };
     let mut reader = ChunkReader::new(link.budget.clone(), sh.read_chunk.max(2 * sh.max_message));
     let mut want = 0usize;
     let mut got: Vec<(u64, Part)> = Vec::new();
@@ -300,6 +427,7 @@ fn read_link(sh: &Shared, slot: usize, mut stream: TcpStream) {
                 Ok((LinkItem::SuperFragment(h), n)) => {
                     let sf = reader.take(n);
                     link.super_fragments.fetch_add(1, Ordering::Relaxed);
+                    link.rail_super_fragments[rail].fetch_add(1, Ordering::Relaxed);
                     link.fragments
                         .fetch_add(h.fragment_count as u64, Ordering::Relaxed);
                     got.push((h.event_id, (h, sf)));
@@ -310,8 +438,7 @@ fn read_link(sh: &Shared, slot: usize, mut stream: TcpStream) {
                 }
                 Ok((LinkItem::End(end), n)) => {
                     reader.skip(n);
-                    link.declared_fragments
-                        .store(end.fragments, Ordering::Relaxed);
+                    sh.rails[slot].lock()[rail].ended = Some(end.fragments);
                     done = true;
                     break;
                 }
@@ -324,13 +451,13 @@ fn read_link(sh: &Shared, slot: usize, mut stream: TcpStream) {
                     break;
                 }
                 Ok((other, _)) => {
-                    *link.error.lock() = Some(format!("unexpected message {other:?}"));
+                    fail(format!("unexpected message {other:?}"));
                     done = true;
                     break;
                 }
                 Err(e) => {
                     tracing::error!(builder = sh.id, readout_unit = sh.rus[slot].0, error = %e, "readout unit link broke the protocol; closing it");
-                    *link.error.lock() = Some(e.to_string());
+                    fail(e.to_string());
                     done = true;
                     break;
                 }
@@ -353,14 +480,19 @@ fn read_link(sh: &Shared, slot: usize, mut stream: TcpStream) {
         // A floor applies after the super-fragments that came before it.
         if let Some(&floor) = progress.iter().max() {
             progress.clear();
-            let ready = {
-                let mut a = sh.assembler.lock();
-                a.promise_floor(slot, floor);
-                let r = a.expire(sh.now_ns());
-                sh.publish_held(&a);
-                r
-            };
-            sh.finish(ready);
+            if sh.rails[slot].lock().len() == 1 {
+                let ready = {
+                    let mut a = sh.assembler.lock();
+                    a.promise_floor(slot, floor);
+                    let r = a.expire(sh.now_ns());
+                    sh.publish_held(&a);
+                    r
+                };
+                sh.finish(ready);
+            } else {
+                sh.rails[slot].lock()[rail].floor = Some(floor);
+                sh.rails_changed(slot);
+            }
         }
         if done {
             break;
@@ -370,25 +502,25 @@ fn read_link(sh: &Shared, slot: usize, mut stream: TcpStream) {
                 // Nothing, not even a progress message, since the read began: silence.
                 if let Some(t) = reader.read_started {
                     let since = t.saturating_duration_since(sh.t0).as_nanos() as u64;
-                    sh.assembler.lock().quiet(slot, since, sh.now_ns());
+                    sh.rail_silent(slot, rail, Some((since, sh.now_ns())));
                     silent = true;
                 }
             }
             Ok(Fill::Data(_)) => {
                 if silent {
-                    sh.assembler.lock().heard(slot);
+                    sh.rail_silent(slot, rail, None);
                     silent = false;
                 }
             }
             Ok(Fill::Eof) => {
                 if !reader.window().is_empty() {
-                    *link.error.lock() = Some("link closed inside a super-fragment".into());
+                    fail("link closed inside a super-fragment".into());
                 }
                 break;
             }
             Ok(Fill::Stopped) => break,
             Err(e) => {
-                *link.error.lock() = Some(e.to_string());
+                fail(e.to_string());
                 break;
             }
         }
@@ -397,7 +529,7 @@ fn read_link(sh: &Shared, slot: usize, mut stream: TcpStream) {
         }
     }
     let _ = stream.shutdown(std::net::Shutdown::Both);
-    sh.close_link(slot);
+    sh.close_rail(slot, rail);
 }
 
 fn offer(sh: &Shared, slot: usize, got: &mut Vec<(u64, Part)>) {
@@ -441,9 +573,9 @@ fn sweep(sh: &Shared) {
         let (ready, all_closed) = {
             let mut a = sh.assembler.lock();
             let now = sh.now_ns();
-            // A readout unit that has not connected is listened for and says nothing: silence.
-            for (slot, l) in sh.stats.links.iter().enumerate() {
-                if !l.connected.load(Ordering::Relaxed) {
+            // A rail that has not connected is listened for and says nothing: silence.
+            for (slot, rails) in sh.rails.iter().enumerate() {
+                if rails.lock().iter().any(|r| !r.connected) {
                     a.quiet(slot, 0, now);
                 }
             }

@@ -116,6 +116,7 @@ impl BuilderUnit {
             cfg.id,
             cfg.readout_units.iter().map(|r| r.0),
             per_link,
+            1,
         ));
         let mut role = RoleThreads::default();
         let patience = Duration::from_secs(10);

@@ -12,6 +12,8 @@ pub struct RuLinkStats {
     /// The link will deliver nothing more (ended, broke, or never connected before the stop).
     pub closed: AtomicBool,
     pub super_fragments: AtomicU64,
+    /// Super-fragments by rail (one entry per address the builder listens on).
+    pub rail_super_fragments: Vec<AtomicU64>,
     pub fragments: AtomicU64,
     /// Fragments the readout unit declared in its end message (u64::MAX: none yet).
     pub declared_fragments: AtomicU64,
@@ -151,7 +153,12 @@ impl Histogram {
 }
 
 impl BuilderStats {
-    pub fn new(id: u16, rus: impl Iterator<Item = u32>, per_link: u64) -> BuilderStats {
+    pub fn new(
+        id: u16,
+        rus: impl Iterator<Item = u32>,
+        per_link: u64,
+        rails: usize,
+    ) -> BuilderStats {
         BuilderStats {
             id,
             links: rus
@@ -160,6 +167,7 @@ impl BuilderStats {
                     connected: AtomicBool::new(false),
                     closed: AtomicBool::new(false),
                     super_fragments: AtomicU64::new(0),
+                    rail_super_fragments: (0..rails.max(1)).map(|_| AtomicU64::new(0)).collect(),
                     fragments: AtomicU64::new(0),
                     declared_fragments: AtomicU64::new(u64::MAX),
                     budget: Arc::new(Budget::new(per_link)),

@@ -83,6 +83,50 @@ fn make_net(names: &[&str]) -> Option<(Net, Vec<Host>)> {
     Some((net, hosts))
 }
 
+/// A second network (the second rail): a switch `sw1` beside the first, and on each host an
+/// interface at 10.79.0.(10+i)/24, `i` its place in `hosts`. Returns each host's interface.
+fn add_rail(net: &Net, hosts: &[Host]) -> Option<Vec<(String, String)>> {
+    let sw = &net.names[0];
+    ip(&["-n", sw, "link", "add", "name", "sw1", "type", "bridge"]).then_some(())?;
+    ip(&["-n", sw, "link", "set", "sw1", "up"]).then_some(())?;
+    let mut out = Vec::new();
+    for (i, host) in hosts.iter().enumerate() {
+        let (h, s) = (format!("{}r", host.link), format!("{}x", host.link));
+        let addr = format!("10.79.0.{}", 10 + i);
+        let steps: [&[&str]; 6] = [
+            &["link", "add", &h, "type", "veth", "peer", "name", &s],
+            &["link", "set", &h, "netns", &host.ns],
+            &["link", "set", &s, "netns", sw],
+            &["-n", sw, "link", "set", &s, "master", "sw1", "up"],
+            &[
+                "-n",
+                &host.ns,
+                "addr",
+                "add",
+                &format!("{addr}/24"),
+                "dev",
+                &h,
+            ],
+            &["-n", &host.ns, "link", "set", &h, "up"],
+        ];
+        for st in steps {
+            ip(st).then_some(())?;
+        }
+        out.push((addr, h));
+    }
+    Some(out)
+}
+
+/// Bytes received on `dev` inside `ns`, from the kernel's counters.
+fn rx_bytes(ns: &str, dev: &str) -> u64 {
+    let o = Command::new("ip")
+        .args(["netns", "exec", ns, "cat"])
+        .arg(format!("/sys/class/net/{dev}/statistics/rx_bytes"))
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&o.stdout).trim().parse().unwrap()
+}
+
 fn tessera() -> &'static str {
     env!("CARGO_BIN_EXE_tessera")
 }
@@ -382,6 +426,76 @@ fn a_comet_like_run_over_four_hosts_is_started_paused_stopped_and_verified() {
     ctl.signal("INT");
     let o = ctl.finish(LIMIT);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for a in agents {
+        a.signal("INT");
+        assert!(a.finish(LIMIT).status.success());
+    }
+}
+
+/// Issue 12, item 1: a builder reachable over two rails (the CMS two-rail layout: two networks,
+/// each host on both). Each readout unit spreads its super-fragments over both of the
+/// builder's addresses; the kernel's counters on the builder host's second interface show the
+/// bytes went over the second network; every event is built complete.
+#[test]
+fn a_builder_on_two_networks_takes_super_fragments_over_both_rails() {
+    let Some((net, hosts)) = make_net(&["fe1", "fe2", "be"]) else {
+        println!("SKIPPED: network namespaces need root and iproute2");
+        return;
+    };
+    let Some(rails) = add_rail(&net, &hosts) else {
+        println!("SKIPPED: a second network could not be made");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let agents: Vec<Proc> = ["fe1", "fe2", "be"]
+        .iter()
+        .zip(&hosts)
+        .map(|(n, h)| agent(h, dir.path(), n))
+        .collect();
+    let be = &hosts[2];
+    let (rail_ip, rail_dev) = &rails[2];
+    let cfg = comet(dir.path(), &hosts, &format!("rails = [\"{rail_ip}:0\"]\n"));
+    // Both networks may reach the data ports.
+    let text = std::fs::read_to_string(&cfg).unwrap().replace(
+        "allow = [\"10.78.0.0/24\"]",
+        "allow = [\"10.78.0.0/24\", \"10.79.0.0/24\"]",
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let before = rx_bytes(&be.ns, rail_dev);
+    let (ctl, addr) = run_control(be, &cfg, dir.path());
+    wait_state(&be.ns, addr, "configured");
+    transition(&be.ns, addr, "start");
+    assert!(
+        eventually(LIMIT, || recorded(&be.ns, addr) >= 1000),
+        "nothing recorded"
+    );
+    transition(&be.ns, addr, "stop");
+    let st = wait_state(&be.ns, addr, "stopped");
+    let run = st["run_number"].as_u64().unwrap();
+    let report = json(&be.ns, addr, &format!("/api/runs/{run}"))["report"].clone();
+    assert_eq!(report["balance"]["holds"], true, "{report}");
+    assert_eq!(report["events_incomplete"], 0, "{report}");
+    let events = report["events_complete"].as_u64().unwrap();
+    assert!(events >= 1000, "{report}");
+    let by_rail: Vec<u64> = report["builders"][0]["super_fragments_by_rail"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no rails in {report}"))
+        .iter()
+        .map(|n| n.as_u64().unwrap())
+        .collect();
+    assert_eq!(by_rail.len(), 2, "{report}");
+    assert_eq!(by_rail.iter().sum::<u64>(), 2 * events, "{report}");
+    assert!(by_rail.iter().all(|&n| n > events / 4), "{by_rail:?}");
+    // Each super-fragment holds three fragments of 512 bytes and more: a quarter of them
+    // crossed the second network at the very least.
+    let second = rx_bytes(&be.ns, rail_dev) - before;
+    assert!(
+        second > by_rail[1] * 3 * 512,
+        "{second} bytes on the second network for {} super-fragments",
+        by_rail[1]
+    );
+    ctl.signal("INT");
+    assert!(ctl.finish(LIMIT).status.success());
     for a in agents {
         a.signal("INT");
         assert!(a.finish(LIMIT).status.success());

@@ -528,14 +528,19 @@ pub struct BuilderSection {
     pub host: Option<String>,
     /// Address readout units connect to.
     pub listen: String,
+    /// Push mode: further addresses it listens on, one per extra rail (the CMS two-rail layout,
+    /// a second network card on another switch). Every readout unit then opens one connection
+    /// per address and spreads its super-fragments for this builder over them.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rails: Vec<String>,
     /// Memory for super-fragments being assembled, split evenly over its readout-unit links.
     pub buffer: ByteSize,
     /// Size of the blocks a link reads into; raised to hold two maximum-size super-fragments.
     pub read_chunk: ByteSize,
     /// How long an event may wait for a readout unit that has gone silent (no super-fragment
     /// and no progress message, which a live unit sends every 100 ms), in ms. A unit that is
-    /// alive but held never times an event out; one that says it moved past an event makes it
-    /// incomplete at once. Must exceed the readout units' own timeout.
+    /// alive but held never times an event out; an event one says it moved past is built
+    /// incomplete after this time too. Must exceed the readout units' own timeout.
     pub event_timeout_ms: u64,
     /// Most events open (waiting for readout units) at once; a super-fragment that would open
     /// one more waits, holding its link (back-pressure).
@@ -548,6 +553,7 @@ impl Default for BuilderSection {
             id: 0,
             host: None,
             listen: "127.0.0.1:0".into(),
+            rails: Vec::new(),
             buffer: ByteSize(128 << 20),
             read_chunk: ByteSize(1 << 20),
             event_timeout_ms: 5000,
@@ -555,6 +561,9 @@ impl Default for BuilderSection {
         }
     }
 }
+
+/// Most addresses one builder listens on (`listen` and its `rails`).
+pub const MAX_RAILS: usize = 8;
 
 /// `[assignment]`: which builder gets which event, computed alike by every readout unit.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -1643,6 +1652,38 @@ impl Topology {
             }
         }
         self.check_hosts().map_err(|(k, why)| err(&k, why))?;
+        for (i, b) in self.builders.iter().enumerate() {
+            if b.rails.is_empty() {
+                continue;
+            }
+            if self.run.mode == Mode::Request {
+                return Err(err(
+                    &format!("builder[{i}].rails"),
+                    "rails are for push mode, where readout units connect to the builders; in request mode the builders connect to the readout units".into(),
+                ));
+            }
+            if b.rails.len() > MAX_RAILS - 1 {
+                return Err(err(
+                    &format!("builder[{i}].rails"),
+                    format!(
+                        "{} rails: at most {} besides listen",
+                        b.rails.len(),
+                        MAX_RAILS - 1
+                    ),
+                ));
+            }
+            for (j, r) in b.rails.iter().enumerate() {
+                if r.rsplit_once(':')
+                    .and_then(|(_, p)| p.parse::<u16>().ok())
+                    .is_none()
+                {
+                    return Err(err(
+                        &format!("builder[{i}].rails[{j}]"),
+                        format!("{r:?} is not an address with a port (\"10.2.0.5:0\")"),
+                    ));
+                }
+            }
+        }
         // Ports beyond loopback need the networks allowed to reach them.
         let nets = self
             .security
@@ -1655,6 +1696,9 @@ impl Topology {
             }
             for (i, b) in self.builders.iter().enumerate() {
                 listens.push((format!("builder[{i}].listen"), &b.listen));
+                for (j, r) in b.rails.iter().enumerate() {
+                    listens.push((format!("builder[{i}].rails[{j}]"), r));
+                }
             }
             listens.push(("recorder.listen".into(), &self.recorder.listen));
             listens.push(("event_manager.listen".into(), &self.event_manager.listen));

@@ -46,8 +46,9 @@ pub struct ReadoutConfig {
     pub listener: TcpListener,
     /// The source IDs it reads, one link each.
     pub sources: Vec<u32>,
-    /// Builder addresses, in builder order (the assignment indexes this list).
-    pub builders: Vec<String>,
+    /// Builder addresses, in builder order (the assignment indexes this list): each builder's
+    /// rails, one connection each; a builder's super-fragments go round its rails.
+    pub builders: Vec<Vec<String>>,
     pub assignment: AssignmentSection,
     /// Total buffer memory, split evenly over the links.
     pub buffer: u64,
@@ -131,7 +132,10 @@ pub(crate) trait LinkSink: Send + Sync + 'static {
 struct Shared {
     ctx: LinkCtx,
     assembler: Mutex<Assembler<ChunkSlice>>,
-    to_builders: Vec<Sender<Vec<SuperFragment>>>,
+    /// Per builder, one queue per rail.
+    to_builders: Vec<Vec<Sender<Vec<SuperFragment>>>>,
+    /// Per builder, super-fragments dispatched so far: the next one's rail.
+    next_rail: Vec<AtomicUsize>,
     assignment: AssignmentSection,
     /// Batches of departed events on their way into the builder queues. Raised under the
     /// assembler lock, so a progress message computed under that lock while this is zero
@@ -184,7 +188,11 @@ impl Shared {
 
     fn dispatch_batch(&self, ready: Vec<Assembled<ChunkSlice>>) {
         let n = self.to_builders.len();
-        let mut per_builder: Vec<Vec<SuperFragment>> = (0..n).map(|_| Vec::new()).collect();
+        let mut per_rail: Vec<Vec<Vec<SuperFragment>>> = self
+            .to_builders
+            .iter()
+            .map(|r| r.iter().map(|_| Vec::new()).collect())
+            .collect();
         for ev in ready {
             let missing: Vec<u32> = ev.missing.iter().map(|&i| self.sources[i]).collect();
             if !missing.is_empty() {
@@ -196,18 +204,27 @@ impl Shared {
             self.stats
                 .queued_fragments
                 .fetch_add(fragments.len() as u64, Ordering::Relaxed);
-            per_builder[self.assignment.builder_for(ev.event_id, n)].push(SuperFragment {
+            let b = self.assignment.builder_for(ev.event_id, n);
+            let rails = &mut per_rail[b];
+            let rail = if rails.len() > 1 {
+                self.next_rail[b].fetch_add(1, Ordering::Relaxed) % rails.len()
+            } else {
+                0
+            };
+            rails[rail].push(SuperFragment {
                 event_id: ev.event_id,
                 fragments,
                 missing,
                 readout_unit: self.id,
             });
         }
-        for (b, batch) in per_builder.into_iter().enumerate() {
-            if !batch.is_empty() {
-                // The receiver only goes away after every sender is dropped, so this cannot fail
-                // while `self` holds a sender.
-                let _ = self.to_builders[b].send(batch);
+        for (b, rails) in per_rail.into_iter().enumerate() {
+            for (rail, batch) in rails.into_iter().enumerate() {
+                if !batch.is_empty() {
+                    // The receiver only goes away after every sender is dropped, so this cannot
+                    // fail while `self` holds a sender.
+                    let _ = self.to_builders[b][rail].send(batch);
+                }
             }
         }
     }
@@ -274,18 +291,19 @@ impl ReadoutUnit {
             return Ok(ReadoutUnit { stats, role });
         }
         let mut to_builders = Vec::new();
-        let mut builder_streams = Vec::new();
-        for addr in &cfg.builders {
-            let s = tessera_net::io::connect_retry(addr, Duration::from_secs(10))?;
-            tessera_net::io::tune(&s, Some(Duration::from_secs(1)))?;
-            builder_streams.push(s);
-        }
-        let mut receivers = Vec::new();
-        for _ in &cfg.builders {
-            // Bounded in batches; the bytes behind them are bounded by the link budgets.
-            let (tx, rx) = bounded::<Vec<SuperFragment>>(256);
-            to_builders.push(tx);
-            receivers.push(rx);
+        // (builder, rail, connection, queue)
+        let mut builder_links = Vec::new();
+        for (b, rails) in cfg.builders.iter().enumerate() {
+            let mut txs = Vec::new();
+            for (rail, addr) in rails.iter().enumerate() {
+                let s = tessera_net::io::connect_retry(addr, Duration::from_secs(10))?;
+                tessera_net::io::tune(&s, Some(Duration::from_secs(1)))?;
+                // Bounded in batches; the bytes behind them are bounded by the link budgets.
+                let (tx, rx) = bounded::<Vec<SuperFragment>>(256);
+                txs.push(tx);
+                builder_links.push((b, rail, rails.len(), s, rx));
+            }
+            to_builders.push(txs);
         }
         let shared = Arc::new(Shared {
             ctx: LinkCtx {
@@ -306,19 +324,27 @@ impl ReadoutUnit {
                     .ordered(true)
                     .with_max_open(cfg.max_open_events),
             ),
+            next_rail: to_builders.iter().map(|_| AtomicUsize::new(0)).collect(),
             to_builders,
             assignment: cfg.assignment.clone(),
             in_dispatch: AtomicUsize::new(0),
         });
-        for (b, (stream, rx)) in builder_streams.into_iter().zip(receivers).enumerate() {
+        for (b, rail, rails, stream, rx) in builder_links {
             let st = stats.clone();
             let id = cfg.id;
             // Weak: the senders end when the last reader and the sweeper let go of the unit.
             let sh = Arc::downgrade(&shared);
-            role.threads
-                .push(spawn(format!("ru{id}-to-bu{b}"), move || {
-                    send_to_builder(id, b, stream, rx, &st, sh)
-                }));
+            let (name, link) = if rails > 1 {
+                (
+                    format!("ru{id}-to-bu{b}r{rail}"),
+                    format!("builder {b} rail {rail}"),
+                )
+            } else {
+                (format!("ru{id}-to-bu{b}"), format!("builder {b}"))
+            };
+            role.threads.push(spawn(name, move || {
+                send_to_builder(id, &link, stream, rx, &st, sh)
+            }));
         }
         {
             let sh = shared.clone();
@@ -667,7 +693,7 @@ pub const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 
 fn send_to_builder(
     id: u32,
-    b: usize,
+    b: &str,
     stream: TcpStream,
     rx: Receiver<Vec<SuperFragment>>,
     st: &ReadoutStats,
@@ -691,8 +717,8 @@ fn send_to_builder(
             .fetch_sub(o.fragments, Ordering::Relaxed);
     };
     let on_error = |e: &std::io::Error| {
-        tracing::error!(readout_unit = id, builder = b, error = %e, "builder link failed; its events are dropped and counted");
-        *st.builder_error.lock() = Some(format!("builder {b}: {e}"));
+        tracing::error!(readout_unit = id, link = b, error = %e, "builder link failed; its events are dropped and counted");
+        *st.builder_error.lock() = Some(format!("{b}: {e}"));
     };
     // The progress message is also the unit's heartbeat, so it goes out every interval even
     // when a new floor cannot be computed (an event between the assembler and a queue, or

@@ -141,8 +141,12 @@ pub fn memory(r: &Resolved) -> Vec<(Unit, u64)> {
         let links = r.ru_sources.get(i).map_or(1, |s| s.len().max(1)) as u64;
         v.push((Unit::Readout(u.id), u.buffer.0 + 2 * links * u.read_chunk.0));
     }
+    // A builder's budget per readout unit is its share of the buffer, raised to two read chunks
+    // per rail (crates/builder).
+    let units = t.readout_units.len().max(1) as u64;
     for b in &t.builders {
-        v.push((Unit::Builder(b.id), b.buffer.0));
+        let per_unit = (b.buffer.0 / units).max(2 * (1 + b.rails.len() as u64) * b.read_chunk.0);
+        v.push((Unit::Builder(b.id), per_unit * units));
     }
     if t.recorder.enabled {
         let monitor_bytes: u64 = if t.monitor.enabled {

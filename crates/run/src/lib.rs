@@ -170,6 +170,9 @@ impl RoleSet {
         if t.run.mode == tessera_config::Mode::Push {
             for b in t.builders.iter().filter(|b| self.builders.contains(&b.id)) {
                 v.push((format!("builder:{}", b.id), b.listen.clone()));
+                for (j, rail) in b.rails.iter().enumerate() {
+                    v.push((format!("builder:{}:{}", b.id, j + 1), rail.clone()));
+                }
             }
         }
         for u in t
@@ -218,8 +221,22 @@ pub fn with_addresses(
             None if key == "monitor" => t.monitor.listen = addr.clone(),
             None if key == "event_manager" => t.event_manager.listen = addr.clone(),
             Some(("builder", id)) => {
+                // `builder:ID` is its listen, `builder:ID:N` its rail N (1: the first of `rails`).
+                let (id, rail) = match id.split_once(':') {
+                    Some((id, n)) => (id, n.parse::<usize>().ok().filter(|&n| n > 0)),
+                    None => (id, Some(0)),
+                };
+                let Some(rail) = rail else {
+                    bail!("unknown listening socket {key:?}");
+                };
                 if let Some(b) = t.builders.iter_mut().find(|b| b.id.to_string() == id) {
-                    b.listen = addr.clone();
+                    match rail {
+                        0 => b.listen = addr.clone(),
+                        n => match b.rails.get_mut(n - 1) {
+                            Some(a) => *a = addr.clone(),
+                            None => bail!("unknown listening socket {key:?}"),
+                        },
+                    }
                 }
             }
             Some(("readout", id)) => {
@@ -492,7 +509,13 @@ impl Session {
                 "builders": builders.iter()
                     .map(|b| serde_json::json!({"id": b.stats.id}))
                     .zip(&builder_addrs)
-                    .map(|(mut v, a)| { v["listen"] = a.clone().into(); v })
+                    .map(|(mut v, a)| {
+                        v["listen"] = a[0].clone().into();
+                        if a.len() > 1 {
+                            v["rails"] = a[1..].to_vec().into();
+                        }
+                        v
+                    })
                     .collect::<Vec<_>>(),
                 "recorder": recorder.as_ref().and(recorder_for_builders.clone()),
                 "monitor": monitor.as_ref().map(|(_, s)| s.addr.to_string()),
@@ -1163,13 +1186,27 @@ fn check_daemon_addresses(r: &Resolved, role: Role) -> Result<()> {
             "event_manager.listen".into(),
             t.event_manager.listen.as_str(),
         )),
-        Role::Readout(_) => peers.extend(
-            t.builders
-                .iter()
-                .enumerate()
-                .map(|(i, b)| (format!("builder[{i}].listen"), b.listen.as_str())),
-        ),
-        Role::Builder(_) => {
+        Role::Readout(_) => {
+            for (i, b) in t.builders.iter().enumerate() {
+                peers.push((format!("builder[{i}].listen"), b.listen.as_str()));
+                peers.extend(
+                    b.rails
+                        .iter()
+                        .enumerate()
+                        .map(|(j, a)| (format!("builder[{i}].rails[{j}]"), a.as_str())),
+                );
+            }
+        }
+        Role::Builder(id) => {
+            if let Some((i, b)) = t.builders.iter().enumerate().find(|(_, b)| b.id == id) {
+                // Its further rails are its own ports, fixed as its listen is.
+                peers.extend(
+                    b.rails
+                        .iter()
+                        .enumerate()
+                        .map(|(j, a)| (format!("builder[{i}].rails[{j}]"), a.as_str())),
+                );
+            }
             if t.recorder.enabled {
                 peers.push(("recorder.listen".into(), t.recorder.listen.as_str()));
             }

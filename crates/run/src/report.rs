@@ -160,6 +160,9 @@ pub struct BuilderReport {
     /// Fragments it still holds (assembling, or queued for the recorder).
     #[serde(default)]
     pub buffered_fragments: u64,
+    /// Push mode with `rails`: super-fragments received on each rail, from every readout unit.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub super_fragments_by_rail: Vec<u64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -432,6 +435,19 @@ impl Report {
                     fragments_rejected_by_filter: st.fragments_rejected.load(Ordering::Relaxed),
                     buffered_fragments: st.held_fragments.load(Ordering::Relaxed)
                         + st.queued_fragments.load(Ordering::Relaxed),
+                    super_fragments_by_rail: match st.links.first() {
+                        Some(l) if l.rail_super_fragments.len() > 1 => {
+                            (0..l.rail_super_fragments.len())
+                                .map(|r| {
+                                    st.links
+                                        .iter()
+                                        .map(|l| l.rail_super_fragments[r].load(Ordering::Relaxed))
+                                        .sum()
+                                })
+                                .collect()
+                        }
+                        _ => Vec::new(),
+                    },
                 }
             })
             .collect();

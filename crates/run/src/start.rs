@@ -98,7 +98,8 @@ impl<'a> Starter<'a> {
         }
         let fresh =
             || TcpListener::bind(addr).with_context(|| format!("{what}: cannot listen on {addr}"));
-        if opts.only.is_none() || key == "monitor" {
+        // The one inherited socket is a role's main port, never a builder's further rail.
+        if opts.only.is_none() || key == "monitor" || key.matches(':').count() > 1 {
             return fresh();
         }
         match tessera_net::io::inherited_listener() {
@@ -215,29 +216,46 @@ impl<'a> Starter<'a> {
     }
 
     /// Push mode: the builders, which listen (readout units connect to them); and every
-    /// builder's address (here, or as the topology says).
+    /// builder's addresses, one per rail (here, or as the topology says).
     pub fn push_builders(
         &self,
         recorder: &Option<String>,
-    ) -> Result<(Vec<BuilderUnit>, Vec<String>)> {
+    ) -> Result<(Vec<BuilderUnit>, Vec<Vec<String>>)> {
         let (r, t) = (self.r, &self.r.topology);
         let mut builders = Vec::new();
         let mut addrs = Vec::new();
         for (i, b) in t.builders.iter().enumerate() {
             if self.request_mode() || !self.runs_builder(b.id) {
-                addrs.push(b.listen.clone());
+                addrs.push(
+                    std::iter::once(&b.listen)
+                        .chain(&b.rails)
+                        .cloned()
+                        .collect(),
+                );
                 continue;
             }
-            let l = self.bind(
+            let mut listeners = vec![self.bind(
                 &format!("builder:{}", b.id),
                 &b.listen,
                 &format!("builder[{i}]"),
-            )?;
-            addrs.push(l.local_addr()?.to_string());
+            )?];
+            for (j, rail) in b.rails.iter().enumerate() {
+                listeners.push(self.bind(
+                    &format!("builder:{}:{}", b.id, j + 1),
+                    rail,
+                    &format!("builder[{i}].rails[{j}]"),
+                )?);
+            }
+            addrs.push(
+                listeners
+                    .iter()
+                    .map(|l| l.local_addr().map(|a| a.to_string()))
+                    .collect::<std::io::Result<Vec<_>>>()?,
+            );
             builders.push(
                 BuilderUnit::start(BuilderConfig {
                     id: b.id as u16,
-                    listener: l,
+                    listeners,
                     readout_units: t
                         .readout_units
                         .iter()
@@ -260,7 +278,7 @@ impl<'a> Starter<'a> {
     /// The readout units; and every unit's address (here, or as the topology says).
     pub fn readout_units(
         &self,
-        builder_addrs: &[String],
+        builder_addrs: &[Vec<String>],
         manager_addr: &str,
     ) -> Result<(Vec<ReadoutUnit>, Vec<String>)> {
         let (r, t) = (self.r, &self.r.topology);

@@ -763,3 +763,85 @@ listen = "0.0.0.0:0"
         "{e}"
     );
 }
+
+/// Issue 12, item 1: a builder reachable over several rails (the CMS two-rail layout). Every
+/// readout unit connects to each of the builder's addresses and sends its super-fragments round
+/// them; the builder's promises follow the slowest rail, so nothing is built early or lost.
+#[test]
+fn a_builder_on_three_rails_takes_every_units_super_fragments_over_all_of_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = topology(
+        r#"
+[run]
+events = 3000
+[sources]
+count = 6
+fragment_size = 1024
+trigger = "unlimited"
+[[readout]]
+id = 0
+sources = "0-2"
+[[readout]]
+id = 1
+sources = "3-5"
+[[builder]]
+id = 0
+rails = ["127.0.0.1:0", "127.0.0.1:0"]
+[[builder]]
+id = 1
+"#,
+    );
+    let rep = run(&t, dir.path());
+    assert!(rep.ok(), "{}", rep.summary());
+    assert_eq!(rep.events_complete, 3000, "{}", rep.summary());
+    assert_eq!(rep.events_incomplete, 0);
+    let b0 = rep.builders.iter().find(|b| b.id == 0).unwrap();
+    let b1 = rep.builders.iter().find(|b| b.id == 1).unwrap();
+    // Two readout units, each sending builder 0 one super-fragment per event it gets.
+    assert_eq!(b0.super_fragments_by_rail.len(), 3, "{b0:?}");
+    assert_eq!(
+        b0.super_fragments_by_rail.iter().sum::<u64>(),
+        2 * b0.events_complete
+    );
+    assert!(
+        b0.super_fragments_by_rail.iter().all(|&n| n > 0),
+        "a rail carried nothing: {:?}",
+        b0.super_fragments_by_rail
+    );
+    assert!(b1.super_fragments_by_rail.is_empty(), "{b1:?}");
+    assert_eq!(rep.balance.sent, 3000 * 6);
+    let a: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("addresses.json")).unwrap()).unwrap();
+    let rails = a["builders"][0]["rails"].as_array().expect("rails listed");
+    assert_eq!(rails.len(), 2, "{a}");
+    assert!(
+        rails.iter().all(|r| !r.as_str().unwrap().ends_with(":0")),
+        "{a}"
+    );
+    let v = verify(dir.path());
+    assert_eq!(v.events, 3000);
+}
+
+#[test]
+fn rails_are_refused_where_they_cannot_work() {
+    for (text, key) in [
+        (
+            "[run]\nmode = \"request\"\n[[readout]]\nid = 0\n[[builder]]\nid = 0\nrails = [\"127.0.0.1:0\"]\n",
+            "builder[0].rails",
+        ),
+        (
+            "[[readout]]\nid = 0\n[[builder]]\nid = 0\nrails = [\"nowhere\"]\n",
+            "builder[0].rails[0]",
+        ),
+        (
+            "[[readout]]\nid = 0\n[[builder]]\nid = 0\nrails = [\"10.1.0.5:0\"]\n",
+            "builder[0].rails[0]",
+        ),
+    ] {
+        let Err(e) = Topology::parse(text, "t.toml") else {
+            panic!("accepted: {text}");
+        };
+        let e = e.to_string();
+        assert!(e.contains(key), "{text}: {e}");
+    }
+}
