@@ -20,13 +20,22 @@ pub const REMOTE: &str = "remote";
 const REMOTE_DISCONNECTED: &str = "remote_disconnected";
 
 /// Every component's report, before the totals and the balance are taken.
-struct Parts {
+#[derive(Default)]
+pub struct Parts {
     sources: Vec<SourceReport>,
     readout_units: Vec<ReadoutReport>,
     builders: Vec<BuilderReport>,
     recorder: Option<RecorderReport>,
     event_manager: Option<ManagerReport>,
     refused_outside_allow: u64,
+}
+
+/// What every role's part of the report needs besides its own counters.
+pub struct Cx<'a> {
+    pub(crate) secs: f64,
+    pub(crate) request_mode: bool,
+    /// The emulated sources of this process, by source ID (their sending side).
+    pub(crate) emulated: BTreeMap<u32, &'a tessera_source::SourceStats>,
 }
 
 pub struct RunInfo {
@@ -271,248 +280,254 @@ fn frac(ns: u64, secs: f64) -> f64 {
     }
 }
 
+// Each role's part of the report, called through `RunRole::report`.
+
+/// A readout unit's report, and its links' side of each source's.
+pub(crate) fn readout(u: &tessera_readout::ReadoutUnit, cx: &Cx, p: &mut Parts) {
+    let st = &u.stats;
+    for l in &st.links {
+        let received = l.received();
+        let (kind, sent, bytes, held, error) = match cx.emulated.get(&l.source_id) {
+            Some(s) => (
+                "emulated",
+                s.fragments.load(Ordering::Relaxed),
+                s.bytes.load(Ordering::Relaxed),
+                frac(s.held_ns.load(Ordering::Relaxed), cx.secs),
+                s.error.lock().clone(),
+            ),
+            None => {
+                let declared = l.eos_fragments.load(Ordering::Relaxed);
+                (
+                    "external",
+                    if declared == u64::MAX {
+                        received
+                    } else {
+                        declared
+                    },
+                    0,
+                    0.0,
+                    None,
+                )
+            }
+        };
+        p.sources.push(SourceReport {
+            id: l.source_id,
+            kind: kind.into(),
+            sent,
+            bytes,
+            held_fraction: held,
+            link_state: l.state().label().into(),
+            received,
+            rejected: l.rejected_by_reason(),
+            skipped_bytes: l.skipped_bytes.load(Ordering::Relaxed),
+            bytes_after_end: l.bytes_after_end.load(Ordering::Relaxed),
+            error,
+            link_ended: l.state().ended(),
+        });
+    }
+    let (_, limit) = st.buffer_use();
+    let peak: u64 = st
+        .links
+        .iter()
+        .map(|l| l.budget.peak.load(Ordering::Relaxed))
+        .sum();
+    p.readout_units.push(ReadoutReport {
+        id: st.id,
+        super_fragments: st.super_fragments.load(Ordering::Relaxed),
+        incomplete_super_fragments: st.incomplete_super_fragments.load(Ordering::Relaxed),
+        fragments_forwarded: st.fragments_forwarded.load(Ordering::Relaxed),
+        peak_buffer_fraction: if limit > 0 {
+            peak as f64 / limit as f64
+        } else {
+            0.0
+        },
+        busy_fraction: frac(st.busy_ns(), cx.secs) / st.links.len().max(1) as f64,
+        refused_connections: st.refused_connections.load(Ordering::Relaxed),
+        error: st.builder_error.lock().clone(),
+        builder_link_lost: st.builder_lost.load(Ordering::Relaxed),
+        buffered_fragments: st.held_fragments.load(Ordering::Relaxed)
+            + st.queued_fragments.load(Ordering::Relaxed)
+            + if cx.request_mode {
+                st.requests.stored_fragments.load(Ordering::Relaxed)
+            } else {
+                0
+            },
+        requests: cx.request_mode.then(|| {
+            let q = &st.requests;
+            let l = |x: &std::sync::atomic::AtomicU64| x.load(Ordering::Relaxed);
+            ReadoutRequestReport {
+                requests: l(&q.requests),
+                answers: l(&q.answers),
+                partial_answers: l(&q.partial_answers),
+                fragments_sent: l(&q.fragments_sent),
+                bytes_sent: l(&q.bytes_sent),
+                descriptor_waits: l(&q.descriptor_waits),
+                clear_messages: l(&q.clear_messages),
+                cleared_events: l(&q.cleared_events),
+                clears_unknown: l(&q.clears_unknown),
+                clears_repeated: l(&q.clears_repeated),
+                announced: l(&q.announced),
+                fragments_still_stored: l(&q.stored_fragments),
+                free_pages: l(&q.free_pages),
+                total_pages: l(&q.total_pages),
+                throttled_s: l(&q.throttled_ns) as f64 / 1e9,
+                manager_losses: l(&q.manager_losses),
+                reannounced: l(&q.reannounced),
+                manager_error: q.manager_error.lock().clone(),
+            }
+        }),
+    });
+}
+
+/// Emulated sources, their sending side only (`remote`): where their readout unit runs in
+/// this process too, [`Report::collect`] keeps the link's side, which carries the same counts.
+pub(crate) fn sources(s: &tessera_source::RunningSources, cx: &Cx, p: &mut Parts) {
+    for st in &s.stats {
+        let id = st.id;
+        p.sources.push(SourceReport {
+            id,
+            kind: "emulated".into(),
+            sent: st.fragments.load(Ordering::Relaxed),
+            bytes: st.bytes.load(Ordering::Relaxed),
+            held_fraction: frac(st.held_ns.load(Ordering::Relaxed), cx.secs),
+            link_state: if st.disconnected.load(Ordering::Relaxed) {
+                REMOTE_DISCONNECTED.into()
+            } else {
+                REMOTE.into()
+            },
+            received: 0,
+            rejected: BTreeMap::new(),
+            skipped_bytes: 0,
+            bytes_after_end: 0,
+            error: st.error.lock().clone(),
+            link_ended: false,
+        });
+    }
+}
+
+pub(crate) fn builder(b: &tessera_builder::BuilderUnit, cx: &Cx, p: &mut Parts) {
+    let st = &b.stats;
+    p.builders.push(BuilderReport {
+        id: st.id,
+        events_complete: st.events_complete.load(Ordering::Relaxed),
+        events_incomplete: st.events_incomplete.load(Ordering::Relaxed),
+        fragments_in_complete: st.fragments_in_complete.load(Ordering::Relaxed),
+        fragments_in_incomplete: st.fragments_in_incomplete.load(Ordering::Relaxed),
+        bytes_built: st.bytes_built.load(Ordering::Relaxed),
+        late_fragments: st.late_fragments.load(Ordering::Relaxed),
+        duplicate_fragments: st.duplicate_fragments.load(Ordering::Relaxed),
+        malformed_fragments: st.malformed_fragments.load(Ordering::Relaxed),
+        busy_fraction: frac(st.busy_ns(), cx.secs) / st.links.len().max(1) as f64,
+        missing_by_source: st.missing_by_source.lock().clone(),
+        errors: std::iter::once(st.recorder_error.lock().clone())
+            .chain(st.links.iter().map(|l| {
+                l.error
+                    .lock()
+                    .clone()
+                    .map(|e| format!("readout unit {}: {e}", l.readout_unit))
+            }))
+            .chain(std::iter::once(st.manager_error.lock().clone()))
+            .flatten()
+            .collect(),
+        events_rejected: st.events_rejected.load(Ordering::Relaxed),
+        events_rebuilt: st.events_rebuilt.load(Ordering::Relaxed),
+        manager_losses: st.manager_losses.load(Ordering::Relaxed),
+        recorder_link_lost: st.recorder_lost.load(Ordering::Relaxed),
+        fragments_rejected_by_filter: st.fragments_rejected.load(Ordering::Relaxed),
+        buffered_fragments: st.held_fragments.load(Ordering::Relaxed)
+            + st.queued_fragments.load(Ordering::Relaxed),
+        super_fragments_by_rail: match st.links.first() {
+            Some(l) if l.rail_super_fragments.len() > 1 => (0..l.rail_super_fragments.len())
+                .map(|r| {
+                    st.links
+                        .iter()
+                        .map(|l| l.rail_super_fragments[r].load(Ordering::Relaxed))
+                        .sum()
+                })
+                .collect(),
+            _ => Vec::new(),
+        },
+    });
+}
+
+pub(crate) fn recorder(rec: &tessera_recorder::Recorder, p: &mut Parts) {
+    let st = &rec.stats;
+    let files = st.files.lock().clone();
+    let (fc, fi) = (
+        st.fragments_in_complete.load(Ordering::Relaxed),
+        st.fragments_in_incomplete.load(Ordering::Relaxed),
+    );
+    p.recorder = Some(RecorderReport {
+        events: st.events.load(Ordering::Relaxed),
+        incomplete_events: st.incomplete_events.load(Ordering::Relaxed),
+        fragments: fc + fi,
+        record_bytes: st.record_bytes.load(Ordering::Relaxed),
+        file_bytes: st.file_bytes.load(Ordering::Relaxed),
+        throttled_s: st.throttled_ns.load(Ordering::Relaxed) as f64 / 1e9,
+        events_in_files: files.iter().map(|f| f.events).sum(),
+        files,
+        error: st.error.lock().clone(),
+        duplicate_events: st.duplicate_events.load(Ordering::Relaxed),
+        rebuilt_events: st.rebuilt_events.load(Ordering::Relaxed),
+        records_written: st.records_written.load(Ordering::Acquire),
+        syncs: st.syncs.load(Ordering::Relaxed),
+        disk_free_bytes: st.disk_free.load(Ordering::Relaxed),
+        disk_alarm: st.disk_low.load(Ordering::Relaxed) || st.disk_full.load(Ordering::Relaxed),
+        fragments_in_complete: fc,
+        fragments_in_incomplete: fi,
+        queued_fragments: st.queued_fragments.load(Ordering::Relaxed),
+    });
+}
+
+pub(crate) fn manager(m: &tessera_manager::EventManager, p: &mut Parts) {
+    let v = m.view();
+    p.event_manager = Some(ManagerReport {
+        announced: v.counts.announced,
+        assigned: v.counts.assigned,
+        reassigned: v.counts.reassigned,
+        recorded: v.counts.recorded,
+        rejected_by_filter: v.counts.rejected,
+        stale_done: v.counts.stale_done,
+        clear_messages: v.counts.clears_sent,
+        cleared_events: v.counts.cleared_events,
+        dead_builders: v.counts.dead_builders,
+        busy_transitions: v.counts.busy_transitions,
+        adopted: v.counts.adopted,
+        finished_before: v.counts.finished_before,
+        refused_connections: v.counts.refused_connections,
+        in_flight_at_end: v.in_flight,
+        errors: v.errors,
+    });
+}
+
 impl Report {
     pub(crate) fn collect(r: &Resolved, run: &Running, info: RunInfo) -> Report {
-        let secs = info.duration_s;
-        let request_mode = r.topology.run.mode == tessera_config::Mode::Request;
-        let emulated: BTreeMap<u32, &tessera_source::SourceStats> = run
+        let cx = Cx {
+            secs: info.duration_s,
+            request_mode: r.topology.run.mode == tessera_config::Mode::Request,
+            emulated: run
+                .sources
+                .as_ref()
+                .map(|s| s.stats.iter().map(|x| (x.id, x.as_ref())).collect())
+                .unwrap_or_default(),
+        };
+        let mut p = Parts {
+            refused_outside_allow: tessera_net::io::REFUSED_BY_NETWORK.load(Ordering::Relaxed),
+            ..Parts::default()
+        };
+        for role in run.roles() {
+            role.report(&cx, &mut p);
+        }
+        // A source read here is reported once, with its link's side.
+        let read_here: std::collections::BTreeSet<u32> = p
             .sources
-            .as_ref()
-            .map(|s| s.stats.iter().map(|x| (x.id, x.as_ref())).collect())
-            .unwrap_or_default();
-        let mut sources = Vec::new();
-        let mut readout_units = Vec::new();
-        for u in &run.readout_units {
-            let st = &u.stats;
-            for l in &st.links {
-                let received = l.received();
-                let (kind, sent, bytes, held, error) = match emulated.get(&l.source_id) {
-                    Some(s) => (
-                        "emulated",
-                        s.fragments.load(Ordering::Relaxed),
-                        s.bytes.load(Ordering::Relaxed),
-                        frac(s.held_ns.load(Ordering::Relaxed), secs),
-                        s.error.lock().clone(),
-                    ),
-                    None => {
-                        let declared = l.eos_fragments.load(Ordering::Relaxed);
-                        (
-                            "external",
-                            if declared == u64::MAX {
-                                received
-                            } else {
-                                declared
-                            },
-                            0,
-                            0.0,
-                            None,
-                        )
-                    }
-                };
-                sources.push(SourceReport {
-                    id: l.source_id,
-                    kind: kind.into(),
-                    sent,
-                    bytes,
-                    held_fraction: held,
-                    link_state: l.state().label().into(),
-                    received,
-                    rejected: l.rejected_by_reason(),
-                    skipped_bytes: l.skipped_bytes.load(Ordering::Relaxed),
-                    bytes_after_end: l.bytes_after_end.load(Ordering::Relaxed),
-                    error,
-                    link_ended: l.state().ended(),
-                });
-            }
-            let (_, limit) = st.buffer_use();
-            let peak: u64 = st
-                .links
-                .iter()
-                .map(|l| l.budget.peak.load(Ordering::Relaxed))
-                .sum();
-            readout_units.push(ReadoutReport {
-                id: st.id,
-                super_fragments: st.super_fragments.load(Ordering::Relaxed),
-                incomplete_super_fragments: st.incomplete_super_fragments.load(Ordering::Relaxed),
-                fragments_forwarded: st.fragments_forwarded.load(Ordering::Relaxed),
-                peak_buffer_fraction: if limit > 0 {
-                    peak as f64 / limit as f64
-                } else {
-                    0.0
-                },
-                busy_fraction: frac(st.busy_ns(), secs) / st.links.len().max(1) as f64,
-                refused_connections: st.refused_connections.load(Ordering::Relaxed),
-                error: st.builder_error.lock().clone(),
-                builder_link_lost: st.builder_lost.load(Ordering::Relaxed),
-                buffered_fragments: st.held_fragments.load(Ordering::Relaxed)
-                    + st.queued_fragments.load(Ordering::Relaxed)
-                    + if request_mode {
-                        st.requests.stored_fragments.load(Ordering::Relaxed)
-                    } else {
-                        0
-                    },
-                requests: request_mode.then(|| {
-                    let q = &st.requests;
-                    let l = |x: &std::sync::atomic::AtomicU64| x.load(Ordering::Relaxed);
-                    ReadoutRequestReport {
-                        requests: l(&q.requests),
-                        answers: l(&q.answers),
-                        partial_answers: l(&q.partial_answers),
-                        fragments_sent: l(&q.fragments_sent),
-                        bytes_sent: l(&q.bytes_sent),
-                        descriptor_waits: l(&q.descriptor_waits),
-                        clear_messages: l(&q.clear_messages),
-                        cleared_events: l(&q.cleared_events),
-                        clears_unknown: l(&q.clears_unknown),
-                        clears_repeated: l(&q.clears_repeated),
-                        announced: l(&q.announced),
-                        fragments_still_stored: l(&q.stored_fragments),
-                        free_pages: l(&q.free_pages),
-                        total_pages: l(&q.total_pages),
-                        throttled_s: l(&q.throttled_ns) as f64 / 1e9,
-                        manager_losses: l(&q.manager_losses),
-                        reannounced: l(&q.reannounced),
-                        manager_error: q.manager_error.lock().clone(),
-                    }
-                }),
-            });
-        }
-        // Emulated sources whose readout unit runs in another process (`tessera serve
-        // sources`, a host of a run spread over hosts): their side only, `remote`.
-        for (id, st) in &emulated {
-            if !sources.iter().any(|x| x.id == *id) {
-                sources.push(SourceReport {
-                    id: *id,
-                    kind: "emulated".into(),
-                    sent: st.fragments.load(Ordering::Relaxed),
-                    bytes: st.bytes.load(Ordering::Relaxed),
-                    held_fraction: frac(st.held_ns.load(Ordering::Relaxed), secs),
-                    link_state: if st.disconnected.load(Ordering::Relaxed) {
-                        REMOTE_DISCONNECTED.into()
-                    } else {
-                        REMOTE.into()
-                    },
-                    received: 0,
-                    rejected: BTreeMap::new(),
-                    skipped_bytes: 0,
-                    bytes_after_end: 0,
-                    error: st.error.lock().clone(),
-                    link_ended: false,
-                });
-            }
-        }
-        let builders = run
-            .builders
             .iter()
-            .map(|b| {
-                let st = &b.stats;
-                BuilderReport {
-                    id: st.id,
-                    events_complete: st.events_complete.load(Ordering::Relaxed),
-                    events_incomplete: st.events_incomplete.load(Ordering::Relaxed),
-                    fragments_in_complete: st.fragments_in_complete.load(Ordering::Relaxed),
-                    fragments_in_incomplete: st.fragments_in_incomplete.load(Ordering::Relaxed),
-                    bytes_built: st.bytes_built.load(Ordering::Relaxed),
-                    late_fragments: st.late_fragments.load(Ordering::Relaxed),
-                    duplicate_fragments: st.duplicate_fragments.load(Ordering::Relaxed),
-                    malformed_fragments: st.malformed_fragments.load(Ordering::Relaxed),
-                    busy_fraction: frac(st.busy_ns(), secs) / st.links.len().max(1) as f64,
-                    missing_by_source: st.missing_by_source.lock().clone(),
-                    errors: std::iter::once(st.recorder_error.lock().clone())
-                        .chain(st.links.iter().map(|l| {
-                            l.error
-                                .lock()
-                                .clone()
-                                .map(|e| format!("readout unit {}: {e}", l.readout_unit))
-                        }))
-                        .chain(std::iter::once(st.manager_error.lock().clone()))
-                        .flatten()
-                        .collect(),
-                    events_rejected: st.events_rejected.load(Ordering::Relaxed),
-                    events_rebuilt: st.events_rebuilt.load(Ordering::Relaxed),
-                    manager_losses: st.manager_losses.load(Ordering::Relaxed),
-                    recorder_link_lost: st.recorder_lost.load(Ordering::Relaxed),
-                    fragments_rejected_by_filter: st.fragments_rejected.load(Ordering::Relaxed),
-                    buffered_fragments: st.held_fragments.load(Ordering::Relaxed)
-                        + st.queued_fragments.load(Ordering::Relaxed),
-                    super_fragments_by_rail: match st.links.first() {
-                        Some(l) if l.rail_super_fragments.len() > 1 => {
-                            (0..l.rail_super_fragments.len())
-                                .map(|r| {
-                                    st.links
-                                        .iter()
-                                        .map(|l| l.rail_super_fragments[r].load(Ordering::Relaxed))
-                                        .sum()
-                                })
-                                .collect()
-                        }
-                        _ => Vec::new(),
-                    },
-                }
-            })
+            .filter(|s| !s.link_state.starts_with(REMOTE))
+            .map(|s| s.id)
             .collect();
-        let recorder = run.recorder.as_ref().map(|rec| {
-            let st = &rec.stats;
-            let files = st.files.lock().clone();
-            let (fc, fi) = (
-                st.fragments_in_complete.load(Ordering::Relaxed),
-                st.fragments_in_incomplete.load(Ordering::Relaxed),
-            );
-            RecorderReport {
-                events: st.events.load(Ordering::Relaxed),
-                incomplete_events: st.incomplete_events.load(Ordering::Relaxed),
-                fragments: fc + fi,
-                record_bytes: st.record_bytes.load(Ordering::Relaxed),
-                file_bytes: st.file_bytes.load(Ordering::Relaxed),
-                throttled_s: st.throttled_ns.load(Ordering::Relaxed) as f64 / 1e9,
-                events_in_files: files.iter().map(|f| f.events).sum(),
-                files,
-                error: st.error.lock().clone(),
-                duplicate_events: st.duplicate_events.load(Ordering::Relaxed),
-                rebuilt_events: st.rebuilt_events.load(Ordering::Relaxed),
-                records_written: st.records_written.load(Ordering::Acquire),
-                syncs: st.syncs.load(Ordering::Relaxed),
-                disk_free_bytes: st.disk_free.load(Ordering::Relaxed),
-                disk_alarm: st.disk_low.load(Ordering::Relaxed)
-                    || st.disk_full.load(Ordering::Relaxed),
-                fragments_in_complete: fc,
-                fragments_in_incomplete: fi,
-                queued_fragments: st.queued_fragments.load(Ordering::Relaxed),
-            }
-        });
-        let event_manager = run.manager.as_ref().map(|m| {
-            let v = m.view();
-            ManagerReport {
-                announced: v.counts.announced,
-                assigned: v.counts.assigned,
-                reassigned: v.counts.reassigned,
-                recorded: v.counts.recorded,
-                rejected_by_filter: v.counts.rejected,
-                stale_done: v.counts.stale_done,
-                clear_messages: v.counts.clears_sent,
-                cleared_events: v.counts.cleared_events,
-                dead_builders: v.counts.dead_builders,
-                busy_transitions: v.counts.busy_transitions,
-                adopted: v.counts.adopted,
-                finished_before: v.counts.finished_before,
-                refused_connections: v.counts.refused_connections,
-                in_flight_at_end: v.in_flight,
-                errors: v.errors,
-            }
-        });
-        Report::assemble(
-            r,
-            info,
-            Parts {
-                sources,
-                readout_units,
-                builders,
-                recorder,
-                event_manager,
-                refused_outside_allow: tessera_net::io::REFUSED_BY_NETWORK
-                    .load(std::sync::atomic::Ordering::Relaxed),
-            },
-        )
+        p.sources
+            .retain(|s| !(s.link_state.starts_with(REMOTE) && read_here.contains(&s.id)));
+        Report::assemble(r, info, p)
     }
 
     /// The report of a run spread over hosts, from every host's own report: a source's

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use tessera_config::Resolved;
 
 use crate::live::{Live, LiveBuilder, LiveReadout, LiveRecorder, LiveSource};
-use crate::{Running, StopStage};
+use crate::{report, Running, StopStage};
 
 /// Why a role failed, typed: the run control acts on the kind, the words are for people.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
@@ -77,6 +77,8 @@ pub trait RunRole: Send + Sync {
     }
     /// Adds its counters and gauges to `live` (the live view, `/metrics`).
     fn live(&self, r: &Resolved, live: &mut Live);
+    /// Adds its part to the end-of-run report.
+    fn report(&self, cx: &report::Cx, parts: &mut report::Parts);
 }
 
 impl Running {
@@ -135,6 +137,9 @@ impl RunRole for tessera_source::RunningSources {
     }
     fn paused(&self) -> bool {
         tessera_source::RunningSources::paused(self)
+    }
+    fn report(&self, cx: &report::Cx, parts: &mut report::Parts) {
+        report::sources(self, cx, parts);
     }
     fn live(&self, r: &Resolved, live: &mut Live) {
         // The sending side; the link's side comes from the readout unit, here or on another
@@ -213,6 +218,9 @@ impl RunRole for tessera_readout::ReadoutUnit {
                 + s.queued_fragments.load(Relaxed)
                 + s.requests.stored_fragments.load(Relaxed)
         )
+    }
+    fn report(&self, cx: &report::Cx, parts: &mut report::Parts) {
+        report::readout(self, cx, parts);
     }
     fn live(&self, r: &Resolved, live: &mut Live) {
         let s = &self.stats;
@@ -320,6 +328,9 @@ impl RunRole for tessera_builder::BuilderUnit {
             self.stats.queued_fragments.load(Relaxed)
         )
     }
+    fn report(&self, cx: &report::Cx, parts: &mut report::Parts) {
+        report::builder(self, cx, parts);
+    }
     fn live(&self, r: &Resolved, live: &mut Live) {
         let s = &self.stats;
         let (used, limit) = s.buffer_use();
@@ -401,6 +412,9 @@ impl RunRole for tessera_recorder::Recorder {
             self.stats.queued_fragments.load(Relaxed)
         )
     }
+    fn report(&self, _cx: &report::Cx, parts: &mut report::Parts) {
+        report::recorder(self, parts);
+    }
     fn live(&self, r: &Resolved, live: &mut Live) {
         let s = &self.stats;
         let (used, limit) = s.buffer_use();
@@ -454,6 +468,9 @@ impl RunRole for tessera_manager::EventManager {
     }
     fn left(&self) -> String {
         "event manager aborted".into()
+    }
+    fn report(&self, _cx: &report::Cx, parts: &mut report::Parts) {
+        report::manager(self, parts);
     }
     fn live(&self, _: &Resolved, _: &mut Live) {
         // Its counters are in the report (assignments, clears, dead builders), not live.
