@@ -1,5 +1,5 @@
 //! `tessera._native`: the Rust side of the Python package. It binds the same reader and client
-//! code the `tessera` binary uses (no second implementation of the formats): `tessera-verify`'s
+//! code the `tessera` binary uses (no second implementation of the formats): `tessera-archive`'s
 //! file reader, `tessera-format`'s event and fragment parsers, `tessera-monitor`'s consumer.
 //!
 //! Data crosses into Python once per block (a file) or once per batch (the monitor), as one
@@ -18,7 +18,7 @@ use tessera_format::event::EventRecordHeader;
 use tessera_format::link::Fragments;
 use tessera_format::monitor::Wait;
 use tessera_monitor::client::{command, ClientOptions, Consumer as RustConsumer};
-use tessera_verify::FileReader;
+use tessera_archive::FileReader;
 
 /// One event's header fields, as a tuple:
 /// (offset, size, event_id, trigger_type, flags, fragment_count, builder_id, timestamp, missing).
@@ -30,7 +30,7 @@ type FragmentTuple = (u32, u64, u16, u16, usize, usize, usize, usize);
 
 fn event_tuples(raw: &[u8]) -> PyResult<Vec<EventTuple>> {
     let mut out = Vec::new();
-    for e in tessera_verify::events_in(raw) {
+    for e in tessera_archive::events_in(raw) {
         let e = e.map_err(|e| PyValueError::new_err(e.to_string()))?;
         let offset = e.bytes.as_ptr() as usize - raw.as_ptr() as usize;
         let h = e.header;

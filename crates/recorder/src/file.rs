@@ -69,11 +69,6 @@ fn unix_ns() -> u64 {
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
-/// `run000012_0003.tsr`
-pub fn file_name(run: u64, seq: u32) -> String {
-    format!("run{run:06}_{seq:04}.tsr")
-}
-
 impl FileWriter {
     pub fn new(s: FileSettings) -> FileWriter {
         let codec = match s.section.compression {
@@ -432,18 +427,7 @@ pub fn free_bytes(dir: &Path) -> Option<u64> {
     Some((v.f_bavail as u64).saturating_mul(v.f_frsize as u64))
 }
 
-/// Writes `bytes` to `path` through a temporary name, so readers never see a partial file.
-pub fn write_atomic(path: &Path, bytes: &[u8], sync: bool) -> io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    {
-        let mut f = File::create(&tmp)?;
-        f.write_all(bytes)?;
-        if sync {
-            f.sync_all()?;
-        }
-    }
-    std::fs::rename(tmp, path)
-}
+pub use tessera_archive::{file_name, write_atomic};
 
 #[cfg(test)]
 mod tests {

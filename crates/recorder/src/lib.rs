@@ -12,7 +12,7 @@ mod file;
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 use parking_lot::Mutex;
-use serde::Serialize;
+
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -26,12 +26,9 @@ use tessera_net::reader::Fill;
 use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::{Budget, ChunkReader, ChunkSlice};
 
-pub use file::{file_name, free_bytes, FileSettings, FileWriter};
+pub use file::{free_bytes, FileSettings, FileWriter};
 
-/// Writes a small file durably under its final name (temporary name, fsync, rename).
-pub fn file_write_atomic(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
-    file::write_atomic(path, bytes, true)
-}
+pub use tessera_archive::{file_name, file_write_atomic, FileInfo};
 
 pub struct RecorderConfig {
     pub listener: TcpListener,
@@ -49,41 +46,6 @@ pub struct RecorderConfig {
     pub max_message: usize,
     /// The monitor every recorded event is offered to (after it is written).
     pub monitor: Option<tessera_monitor::Monitor>,
-}
-
-/// A finished file, as its sidecar describes it.
-#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq, Eq)]
-pub struct FileInfo {
-    pub file: String,
-    pub format_version: u16,
-    pub run_number: u64,
-    pub sequence: u32,
-    pub size_bytes: u64,
-    pub events: u64,
-    pub incomplete_events: u64,
-    pub fragments: u64,
-    pub record_bytes: u64,
-    pub blocks: u32,
-    pub compression: String,
-    pub filter: String,
-    pub file_crc32c: String,
-    pub first_event_id: Option<u64>,
-    pub last_event_id: Option<u64>,
-    pub start_time_unix_ns: u64,
-    pub end_time_unix_ns: u64,
-    pub config_sha256: String,
-    /// Payload pattern of the emulated sources (`verify` regenerates and compares it).
-    pub pattern: String,
-    /// Every source an event is expected to hold.
-    #[serde(default)]
-    pub sources: Vec<u32>,
-    /// The sources whose payloads follow `pattern` (the emulated ones).
-    #[serde(default)]
-    pub pattern_sources: Vec<u32>,
-    /// Closed by recovery after a crash (`tessera recover`), not by its recorder: it holds the
-    /// whole blocks the crash left, its `end_time_unix_ns` is 0.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub recovered: bool,
 }
 
 /// The file being written: its name, what its whole blocks hold so far.

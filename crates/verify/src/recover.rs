@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use serde::Serialize;
+use tessera_archive::FileInfo;
 use tessera_format::event::EventFlags;
 use tessera_format::file::{FileTrailer, FILE_HEADER_SIZE, FILE_VERSION};
-use tessera_recorder::FileInfo;
 
 use crate::{events_in, FileReader};
 
@@ -164,7 +164,7 @@ pub fn recover_part(part: &Path) -> Result<Recovered> {
         recovered: true,
     };
     let json = serde_json::to_vec_pretty(&info)?;
-    tessera_recorder::file_write_atomic(&dir.join(format!("{name}.json")), &json)?;
+    tessera_archive::file_write_atomic(&dir.join(format!("{name}.json")), &json)?;
     if let Ok(d) = File::open(dir) {
         let _ = d.sync_all();
     }
