@@ -758,6 +758,9 @@ pub struct RecorderSection {
     pub zstd_level: i32,
     /// Byte-shuffle blocks (2-byte elements) before compressing.
     pub shuffle: bool,
+    /// Threads that checksum, shuffle and compress blocks in parallel (blocks still reach the
+    /// file in order; one disk thread only writes).
+    pub compression_threads: u32,
     /// Limit the write rate, in bytes per second (0: no limit): rehearses a slow disk.
     pub throttle: ByteSize,
     /// fsync each file before it takes its final name.
@@ -790,6 +793,7 @@ impl Default for RecorderSection {
             compression: Compression::None,
             zstd_level: 1,
             shuffle: true,
+            compression_threads: 2,
             throttle: ByteSize(0),
             fsync: true,
             durability: Durability::Written,
@@ -1559,6 +1563,12 @@ impl Topology {
             return Err(err(
                 "recorder.fsync",
                 "durability = \"sync\" syncs every block; a finished file cannot skip its sync (set fsync = true)".into(),
+            ));
+        }
+        if !(1..=64).contains(&r.compression_threads) {
+            return Err(err(
+                "recorder.compression_threads",
+                format!("{} is outside 1..=64", r.compression_threads),
             ));
         }
         if r.block_size.0 < 4096 || r.block_size.0 > (256 << 20) {

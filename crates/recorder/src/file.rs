@@ -1,12 +1,31 @@
-//! Writes the files: blocks, rotation, trailer, durable close, sidecar.
+//! Writes the files as a pipeline, so that the disk stays busy and no file's close pauses the
+//! flow of events:
+//!
+//! - the recorder's writer thread fills blocks with records and seals them ([`FileWriter`]);
+//! - `recorder.compression_threads` threads encode sealed blocks (checksum, byte shuffle,
+//!   compression), several at once, in any order;
+//! - one disk thread writes the encoded blocks in their order and only writes: it rotates files
+//!   by size (the next file is opened at once) and syncs when asked (group commit);
+//! - one closer thread finishes each full file (trailer, sync, rename, sidecar, directory sync)
+//!   while the next one is already being written.
+//!
+//! Records count as written once the disk thread wrote their block, and as synced once the file
+//! holding them and every file before it are synced, so an acknowledgement never runs ahead of
+//! the disk. Every stage hands on through a bounded channel: a slow disk holds the compressors,
+//! which hold the writer, which holds the builder links (back-pressure, never a growing queue).
 
+use crossbeam_channel::{bounded, Receiver, Sender};
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{self, IoSlice, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tessera_config::{Compression, RecorderSection};
+use tessera_config::{Compression, Durability, RecorderSection};
 use tessera_format::file::{
     BlockEncoder, BlockHeader, Codec, FileHeader, FileTrailer, Filter, FILE_HEADER_SIZE,
 };
@@ -24,6 +43,31 @@ pub struct FileSettings {
     pub section: RecorderSection,
 }
 
+impl FileSettings {
+    fn codec(&self) -> Codec {
+        match self.section.compression {
+            Compression::None => Codec::None,
+            Compression::Lz4 => Codec::Lz4,
+            Compression::Zstd => Codec::Zstd,
+        }
+    }
+
+    fn filter(&self) -> Filter {
+        if self.section.shuffle && self.codec() != Codec::None {
+            Filter::Shuffle2
+        } else {
+            Filter::None
+        }
+    }
+
+    /// A finished file is synced when the files are, or when events are acknowledged only once
+    /// synced (then skipping it would acknowledge what is not on the disk).
+    fn sync_files(&self) -> bool {
+        self.section.fsync || self.section.durability == Durability::Sync
+    }
+}
+
+/// The file being written.
 struct Open {
     file: File,
     part: PathBuf,
@@ -48,19 +92,110 @@ struct Block {
     first: Option<u64>,
 }
 
+/// What a block holds, for the file's trailer and sidecar.
+#[derive(Clone, Copy, Default)]
+struct Counts {
+    raw: usize,
+    events: u32,
+    fragments: u64,
+    incomplete: u64,
+    first: u64,
+    last: Option<u64>,
+}
+
+/// Work for the compressors, numbered in the order the disk thread must take it.
+enum Work {
+    Block(u64, Block),
+    /// Sync what is written so far (and raise the synced count when done).
+    Sync(u64),
+}
+
+/// Work the disk thread takes in order.
+enum Ready {
+    Block {
+        header: [u8; tessera_format::file::BLOCK_HEADER_SIZE],
+        stored: Stored,
+        counts: Counts,
+    },
+    Sync,
+}
+
+/// A block's bytes on the disk: the records themselves (uncompressed, written with one
+/// vectored call from the links' chunks) or the encoded bytes.
+enum Stored {
+    Records(Vec<ChunkSlice>),
+    Bytes(Vec<u8>),
+}
+
+/// A full file on its way to the closer, with the records written before its end.
+struct ToClose {
+    open: Open,
+    records_end: u64,
+}
+
+/// How far the records got, counted in the order the writer sealed them.
+#[derive(Default)]
+struct Progress {
+    /// Records in blocks the disk thread wrote.
+    written: AtomicU64,
+    /// Records on the disk: in files synced (the closer) or synced in the open file, with every
+    /// file before synced too.
+    synced: AtomicU64,
+    sync: Mutex<SyncState>,
+    /// The first error of the disk or the closer: the writer stops storing and says why.
+    error: Mutex<Option<String>>,
+    failed: AtomicBool,
+    /// Raised by the writer's abandon: drop everything, finish nothing more.
+    abandon: AtomicBool,
+}
+
+#[derive(Default)]
+struct SyncState {
+    /// Records before the end of the last file handed to the closer.
+    handed: u64,
+    /// Records before the end of the last file the closer finished.
+    closed: u64,
+    /// Records synced in the open file (counted from the run's start).
+    open_synced: u64,
+}
+
+impl Progress {
+    fn fail(&self, what: &str, e: io::Error) {
+        let mut err = self.error.lock();
+        if err.is_none() {
+            tracing::error!(error = %e, "{what} failed");
+            *err = Some(format!("{what}: {e}"));
+        }
+        self.failed.store(true, Ordering::Release);
+    }
+
+    /// Raises the synced count as far as every earlier file allows.
+    fn update_synced(&self, f: impl FnOnce(&mut SyncState)) {
+        let mut s = self.sync.lock();
+        f(&mut s);
+        let synced = if s.closed >= s.handed {
+            s.closed.max(s.open_synced)
+        } else {
+            s.closed
+        };
+        self.synced.fetch_max(synced, Ordering::AcqRel);
+    }
+}
+
+/// The writer's end of the pipeline. Records appended are sealed into blocks and handed on;
+/// [`FileWriter::unwritten`] and [`FileWriter::unsynced`] say how many have not reached the file
+/// or the disk yet.
 pub struct FileWriter {
-    s: FileSettings,
-    codec: Codec,
-    filter: Filter,
-    open: Option<Open>,
+    block_size: usize,
     block: Block,
-    next_sequence: u32,
-    enc: BlockEncoder,
-    raw_buf: Vec<u8>,
-    throttle_t0: Option<Instant>,
-    throttle_bytes: u64,
-    /// Records written to the file since its last sync (a finished file is synced whole).
-    unsynced: usize,
+    next_seq: u64,
+    /// Records appended since the start.
+    appended: u64,
+    to_compress: Option<Sender<Work>>,
+    progress: Arc<Progress>,
+    /// Told after each write or sync, so the writer's loop acknowledges at once.
+    news: Receiver<()>,
+    threads: Vec<JoinHandle<()>>,
 }
 
 fn unix_ns() -> u64 {
@@ -70,43 +205,67 @@ fn unix_ns() -> u64 {
 }
 
 impl FileWriter {
-    pub fn new(s: FileSettings) -> FileWriter {
-        let codec = match s.section.compression {
-            Compression::None => Codec::None,
-            Compression::Lz4 => Codec::Lz4,
-            Compression::Zstd => Codec::Zstd,
-        };
-        let filter = if s.section.shuffle && codec != Codec::None {
-            Filter::Shuffle2
-        } else {
-            Filter::None
-        };
+    pub fn new(s: FileSettings, st: Arc<RecorderStats>) -> FileWriter {
+        let s = Arc::new(s);
+        let threads_n = s.section.compression_threads.max(1) as usize;
+        // Two blocks per compressor in each hand-over: enough to keep every stage busy, and the
+        // records they pin are bounded by the links' budgets.
+        let (work_tx, work_rx) = bounded::<Work>(2 * threads_n);
+        let (ready_tx, ready_rx) = bounded::<(u64, Ready)>(2 * threads_n);
+        let (close_tx, close_rx) = bounded::<ToClose>(4);
+        let (news_tx, news_rx) = bounded::<()>(1);
+        let progress = Arc::new(Progress::default());
+        let mut threads = Vec::new();
+        for i in 0..threads_n {
+            let (rx, tx, s) = (work_rx.clone(), ready_tx.clone(), s.clone());
+            let progress = progress.clone();
+            threads.push(spawn(format!("recorder-compress{i}"), move || {
+                compress_loop(&s, rx, tx, &progress)
+            }));
+        }
+        drop(ready_tx);
+        {
+            let (s, st, progress) = (s.clone(), st.clone(), progress.clone());
+            let news = news_tx.clone();
+            threads.push(spawn("recorder-disk".into(), move || {
+                let mut d = Disk::new(s, st, progress, close_tx, news);
+                d.run(ready_rx);
+            }));
+        }
+        {
+            let (s, progress) = (s.clone(), progress.clone());
+            threads.push(spawn("recorder-closer".into(), move || {
+                for c in close_rx {
+                    close_file(&s, &st, &progress, c, &news_tx);
+                }
+            }));
+        }
         FileWriter {
-            s,
-            codec,
-            filter,
-            open: None,
+            block_size: s.section.block_size.0 as usize,
             block: Block::default(),
-            next_sequence: 1,
-            enc: BlockEncoder::default(),
-            raw_buf: Vec::new(),
-            throttle_t0: None,
-            throttle_bytes: 0,
-            unsynced: 0,
+            next_seq: 0,
+            appended: 0,
+            to_compress: Some(work_tx),
+            progress,
+            news: news_rx,
+            threads,
         }
     }
 
+    fn failed(&self) -> io::Result<()> {
+        if self.progress.failed.load(Ordering::Acquire) {
+            let e = self.progress.error.lock().clone().unwrap_or_default();
+            return Err(io::Error::other(e));
+        }
+        Ok(())
+    }
+
     /// Adds one event record.
-    pub fn append(
-        &mut self,
-        rec: ChunkSlice,
-        fragments: u32,
-        incomplete: bool,
-        st: &RecorderStats,
-    ) -> io::Result<()> {
+    pub fn append(&mut self, rec: ChunkSlice, fragments: u32, incomplete: bool) -> io::Result<()> {
+        self.failed()?;
         let id = tessera_format::bytes::u64_at(&rec, 16);
-        if self.block.raw > 0 && self.block.raw + rec.len() > self.s.section.block_size.0 as usize {
-            self.flush_block(st)?;
+        if self.block.raw > 0 && self.block.raw + rec.len() > self.block_size {
+            self.seal()?;
         }
         let b = &mut self.block;
         b.first.get_or_insert(id);
@@ -115,157 +274,390 @@ impl FileWriter {
         b.fragments += fragments as u64;
         b.incomplete += incomplete as u64;
         b.records.push(rec);
-        if self.block.raw >= self.s.section.block_size.0 as usize {
-            self.flush_block(st)?;
+        self.appended += 1;
+        if self.block.raw >= self.block_size {
+            self.seal()?;
         }
         Ok(())
     }
 
-    fn flush_block(&mut self, st: &RecorderStats) -> io::Result<()> {
+    fn send(&mut self, w: impl FnOnce(u64) -> Work) -> io::Result<()> {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let tx = self
+            .to_compress
+            .as_ref()
+            .ok_or_else(|| io::Error::other("closed"))?;
+        tx.send(w(seq))
+            .map_err(|_| io::Error::other("the recorder's disk pipeline ended"))?;
+        self.failed()
+    }
+
+    /// Hands the partial block on.
+    fn seal(&mut self) -> io::Result<()> {
         if self.block.events == 0 {
             return Ok(());
         }
         let block = std::mem::take(&mut self.block);
-        let first = block.first.unwrap_or(0);
-        let last = block
-            .records
-            .last()
-            .map(|r| tessera_format::bytes::u64_at(r, 16));
-        let t = Instant::now();
-        let codec = self.codec;
-        let filter = self.filter;
-        let level = self.s.section.zstd_level;
-        let written;
-        {
-            // Compressed blocks need the records contiguous; uncompressed ones go out as they are.
-            let raw_buf = &mut self.raw_buf;
-            let enc = &mut self.enc;
-            if self.open.is_none() {
-                Self::open_now(
-                    &mut self.open,
-                    &self.s,
-                    codec,
-                    filter,
-                    &mut self.next_sequence,
-                )?;
-            }
-            let o = self.open.as_mut().expect("opened above");
-            if codec == Codec::None {
-                let mut raw_crc = 0u32;
-                for r in &block.records {
-                    raw_crc = tessera_format::crc::crc32c_append(raw_crc, r);
+        self.send(|seq| Work::Block(seq, block))
+    }
+
+    /// Signalled after each write or sync: wake up and acknowledge.
+    pub fn news(&self) -> &Receiver<()> {
+        &self.news
+    }
+
+    /// After a failed write: drops the records still held (their memory goes back to the
+    /// links, so the recorder keeps draining its builders) and the unfinished file, which stays
+    /// on disk as `.part` for inspection and is never given its final name.
+    pub fn abandon(&mut self) {
+        self.block = Block::default();
+        self.progress.abandon.store(true, Ordering::Release);
+        self.to_compress = None;
+    }
+
+    /// Records appended and not yet written to the file.
+    pub fn unwritten(&self) -> usize {
+        (self.appended
+            - self
+                .progress
+                .written
+                .load(Ordering::Acquire)
+                .min(self.appended)) as usize
+    }
+
+    /// Records appended and not yet on the disk.
+    pub fn unsynced(&self) -> usize {
+        (self.appended
+            - self
+                .progress
+                .synced
+                .load(Ordering::Acquire)
+                .min(self.appended)) as usize
+    }
+
+    /// Writes the partial block and syncs everything written (group commit): once done,
+    /// [`Self::unsynced`] drops (the disk thread and the closer report it).
+    pub fn sync(&mut self) -> io::Result<()> {
+        if self.unsynced() == 0 {
+            return Ok(());
+        }
+        self.seal()?;
+        self.send(Work::Sync)
+    }
+
+    /// Writes the partial block, if any (the file stays open).
+    pub fn flush(&mut self) -> io::Result<()> {
+        self.seal()
+    }
+
+    /// Writes the last block, closes the file, and waits for every stage to finish.
+    pub fn close(&mut self) -> io::Result<()> {
+        let sealed = self.seal();
+        self.to_compress = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        sealed?;
+        self.failed()
+    }
+}
+
+impl Drop for FileWriter {
+    fn drop(&mut self) {
+        self.to_compress = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(f)
+        .expect("spawning a recorder thread")
+}
+
+/// One compressor: checksums, shuffles and compresses blocks as they come.
+fn compress_loop(
+    s: &FileSettings,
+    rx: Receiver<Work>,
+    tx: Sender<(u64, Ready)>,
+    progress: &Progress,
+) {
+    let (codec, filter, level) = (s.codec(), s.filter(), s.section.zstd_level);
+    let mut enc = BlockEncoder::default();
+    let mut raw = Vec::new();
+    for w in rx {
+        let (seq, ready) = match w {
+            Work::Sync(seq) => (seq, Ready::Sync),
+            Work::Block(seq, block) => {
+                if progress.abandon.load(Ordering::Acquire) {
+                    continue;
                 }
-                let h = BlockHeader {
-                    codec,
-                    filter: Filter::None,
-                    stored_size: block.raw as u32,
-                    raw_size: block.raw as u32,
-                    event_count: block.events,
-                    raw_crc,
-                    first_event_id: first,
+                let counts = Counts {
+                    raw: block.raw,
+                    events: block.events,
+                    fragments: block.fragments,
+                    incomplete: block.incomplete,
+                    first: block.first.unwrap_or(0),
+                    last: block
+                        .records
+                        .last()
+                        .map(|r| tessera_format::bytes::u64_at(r, 16)),
                 };
-                let hb = h.encode();
-                let mut io: Vec<IoSlice> = Vec::with_capacity(block.records.len() + 1);
-                io.push(IoSlice::new(&hb));
-                io.extend(block.records.iter().map(|r| IoSlice::new(r)));
-                tessera_net::io::write_all_vectored(&mut o.file, &mut io)?;
-                // The file CRC goes on over the header and the same records (a second pass at
-                // ~59 GB/s is cheaper than combining raw_crc into it, which cost ~100 us a block).
-                o.crc = tessera_format::crc::crc32c_append(o.crc, &hb);
-                for r in &block.records {
-                    o.crc = tessera_format::crc::crc32c_append(o.crc, r);
+                if codec == Codec::None {
+                    let mut raw_crc = 0u32;
+                    for r in &block.records {
+                        raw_crc = tessera_format::crc::crc32c_append(raw_crc, r);
+                    }
+                    let h = BlockHeader {
+                        codec,
+                        filter: Filter::None,
+                        stored_size: block.raw as u32,
+                        raw_size: block.raw as u32,
+                        event_count: block.events,
+                        raw_crc,
+                        first_event_id: counts.first,
+                    };
+                    let ready = Ready::Block {
+                        header: h.encode(),
+                        stored: Stored::Records(block.records),
+                        counts,
+                    };
+                    (seq, ready)
+                } else {
+                    // Compressed blocks need the records contiguous; their chunks go back to
+                    // the links as soon as they are copied.
+                    raw.clear();
+                    for r in &block.records {
+                        raw.extend_from_slice(r);
+                    }
+                    drop(block.records);
+                    let (h, stored) =
+                        enc.encode(&raw, codec, filter, level, counts.events, counts.first);
+                    let ready = Ready::Block {
+                        header: h.encode(),
+                        stored: Stored::Bytes(stored.to_vec()),
+                        counts,
+                    };
+                    (seq, ready)
                 }
-                written = hb.len() + block.raw;
-            } else {
-                raw_buf.clear();
-                for r in &block.records {
-                    raw_buf.extend_from_slice(r);
-                }
-                let (h, stored) = enc.encode(raw_buf, codec, filter, level, block.events, first);
-                let hb = h.encode();
-                o.file.write_all(&hb)?;
-                o.file.write_all(stored)?;
-                o.crc = tessera_format::crc::crc32c_append(
-                    tessera_format::crc::crc32c_append(o.crc, &hb),
-                    stored,
-                );
-                written = hb.len() + stored.len();
             }
-            o.size += written as u64;
-            self.unsynced += block.events as usize;
-            o.trailer.events += block.events as u64;
-            o.trailer.incomplete_events += block.incomplete;
-            o.trailer.fragments += block.fragments;
-            o.trailer.record_bytes += block.raw as u64;
-            o.trailer.blocks += 1;
-            o.first.get_or_insert(first);
-            o.last = last;
-            *st.current_file.lock() = Some(crate::CurrentFile {
-                file: format!("{}.part", o.name),
-                events: o.trailer.events,
-                size_bytes: o.size,
+        };
+        if tx.send((seq, ready)).is_err() {
+            return;
+        }
+    }
+}
+
+/// The disk thread: writes in order, rotates, syncs.
+struct Disk {
+    s: Arc<FileSettings>,
+    st: Arc<RecorderStats>,
+    progress: Arc<Progress>,
+    to_closer: Option<Sender<ToClose>>,
+    news: Sender<()>,
+    open: Option<Open>,
+    next_sequence: u32,
+    /// Records written since the start.
+    written: u64,
+    throttle_t0: Option<Instant>,
+    throttle_bytes: u64,
+}
+
+impl Disk {
+    fn new(
+        s: Arc<FileSettings>,
+        st: Arc<RecorderStats>,
+        progress: Arc<Progress>,
+        to_closer: Sender<ToClose>,
+        news: Sender<()>,
+    ) -> Disk {
+        Disk {
+            s,
+            st,
+            progress,
+            to_closer: Some(to_closer),
+            news,
+            open: None,
+            next_sequence: 1,
+            written: 0,
+            throttle_t0: None,
+            throttle_bytes: 0,
+        }
+    }
+
+    fn run(&mut self, rx: Receiver<(u64, Ready)>) {
+        // Compressors finish out of order; blocks wait here for their turn (at most the ones in
+        // flight: the channels are bounded).
+        let mut waiting: BTreeMap<u64, Ready> = BTreeMap::new();
+        let mut next = 0u64;
+        for (seq, ready) in rx {
+            waiting.insert(seq, ready);
+            while let Some(r) = waiting.remove(&next) {
+                next += 1;
+                if self.progress.abandon.load(Ordering::Acquire)
+                    || self.progress.failed.load(Ordering::Acquire)
+                {
+                    continue;
+                }
+                let r = match r {
+                    Ready::Block {
+                        header,
+                        stored,
+                        counts,
+                    } => self.write_block(&header, stored, counts),
+                    Ready::Sync => self.sync(),
+                };
+                if let Err(e) = r {
+                    self.progress.fail("writing", e);
+                }
+                let _ = self.news.try_send(());
+            }
+        }
+        // The writer closed its end: the open file is finished too (never after an abandon or
+        // a failure: it stays `.part`).
+        if !self.progress.abandon.load(Ordering::Acquire)
+            && !self.progress.failed.load(Ordering::Acquire)
+        {
+            self.hand_to_closer();
+        }
+        self.to_closer = None;
+    }
+
+    fn open_file(&mut self) -> io::Result<&mut Open> {
+        if self.open.is_none() {
+            let s = &self.s;
+            std::fs::create_dir_all(&s.dir)?;
+            let seq = self.next_sequence;
+            self.next_sequence += 1;
+            let name = crate::file_name(s.run_number, seq);
+            let part = s.dir.join(format!("{name}.part"));
+            let mut file = File::create(&part)?;
+            let start_ns = unix_ns();
+            let hb = FileHeader {
+                run_number: s.run_number,
+                file_sequence: seq,
+                codec: s.codec(),
+                filter: s.filter(),
+                start_time_ns: start_ns,
+                config_digest: s.config_digest,
+            }
+            .encode();
+            file.write_all(&hb)?;
+            self.open = Some(Open {
+                file,
+                part,
+                name,
+                sequence: seq,
+                crc: tessera_format::crc::crc32c(&hb),
+                size: FILE_HEADER_SIZE as u64,
+                trailer: FileTrailer::default(),
+                first: None,
+                last: None,
+                start_ns,
             });
         }
-        st.write_ns
+        Ok(self.open.as_mut().expect("opened above"))
+    }
+
+    fn write_block(&mut self, header: &[u8], stored: Stored, c: Counts) -> io::Result<()> {
+        let t = Instant::now();
+        let max_file = self.s.section.max_file_size.0;
+        let st = self.st.clone();
+        let o = self.open_file()?;
+        let written = match &stored {
+            Stored::Records(records) => {
+                let mut io: Vec<IoSlice> = Vec::with_capacity(records.len() + 1);
+                io.push(IoSlice::new(header));
+                io.extend(records.iter().map(|r| IoSlice::new(r)));
+                tessera_net::io::write_all_vectored(&mut o.file, &mut io)?;
+                // The file CRC goes on over the header and the same records (a second pass at
+                // ~59 GB/s is cheaper than combining the raw CRC into it).
+                o.crc = tessera_format::crc::crc32c_append(o.crc, header);
+                for r in records {
+                    o.crc = tessera_format::crc::crc32c_append(o.crc, r);
+                }
+                header.len() + c.raw
+            }
+            Stored::Bytes(b) => {
+                o.file.write_all(header)?;
+                o.file.write_all(b)?;
+                o.crc = tessera_format::crc::crc32c_append(
+                    tessera_format::crc::crc32c_append(o.crc, header),
+                    b,
+                );
+                header.len() + b.len()
+            }
+        };
+        drop(stored);
+        o.size += written as u64;
+        o.trailer.events += c.events as u64;
+        o.trailer.incomplete_events += c.incomplete;
+        o.trailer.fragments += c.fragments;
+        o.trailer.record_bytes += c.raw as u64;
+        o.trailer.blocks += 1;
+        o.first.get_or_insert(c.first);
+        o.last = c.last;
+        *st.current_file.lock() = Some(crate::CurrentFile {
+            file: format!("{}.part", o.name),
+            events: o.trailer.events,
+            size_bytes: o.size,
+        });
+        let full = o.size >= max_file;
+        self.written += c.events as u64;
+        self.progress.written.store(self.written, Ordering::Release);
+        self.st
+            .write_ns
             .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        st.file_bytes.fetch_add(written as u64, Ordering::Relaxed);
-        drop(block.records);
-        self.throttle(written as u64, st);
-        if self
-            .open
-            .as_ref()
-            .is_some_and(|o| o.size >= self.s.section.max_file_size.0)
-        {
-            self.finish_file(st)?;
+        self.st
+            .file_bytes
+            .fetch_add(written as u64, Ordering::Relaxed);
+        self.throttle(written as u64);
+        if full {
+            // The next block opens the next file; this one is finished beside the data path.
+            self.hand_to_closer();
         }
         Ok(())
     }
 
-    fn open_now<'a>(
-        slot: &'a mut Option<Open>,
-        s: &FileSettings,
-        codec: Codec,
-        filter: Filter,
-        next: &mut u32,
-    ) -> io::Result<&'a mut Open> {
-        std::fs::create_dir_all(&s.dir)?;
-        let seq = *next;
-        *next += 1;
-        let name = file_name(s.run_number, seq);
-        let part = s.dir.join(format!("{name}.part"));
-        let mut file = File::create(&part)?;
-        let start_ns = unix_ns();
-        let hb = FileHeader {
-            run_number: s.run_number,
-            file_sequence: seq,
-            codec,
-            filter,
-            start_time_ns: start_ns,
-            config_digest: s.config_digest,
+    fn hand_to_closer(&mut self) {
+        let Some(open) = self.open.take() else {
+            return;
+        };
+        self.st.current_file.lock().take();
+        let records_end = self.written;
+        self.progress.update_synced(|s| s.handed = records_end);
+        if let Some(tx) = &self.to_closer {
+            let _ = tx.send(ToClose { open, records_end });
         }
-        .encode();
-        file.write_all(&hb)?;
-        *slot = Some(Open {
-            file,
-            part,
-            name,
-            sequence: seq,
-            crc: tessera_format::crc::crc32c(&hb),
-            size: FILE_HEADER_SIZE as u64,
-            trailer: FileTrailer::default(),
-            first: None,
-            last: None,
-            start_ns,
-        });
-        Ok(slot.as_mut().expect("just set"))
     }
 
-    /// Sleeps as needed so that the average write rate stays under the throttle.
+    /// Syncs the data written to the open file (fdatasync): every record written so far is on
+    /// the disk once the files before it are too. One call covers every block written since the
+    /// last (group commit).
+    fn sync(&mut self) -> io::Result<()> {
+        if let Some(o) = &self.open {
+            let t = Instant::now();
+            o.file.sync_data()?;
+            self.st
+                .write_ns
+                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            self.st.syncs.fetch_add(1, Ordering::Relaxed);
+        }
+        let w = self.written;
+        self.progress.update_synced(|s| s.open_synced = w);
+        Ok(())
+    }
+
     /// Looks at the free space of the output file system after each block: below the soft
     /// watermark the disk alarm goes on and each block is followed by a pause (the run feels it
     /// as back-pressure from the disk); below the hard one the run is asked to stop while there
     /// is room left for its drain, trailers, manifest and database.
-    fn watch_disk(&mut self, st: &RecorderStats) {
+    fn watch_disk(&mut self) {
+        let st = &self.st;
         let Some(free) = free_bytes(&self.s.dir) else {
             return;
         };
@@ -291,8 +683,9 @@ impl FileWriter {
         }
     }
 
-    fn throttle(&mut self, n: u64, st: &RecorderStats) {
-        self.watch_disk(st);
+    /// Sleeps as needed so that the average write rate stays under the throttle.
+    fn throttle(&mut self, n: u64) {
+        self.watch_disk();
         let rate = self.s.section.throttle.0;
         if rate == 0 {
             return;
@@ -303,34 +696,47 @@ impl FileWriter {
         let el = t0.elapsed();
         if due > el {
             std::thread::sleep(due - el);
-            st.throttled_ns
+            self.st
+                .throttled_ns
                 .fetch_add((due - el).as_nanos() as u64, Ordering::Relaxed);
         }
     }
+}
 
-    /// Trailer, fsync, rename, sidecar.
-    fn finish_file(&mut self, st: &RecorderStats) -> io::Result<()> {
-        let Some(mut o) = self.open.take() else {
-            return Ok(());
-        };
-        st.current_file.lock().take();
-        let t = Instant::now();
+/// The closer: trailer, sync, rename, sidecar, directory sync; then the file's records count as
+/// synced (with every file before it, which this thread finished first).
+fn close_file(
+    s: &FileSettings,
+    st: &RecorderStats,
+    progress: &Progress,
+    c: ToClose,
+    news: &Sender<()>,
+) {
+    let ToClose {
+        open: mut o,
+        records_end,
+    } = c;
+    if progress.failed.load(Ordering::Acquire) {
+        return;
+    }
+    let t = Instant::now();
+    let r = (|| -> io::Result<FileInfo> {
         o.trailer.file_crc = o.crc;
         let tb = o.trailer.encode();
         o.file.write_all(&tb)?;
         o.size += tb.len() as u64;
-        if self.s.section.fsync {
+        st.file_bytes.fetch_add(tb.len() as u64, Ordering::Relaxed);
+        if s.sync_files() {
             o.file.sync_all()?;
-            self.unsynced = 0;
             st.syncs.fetch_add(1, Ordering::Relaxed);
         }
-        drop(o.file);
-        let final_path = self.s.dir.join(&o.name);
+        let final_path = s.dir.join(&o.name);
         std::fs::rename(&o.part, &final_path)?;
+        let codec = s.codec();
         let info = FileInfo {
             file: o.name.clone(),
             format_version: tessera_format::file::FILE_VERSION,
-            run_number: self.s.run_number,
+            run_number: s.run_number,
             sequence: o.sequence,
             size_bytes: o.size,
             events: o.trailer.events,
@@ -338,81 +744,40 @@ impl FileWriter {
             fragments: o.trailer.fragments,
             record_bytes: o.trailer.record_bytes,
             blocks: o.trailer.blocks,
-            compression: self.codec.name().into(),
-            filter: self.filter.name().into(),
+            compression: codec.name().into(),
+            filter: s.filter().name().into(),
             file_crc32c: format!("{:08x}", o.crc),
             first_event_id: o.first,
             last_event_id: o.last,
             start_time_unix_ns: o.start_ns,
             end_time_unix_ns: unix_ns(),
-            config_sha256: hex::encode(self.s.config_digest),
-            pattern: self.s.pattern.clone(),
-            sources: self.s.sources.clone(),
-            pattern_sources: self.s.pattern_sources.clone(),
+            config_sha256: hex::encode(s.config_digest),
+            pattern: s.pattern.clone(),
+            sources: s.sources.clone(),
+            pattern_sources: s.pattern_sources.clone(),
             recovered: false,
         };
         let json = serde_json::to_vec_pretty(&info).map_err(io::Error::other)?;
         write_atomic(
-            &self.s.dir.join(format!("{}.json", o.name)),
+            &s.dir.join(format!("{}.json", o.name)),
             &json,
-            self.s.section.fsync,
+            s.section.fsync,
         )?;
-        if self.s.section.fsync {
-            File::open(&self.s.dir)?.sync_all()?;
+        if s.sync_files() {
+            File::open(&s.dir)?.sync_all()?;
         }
-        st.write_ns
-            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        st.file_bytes.fetch_add(tb.len() as u64, Ordering::Relaxed);
-        st.files.lock().push(info);
-        Ok(())
-    }
-
-    /// After a failed write: drops the records still held (their memory goes back to the
-    /// links, so the recorder keeps draining its builders) and the unfinished file, which stays
-    /// on disk as `.part` for inspection and is never given its final name.
-    pub fn abandon(&mut self) {
-        self.block = Block::default();
-        self.open = None;
-    }
-
-    /// Records appended and not yet written to the file (in the partial block).
-    pub fn unwritten(&self) -> usize {
-        self.block.events as usize
-    }
-
-    /// Records appended and not yet on the disk: in the partial block, or written and not yet
-    /// synced.
-    pub fn unsynced(&self) -> usize {
-        self.unwritten() + self.unsynced
-    }
-
-    /// Syncs the data written to the open file (fdatasync): every record written so far is then
-    /// on the disk. One call covers every block written since the last (group commit).
-    pub fn sync(&mut self, st: &RecorderStats) -> io::Result<()> {
-        if self.unsynced == 0 {
-            return Ok(());
+        Ok(info)
+    })();
+    st.write_ns
+        .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    match r {
+        Ok(info) => {
+            st.files.lock().push(info);
+            progress.update_synced(|s| s.closed = records_end);
         }
-        if let Some(o) = &self.open {
-            let t = Instant::now();
-            o.file.sync_data()?;
-            st.write_ns
-                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            st.syncs.fetch_add(1, Ordering::Relaxed);
-        }
-        self.unsynced = 0;
-        Ok(())
+        Err(e) => progress.fail("closing a file", e),
     }
-
-    /// Writes the partial block, if any (the file stays open).
-    pub fn flush(&mut self, st: &RecorderStats) -> io::Result<()> {
-        self.flush_block(st)
-    }
-
-    /// Writes the last block and closes the file.
-    pub fn close(&mut self, st: &RecorderStats) -> io::Result<()> {
-        self.flush_block(st)?;
-        self.finish_file(st)
-    }
+    let _ = news.try_send(());
 }
 
 /// Free bytes for an unprivileged writer on the file system holding `dir`.
@@ -427,7 +792,7 @@ pub fn free_bytes(dir: &Path) -> Option<u64> {
     Some((v.f_bavail as u64).saturating_mul(v.f_frsize as u64))
 }
 
-pub use tessera_archive::{file_name, write_atomic};
+pub use tessera_archive::write_atomic;
 
 #[cfg(test)]
 mod tests {
@@ -439,9 +804,18 @@ mod tests {
         ChunkSlice::copy_from(&r)
     }
 
-    /// In sync mode an acknowledgement waits for `unsynced()` to cover a record: it counts the
-    /// partial block and every block written since the last sync, and only a sync (or a
-    /// finished, synced file) brings it down.
+    /// Waits (bounded) until `f` holds of the writer: the disk thread works on its own.
+    fn until(w: &FileWriter, what: &str, f: impl Fn(&FileWriter) -> bool) {
+        let t = std::time::Instant::now();
+        while !f(w) {
+            assert!(t.elapsed() < Duration::from_secs(60), "never: {what}");
+            let _ = w.news().recv_timeout(Duration::from_millis(10));
+        }
+    }
+
+    /// An acknowledgement waits for `unsynced()` to cover a record: it counts the partial block
+    /// and every block written since the last sync, and only a sync (or a finished, synced file)
+    /// brings it down.
     #[test]
     fn unsynced_counts_written_records_until_a_sync() {
         let dir = tempfile::tempdir().unwrap();
@@ -451,37 +825,37 @@ mod tests {
         };
         section.disk_hard_free = tessera_config::ByteSize(0);
         section.disk_soft_free = tessera_config::ByteSize(0);
-        let mut w = FileWriter::new(FileSettings {
-            dir: dir.path().to_path_buf(),
-            run_number: 1,
-            config_digest: [0; 32],
-            pattern: String::new(),
-            sources: vec![],
-            pattern_sources: vec![],
-            section,
-        });
-        let st = RecorderStats::default();
+        let st = Arc::new(RecorderStats::default());
+        let mut w = FileWriter::new(
+            FileSettings {
+                dir: dir.path().to_path_buf(),
+                run_number: 1,
+                config_digest: [0; 32],
+                pattern: String::new(),
+                sources: vec![],
+                pattern_sources: vec![],
+                section,
+            },
+            st.clone(),
+        );
         for id in 0..3 {
-            w.append(record(id), 0, false, &st).unwrap();
+            w.append(record(id), 0, false).unwrap();
         }
         assert_eq!((w.unwritten(), w.unsynced()), (3, 3));
-        w.flush(&st).unwrap();
-        assert_eq!(
-            (w.unwritten(), w.unsynced()),
-            (0, 3),
-            "written is not synced"
-        );
-        w.append(record(3), 0, false, &st).unwrap();
+        w.flush().unwrap();
+        until(&w, "the block written", |w| w.unwritten() == 0);
+        assert_eq!(w.unsynced(), 3, "written is not synced");
+        w.append(record(3), 0, false).unwrap();
         assert_eq!(w.unsynced(), 4);
-        w.sync(&st).unwrap();
-        assert_eq!(
-            (w.unwritten(), w.unsynced()),
-            (1, 1),
-            "the partial block is not synced"
-        );
+        w.sync().unwrap();
+        until(&w, "the sync", |w| w.unsynced() == 0);
+        assert_eq!(w.unwritten(), 0, "a sync writes the partial block first");
         assert_eq!(st.syncs.load(Ordering::Relaxed), 1);
-        w.close(&st).unwrap();
+        w.append(record(4), 0, false).unwrap();
+        w.close().unwrap();
         assert_eq!(w.unsynced(), 0, "a finished file is synced whole");
         assert_eq!(st.syncs.load(Ordering::Relaxed), 2);
+        assert_eq!(st.files.lock().len(), 1);
+        assert_eq!(st.files.lock()[0].events, 5);
     }
 }

@@ -186,7 +186,7 @@ impl Recorder {
             let monitor = cfg.monitor.clone();
             let written = written.clone();
             role.threads.push(spawn("recorder-writer".into(), move || {
-                write_loop(settings, rx, &st, monitor.as_ref(), &written)
+                write_loop(settings, rx, st, monitor.as_ref(), &written)
             }));
         }
         {
@@ -465,7 +465,7 @@ impl InFlight {
 fn write_loop(
     settings: FileSettings,
     rx: Receiver<Batch>,
-    st: &RecorderStats,
+    stats: Arc<RecorderStats>,
     monitor: Option<&tessera_monitor::Monitor>,
     written: &Written,
 ) {
@@ -481,7 +481,10 @@ fn write_loop(
         Duration::from_millis(200)
     };
     let mut last_sync = Instant::now();
-    let mut w = FileWriter::new(settings);
+    let st: &RecorderStats = &stats;
+    let mut w = FileWriter::new(settings, stats.clone());
+    // Told whenever the disk wrote or synced something: acknowledge at once.
+    let news = w.news().clone();
     let mut failed = false;
     let fail = |w: &mut FileWriter, failed: &mut bool, what: &str, e: std::io::Error| {
         tracing::error!(error = %e, "recorder cannot write; events are counted but not stored");
@@ -495,8 +498,7 @@ fn write_loop(
     let commit =
         |w: &mut FileWriter, force: bool, last_sync: &mut Instant| -> std::io::Result<()> {
             if sync_mode && w.unsynced() > 0 && (force || last_sync.elapsed() >= interval) {
-                w.flush(st)?;
-                w.sync(st)?;
+                w.sync()?;
                 *last_sync = Instant::now();
             }
             Ok(())
@@ -515,11 +517,21 @@ fn write_loop(
     // before it (its first copy included) is written.
     let mut in_flight = InFlight::default();
     loop {
-        let batch = match rx.recv_timeout(quiet) {
+        let got = crossbeam_channel::select! {
+            recv(rx) -> b => b.map_err(|_| crossbeam_channel::RecvTimeoutError::Disconnected),
+            recv(news) -> _ => {
+                if !failed {
+                    in_flight.acknowledge(pending(&w), written, st);
+                }
+                continue;
+            }
+            default(quiet) => Err(crossbeam_channel::RecvTimeoutError::Timeout),
+        };
+        let batch = match got {
             Ok(b) => b,
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
                 if enabled && !failed {
-                    if let Err(e) = w.flush(st) {
+                    if let Err(e) = w.flush() {
                         fail(&mut w, &mut failed, "writing", e);
                     } else if let Err(e) = commit(&mut w, false, &mut last_sync) {
                         fail(&mut w, &mut failed, "syncing", e);
@@ -555,7 +567,7 @@ fn write_loop(
                 m.insert(&rec);
             }
             if enabled && !failed {
-                if let Err(e) = w.append(rec, nf, incomplete, st) {
+                if let Err(e) = w.append(rec, nf, incomplete) {
                     fail(&mut w, &mut failed, "writing", e);
                 }
             }
@@ -578,7 +590,7 @@ fn write_loop(
         // spell (measured: ~160 events/s with 32 pages per link). Busy, blocks still fill.
         let idle = written.acks_wanted.load(Ordering::Acquire) && rx.is_empty();
         if (wanted || idle) && enabled && !failed && w.unwritten() > 0 {
-            if let Err(e) = w.flush(st) {
+            if let Err(e) = w.flush() {
                 fail(&mut w, &mut failed, "writing", e);
             }
         }
@@ -592,7 +604,7 @@ fn write_loop(
         }
     }
     if enabled && !failed {
-        if let Err(e) = w.close(st) {
+        if let Err(e) = w.close() {
             *st.error.lock() = Some(format!("closing file: {e}"));
         }
     }

@@ -159,9 +159,18 @@ pub fn memory(r: &Resolved) -> Vec<(Unit, u64)> {
         } else {
             0
         };
+        // Compressed blocks are copies: each compressor holds its input and output buffers
+        // (three blocks), and up to 2 per compressor wait for the disk, with as many again
+        // waiting for their turn (crates/recorder/src/file.rs). Uncompressed blocks are the
+        // records themselves, inside the queue.
+        let rc = &t.recorder;
+        let pipeline = match rc.compression {
+            tessera_config::Compression::None => 0,
+            _ => 7 * rc.compression_threads as u64 * rc.block_size.0,
+        };
         v.push((
             Unit::Recorder,
-            t.recorder.queue.0 + t.recorder.block_size.0 + monitor_bytes,
+            rc.queue.0 + rc.block_size.0 + pipeline + monitor_bytes,
         ));
     }
     v

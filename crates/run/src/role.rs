@@ -404,7 +404,9 @@ impl RunRole for tessera_recorder::Recorder {
                 >= run.builders_in_topology
     }
     fn progress(&self) -> u64 {
-        self.stats.record_bytes.load(Relaxed)
+        // Taken from the builders, and written by the disk thread, which drains the blocks in
+        // the pipeline after the last record was taken.
+        self.stats.record_bytes.load(Relaxed) + self.stats.file_bytes.load(Relaxed)
     }
     fn left(&self) -> String {
         format!(
