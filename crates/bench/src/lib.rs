@@ -24,6 +24,7 @@ use tessera_source::SourcePlan;
 
 pub mod hosts;
 pub mod monitor;
+pub mod record;
 pub mod request;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -32,8 +33,10 @@ pub struct BenchArgs {
     /// the utilisation model fitted. `monitor`: the monitor against the CODA ET figures (TCP
     /// consumer rate, data path with sampling consumers, SIGKILLed blocking consumer). `hosts`:
     /// building over node agents in network namespaces with tc-shaped links against raw TCP on
-    /// the same links, and over agents on one host against one process (root). Absent:
-    /// push-mode building against the relay baseline.
+    /// the same links, and over agents on one host against one process (root). `record`: the
+    /// recorder (uncompressed, lz4 and zstd on 1 and 2 threads, files synced, and a point with
+    /// frequent rotations) against a plain writer on the same disk. Absent: push-mode building
+    /// against the relay baseline.
     pub what: Option<String>,
     /// A small set of points (building: under a minute; request: under five).
     #[arg(long)]
@@ -131,9 +134,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         Some("request") => return run_request(a),
         Some("monitor") => return monitor::run_monitor(a),
         Some("hosts") => return hosts::run_hosts(a),
+        Some("record") => return record::run_record(a),
         Some(other) => {
             anyhow::bail!(
-                "unknown benchmark `{other}`: the choices are `request`, `monitor`, `hosts` or none"
+                "unknown benchmark `{other}`: the choices are `request`, `monitor`, `hosts`, `record` or none"
             )
         }
     }
@@ -237,7 +241,7 @@ fn toml_text(t: &Topology) -> String {
     format!("{t:?}")
 }
 
-fn median(v: &mut [f64]) -> f64 {
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     let n = v.len();
     if n % 2 == 1 {

@@ -751,6 +751,10 @@ pub struct RecorderSection {
     pub enabled: bool,
     /// Start a new file once the current one reaches this size.
     pub max_file_size: ByteSize,
+    /// Start a new file once the current one is this old, in seconds, whichever comes first
+    /// (0: by size only). A file idle that long is finished too, so a quiet run's data reaches
+    /// permanent storage.
+    pub max_file_age_s: f64,
     /// Raw bytes of event records per block (the unit of compression).
     pub block_size: ByteSize,
     pub compression: Compression,
@@ -789,6 +793,7 @@ impl Default for RecorderSection {
             listen: "127.0.0.1:0".into(),
             enabled: true,
             max_file_size: ByteSize(1 << 30),
+            max_file_age_s: 0.0,
             block_size: ByteSize(1 << 20),
             compression: Compression::None,
             zstd_level: 1,
@@ -1563,6 +1568,12 @@ impl Topology {
             return Err(err(
                 "recorder.fsync",
                 "durability = \"sync\" syncs every block; a finished file cannot skip its sync (set fsync = true)".into(),
+            ));
+        }
+        if !(r.max_file_age_s.is_finite() && r.max_file_age_s >= 0.0) {
+            return Err(err(
+                "recorder.max_file_age_s",
+                format!("{} is not a number of seconds (0: off)", r.max_file_age_s),
             ));
         }
         if !(1..=64).contains(&r.compression_threads) {

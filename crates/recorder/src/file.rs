@@ -69,6 +69,7 @@ impl FileSettings {
 
 /// The file being written.
 struct Open {
+    opened: Instant,
     file: File,
     part: PathBuf,
     name: String,
@@ -494,7 +495,27 @@ impl Disk {
         // flight: the channels are bounded).
         let mut waiting: BTreeMap<u64, Ready> = BTreeMap::new();
         let mut next = 0u64;
-        for (seq, ready) in rx {
+        let max_age = (self.s.section.max_file_age_s > 0.0)
+            .then(|| Duration::from_secs_f64(self.s.section.max_file_age_s));
+        loop {
+            // Woken at least every 100 ms to finish a file past its age, data or not.
+            let got = match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(x) => Some(x),
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => None,
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+            };
+            if let Some(age) = max_age {
+                if self.open.as_ref().is_some_and(|o| o.opened.elapsed() >= age)
+                    && !self.progress.failed.load(Ordering::Acquire)
+                    && !self.progress.abandon.load(Ordering::Acquire)
+                {
+                    self.hand_to_closer();
+                    let _ = self.news.try_send(());
+                }
+            }
+            let Some((seq, ready)) = got else {
+                continue;
+            };
             waiting.insert(seq, ready);
             while let Some(r) = waiting.remove(&next) {
                 next += 1;
@@ -548,6 +569,7 @@ impl Disk {
             .encode();
             file.write_all(&hb)?;
             self.open = Some(Open {
+                opened: Instant::now(),
                 file,
                 part,
                 name,

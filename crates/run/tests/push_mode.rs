@@ -406,6 +406,36 @@ block_size = "16 KiB"
     }
 }
 
+/// Issue 13, item 2: files rotate by age too. The trigger holds the run to at least 3 s, so
+/// with files at most 0.5 s old there are several, none full, each finished with its sidecar.
+#[test]
+fn files_rotate_by_age_as_well_as_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = topology(
+        r#"
+[run]
+events = 3000
+[sources]
+count = 2
+fragment_size = 256
+trigger = "periodic"
+rate_hz = 1000
+[recorder]
+max_file_age_s = 0.5
+"#,
+    );
+    let rep = run(&t, dir.path());
+    assert!(rep.ok(), "{}", rep.summary());
+    let rec = rep.recorder.as_ref().unwrap();
+    assert!(rec.files.len() >= 2, "{} files", rec.files.len());
+    assert!(rec.files.iter().all(|f| f.size_bytes < (1 << 30)));
+    assert_eq!(rec.files.iter().map(|f| f.events).sum::<u64>(), 3000);
+    for f in &rec.files {
+        assert!(dir.path().join(format!("{}.json", f.file)).exists());
+    }
+    assert_eq!(verify(dir.path()).events, 3000);
+}
+
 #[test]
 fn verify_catches_a_corrupted_file() {
     let dir = tempfile::tempdir().unwrap();
