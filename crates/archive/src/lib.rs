@@ -8,7 +8,7 @@ mod reader;
 mod sidecar;
 
 pub use reader::{events_in, Event, FileReader, ReadError};
-pub use sidecar::{file_name, FileInfo};
+pub use sidecar::{file_name, stream_file_name, stream_of_name, FileInfo};
 
 use std::fs::File;
 use std::io::{self, Write};

@@ -762,6 +762,11 @@ pub struct RecorderSection {
     pub zstd_level: i32,
     /// Byte-shuffle blocks (2-byte elements) before compressing.
     pub shuffle: bool,
+    /// Named streams by trigger type (`calibration = [2, 3]`, as ATLAS and CMS write physics,
+    /// calibration and express streams): each has its own files, named
+    /// `run000012_calibration_0001.tsr`. Events of other trigger types go to the main files.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub streams: BTreeMap<String, Vec<u16>>,
     /// Threads that checksum, shuffle and compress blocks in parallel (blocks still reach the
     /// file in order; one disk thread only writes).
     pub compression_threads: u32,
@@ -799,6 +804,7 @@ impl Default for RecorderSection {
             zstd_level: 1,
             shuffle: true,
             compression_threads: 2,
+            streams: BTreeMap::new(),
             throttle: ByteSize(0),
             fsync: true,
             durability: Durability::Written,
@@ -1569,6 +1575,37 @@ impl Topology {
                 "recorder.fsync",
                 "durability = \"sync\" syncs every block; a finished file cannot skip its sync (set fsync = true)".into(),
             ));
+        }
+        if r.streams.len() > 16 {
+            return Err(err(
+                "recorder.streams",
+                format!("{} streams: at most 16", r.streams.len()),
+            ));
+        }
+        let mut stream_of: BTreeMap<u16, &str> = BTreeMap::new();
+        for (name, types) in &r.streams {
+            let key = format!("recorder.streams.{name}");
+            if name.is_empty()
+                || name.len() > 32
+                || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+            {
+                return Err(err(
+                    &key,
+                    "a stream name is 1 to 32 letters, digits or '-' (it goes into file names)"
+                        .into(),
+                ));
+            }
+            if types.is_empty() {
+                return Err(err(&key, "names no trigger type".into()));
+            }
+            for t in types {
+                if let Some(other) = stream_of.insert(*t, name) {
+                    return Err(err(
+                        &key,
+                        format!("trigger type {t} is already in stream {other:?}"),
+                    ));
+                }
+            }
         }
         if !(r.max_file_age_s.is_finite() && r.max_file_age_s >= 0.0) {
             return Err(err(

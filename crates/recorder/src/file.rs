@@ -41,6 +41,8 @@ pub struct FileSettings {
     pub sources: Vec<u32>,
     pub pattern_sources: Vec<u32>,
     pub section: RecorderSection,
+    /// The stream its files belong to (`recorder.streams`); none: the main files.
+    pub stream: Option<String>,
 }
 
 impl FileSettings {
@@ -194,8 +196,6 @@ pub struct FileWriter {
     appended: u64,
     to_compress: Option<Sender<Work>>,
     progress: Arc<Progress>,
-    /// Told after each write or sync, so the writer's loop acknowledges at once.
-    news: Receiver<()>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -206,7 +206,8 @@ fn unix_ns() -> u64 {
 }
 
 impl FileWriter {
-    pub fn new(s: FileSettings, st: Arc<RecorderStats>) -> FileWriter {
+    /// `news` is told after each write or sync (several writers may share it).
+    pub fn new(s: FileSettings, st: Arc<RecorderStats>, news: Sender<()>) -> FileWriter {
         let s = Arc::new(s);
         let threads_n = s.section.compression_threads.max(1) as usize;
         // Two blocks per compressor in each hand-over: enough to keep every stage busy, and the
@@ -214,7 +215,7 @@ impl FileWriter {
         let (work_tx, work_rx) = bounded::<Work>(2 * threads_n);
         let (ready_tx, ready_rx) = bounded::<(u64, Ready)>(2 * threads_n);
         let (close_tx, close_rx) = bounded::<ToClose>(4);
-        let (news_tx, news_rx) = bounded::<()>(1);
+        let news_tx = news;
         let progress = Arc::new(Progress::default());
         let mut threads = Vec::new();
         for i in 0..threads_n {
@@ -248,7 +249,6 @@ impl FileWriter {
             appended: 0,
             to_compress: Some(work_tx),
             progress,
-            news: news_rx,
             threads,
         }
     }
@@ -301,11 +301,6 @@ impl FileWriter {
         }
         let block = std::mem::take(&mut self.block);
         self.send(|seq| Work::Block(seq, block))
-    }
-
-    /// Signalled after each write or sync: wake up and acknowledge.
-    pub fn news(&self) -> &Receiver<()> {
-        &self.news
     }
 
     /// After a failed write: drops the records still held (their memory goes back to the
@@ -505,7 +500,10 @@ impl Disk {
                 Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
             };
             if let Some(age) = max_age {
-                if self.open.as_ref().is_some_and(|o| o.opened.elapsed() >= age)
+                if self
+                    .open
+                    .as_ref()
+                    .is_some_and(|o| o.opened.elapsed() >= age)
                     && !self.progress.failed.load(Ordering::Acquire)
                     && !self.progress.abandon.load(Ordering::Acquire)
                 {
@@ -554,7 +552,7 @@ impl Disk {
             std::fs::create_dir_all(&s.dir)?;
             let seq = self.next_sequence;
             self.next_sequence += 1;
-            let name = crate::file_name(s.run_number, seq);
+            let name = tessera_archive::stream_file_name(s.run_number, s.stream.as_deref(), seq);
             let part = s.dir.join(format!("{name}.part"));
             let mut file = File::create(&part)?;
             let start_ns = unix_ns();
@@ -778,6 +776,7 @@ fn close_file(
             sources: s.sources.clone(),
             pattern_sources: s.pattern_sources.clone(),
             recovered: false,
+            stream: s.stream.clone(),
         };
         let json = serde_json::to_vec_pretty(&info).map_err(io::Error::other)?;
         write_atomic(
@@ -800,6 +799,110 @@ fn close_file(
         Err(e) => progress.fail("closing a file", e),
     }
     let _ = news.try_send(());
+}
+
+/// The recorder's files by stream (`recorder.streams`): the main files first, then each named
+/// stream with a pipeline of its own; an event goes to the stream of its trigger type.
+pub struct Streams {
+    writers: Vec<FileWriter>,
+    /// Trigger type to stream index; absent: the main files (0).
+    route: std::collections::HashMap<u16, usize>,
+}
+
+impl Streams {
+    pub fn new(s: FileSettings, st: Arc<RecorderStats>, news: Sender<()>) -> Streams {
+        let names: Vec<(String, Vec<u16>)> = s
+            .section
+            .streams
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let mut route = std::collections::HashMap::new();
+        let mut writers = Vec::with_capacity(names.len() + 1);
+        for (i, (name, types)) in names.into_iter().enumerate() {
+            for t in types {
+                route.insert(t, i + 1);
+            }
+            let one = FileSettings {
+                dir: s.dir.clone(),
+                run_number: s.run_number,
+                config_digest: s.config_digest,
+                pattern: s.pattern.clone(),
+                sources: s.sources.clone(),
+                pattern_sources: s.pattern_sources.clone(),
+                section: s.section.clone(),
+                stream: Some(name),
+            };
+            writers.push(FileWriter::new(one, st.clone(), news.clone()));
+        }
+        writers.insert(0, FileWriter::new(s, st, news));
+        Streams { writers, route }
+    }
+
+    pub fn len(&self) -> usize {
+        self.writers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.writers.is_empty()
+    }
+
+    /// Adds one event record to its stream's files; the stream's index.
+    pub fn append(
+        &mut self,
+        rec: ChunkSlice,
+        fragments: u32,
+        incomplete: bool,
+    ) -> io::Result<usize> {
+        let i = if self.route.is_empty() || rec.len() < 34 {
+            0
+        } else {
+            let trigger = tessera_format::bytes::u16_at(&rec, 32);
+            self.route.get(&trigger).copied().unwrap_or(0)
+        };
+        self.writers[i].append(rec, fragments, incomplete)?;
+        Ok(i)
+    }
+
+    pub fn unwritten_of(&self, i: usize) -> usize {
+        self.writers[i].unwritten()
+    }
+
+    pub fn unsynced_of(&self, i: usize) -> usize {
+        self.writers[i].unsynced()
+    }
+
+    pub fn unwritten(&self) -> usize {
+        self.writers.iter().map(|w| w.unwritten()).sum()
+    }
+
+    pub fn unsynced(&self) -> usize {
+        self.writers.iter().map(|w| w.unsynced()).sum()
+    }
+
+    pub fn flush(&mut self) -> io::Result<()> {
+        self.writers.iter_mut().try_for_each(|w| w.flush())
+    }
+
+    pub fn sync(&mut self) -> io::Result<()> {
+        self.writers.iter_mut().try_for_each(|w| w.sync())
+    }
+
+    pub fn abandon(&mut self) {
+        self.writers.iter_mut().for_each(|w| w.abandon());
+    }
+
+    /// Closes every stream's files (each finishes even when another fails); the first error.
+    pub fn close(&mut self) -> io::Result<()> {
+        let mut first = Ok(());
+        for w in &mut self.writers {
+            let r = w.close();
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
 }
 
 /// Free bytes for an unprivileged writer on the file system holding `dir`.
@@ -827,11 +930,11 @@ mod tests {
     }
 
     /// Waits (bounded) until `f` holds of the writer: the disk thread works on its own.
-    fn until(w: &FileWriter, what: &str, f: impl Fn(&FileWriter) -> bool) {
+    fn until(w: &FileWriter, news: &Receiver<()>, what: &str, f: impl Fn(&FileWriter) -> bool) {
         let t = std::time::Instant::now();
         while !f(w) {
             assert!(t.elapsed() < Duration::from_secs(60), "never: {what}");
-            let _ = w.news().recv_timeout(Duration::from_millis(10));
+            let _ = news.recv_timeout(Duration::from_millis(10));
         }
     }
 
@@ -848,6 +951,7 @@ mod tests {
         section.disk_hard_free = tessera_config::ByteSize(0);
         section.disk_soft_free = tessera_config::ByteSize(0);
         let st = Arc::new(RecorderStats::default());
+        let (news_tx, news) = bounded(1);
         let mut w = FileWriter::new(
             FileSettings {
                 dir: dir.path().to_path_buf(),
@@ -857,20 +961,22 @@ mod tests {
                 sources: vec![],
                 pattern_sources: vec![],
                 section,
+                stream: None,
             },
             st.clone(),
+            news_tx,
         );
         for id in 0..3 {
             w.append(record(id), 0, false).unwrap();
         }
         assert_eq!((w.unwritten(), w.unsynced()), (3, 3));
         w.flush().unwrap();
-        until(&w, "the block written", |w| w.unwritten() == 0);
+        until(&w, &news, "the block written", |w| w.unwritten() == 0);
         assert_eq!(w.unsynced(), 3, "written is not synced");
         w.append(record(3), 0, false).unwrap();
         assert_eq!(w.unsynced(), 4);
         w.sync().unwrap();
-        until(&w, "the sync", |w| w.unsynced() == 0);
+        until(&w, &news, "the sync", |w| w.unsynced() == 0);
         assert_eq!(w.unwritten(), 0, "a sync writes the partial block first");
         assert_eq!(st.syncs.load(Ordering::Relaxed), 1);
         w.append(record(4), 0, false).unwrap();

@@ -26,7 +26,7 @@ use tessera_net::reader::Fill;
 use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::{Budget, ChunkReader, ChunkSlice};
 
-pub use file::{free_bytes, FileSettings, FileWriter};
+pub use file::{free_bytes, FileSettings, FileWriter, Streams};
 
 pub use tessera_archive::{file_name, file_write_atomic, FileInfo};
 
@@ -175,6 +175,7 @@ impl Recorder {
             sources: cfg.sources.clone(),
             pattern_sources: cfg.pattern_sources.clone(),
             section: cfg.settings.clone(),
+            stream: None,
         };
         let written = Arc::new(Written {
             per_link: (0..n).map(|_| AtomicU64::new(0)).collect(),
@@ -428,32 +429,44 @@ fn read_builder(
     clean
 }
 
-/// The link of every record the writer took, in order, until it is in the file. Records are
-/// written in the order they are appended, so all but the newest `unwritten` appended ones are
-/// on disk. A second copy dropped by deduplication is acknowledged once everything taken before
-/// it (its first copy included) is written.
+/// The link of every record the writer took, in order, until it is in the file. Each stream's
+/// records are written in the order they are appended, so all but the newest `pending` of a
+/// stream are on disk; a record is acknowledged once it and every record taken before it, in
+/// any stream, are (the acknowledgement is a count per link: a prefix). A second copy dropped by
+/// deduplication is acknowledged once everything taken before it (its first copy included) is.
 #[derive(Default)]
 struct InFlight {
-    /// (link slot, appended to the file).
-    queue: std::collections::VecDeque<(usize, bool)>,
-    appended: usize,
+    /// (link slot, the stream it was appended to; none: not appended).
+    queue: std::collections::VecDeque<(usize, Option<usize>)>,
+    /// Per stream, its records in the queue.
+    appended: Vec<usize>,
 }
 
 impl InFlight {
-    fn take(&mut self, slot: usize, appended: bool) {
-        self.queue.push_back((slot, appended));
-        self.appended += appended as usize;
+    fn take(&mut self, slot: usize, stream: Option<usize>) {
+        self.queue.push_back((slot, stream));
+        if let Some(s) = stream {
+            if self.appended.len() <= s {
+                self.appended.resize(s + 1, 0);
+            }
+            self.appended[s] += 1;
+        }
     }
 
-    /// Counts as written what the file now holds, `unwritten` being the appended records still
-    /// in the partial block.
-    fn acknowledge(&mut self, unwritten: usize, written: &Written, st: &RecorderStats) {
-        while let Some(&(slot, appended)) = self.queue.front() {
-            if appended {
-                if self.appended <= unwritten {
+    /// Counts as written what the files now hold, `pending(s)` being the records of stream `s`
+    /// not yet there.
+    fn acknowledge(
+        &mut self,
+        pending: impl Fn(usize) -> usize,
+        written: &Written,
+        st: &RecorderStats,
+    ) {
+        while let Some(&(slot, stream)) = self.queue.front() {
+            if let Some(s) = stream {
+                if self.appended[s] <= pending(s) {
                     break;
                 }
-                self.appended -= 1;
+                self.appended[s] -= 1;
             }
             self.queue.pop_front();
             written.per_link[slot].fetch_add(1, Ordering::AcqRel);
@@ -482,11 +495,11 @@ fn write_loop(
     };
     let mut last_sync = Instant::now();
     let st: &RecorderStats = &stats;
-    let mut w = FileWriter::new(settings, stats.clone());
-    // Told whenever the disk wrote or synced something: acknowledge at once.
-    let news = w.news().clone();
+    // Told whenever a disk thread wrote or synced something: acknowledge at once.
+    let (news_tx, news) = crossbeam_channel::bounded::<()>(1);
+    let mut w = Streams::new(settings, stats.clone(), news_tx);
     let mut failed = false;
-    let fail = |w: &mut FileWriter, failed: &mut bool, what: &str, e: std::io::Error| {
+    let fail = |w: &mut Streams, failed: &mut bool, what: &str, e: std::io::Error| {
         tracing::error!(error = %e, "recorder cannot write; events are counted but not stored");
         *st.error.lock() = Some(format!("{what}: {e}"));
         *failed = true;
@@ -495,20 +508,19 @@ fn write_loop(
     // Group commit: everything written since the last sync is synced at once, at most
     // `interval` after the oldest of it, or at once when a link waits for its last
     // acknowledgement.
-    let commit =
-        |w: &mut FileWriter, force: bool, last_sync: &mut Instant| -> std::io::Result<()> {
-            if sync_mode && w.unsynced() > 0 && (force || last_sync.elapsed() >= interval) {
-                w.sync()?;
-                *last_sync = Instant::now();
-            }
-            Ok(())
-        };
+    let commit = |w: &mut Streams, force: bool, last_sync: &mut Instant| -> std::io::Result<()> {
+        if sync_mode && w.unsynced() > 0 && (force || last_sync.elapsed() >= interval) {
+            w.sync()?;
+            *last_sync = Instant::now();
+        }
+        Ok(())
+    };
     // What the file holds but the acknowledgements may not cover yet: the partial block, and
     // in sync mode what is written and not yet synced.
-    let pending = |w: &FileWriter| match (enabled, sync_mode) {
+    let pending = |w: &Streams, i: usize| match (enabled, sync_mode) {
         (false, _) => 0,
-        (true, false) => w.unwritten(),
-        (true, true) => w.unsynced(),
+        (true, false) => w.unwritten_of(i),
+        (true, true) => w.unsynced_of(i),
     };
     let mut seen = tessera_assembly::RecentSet::new(DEDUP_WINDOW);
     // The link of every record taken, in order, until it is in the file: records are written in
@@ -521,7 +533,7 @@ fn write_loop(
             recv(rx) -> b => b.map_err(|_| crossbeam_channel::RecvTimeoutError::Disconnected),
             recv(news) -> _ => {
                 if !failed {
-                    in_flight.acknowledge(pending(&w), written, st);
+                    in_flight.acknowledge(|i| pending(&w, i), written, st);
                 }
                 continue;
             }
@@ -538,7 +550,7 @@ fn write_loop(
                     }
                 }
                 if !failed {
-                    in_flight.acknowledge(pending(&w), written, st);
+                    in_flight.acknowledge(|i| pending(&w, i), written, st);
                 }
                 continue;
             }
@@ -548,8 +560,8 @@ fn write_loop(
         for (rec, nf, incomplete, event_id, rebuilt) in batch {
             let len = rec.len() as u64;
             let first_copy = seen.insert(event_id);
-            in_flight.take(slot, first_copy);
             if !first_copy {
+                in_flight.take(slot, None);
                 // A second copy of an event (rebuilt after its first builder was declared dead,
                 // though that one had delivered it): each event is written exactly once.
                 st.duplicate_events.fetch_add(1, Ordering::Relaxed);
@@ -566,11 +578,18 @@ fn write_loop(
                 // a blocking station asks (the monitor copies what it keeps; `rec` stays ours).
                 m.insert(&rec);
             }
-            if enabled && !failed {
-                if let Err(e) = w.append(rec, nf, incomplete) {
-                    fail(&mut w, &mut failed, "writing", e);
+            let stream = if enabled && !failed {
+                match w.append(rec, nf, incomplete) {
+                    Ok(i) => Some(i),
+                    Err(e) => {
+                        fail(&mut w, &mut failed, "writing", e);
+                        None
+                    }
                 }
-            }
+            } else {
+                None
+            };
+            in_flight.take(slot, stream);
             st.events.fetch_add(1, Ordering::Relaxed);
             st.record_bytes.fetch_add(len, Ordering::Relaxed);
             if incomplete {
@@ -589,7 +608,14 @@ fn write_loop(
         // not after a quiet spell, or a run would go at one credit's worth of events per quiet
         // spell (measured: ~160 events/s with 32 pages per link). Busy, blocks still fill.
         let idle = written.acks_wanted.load(Ordering::Acquire) && rx.is_empty();
-        if (wanted || idle) && enabled && !failed && w.unwritten() > 0 {
+        // A rare stream's partial block holds few records from many read chunks, and pins every
+        // one of them: when the links' memory runs low, every partial block goes out, or the
+        // links would wait for the next quiet spell.
+        let pinned = w.len() > 1 && {
+            let (used, limit) = st.buffer_use();
+            limit > 0 && used * 10 >= limit * 9
+        };
+        if (wanted || idle || pinned) && enabled && !failed && w.unwritten() > 0 {
             if let Err(e) = w.flush() {
                 fail(&mut w, &mut failed, "writing", e);
             }
@@ -600,7 +626,7 @@ fn write_loop(
             }
         }
         if !failed {
-            in_flight.acknowledge(pending(&w), written, st);
+            in_flight.acknowledge(|i| pending(&w, i), written, st);
         }
     }
     if enabled && !failed {

@@ -164,10 +164,14 @@ pub fn memory(r: &Resolved) -> Vec<(Unit, u64)> {
         // waiting for their turn (crates/recorder/src/file.rs). Uncompressed blocks are the
         // records themselves, inside the queue.
         let rc = &t.recorder;
-        let pipeline = match rc.compression {
-            tessera_config::Compression::None => 0,
-            _ => 7 * rc.compression_threads as u64 * rc.block_size.0,
-        };
+        // Each stream has a pipeline and a partial block of its own.
+        let streams = 1 + rc.streams.len() as u64;
+        let pipeline = streams
+            * match rc.compression {
+                tessera_config::Compression::None => 0,
+                _ => 7 * rc.compression_threads as u64 * rc.block_size.0,
+            }
+            + (streams - 1) * rc.block_size.0;
         v.push((
             Unit::Recorder,
             rc.queue.0 + rc.block_size.0 + pipeline + monitor_bytes,

@@ -436,6 +436,69 @@ max_file_age_s = 0.5
     assert_eq!(verify(dir.path()).events, 3000);
 }
 
+/// Issue 13, item 2: events go to named streams by trigger type, each stream in files of its
+/// own (`run000001_calibration_0001.tsr`), the rest to the main files; nothing is lost or
+/// written twice, and in request mode, where builders wait for the recorder's acknowledgements,
+/// every event is still acknowledged.
+#[test]
+fn events_go_to_the_files_of_their_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    for mode in ["push", "request"] {
+        let out = dir.path().join(mode);
+        let t = topology(&format!(
+            r#"
+[run]
+mode = "{mode}"
+events = 4000
+[sources]
+count = 4
+fragment_size = 512
+trigger = "unlimited"
+trigger_types = 4
+[[readout]]
+id = 0
+[[builder]]
+id = 0
+[recorder]
+max_file_size = "1 MiB"
+block_size = "64 KiB"
+streams = {{ calibration = [2], express = [3, 4] }}
+"#
+        ));
+        let rep = run(&t, &out);
+        assert!(rep.ok(), "{mode}: {}", rep.summary());
+        let rec = rep.recorder.as_ref().unwrap();
+        let mut by_stream: std::collections::BTreeMap<Option<String>, u64> = Default::default();
+        for f in &rec.files {
+            *by_stream.entry(f.stream.clone()).or_default() += f.events;
+            let want = match f.stream.as_deref() {
+                None => vec![1],
+                Some("calibration") => vec![2],
+                Some("express") => vec![3, 4],
+                Some(other) => panic!("{mode}: stream {other}"),
+            };
+            if let Some(s) = &f.stream {
+                assert!(f.file.contains(&format!("_{s}_")), "{}", f.file);
+            }
+            let mut r = tessera_archive::FileReader::open(&out.join(&f.file)).unwrap();
+            while let Some((_, raw)) = r.next_block().unwrap() {
+                for e in tessera_archive::events_in(raw) {
+                    let tt = e.unwrap().header.trigger_type;
+                    assert!(want.contains(&tt), "{mode}: trigger {tt} in {}", f.file);
+                }
+            }
+        }
+        assert_eq!(by_stream.len(), 3, "{mode}: {by_stream:?}");
+        assert!(by_stream.values().all(|&n| n > 0), "{mode}: {by_stream:?}");
+        assert_eq!(
+            by_stream.values().sum::<u64>(),
+            4000,
+            "{mode}: {by_stream:?}"
+        );
+        assert_eq!(verify(&out).events, 4000);
+    }
+}
+
 #[test]
 fn verify_catches_a_corrupted_file() {
     let dir = tempfile::tempdir().unwrap();

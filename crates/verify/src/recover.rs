@@ -162,6 +162,7 @@ pub fn recover_part(part: &Path) -> Result<Recovered> {
         sources: sources.into_iter().collect(),
         pattern_sources: Vec::new(),
         recovered: true,
+        stream: tessera_archive::stream_of_name(&name),
     };
     let json = serde_json::to_vec_pretty(&info)?;
     tessera_archive::file_write_atomic(&dir.join(format!("{name}.json")), &json)?;
