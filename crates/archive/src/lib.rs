@@ -31,3 +31,16 @@ pub fn write_atomic(path: &Path, bytes: &[u8], sync: bool) -> io::Result<()> {
     }
     std::fs::rename(tmp, path)
 }
+
+/// Free bytes for an unprivileged writer on the file system holding `dir`.
+pub fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: an all-zero statvfs is a valid value of this plain C struct.
+    let mut v: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid NUL-terminated path and `v` a writable statvfs.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut v) } != 0 {
+        return None;
+    }
+    Some((v.f_bavail as u64).saturating_mul(v.f_frsize as u64))
+}

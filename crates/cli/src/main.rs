@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 mod control;
+mod ship;
 
 #[derive(Parser)]
 #[command(
@@ -191,6 +192,9 @@ enum Cmd {
     },
     /// The live monitor: list stations and consumers, tail events, change stations.
     Monitor(tessera_monitor::console::MonitorArgs),
+    /// Ship finished files to permanent storage and verify every copy; or show the backlog.
+    #[command(subcommand)]
+    Ship(ship::ShipCmd),
 }
 
 #[derive(Subcommand)]
@@ -518,6 +522,13 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
         Cmd::Monitor(args) => {
             tessera_monitor::console::run(&args)?;
             Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Ship(cmd) => {
+            let stop = Arc::new(AtomicBool::new(false));
+            let s = stop.clone();
+            ctrlc::set_handler(move || s.store(true, Ordering::Relaxed))
+                .context("installing the signal handler")?;
+            ship::run(cmd, &stop)
         }
     }
 }

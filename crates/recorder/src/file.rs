@@ -19,7 +19,7 @@ use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{self, IoSlice, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -905,19 +905,7 @@ impl Streams {
     }
 }
 
-/// Free bytes for an unprivileged writer on the file system holding `dir`.
-pub fn free_bytes(dir: &Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
-    let mut v: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a valid NUL-terminated path and `v` a writable statvfs.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut v) } != 0 {
-        return None;
-    }
-    Some((v.f_bavail as u64).saturating_mul(v.f_frsize as u64))
-}
-
-pub use tessera_archive::write_atomic;
+pub use tessera_archive::{free_bytes, write_atomic};
 
 #[cfg(test)]
 mod tests {

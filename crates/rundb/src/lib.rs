@@ -15,7 +15,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 /// The schema this code writes and reads.
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
@@ -99,7 +99,40 @@ CREATE TABLE IF NOT EXISTS log (
     message     TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS log_by_run ON log (run);
+-- Schema 3: the shipper's word on every finished file and destination.
+CREATE TABLE IF NOT EXISTS shipments (
+    file            TEXT NOT NULL,          -- name in the data directory
+    destination     TEXT NOT NULL,          -- as configured: a directory, s3://..., ssh://...
+    size_bytes      INTEGER NOT NULL,
+    crc32c          TEXT NOT NULL,          -- of the whole file, 8 hex digits
+    state           TEXT NOT NULL,          -- copying, verified, failed
+    attempts        INTEGER NOT NULL,
+    error           TEXT,
+    next_try_unix_ns INTEGER NOT NULL,
+    updated_unix_ns INTEGER NOT NULL,
+    PRIMARY KEY (file, destination)
+);
+CREATE TABLE IF NOT EXISTS deleted_files (
+    file            TEXT PRIMARY KEY,
+    unix_ns         INTEGER NOT NULL,
+    reason          TEXT NOT NULL           -- retention, or free space
+);
 ";
+
+/// The shipper's state of one file at one destination.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct ShipmentRow {
+    pub file: String,
+    pub destination: String,
+    pub size_bytes: u64,
+    pub crc32c: String,
+    /// `copying`, `verified` or `failed`.
+    pub state: String,
+    pub attempts: u32,
+    pub error: Option<String>,
+    pub next_try_unix_ns: u64,
+    pub updated_unix_ns: u64,
+}
 
 /// Lines of a run's message log kept in the database (at most this many per run).
 pub const MAX_LOG_LINES: usize = 10_000;
@@ -316,6 +349,81 @@ impl RunDb {
             .map_err(|x| self.err(x))?;
         }
         tx.commit().map_err(|x| self.err(x))
+    }
+
+    /// Records the shipper's state of a file at a destination (one row per pair).
+    pub fn set_shipment(&self, r: &ShipmentRow) -> Result<(), DbError> {
+        self.conn()
+            .execute(
+                "INSERT OR REPLACE INTO shipments (file, destination, size_bytes, crc32c, state,
+                 attempts, error, next_try_unix_ns, updated_unix_ns)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                params![
+                    r.file,
+                    r.destination,
+                    r.size_bytes as i64,
+                    r.crc32c,
+                    r.state,
+                    r.attempts as i64,
+                    r.error,
+                    r.next_try_unix_ns as i64,
+                    r.updated_unix_ns as i64
+                ],
+            )
+            .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    /// Every shipment row, by file and destination.
+    pub fn shipments(&self) -> Result<Vec<ShipmentRow>, DbError> {
+        let c = self.conn();
+        let mut st = c
+            .prepare(
+                "SELECT file, destination, size_bytes, crc32c, state, attempts, error,
+                 next_try_unix_ns, updated_unix_ns FROM shipments ORDER BY file, destination",
+            )
+            .map_err(|e| self.err(e))?;
+        let rows = st
+            .query_map([], |r| {
+                Ok(ShipmentRow {
+                    file: r.get(0)?,
+                    destination: r.get(1)?,
+                    size_bytes: r.get::<_, i64>(2)? as u64,
+                    crc32c: r.get(3)?,
+                    state: r.get(4)?,
+                    attempts: r.get::<_, i64>(5)? as u32,
+                    error: r.get(6)?,
+                    next_try_unix_ns: r.get::<_, i64>(7)? as u64,
+                    updated_unix_ns: r.get::<_, i64>(8)? as u64,
+                })
+            })
+            .map_err(|e| self.err(e))?;
+        rows.collect::<Result<_, _>>().map_err(|e| self.err(e))
+    }
+
+    /// Records that the local copy of `file` was deleted, and why.
+    pub fn mark_deleted(&self, file: &str, unix_ns: u64, reason: &str) -> Result<(), DbError> {
+        self.conn()
+            .execute(
+                "INSERT OR REPLACE INTO deleted_files (file, unix_ns, reason) VALUES (?1, ?2, ?3)",
+                params![file, unix_ns as i64, reason],
+            )
+            .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    /// Files whose local copy the shipper deleted.
+    pub fn deleted_files(&self) -> Result<Vec<(String, u64, String)>, DbError> {
+        let c = self.conn();
+        let mut st = c
+            .prepare("SELECT file, unix_ns, reason FROM deleted_files ORDER BY file")
+            .map_err(|e| self.err(e))?;
+        let rows = st
+            .query_map([], |r| {
+                Ok((r.get(0)?, r.get::<_, i64>(1)? as u64, r.get(2)?))
+            })
+            .map_err(|e| self.err(e))?;
+        rows.collect::<Result<_, _>>().map_err(|e| self.err(e))
     }
 
     /// Runs whose state is still `running`: left so by a process that ended without stopping

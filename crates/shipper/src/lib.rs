@@ -1,0 +1,398 @@
+//! The shipper, the second half of role 6 (the COMET "bucket brigade", ATLAS's SFO transfer,
+//! MIDAS's lazylogger): it picks up every finished file in the data directory (one with its
+//! sidecar, never a `.part`), copies it to each destination, verifies each copy by reading it
+//! back (size and CRC-32C of every byte), retries with backoff, and deletes the local file only
+//! once every destination holds a verified copy and the retention policy allows: the file is
+//! older than `keep`, or the disk is short of space (then verified files go first, oldest first,
+//! and an unverified one never).
+//!
+//! What was copied, verified and deleted lives in the run database (`shipments`,
+//! `deleted_files`), so a shipper that is killed picks up where it stopped: a copy that was
+//! under way is made again, from the start, under a temporary name, and a destination holds each
+//! file exactly once, under its final name only when whole.
+
+mod dir;
+
+pub use dir::DirDestination;
+
+use std::collections::BTreeMap;
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tessera_rundb::{RunDb, ShipmentRow};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ShipError {
+    #[error(transparent)]
+    Db(#[from] tessera_rundb::DbError),
+    #[error("data directory {0}: {1}")]
+    Dir(PathBuf, io::Error),
+}
+
+/// Where copies go. A copy is written under a temporary name and takes its final name only
+/// when whole; [`Destination::check`] reads back what the destination holds under the final
+/// name.
+pub trait Destination: Send + Sync {
+    /// As configured and as recorded in the run database (`/mnt/archive`, `s3://bucket/prefix`).
+    fn name(&self) -> String;
+    /// Copies the local file `path` to the destination under `file`, reading it through
+    /// `read` (which paces and checksums it).
+    fn put(&self, file: &str, read: &mut dyn Read) -> io::Result<()>;
+    /// Size and CRC-32C of what the destination holds under `file`; `None` if nothing.
+    fn check(&self, file: &str) -> io::Result<Option<(u64, u32)>>;
+}
+
+/// What the shipper may do with local files.
+#[derive(Clone, Debug)]
+pub struct Policy {
+    /// Keep a shipped file at least this long after it was finished (0: delete once shipped).
+    pub keep: Duration,
+    /// Below this many free bytes on the data directory's file system, verified files are
+    /// deleted, oldest first, whatever `keep` says, until the space is back.
+    pub free_watermark: u64,
+    /// Bytes per second all copies together may read (0: no limit), so that shipping does not
+    /// starve the recorder of the disk.
+    pub bandwidth: u64,
+    /// First retry after a failed copy; doubled per attempt up to `retry_max`.
+    pub retry_min: Duration,
+    pub retry_max: Duration,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            keep: Duration::ZERO,
+            free_watermark: 0,
+            bandwidth: 0,
+            retry_min: Duration::from_secs(1),
+            retry_max: Duration::from_secs(300),
+        }
+    }
+}
+
+/// Files not yet safe at every destination, as the status line, the dashboard and /metrics
+/// show them.
+#[derive(Clone, Debug, Default, serde::Serialize, PartialEq)]
+pub struct Backlog {
+    pub files: u64,
+    pub bytes: u64,
+    /// Age of the oldest file still to ship, in seconds (since it was finished).
+    pub oldest_s: f64,
+    /// Bytes per second verified in the last pass that copied anything.
+    pub rate_bytes_per_s: f64,
+    /// `bytes / rate`, if there is a rate.
+    pub drain_s: Option<f64>,
+}
+
+/// What one pass did.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Pass {
+    pub copied: u64,
+    pub verified: u64,
+    pub failed: u64,
+    pub deleted: u64,
+    pub backlog: Backlog,
+}
+
+pub struct Shipper {
+    dir: PathBuf,
+    destinations: Vec<Box<dyn Destination>>,
+    policy: Policy,
+    db: RunDb,
+    last_rate: f64,
+}
+
+/// A finished file in the data directory.
+struct Local {
+    name: String,
+    size: u64,
+    /// When its sidecar was written: the file was finished then.
+    finished: SystemTime,
+}
+
+fn unix_ns(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+impl Shipper {
+    /// A shipper for the finished files of `dir`, keeping its state in `dir/runs.sqlite`.
+    pub fn new(
+        dir: &Path,
+        destinations: Vec<Box<dyn Destination>>,
+        policy: Policy,
+    ) -> Result<Shipper, ShipError> {
+        let db = RunDb::open(&dir.join("runs.sqlite"))?;
+        Ok(Shipper {
+            dir: dir.to_path_buf(),
+            destinations,
+            policy,
+            db,
+            last_rate: 0.0,
+        })
+    }
+
+    /// One pass: copies and verifies what is due, then deletes what the policy allows.
+    pub fn pass(&mut self) -> Result<Pass, ShipError> {
+        let now = SystemTime::now();
+        let mut pass = Pass::default();
+        let rows: BTreeMap<(String, String), ShipmentRow> = self
+            .db
+            .shipments()?
+            .into_iter()
+            .map(|r| ((r.file.clone(), r.destination.clone()), r))
+            .collect();
+        let files = finished(&self.dir)?;
+        let (mut moved, t0) = (0u64, Instant::now());
+        for f in &files {
+            for d in &self.destinations {
+                let key = (f.name.clone(), d.name());
+                let row = rows.get(&key);
+                if row.is_some_and(|r| r.state == "verified")
+                    || row.is_some_and(|r| r.next_try_unix_ns > unix_ns(now))
+                {
+                    continue;
+                }
+                let attempts = row.map_or(0, |r| r.attempts) + 1;
+                let mut r = ShipmentRow {
+                    file: f.name.clone(),
+                    destination: d.name(),
+                    size_bytes: f.size,
+                    crc32c: String::new(),
+                    state: "copying".into(),
+                    attempts,
+                    error: None,
+                    next_try_unix_ns: 0,
+                    updated_unix_ns: unix_ns(SystemTime::now()),
+                };
+                // Recorded before the copy: a shipper killed during it finds the copy due again.
+                self.db.set_shipment(&r)?;
+                match self.copy(d.as_ref(), f) {
+                    Ok(crc) => {
+                        pass.copied += 1;
+                        r.crc32c = format!("{crc:08x}");
+                        match d.check(&f.name) {
+                            Ok(Some((size, got))) if size == f.size && got == crc => {
+                                // The sidecar goes with it, so the copy can be verified where
+                                // it lies (`tessera verify`).
+                                let side = self.dir.join(format!("{}.json", f.name));
+                                match std::fs::File::open(&side)
+                                    .and_then(|mut s| d.put(&format!("{}.json", f.name), &mut s))
+                                {
+                                    Ok(()) => {
+                                        r.state = "verified".into();
+                                        pass.verified += 1;
+                                        moved += f.size;
+                                    }
+                                    Err(e) => {
+                                        r.state = "failed".into();
+                                        r.error = Some(format!("copying the sidecar: {e}"));
+                                    }
+                                }
+                            }
+                            Ok(other) => {
+                                r.state = "failed".into();
+                                r.error = Some(match other {
+                                    None => "the copy is not at the destination".into(),
+                                    Some((size, got)) => format!(
+                                        "the copy reads back as {size} bytes, CRC-32C {got:08x}; the file is {} bytes, {crc:08x}",
+                                        f.size
+                                    ),
+                                });
+                            }
+                            Err(e) => {
+                                r.state = "failed".into();
+                                r.error = Some(format!("reading the copy back: {e}"));
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        r.state = "failed".into();
+                        r.error = Some(e.to_string());
+                    }
+                }
+                if r.state == "failed" {
+                    pass.failed += 1;
+                    let backoff = self
+                        .policy
+                        .retry_min
+                        .saturating_mul(1 << (attempts - 1).min(20))
+                        .min(self.policy.retry_max);
+                    r.next_try_unix_ns = unix_ns(SystemTime::now() + backoff);
+                    tracing::warn!(file = %f.name, destination = %d.name(), attempts, error = r.error.as_deref().unwrap_or(""), "shipping failed; retrying later");
+                } else {
+                    tracing::info!(file = %f.name, destination = %d.name(), "shipped and verified");
+                }
+                r.updated_unix_ns = unix_ns(SystemTime::now());
+                self.db.set_shipment(&r)?;
+            }
+        }
+        if moved > 0 {
+            self.last_rate = moved as f64 / t0.elapsed().as_secs_f64().max(1e-9);
+        }
+        pass.deleted = self.retire(&files)?;
+        pass.backlog = self.backlog()?;
+        Ok(pass)
+    }
+
+    /// Copies `f` to `d` at the allowed bandwidth; the CRC-32C of every byte read.
+    fn copy(&self, d: &dyn Destination, f: &Local) -> io::Result<u32> {
+        let file = std::fs::File::open(self.dir.join(&f.name))?;
+        let mut r = Paced {
+            inner: file,
+            crc: 0,
+            bytes: 0,
+            rate: self.policy.bandwidth,
+            t0: Instant::now(),
+        };
+        d.put(&f.name, &mut r)?;
+        if r.bytes != f.size {
+            return Err(io::Error::other(format!(
+                "read {} bytes of a {}-byte file",
+                r.bytes, f.size
+            )));
+        }
+        Ok(r.crc)
+    }
+
+    /// Deletes verified files the policy lets go: past `keep`, or (oldest first) while the
+    /// disk is below its watermark. Never a file some destination has not verified.
+    fn retire(&self, files: &[Local]) -> Result<u64, ShipError> {
+        let rows = self.db.shipments()?;
+        let safe = |name: &str| {
+            !self.destinations.is_empty()
+                && self.destinations.iter().all(|d| {
+                    let dn = d.name();
+                    rows.iter()
+                        .any(|r| r.file == name && r.destination == dn && r.state == "verified")
+                })
+        };
+        let now = SystemTime::now();
+        let mut deleted = 0;
+        for f in files {
+            if !safe(&f.name) {
+                continue;
+            }
+            let old = now
+                .duration_since(f.finished)
+                .is_ok_and(|age| age >= self.policy.keep);
+            let short = self.policy.free_watermark > 0
+                && free_bytes(&self.dir).is_some_and(|free| free < self.policy.free_watermark);
+            if !(old || short) {
+                continue;
+            }
+            let reason = if old { "retention" } else { "free space" };
+            let path = self.dir.join(&f.name);
+            std::fs::remove_file(&path).map_err(|e| ShipError::Dir(path.clone(), e))?;
+            let _ = std::fs::remove_file(self.dir.join(format!("{}.json", f.name)));
+            self.db.mark_deleted(&f.name, unix_ns(now), reason)?;
+            tracing::info!(file = %f.name, reason, "local copy deleted: every destination holds a verified copy");
+            deleted += 1;
+        }
+        Ok(deleted)
+    }
+
+    /// Files in the data directory not yet verified at every destination.
+    pub fn backlog(&self) -> Result<Backlog, ShipError> {
+        let names: Vec<String> = self.destinations.iter().map(|d| d.name()).collect();
+        let mut b = backlog(&self.dir, &self.db, &names)?;
+        b.rate_bytes_per_s = self.last_rate;
+        b.drain_s = (b.rate_bytes_per_s > 0.0).then(|| b.bytes as f64 / b.rate_bytes_per_s);
+        Ok(b)
+    }
+
+    /// The run database's rows, for `tessera ship status`.
+    pub fn shipments(&self) -> Result<Vec<ShipmentRow>, ShipError> {
+        Ok(self.db.shipments()?)
+    }
+}
+
+/// The files of `dir` not yet verified at every one of `destinations`, from the run database
+/// there (no rate: that is the running shipper's).
+pub fn backlog(dir: &Path, db: &RunDb, destinations: &[String]) -> Result<Backlog, ShipError> {
+    let rows = db.shipments()?;
+    let now = SystemTime::now();
+    let mut b = Backlog::default();
+    for f in finished(dir)? {
+        let done = !destinations.is_empty()
+            && destinations.iter().all(|dn| {
+                rows.iter()
+                    .any(|r| r.file == f.name && &r.destination == dn && r.state == "verified")
+            });
+        if done {
+            continue;
+        }
+        b.files += 1;
+        b.bytes += f.size;
+        let age = now
+            .duration_since(f.finished)
+            .map_or(0.0, |d| d.as_secs_f64());
+        b.oldest_s = b.oldest_s.max(age);
+    }
+    Ok(b)
+}
+
+/// Finished files of `dir` (a `.tsr` with its sidecar), oldest first. A `.part` is never taken.
+fn finished(dir: &Path) -> Result<Vec<Local>, ShipError> {
+    let err = |e| ShipError::Dir(dir.to_path_buf(), e);
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).map_err(err)? {
+        let e = e.map_err(err)?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.ends_with(".tsr") {
+            continue;
+        }
+        let Ok(side) = std::fs::metadata(dir.join(format!("{name}.json"))) else {
+            continue;
+        };
+        let size = e.metadata().map_err(err)?.len();
+        out.push(Local {
+            name,
+            size,
+            finished: side.modified().unwrap_or(UNIX_EPOCH),
+        });
+    }
+    out.sort_by(|a, b| (a.finished, &a.name).cmp(&(b.finished, &b.name)));
+    Ok(out)
+}
+
+/// Reads a local file for a copy: paced to the bandwidth limit, checksummed as it goes.
+struct Paced {
+    inner: std::fs::File,
+    crc: u32,
+    bytes: u64,
+    rate: u64,
+    t0: Instant,
+}
+
+impl Read for Paced {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.rate > 0 {
+            let due = Duration::from_secs_f64(self.bytes as f64 / self.rate as f64);
+            if let Some(wait) = due.checked_sub(self.t0.elapsed()) {
+                std::thread::sleep(wait);
+            }
+        }
+        let n = self.inner.read(buf)?;
+        self.crc = tessera_format::crc::crc32c_append(self.crc, &buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
+    }
+}
+
+pub use tessera_archive::free_bytes;
+
+/// CRC-32C and size of everything `r` gives.
+pub fn crc_of(mut r: impl Read) -> io::Result<(u64, u32)> {
+    let mut buf = vec![0u8; 1 << 20];
+    let (mut n, mut crc) = (0u64, 0u32);
+    loop {
+        let k = r.read(&mut buf)?;
+        if k == 0 {
+            return Ok((n, crc));
+        }
+        crc = tessera_format::crc::crc32c_append(crc, &buf[..k]);
+        n += k as u64;
+    }
+}
