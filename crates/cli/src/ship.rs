@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use tessera_shipper::{Destination, DirDestination, Policy, Shipper};
+use tessera_shipper::{Destination, Policy, Shipper};
 
 #[derive(clap::Subcommand)]
 pub enum ShipCmd {
@@ -17,9 +17,11 @@ pub enum ShipCmd {
     Run {
         /// The recorder's data directory.
         dir: PathBuf,
-        /// A destination directory (a mounted remote file system); repeat for several.
+        /// A destination: a directory (a mounted remote file system), or `s3://bucket/prefix`
+        /// (S3-compatible object storage; endpoint and keys from AWS_ENDPOINT_URL, AWS_REGION,
+        /// AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY). Repeat for several.
         #[arg(long = "to", required = true)]
-        to: Vec<PathBuf>,
+        to: Vec<String>,
         /// Keep a shipped file this many seconds after it was finished (0: delete once shipped).
         #[arg(long, default_value_t = 0.0)]
         keep_s: f64,
@@ -63,9 +65,9 @@ pub fn run(cmd: ShipCmd, stop: &AtomicBool) -> Result<std::process::ExitCode> {
                 anyhow::bail!("--interval {interval}: not a positive number of seconds");
             }
             let dests: Vec<Box<dyn Destination>> = to
-                .into_iter()
-                .map(|d| Box::new(DirDestination::new(d)) as Box<dyn Destination>)
-                .collect();
+                .iter()
+                .map(|d| tessera_shipper::destination(d).with_context(|| format!("--to {d}")))
+                .collect::<Result<_>>()?;
             let policy = Policy {
                 keep: Duration::from_secs_f64(keep_s),
                 free_watermark,

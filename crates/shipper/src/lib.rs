@@ -12,8 +12,10 @@
 //! file exactly once, under its final name only when whole.
 
 mod dir;
+mod s3;
 
 pub use dir::DirDestination;
+pub use s3::{S3Destination, S3Target};
 
 use std::collections::BTreeMap;
 use std::io::{self, Read};
@@ -382,6 +384,17 @@ impl Read for Paced {
 }
 
 pub use tessera_archive::free_bytes;
+
+/// A destination from its address: `s3://bucket/prefix` (endpoint and keys from the usual AWS
+/// environment variables), or a directory.
+pub fn destination(to: &str) -> io::Result<Box<dyn Destination>> {
+    if to.starts_with("s3://") {
+        let t = S3Target::from_url_and_env(to).map_err(io::Error::other)?;
+        Ok(Box::new(S3Destination::new(t)?))
+    } else {
+        Ok(Box::new(DirDestination::new(to)))
+    }
+}
 
 /// CRC-32C and size of everything `r` gives.
 pub fn crc_of(mut r: impl Read) -> io::Result<(u64, u32)> {
