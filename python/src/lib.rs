@@ -14,11 +14,11 @@ use std::io::BufReader;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use tessera_archive::FileReader;
 use tessera_format::event::EventRecordHeader;
 use tessera_format::link::Fragments;
 use tessera_format::monitor::Wait;
 use tessera_monitor::client::{command, ClientOptions, Consumer as RustConsumer};
-use tessera_archive::FileReader;
 
 /// One event's header fields, as a tuple:
 /// (offset, size, event_id, trigger_type, flags, fragment_count, builder_id, timestamp, missing).

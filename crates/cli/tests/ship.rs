@@ -23,30 +23,38 @@ fn names(dir: &Path) -> Vec<String> {
     v
 }
 
-#[test]
-fn a_shipper_killed_mid_copy_resumes_and_ships_every_file_once() {
-    let t = tempfile::tempdir().unwrap();
-    let (data, archive) = (t.path().join("data"), t.path().join("archive"));
-    let cfg = t.path().join("run.toml");
+/// A real run of 4 emulated sources into `data`, files rotating at `max_file`; the files.
+fn recorded_run(t: &Path, data: &Path, events: u64, fragment: u64, max_file: &str) -> Vec<String> {
+    let cfg = t.join("run.toml");
     std::fs::write(
         &cfg,
-        "[run]\nevents = 3000\n[sources]\ncount = 4\nfragment_size = 2048\ntrigger = \"unlimited\"\n\
-         [recorder]\nmax_file_size = \"4 MiB\"\n[monitor]\nenabled = false\n",
+        format!(
+            "[run]\nevents = {events}\n[sources]\ncount = 4\nfragment_size = {fragment}\n\
+             trigger = \"unlimited\"\n[recorder]\nmax_file_size = \"{max_file}\"\n\
+             [monitor]\nenabled = false\n"
+        ),
     )
     .unwrap();
     let o = Command::new(tessera())
         .arg("run")
         .arg(&cfg)
         .arg("--output")
-        .arg(&data)
+        .arg(data)
         .args(["--quiet", "--http", "off"])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let files: Vec<String> = names(&data)
+    names(data)
         .into_iter()
         .filter(|n| n.ends_with(".tsr"))
-        .collect();
+        .collect()
+}
+
+#[test]
+fn a_shipper_killed_mid_copy_resumes_and_ships_every_file_once() {
+    let t = tempfile::tempdir().unwrap();
+    let (data, archive) = (t.path().join("data"), t.path().join("archive"));
+    let files = recorded_run(t.path(), &data, 3000, 2048, "4 MiB");
     assert!(files.len() >= 4, "{files:?}");
     // Slow enough (4 MB/s) that the kill lands inside a copy.
     let mut slow = Proc::spawn(
@@ -212,26 +220,7 @@ fn files_wait_for_an_object_store_that_went_away_and_drain_when_it_is_back() {
     };
     let t = tempfile::tempdir().unwrap();
     let data = t.path().join("data");
-    let cfg = t.path().join("run.toml");
-    std::fs::write(
-        &cfg,
-        "[run]\nevents = 2000\n[sources]\ncount = 4\nfragment_size = 1024\ntrigger = \"unlimited\"\n\
-         [recorder]\nmax_file_size = \"2 MiB\"\n[monitor]\nenabled = false\n",
-    )
-    .unwrap();
-    let o = Command::new(tessera())
-        .arg("run")
-        .arg(&cfg)
-        .arg("--output")
-        .arg(&data)
-        .args(["--quiet", "--http", "off"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let files: Vec<String> = names(&data)
-        .into_iter()
-        .filter(|n| n.ends_with(".tsr"))
-        .collect();
+    let files = recorded_run(t.path(), &data, 2000, 1024, "2 MiB");
     assert!(files.len() >= 2, "{files:?}");
     let originals: Vec<Vec<u8>> = files
         .iter()
