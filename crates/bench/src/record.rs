@@ -168,7 +168,115 @@ pub fn run_record(a: &BenchArgs) -> Result<()> {
             );
         }
     }
+    let ship = ship_point(&dir, bytes, repeat)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&ship)?);
+    } else {
+        println!(
+            "ship to a directory on the same disk: {:.1} MB/s, cp + sync {:.1} MB/s, ratio {:.2} ({:.2}-{:.2}), {} files of {:.1} MB",
+            ship.ship_bytes_per_s / 1e6,
+            ship.cp_bytes_per_s / 1e6,
+            ship.ratio,
+            ship.ratio_min,
+            ship.ratio_max,
+            ship.files,
+            ship.bytes as f64 / ship.files.max(1) as f64 / 1e6
+        );
+    }
     Ok(())
+}
+
+/// The shipper's copy rate to a directory on the same disk, against `cp` of the same files
+/// followed by `sync` of the copies (the shipper syncs each copy and reads it back).
+#[derive(Clone, Debug, Serialize)]
+pub struct ShipPoint {
+    pub name: String,
+    pub files: usize,
+    pub bytes: u64,
+    pub ship_bytes_per_s: f64,
+    pub cp_bytes_per_s: f64,
+    pub ratio: f64,
+    pub ratio_min: f64,
+    pub ratio_max: f64,
+    pub repeat: usize,
+}
+
+fn ship_point(dir: &Path, bytes: f64, repeat: usize) -> Result<ShipPoint> {
+    let data = tempfile::tempdir_in(dir).context("a directory for the files")?;
+    // Files as the recorder leaves them: a real run, 256 MiB files.
+    let per_event = tessera_format::wire::fragment_wire_size(16384) as u64 * 8;
+    let events = ((bytes / 2.0 / per_event as f64) as u64).clamp(2000, 5_000_000);
+    let mut r = bench_topology(Mode::Record, 16384, 8, events)?;
+    r.topology.recorder.max_file_size = ByteSize(256 << 20);
+    r.topology.monitor.enabled = false;
+    let (rep, _) = run_sampled(&r, data.path(), false)?;
+    let files: Vec<std::path::PathBuf> = rep
+        .recorder
+        .iter()
+        .flat_map(|r| r.files.iter())
+        .map(|f| data.path().join(&f.file))
+        .collect();
+    let total: u64 = files
+        .iter()
+        .map(|f| std::fs::metadata(f).map_or(0, |m| m.len()))
+        .sum();
+    let (mut ship, mut cp, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..repeat {
+        let to = tempfile::tempdir_in(dir)?;
+        let t = Instant::now();
+        let st = std::process::Command::new("cp")
+            .args(&files)
+            .arg(to.path())
+            .status()
+            .context("cp")?;
+        anyhow::ensure!(st.success(), "cp failed");
+        let copies: Vec<std::path::PathBuf> = files
+            .iter()
+            .map(|f| to.path().join(f.file_name().unwrap_or_default()))
+            .collect();
+        let st = std::process::Command::new("sync")
+            .args(&copies)
+            .status()
+            .context("sync")?;
+        anyhow::ensure!(st.success(), "sync failed");
+        let c = total as f64 / t.elapsed().as_secs_f64().max(1e-9);
+        drop(to);
+        let to = tempfile::tempdir_in(dir)?;
+        let dest: Vec<Box<dyn tessera_shipper::Destination>> =
+            vec![Box::new(tessera_shipper::DirDestination::new(to.path()))];
+        // Keep the local files (a day): only the copies are measured.
+        let policy = tessera_shipper::Policy {
+            keep: Duration::from_secs(86400),
+            ..Default::default()
+        };
+        // A fresh state each time: the run database of the shipper lives beside the files.
+        let _ = std::fs::remove_file(data.path().join("runs.sqlite"));
+        let mut s = tessera_shipper::Shipper::new(data.path(), dest, policy)?;
+        let t = Instant::now();
+        let p = s.pass()?;
+        let sh = total as f64 / t.elapsed().as_secs_f64().max(1e-9);
+        anyhow::ensure!(
+            p.verified as usize == files.len() && p.failed == 0,
+            "the shipper verified {} of {} files",
+            p.verified,
+            files.len()
+        );
+        cp.push(c);
+        ship.push(sh);
+        ratios.push(sh / c);
+    }
+    let (s, c) = (median(&mut ship), median(&mut cp));
+    Ok(ShipPoint {
+        name: "ship".into(),
+        files: files.len(),
+        bytes: total,
+        ship_bytes_per_s: s,
+        cp_bytes_per_s: c,
+        ratio: s / c,
+        ratio_min: ratios.iter().copied().fold(f64::INFINITY, f64::min),
+        ratio_max: ratios.iter().copied().fold(0.0, f64::max),
+        repeat,
+    })
 }
 
 fn measure(
