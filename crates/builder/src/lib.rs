@@ -252,21 +252,12 @@ impl Shared {
 
     /// A rail's reader found it silent from `since` to `until` (`Some`), or heard it (`None`).
     fn rail_silent(&self, slot: usize, rail: usize, s: Option<(u64, u64)>) {
-        let single = {
+        {
             let mut rs = self.rails[slot].lock();
             rs[rail].silent =
                 s.map(|(since, until)| (rs[rail].silent.map_or(since, |(first, _)| first), until));
-            rs.len() == 1
-        };
-        if single {
-            let mut a = self.assembler.lock();
-            match s {
-                Some((since, until)) => a.quiet(slot, since, until),
-                None => a.heard(slot),
-            }
-        } else {
-            self.rails_changed(slot);
         }
+        self.rails_changed(slot);
     }
 
     fn close_link(&self, slot: usize) {
@@ -480,19 +471,8 @@ fn read_link(sh: &Shared, slot: usize, rail: usize, mut stream: TcpStream) {
         // A floor applies after the super-fragments that came before it.
         if let Some(&floor) = progress.iter().max() {
             progress.clear();
-            if sh.rails[slot].lock().len() == 1 {
-                let ready = {
-                    let mut a = sh.assembler.lock();
-                    a.promise_floor(slot, floor);
-                    let r = a.expire(sh.now_ns());
-                    sh.publish_held(&a);
-                    r
-                };
-                sh.finish(ready);
-            } else {
-                sh.rails[slot].lock()[rail].floor = Some(floor);
-                sh.rails_changed(slot);
-            }
+            sh.rails[slot].lock()[rail].floor = Some(floor);
+            sh.rails_changed(slot);
         }
         if done {
             break;

@@ -29,10 +29,12 @@ use tessera_config::{Compression, Durability, RecorderSection};
 use tessera_format::file::{
     BlockEncoder, BlockHeader, Codec, FileHeader, FileTrailer, Filter, FILE_HEADER_SIZE,
 };
+use tessera_net::role::spawn;
 use tessera_net::ChunkSlice;
 
 use crate::{FileInfo, RecorderStats};
 
+#[derive(Clone)]
 pub struct FileSettings {
     pub dir: PathBuf,
     pub run_number: u64,
@@ -366,13 +368,6 @@ impl Drop for FileWriter {
             let _ = t.join();
         }
     }
-}
-
-fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
-    std::thread::Builder::new()
-        .name(name)
-        .spawn(f)
-        .expect("spawning a recorder thread")
 }
 
 /// One compressor: checksums, shuffles and compresses blocks as they come.
@@ -824,14 +819,8 @@ impl Streams {
                 route.insert(t, i + 1);
             }
             let one = FileSettings {
-                dir: s.dir.clone(),
-                run_number: s.run_number,
-                config_digest: s.config_digest,
-                pattern: s.pattern.clone(),
-                sources: s.sources.clone(),
-                pattern_sources: s.pattern_sources.clone(),
-                section: s.section.clone(),
                 stream: Some(name),
+                ..s.clone()
             };
             writers.push(FileWriter::new(one, st.clone(), news.clone()));
         }
