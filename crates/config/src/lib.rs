@@ -424,6 +424,11 @@ impl Default for SourcesSection {
     }
 }
 
+/// Most sources one topology may have (emulated and external together): every table sized by
+/// the sources (their IDs, each readout unit's links) is bounded by it before it is built.
+/// Thousands are the scale of the largest systems (ATLAS reads ~1 600 links, CMS ~700).
+pub const MAX_SOURCES: u32 = 65_536;
+
 /// A list of source IDs: `[0, 1, 2]` or `"0-20,30"`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
@@ -456,6 +461,13 @@ impl SourceList {
                             let (a, b) = (parse(a)?, parse(b)?);
                             if a > b {
                                 return Err(format!("range `{part}` runs backwards"));
+                            }
+                            // Counted before it is expanded: a range may not size a table
+                            // beyond what a topology can hold.
+                            if (b - a) as u64 + 1 + v.len() as u64 > MAX_SOURCES as u64 {
+                                return Err(format!(
+                                    "`{part}` names more than {MAX_SOURCES} sources"
+                                ));
                             }
                             v.extend(a..=b);
                         }
@@ -1242,6 +1254,16 @@ impl Topology {
                 "no sources: set count > 0 or list external sources".into(),
             ));
         }
+        if s.count as u64 + s.external.len() as u64 > MAX_SOURCES as u64 {
+            return Err(err(
+                "sources.count",
+                format!(
+                    "{} emulated and {} external sources: at most {MAX_SOURCES} in all",
+                    s.count,
+                    s.external.len()
+                ),
+            ));
+        }
         if s.first_id.checked_add(s.count).is_none() {
             return Err(err(
                 "sources.first_id",
@@ -1944,6 +1966,25 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.ru_sources, vec![vec![0, 1, 2, 3], vec![100]]);
+    }
+
+    /// A count or a range from the file is checked before it sizes a table (the configuration
+    /// fuzz target found `count = 458242264` exhausting memory).
+    #[test]
+    fn source_counts_are_bounded_before_anything_is_sized() {
+        let e = parse("[sources]\ncount = 458242264\n").unwrap_err();
+        assert_eq!(e.key, "sources.count", "{e}");
+        let e =
+            parse("[sources]\ncount = 4\n[[readout]]\nid = 0\nsources = \"0-3,10-4000000000\"\n")
+                .unwrap_err();
+        assert!(e.reason.contains("more than 65536"), "{e}");
+        // At the bound, the count itself is no objection (the default buffers may be).
+        let at = parse("[sources]\ncount = 65536\n");
+        assert!(
+            at.as_ref().err().is_none_or(|e| e.key != "sources.count"),
+            "{:?}",
+            at.err()
+        );
     }
 
     #[test]
