@@ -151,10 +151,20 @@ enum Cmd {
         token: String,
     },
     /// Check recorded files: checksums, counts, every fragment present or flagged, payloads.
+    /// With --db, check a shipper's destination against the run database: every file the
+    /// database lists is read back from the destination and must be the file the recorder
+    /// wrote (size, file CRC, intact trailer), or still be waiting in the data directory.
     Verify {
-        /// Files or directories (every *.tsr inside).
+        /// Files or directories (every *.tsr inside); with --db also `s3://bucket/prefix` or
+        /// `ssh://[user@]host[:port]/path` (as `tessera ship run --to` takes them).
         #[arg(required = true)]
-        paths: Vec<PathBuf>,
+        paths: Vec<String>,
+        /// The run database (`runs.sqlite`, or the data directory that holds it).
+        #[arg(long)]
+        db: Option<PathBuf>,
+        /// Only this run's files (with --db).
+        #[arg(long, requires = "db")]
+        run: Option<u64>,
         #[arg(long)]
         json: bool,
     },
@@ -479,14 +489,71 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Verify { paths, json } => {
-            let rep = tessera_verify::verify_paths(&paths)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&rep)?);
-            } else {
-                print!("{}", rep.summary());
+        Cmd::Verify {
+            paths,
+            db,
+            run,
+            json,
+        } => {
+            let remote = |p: &String| p.starts_with("s3://") || p.starts_with("ssh://");
+            let mut ok = true;
+            let mut out = serde_json::Map::new();
+            let local: Vec<PathBuf> = paths
+                .iter()
+                .filter(|p| !remote(p))
+                .map(PathBuf::from)
+                .collect();
+            if let Some(db) = db {
+                let (file, data) = if db.is_dir() {
+                    (db.join("runs.sqlite"), db.clone())
+                } else {
+                    let data = db.parent().map_or(PathBuf::from("."), PathBuf::from);
+                    (db.clone(), data)
+                };
+                if !file.exists() {
+                    anyhow::bail!("--db {}: no run database there", file.display());
+                }
+                let rdb = tessera_rundb::RunDb::open(&file)
+                    .with_context(|| format!("--db {}", file.display()))?;
+                let mut reps = Vec::new();
+                for p in &paths {
+                    let d = tessera_shipper::destination(p).with_context(|| p.clone())?;
+                    let rep = tessera_shipper::verify_destination(d.as_ref(), &rdb, &data, run)
+                        .with_context(|| format!("verifying {p}"))?;
+                    ok &= rep.ok();
+                    if !json {
+                        print!("{}", rep.summary());
+                    }
+                    reps.push(rep);
+                }
+                out.insert("destinations".into(), serde_json::to_value(reps)?);
+            } else if local.len() < paths.len() {
+                anyhow::bail!(
+                    "an s3:// or ssh:// destination is checked against the run database: add --db DATA_DIR"
+                );
             }
-            Ok(if rep.ok() {
+            // A directory (or file) is also read through, event by event.
+            if !local.is_empty() {
+                let rep = tessera_verify::verify_paths(&local)?;
+                ok &= rep.ok();
+                if json {
+                    out.insert("files".into(), serde_json::to_value(&rep)?);
+                } else {
+                    print!("{}", rep.summary());
+                }
+            }
+            if json {
+                // Without --db, the report as it always was.
+                let v = match out.remove("destinations") {
+                    None => out.remove("files").unwrap_or_default(),
+                    Some(d) => {
+                        out.insert("destinations".into(), d);
+                        serde_json::Value::Object(out)
+                    }
+                };
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            }
+            Ok(if ok {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(1)

@@ -88,11 +88,12 @@ fn a_shipper_killed_mid_copy_resumes_and_ships_every_file_once() {
         .iter()
         .flat_map(|f| [f.clone(), format!("{f}.json")])
         .collect();
+    want.push("run000001.manifest.json".into());
     want.sort();
     assert_eq!(
         names(&archive),
         want,
-        "each file once, whole, with its sidecar"
+        "each file once, whole, with its sidecar, and the run's manifest"
     );
     // Shipped and verified everywhere: nothing left locally but the run's own records.
     assert!(
@@ -116,11 +117,26 @@ fn a_shipper_killed_mid_copy_resumes_and_ships_every_file_once() {
     let status: serde_json::Value = serde_json::from_slice(&s.stdout).unwrap();
     assert_eq!(status["backlog"]["files"], 0, "{status}");
     let rows = status["shipments"].as_array().unwrap();
-    assert_eq!(rows.len(), files.len(), "{status}");
+    // Every file and the run's manifest.
+    assert_eq!(rows.len(), files.len() + 1, "{status}");
     assert!(rows.iter().all(|r| r["state"] == "verified"), "{status}");
     // The copy the kill cut was made again: one row says so.
     assert!(rows.iter().any(|r| r["attempts"] == 2), "{status}");
     assert_eq!(status["deleted"].as_array().unwrap().len(), files.len());
+    // The archive against the run database: every file the recorder wrote, as it wrote it.
+    let v = Command::new(tessera())
+        .arg("verify")
+        .arg(&archive)
+        .arg("--db")
+        .arg(&data)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&v.stdout);
+    assert!(v.status.success(), "{said}");
+    assert!(
+        said.contains(&format!("{} verified here", files.len())),
+        "{said}"
+    );
 }
 
 /// A real S3-compatible server (moto, from PyPI, in server mode: `TESSERA_MOTO_SERVER` names its
@@ -279,5 +295,286 @@ fn files_wait_for_an_object_store_that_went_away_and_drain_when_it_is_back() {
         assert!(body == *bytes, "{f}: the object differs from the file");
         assert_eq!(moto.http("GET", &format!("/archive/daq/{f}.json")).0, 200);
     }
+    let v = Command::new(tessera())
+        .args(["verify", "s3://archive/daq", "--db"])
+        .arg(&data)
+        .env("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}"))
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .env("AWS_REGION", "us-east-1")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&v.stdout);
+    assert!(
+        v.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&v.stderr)
+    );
+    assert!(
+        said.contains(&format!("{} verified here", files.len())),
+        "{said}"
+    );
     drop(moto.proc);
+}
+
+/// A storage host made by the test: a network namespace joined to this one by a veth pair,
+/// running Debian's OpenSSH server on its own address with keys made for the test.
+struct StoreHost {
+    ns: String,
+    addr: String,
+    sshd: Option<Proc>,
+    cfg: std::path::PathBuf,
+}
+
+impl StoreHost {
+    /// `None` where namespaces cannot be made (not root); CI is root.
+    fn make(t: &Path) -> Option<StoreHost> {
+        let tag = format!("s{}", std::process::id() % 100_000);
+        let (ns, a, b) = (format!("{tag}st"), format!("{tag}a"), format!("{tag}b"));
+        let net = format!("10.79.{}", std::process::id() % 250 + 1);
+        if !support::ip(&["netns", "add", &ns]) {
+            return None;
+        }
+        let host = StoreHost {
+            ns: ns.clone(),
+            addr: format!("{net}.2"),
+            sshd: None,
+            cfg: t.join("sshd_config"),
+        };
+        let steps: [&[&str]; 7] = [
+            &["link", "add", &a, "type", "veth", "peer", "name", &b],
+            &["link", "set", &b, "netns", &ns],
+            &["addr", "add", &format!("{net}.1/24"), "dev", &a],
+            &["-n", &ns, "addr", "add", &format!("{net}.2/24"), "dev", &b],
+            &["link", "set", &a, "up"],
+            &["-n", &ns, "link", "set", &b, "up"],
+            &["-n", &ns, "link", "set", "lo", "up"],
+        ];
+        for s in steps {
+            assert!(support::ip(s), "ip {s:?}");
+        }
+        let keygen = |f: &Path| {
+            let o = Command::new("ssh-keygen")
+                .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+                .arg(f)
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        };
+        let (hostkey, userkey) = (t.join("host_key"), t.join("user_key"));
+        keygen(&hostkey);
+        keygen(&userkey);
+        std::fs::copy(t.join("user_key.pub"), t.join("authorized_keys")).unwrap();
+        std::fs::create_dir_all("/run/sshd").unwrap();
+        std::fs::write(
+            &host.cfg,
+            format!(
+                "ListenAddress {}\nPort 22\nHostKey {}\nAuthorizedKeysFile {}\n\
+                 PermitRootLogin prohibit-password\nPasswordAuthentication no\n\
+                 KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nPidFile none\n",
+                host.addr,
+                hostkey.display(),
+                t.join("authorized_keys").display()
+            ),
+        )
+        .unwrap();
+        let pubkey = std::fs::read_to_string(t.join("host_key.pub")).unwrap();
+        std::fs::write(t.join("known_hosts"), format!("{} {pubkey}", host.addr)).unwrap();
+        std::fs::write(
+            t.join("ssh_config"),
+            format!(
+                "Host *\n  IdentityFile {}\n  IdentitiesOnly yes\n  UserKnownHostsFile {}\n\
+                 StrictHostKeyChecking yes\n  ConnectTimeout 10\n",
+                userkey.display(),
+                t.join("known_hosts").display()
+            ),
+        )
+        .unwrap();
+        Some(host)
+    }
+
+    fn start(&mut self) {
+        self.sshd = Some(Proc::spawn(
+            Command::new("ip")
+                .args([
+                    "netns",
+                    "exec",
+                    &self.ns,
+                    "/usr/sbin/sshd",
+                    "-D",
+                    "-e",
+                    "-f",
+                ])
+                .arg(&self.cfg)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null()),
+        ));
+        let (ns, addr) = (self.ns.clone(), self.addr.clone());
+        assert!(
+            support::on_host(&ns, move || eventually(LIMIT, || {
+                std::net::TcpStream::connect((addr.as_str(), 22)).is_ok()
+            })),
+            "sshd never listened"
+        );
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut p) = self.sshd.take() {
+            p.kill();
+        }
+    }
+}
+
+impl Drop for StoreHost {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
+    }
+}
+
+/// Issue 13's remote host over OpenSSH: a storage host that is down at first (files wait,
+/// nothing is deleted, the failure says ssh could not reach it), then up: every file arrives
+/// whole through the real `ssh` and `sshd`, is read back and verified, and the local copies go.
+/// Then a copy damaged at the far side on purpose is caught by `tessera verify` of the
+/// destination against the run database.
+#[test]
+fn files_reach_a_storage_host_over_openssh_once_it_is_up() {
+    let t = tempfile::tempdir().unwrap();
+    let Some(mut store) = StoreHost::make(t.path()) else {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "network namespaces cannot be made in CI"
+        );
+        println!("SKIPPED: network namespaces need root");
+        return;
+    };
+    let data = t.path().join("data");
+    // The far side's directory: the namespace shares this file system, but every byte goes
+    // through ssh to the other host's address.
+    let remote = t.path().join("store/archive");
+    let files = recorded_run(t.path(), &data, 2000, 1024, "2 MiB");
+    assert!(files.len() >= 2, "{files:?}");
+    let originals: Vec<Vec<u8>> = files
+        .iter()
+        .map(|f| std::fs::read(data.join(f)).unwrap())
+        .collect();
+    let to = format!("ssh://root@{}{}", store.addr, remote.display());
+    let ssh_env = format!("ssh -F {}", t.path().join("ssh_config").display());
+    // Local copies kept an hour: a copy found damaged later can still be sent again.
+    let ship_keeping = |keep: &str| {
+        Command::new(tessera())
+            .args(["ship", "run"])
+            .arg(&data)
+            .args(["--to", &to, "--once", "--keep-s", keep])
+            .env("TESSERA_SSH", &ssh_env)
+            .output()
+            .unwrap()
+    };
+    let ship = || ship_keeping("3600");
+    let verify = || {
+        Command::new(tessera())
+            .args(["verify", &to, "--db"])
+            .arg(&data)
+            .env("TESSERA_SSH", &ssh_env)
+            .output()
+            .unwrap()
+    };
+    let o = ship();
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    for f in &files {
+        assert!(data.join(f).exists(), "{f} deleted while unshipped");
+    }
+    let s = Command::new(tessera())
+        .args(["ship", "status", "--json"])
+        .arg(&data)
+        .output()
+        .unwrap();
+    let status: serde_json::Value = serde_json::from_slice(&s.stdout).unwrap();
+    assert_eq!(status["backlog"]["files"], files.len(), "{status}");
+    assert!(
+        status["shipments"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["state"] == "failed"
+                && r["error"].as_str().unwrap().contains("could not reach")),
+        "{status}"
+    );
+    store.start();
+    let mut last = String::new();
+    assert!(
+        eventually(LIMIT, || {
+            let o = ship();
+            last = String::from_utf8_lossy(&o.stderr).into_owned();
+            o.status.success()
+        }),
+        "never drained: {last}"
+    );
+    for (f, bytes) in files.iter().zip(&originals) {
+        assert!(
+            std::fs::read(remote.join(f)).unwrap() == *bytes,
+            "{f} differs"
+        );
+        assert!(remote.join(format!("{f}.json")).exists(), "{f}: no sidecar");
+        assert!(!remote.join(format!("{f}.part")).exists());
+        assert!(data.join(f).exists(), "{f}: deleted before --keep-s passed");
+    }
+    // The manifest lists each file's verified copy, and went to the archive once complete.
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(data.join("run000001.manifest.json")).unwrap())
+            .unwrap();
+    for e in manifest["recorder"]["files"].as_array().unwrap() {
+        assert_eq!(e["destinations"][0]["destination"], to.as_str(), "{e}");
+    }
+    assert!(remote.join("run000001.manifest.json").exists());
+    let o = verify();
+    let said = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        said.contains(&format!("{} verified here", files.len())),
+        "{said}"
+    );
+
+    // One bit flipped in a copy at the far side, as a failing disk there would.
+    let damaged = remote.join(&files[1]);
+    let mut b = std::fs::read(&damaged).unwrap();
+    let mid = b.len() / 2;
+    b[mid] ^= 0x04;
+    std::fs::write(&damaged, &b).unwrap();
+    let o = verify();
+    let said = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert_eq!(o.status.code(), Some(1), "{said}");
+    assert!(
+        said.lines().any(|l| l.starts_with("FAIL")
+            && l.contains(&files[1])
+            && l.contains("damaged")
+            && l.contains("send it again")),
+        "{said}"
+    );
+    let o = ship();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        std::fs::read(&damaged).unwrap() == originals[1],
+        "not sent again"
+    );
+    assert!(verify().status.success());
+    // Retention over: the local copies go, the archive answers for every file alone.
+    assert!(ship_keeping("0").status.success());
+    assert!(
+        names(&data).iter().all(|n| !n.ends_with(".tsr")),
+        "{:?}",
+        names(&data)
+    );
+    let o = verify();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    store.stop();
 }

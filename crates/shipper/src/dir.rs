@@ -23,7 +23,7 @@ impl Destination for DirDestination {
 
     /// Written as `<file>.part`, synced, renamed, the directory synced: a reader of the
     /// destination never sees a partial file under the final name.
-    fn put(&self, file: &str, read: &mut dyn Read) -> io::Result<()> {
+    fn put(&self, file: &str, _size: u64, read: &mut dyn Read) -> io::Result<()> {
         std::fs::create_dir_all(&self.root)?;
         let part = self.root.join(format!("{file}.part"));
         let mut out = File::create(&part)?;
@@ -41,9 +41,9 @@ impl Destination for DirDestination {
         File::open(&self.root)?.sync_all()
     }
 
-    fn check(&self, file: &str) -> io::Result<Option<(u64, u32)>> {
+    fn check(&self, file: &str) -> io::Result<Option<crate::Digest>> {
         match File::open(self.root.join(file)) {
-            Ok(f) => crate::crc_of(f).map(Some),
+            Ok(f) => crate::digest_of(f).map(Some),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e),
         }

@@ -13,9 +13,13 @@
 
 mod dir;
 mod s3;
+mod ssh;
+mod verify;
 
 pub use dir::DirDestination;
 pub use s3::{S3Destination, S3Target};
+pub use ssh::{SshDestination, SshTarget};
+pub use verify::{verify_destination, CopyCheck, DestinationReport};
 
 use std::collections::BTreeMap;
 use std::io::{self, Read};
@@ -38,11 +42,12 @@ pub enum ShipError {
 pub trait Destination: Send + Sync {
     /// As configured and as recorded in the run database (`/mnt/archive`, `s3://bucket/prefix`).
     fn name(&self) -> String;
-    /// Copies the local file `path` to the destination under `file`, reading it through
-    /// `read` (which paces and checksums it).
-    fn put(&self, file: &str, read: &mut dyn Read) -> io::Result<()>;
-    /// Size and CRC-32C of what the destination holds under `file`; `None` if nothing.
-    fn check(&self, file: &str) -> io::Result<Option<(u64, u32)>>;
+    /// Copies `size` bytes, read through `read` (which paces and checksums them), to the
+    /// destination under `file`.
+    fn put(&self, file: &str, size: u64, read: &mut dyn Read) -> io::Result<()>;
+    /// Reads back every byte the destination holds under `file`: its [`Digest`]; `None` if
+    /// nothing.
+    fn check(&self, file: &str) -> io::Result<Option<Digest>>;
 }
 
 /// What the shipper may do with local files.
@@ -175,13 +180,14 @@ impl Shipper {
                         pass.copied += 1;
                         r.crc32c = format!("{crc:08x}");
                         match d.check(&f.name) {
-                            Ok(Some((size, got))) if size == f.size && got == crc => {
+                            Ok(Some(got)) if got.size == f.size && got.crc32c == crc => {
                                 // The sidecar goes with it, so the copy can be verified where
                                 // it lies (`tessera verify`).
                                 let side = self.dir.join(format!("{}.json", f.name));
-                                match std::fs::File::open(&side)
-                                    .and_then(|mut s| d.put(&format!("{}.json", f.name), &mut s))
-                                {
+                                match std::fs::File::open(&side).and_then(|mut s| {
+                                    let len = s.metadata()?.len();
+                                    d.put(&format!("{}.json", f.name), len, &mut s)
+                                }) {
                                     Ok(()) => {
                                         r.state = "verified".into();
                                         pass.verified += 1;
@@ -197,9 +203,9 @@ impl Shipper {
                                 r.state = "failed".into();
                                 r.error = Some(match other {
                                     None => "the copy is not at the destination".into(),
-                                    Some((size, got)) => format!(
-                                        "the copy reads back as {size} bytes, CRC-32C {got:08x}; the file is {} bytes, {crc:08x}",
-                                        f.size
+                                    Some(got) => format!(
+                                        "the copy reads back as {} bytes, CRC-32C {:08x}; the file is {} bytes, {crc:08x}",
+                                        got.size, got.crc32c, f.size
                                     ),
                                 });
                             }
@@ -230,6 +236,7 @@ impl Shipper {
                 self.db.set_shipment(&r)?;
             }
         }
+        self.sync_manifests()?;
         if moved > 0 {
             self.last_rate = moved as f64 / t0.elapsed().as_secs_f64().max(1e-9);
         }
@@ -238,24 +245,143 @@ impl Shipper {
         Ok(pass)
     }
 
-    /// Copies `f` to `d` at the allowed bandwidth; the CRC-32C of every byte read.
+    /// Copies `f` to `d` at the allowed bandwidth; the CRC-32C of every byte read. The bytes
+    /// read must be the file the recorder closed (its size and the file CRC its sidecar
+    /// records): a file damaged on the local disk is refused, never spread to the archive
+    /// and never deleted.
     fn copy(&self, d: &dyn Destination, f: &Local) -> io::Result<u32> {
         let file = std::fs::File::open(self.dir.join(&f.name))?;
         let mut r = Paced {
             inner: file,
-            crc: 0,
+            digest: Digester::default(),
             bytes: 0,
             rate: self.policy.bandwidth,
             t0: Instant::now(),
         };
-        d.put(&f.name, &mut r)?;
+        d.put(&f.name, f.size, &mut r)?;
         if r.bytes != f.size {
             return Err(io::Error::other(format!(
                 "read {} bytes of a {}-byte file",
                 r.bytes, f.size
             )));
         }
-        Ok(r.crc)
+        let got = r.digest.finish();
+        if let Some(info) = sidecar(&self.dir, &f.name) {
+            got.matches_recorded(info.size_bytes, &info.file_crc32c)
+                .map_err(|e| {
+                    io::Error::other(format!(
+                        "the local file is not what was recorded ({e}); not shipped"
+                    ))
+                })?;
+        }
+        Ok(got.crc32c)
+    }
+
+    /// Brings each run's manifest (`runNNNNNN.manifest.json` beside the files) up to date with
+    /// the run database: every file's entry lists the destinations that hold a verified copy.
+    /// Once every file of a run is verified at a destination, the manifest goes there too (and
+    /// is recorded as shipped, like a file), so the archive describes itself. A run still going
+    /// has no manifest yet; it is brought up to date when it has one.
+    fn sync_manifests(&self) -> Result<(), ShipError> {
+        let rows = self.db.shipments()?;
+        let verified = |file: &str, dn: &str| {
+            rows.iter()
+                .find(|r| r.file == file && r.destination == dn && r.state == "verified")
+        };
+        let err = |e| ShipError::Dir(self.dir.to_path_buf(), e);
+        let mut names: Vec<String> = std::fs::read_dir(&self.dir)
+            .map_err(err)?
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("run") && n.ends_with(".manifest.json"))
+            .collect();
+        names.sort();
+        for name in names {
+            let dests: Vec<&dyn Destination> = self
+                .destinations
+                .iter()
+                .map(|d| d.as_ref())
+                .filter(|d| verified(&name, &d.name()).is_none())
+                .collect();
+            if dests.is_empty() {
+                continue;
+            }
+            let path = self.dir.join(&name);
+            let Ok(bytes) = std::fs::read(&path) else {
+                continue;
+            };
+            let Ok(mut m) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+                tracing::warn!(manifest = %name, "not JSON; left alone");
+                continue;
+            };
+            let Some(files) = m
+                .pointer_mut("/recorder/files")
+                .and_then(|v| v.as_array_mut())
+            else {
+                continue;
+            };
+            let mut complete: Vec<bool> = vec![true; dests.len()];
+            for e in files.iter_mut() {
+                let Some(file) = e["file"].as_str().map(String::from) else {
+                    continue;
+                };
+                let list: Vec<serde_json::Value> = self
+                    .destinations
+                    .iter()
+                    .filter_map(|d| {
+                        let dn = d.name();
+                        verified(&file, &dn).map(|r| {
+                            serde_json::json!({
+                                "destination": dn,
+                                "crc32c": r.crc32c,
+                                "verified_unix_ns": r.updated_unix_ns,
+                            })
+                        })
+                    })
+                    .collect();
+                for (i, d) in dests.iter().enumerate() {
+                    complete[i] &= verified(&file, &d.name()).is_some();
+                }
+                if let Some(o) = e.as_object_mut() {
+                    o.insert("destinations".into(), list.into());
+                }
+            }
+            let out = serde_json::to_vec_pretty(&m).map_err(|e| err(io::Error::other(e)))?;
+            if out != bytes {
+                tessera_archive::file_write_atomic(&path, &out).map_err(err)?;
+            }
+            for (d, whole) in dests.iter().zip(complete) {
+                if !whole {
+                    continue;
+                }
+                let (size, crc) = (out.len() as u64, tessera_format::crc::crc32c(&out));
+                let mut r = ShipmentRow {
+                    file: name.clone(),
+                    destination: d.name(),
+                    size_bytes: size,
+                    crc32c: format!("{crc:08x}"),
+                    state: "verified".into(),
+                    attempts: 1,
+                    error: None,
+                    next_try_unix_ns: 0,
+                    updated_unix_ns: unix_ns(SystemTime::now()),
+                };
+                match d
+                    .put(&name, size, &mut out.as_slice())
+                    .and_then(|()| d.check(&name))
+                {
+                    Ok(Some(got)) if got.size == size && got.crc32c == crc => {}
+                    Ok(_) => continue,
+                    Err(e) => {
+                        tracing::warn!(manifest = %name, destination = %d.name(), error = %e, "manifest not shipped; next pass");
+                        r.state = "failed".into();
+                        r.error = Some(e.to_string());
+                    }
+                }
+                self.db.set_shipment(&r)?;
+            }
+        }
+        Ok(())
     }
 
     /// Deletes verified files the policy lets go: past `keep`, or (oldest first) while the
@@ -335,6 +461,12 @@ pub fn backlog(dir: &Path, db: &RunDb, destinations: &[String]) -> Result<Backlo
     Ok(b)
 }
 
+/// The sidecar of `file`, if it is a recorder's (a file put there by hand may have none).
+fn sidecar(dir: &Path, file: &str) -> Option<tessera_archive::FileInfo> {
+    let b = std::fs::read(dir.join(format!("{file}.json"))).ok()?;
+    serde_json::from_slice(&b).ok()
+}
+
 /// Finished files of `dir` (a `.tsr` with its sidecar), oldest first. A `.part` is never taken.
 fn finished(dir: &Path) -> Result<Vec<Local>, ShipError> {
     let err = |e| ShipError::Dir(dir.to_path_buf(), e);
@@ -362,7 +494,7 @@ fn finished(dir: &Path) -> Result<Vec<Local>, ShipError> {
 /// Reads a local file for a copy: paced to the bandwidth limit, checksummed as it goes.
 struct Paced {
     inner: std::fs::File,
-    crc: u32,
+    digest: Digester,
     bytes: u64,
     rate: u64,
     t0: Instant,
@@ -377,7 +509,7 @@ impl Read for Paced {
             }
         }
         let n = self.inner.read(buf)?;
-        self.crc = tessera_format::crc::crc32c_append(self.crc, &buf[..n]);
+        self.digest.update(&buf[..n]);
         self.bytes += n as u64;
         Ok(n)
     }
@@ -386,9 +518,13 @@ impl Read for Paced {
 pub use tessera_archive::free_bytes;
 
 /// A destination from its address: `s3://bucket/prefix` (endpoint and keys from the usual AWS
-/// environment variables), or a directory.
+/// environment variables), `ssh://[user@]host[:port]/path` (OpenSSH; `TESSERA_SSH` for its
+/// options), or a directory.
 pub fn destination(to: &str) -> io::Result<Box<dyn Destination>> {
-    if to.starts_with("s3://") {
+    if to.starts_with("ssh://") {
+        let t = SshTarget::from_url_and_env(to).map_err(io::Error::other)?;
+        Ok(Box::new(SshDestination::new(t)))
+    } else if to.starts_with("s3://") {
         let t = S3Target::from_url_and_env(to).map_err(io::Error::other)?;
         Ok(Box::new(S3Destination::new(t)?))
     } else {
@@ -396,16 +532,91 @@ pub fn destination(to: &str) -> io::Result<Box<dyn Destination>> {
     }
 }
 
-/// CRC-32C and size of everything `r` gives.
-pub fn crc_of(mut r: impl Read) -> io::Result<(u64, u32)> {
+/// What a copy (or a local file) holds, from one read of every byte.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Digest {
+    pub size: u64,
+    /// CRC-32C of every byte.
+    pub crc32c: u32,
+    /// CRC-32C of every byte before the last [`FILE_TRAILER_SIZE`]: for a Tessera file, what its
+    /// trailer's file CRC (and the run database's `crc32c`) covers.
+    pub body_crc32c: u32,
+    /// The last [`FILE_TRAILER_SIZE`] bytes (fewer in a shorter file): a Tessera file's trailer.
+    pub tail: [u8; FILE_TRAILER_SIZE],
+    pub tail_len: usize,
+}
+
+use tessera_format::file::FILE_TRAILER_SIZE;
+
+impl Digest {
+    /// Whether this is the whole Tessera file the recorder closed: `size` bytes whose body has
+    /// the recorded file CRC and whose trailer is intact and says so. An error says what
+    /// differs.
+    pub fn matches_recorded(&self, size: u64, file_crc32c: &str) -> Result<(), String> {
+        let want = u32::from_str_radix(file_crc32c, 16)
+            .map_err(|_| format!("the recorded file CRC {file_crc32c:?} is not 8 hex digits"))?;
+        if self.size != size {
+            return Err(format!("{} bytes where {size} were recorded", self.size));
+        }
+        if self.body_crc32c != want {
+            return Err(format!(
+                "file CRC-32C {:08x} where {want:08x} was recorded",
+                self.body_crc32c
+            ));
+        }
+        match tessera_format::file::FileTrailer::decode(&self.tail[..self.tail_len]) {
+            Ok(t) if t.file_crc == want => Ok(()),
+            Ok(t) => Err(format!(
+                "the trailer says file CRC {:08x}, the run database {want:08x}",
+                t.file_crc
+            )),
+            Err(e) => Err(format!("the trailer is damaged: {e}")),
+        }
+    }
+}
+
+/// Builds a [`Digest`] from chunks: the last trailer-size bytes are held back until more come,
+/// so the body CRC is known without knowing the size first.
+#[derive(Default)]
+pub struct Digester {
+    size: u64,
+    body: u32,
+    held: Vec<u8>,
+}
+
+impl Digester {
+    pub fn update(&mut self, chunk: &[u8]) {
+        self.size += chunk.len() as u64;
+        self.held.extend_from_slice(chunk);
+        if self.held.len() > FILE_TRAILER_SIZE {
+            let out = self.held.len() - FILE_TRAILER_SIZE;
+            self.body = tessera_format::crc::crc32c_append(self.body, &self.held[..out]);
+            self.held.drain(..out);
+        }
+    }
+
+    pub fn finish(self) -> Digest {
+        let mut tail = [0u8; FILE_TRAILER_SIZE];
+        tail[..self.held.len()].copy_from_slice(&self.held);
+        Digest {
+            size: self.size,
+            crc32c: tessera_format::crc::crc32c_append(self.body, &self.held),
+            body_crc32c: self.body,
+            tail,
+            tail_len: self.held.len(),
+        }
+    }
+}
+
+/// The [`Digest`] of everything `r` gives.
+pub fn digest_of(mut r: impl Read) -> io::Result<Digest> {
     let mut buf = vec![0u8; 1 << 20];
-    let (mut n, mut crc) = (0u64, 0u32);
+    let mut d = Digester::default();
     loop {
         let k = r.read(&mut buf)?;
         if k == 0 {
-            return Ok((n, crc));
+            return Ok(d.finish());
         }
-        crc = tessera_format::crc::crc32c_append(crc, &buf[..k]);
-        n += k as u64;
+        d.update(&buf[..k]);
     }
 }

@@ -101,7 +101,7 @@ impl Destination for S3Destination {
         }
     }
 
-    fn put(&self, file: &str, read: &mut dyn Read) -> io::Result<()> {
+    fn put(&self, file: &str, _size: u64, read: &mut dyn Read) -> io::Result<()> {
         let key = self.key(file);
         self.rt.block_on(async {
             let upload = self.store.put_multipart(&key).await.map_err(err)?;
@@ -127,7 +127,7 @@ impl Destination for S3Destination {
         })
     }
 
-    fn check(&self, file: &str) -> io::Result<Option<(u64, u32)>> {
+    fn check(&self, file: &str) -> io::Result<Option<crate::Digest>> {
         let key = self.key(file);
         self.rt.block_on(async {
             let got = match self.store.get(&key).await {
@@ -136,13 +136,11 @@ impl Destination for S3Destination {
                 Err(e) => return Err(err(e)),
             };
             let mut s = got.into_stream();
-            let (mut n, mut crc) = (0u64, 0u32);
+            let mut d = crate::Digester::default();
             while let Some(chunk) = s.next().await {
-                let chunk = chunk.map_err(err)?;
-                crc = tessera_format::crc::crc32c_append(crc, &chunk);
-                n += chunk.len() as u64;
+                d.update(&chunk.map_err(err)?);
             }
-            Ok(Some((n, crc)))
+            Ok(Some(d.finish()))
         })
     }
 }

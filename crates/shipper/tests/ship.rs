@@ -123,16 +123,16 @@ impl Destination for Flaky {
     fn name(&self) -> String {
         self.inner.name()
     }
-    fn put(&self, file: &str, read: &mut dyn Read) -> std::io::Result<()> {
+    fn put(&self, file: &str, size: u64, read: &mut dyn Read) -> std::io::Result<()> {
         if self.damaged.swap(true, Ordering::AcqRel) {
-            return self.inner.put(file, read);
+            return self.inner.put(file, size, read);
         }
         let mut all = Vec::new();
         read.read_to_end(&mut all)?;
         all[1234] ^= 0x10;
-        self.inner.put(file, &mut all.as_slice())
+        self.inner.put(file, size, &mut all.as_slice())
     }
-    fn check(&self, file: &str) -> std::io::Result<Option<(u64, u32)>> {
+    fn check(&self, file: &str) -> std::io::Result<Option<tessera_shipper::Digest>> {
         self.inner.check(file)
     }
 }
