@@ -148,6 +148,7 @@ async function refresh() {
   }
   showState(v.state);
   showAlarms(v.alarms || []);
+  showShipping(v.shipper);
   const taking = RUNNING.includes(v.state.state);
   const h = v.history.slice(-HISTORY);
   ratePlot.setData([h.map((p) => p.t), h.map((p) => p.events_per_s), h.map((p) => p.incomplete_per_s)]);
@@ -200,6 +201,23 @@ async function refresh() {
     $("bottleneck").textContent = "no run taking data";
     $("bottleneck").className = "bottleneck";
   }
+}
+
+// The shipper's backlog: between runs too, as files drain after the run that wrote them.
+function showShipping(s) {
+  const el = $("shipping");
+  if (!s) { el.innerHTML = ""; return; }
+  let t = `shipping to ${s.destinations.map(esc).join(", ")}: `;
+  if (s.backlog_files === 0) {
+    t += "every finished file verified";
+  } else {
+    t += `<span class="${s.failed > 0 ? "blocked" : ""}">${s.backlog_files} files, ${bytes(s.backlog_bytes)} waiting</span>, oldest ${s.oldest_s.toFixed(0)} s`;
+    if (s.drain_s != null) t += `, ~${s.drain_s.toFixed(0)} s to drain`;
+  }
+  t += ` · ${s.verified} copies verified, ${s.deleted} local files freed`;
+  if (s.failed > 0) t += ` · <span class="blocked">${s.failed} failed copies</span>`;
+  if (s.last_error) t += `<br><span class="label">last failure: ${esc(s.last_error)}</span>`;
+  el.innerHTML = t;
 }
 
 // The file the recorder is writing, above the finished ones.

@@ -34,6 +34,9 @@ sources = "4-7"
 [recorder]
 compression = "lz4"
 fsync = false
+[shipper]
+to = ["${join(dir, "archive")}"]
+interval_s = 0.5
 [stop]
 sources_ms = 5000
 readout_ms = 5000
@@ -102,6 +105,10 @@ try {
   assert.equal(await page.textContent("#events-rate"), "0");
   assert.equal(await page.locator("#files tbody tr.writing").count(), 0);
   await until("files of run 1", async () => (await page.locator("#files tbody tr").count()) > 0);
+  // The shipper drains after the run: its line says so, and the archive holds the files.
+  await until("the shipper drained", async () => (await page.textContent("#shipping")).includes("every finished file verified"));
+  assert.ok((await page.textContent("#shipping")).startsWith("shipping to " + join(dir, "archive")));
+  assert.ok(existsSync(join(dir, "archive", "run000001_0001.tsr")), "run 1's first file in the archive");
   // The message log shows what the run control said, with its role.
   await until("the message log", async () =>
     (await page.locator("#log tbody tr").count()) > 0 && (await page.textContent("#log")).includes("transition done"));

@@ -111,8 +111,14 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         eprintln!("tessera: running {}", resolved.origin);
     }
     let end = ctl.wait_for(&[State::Stopped, State::Error], None);
-    ctl.close();
+    let leave = || {
+        if let Some(s) = ctl.shipper() {
+            drain_at_exit(&s, t.shipper.drain_at_exit_s, &quit, a.quiet || a.json);
+        }
+        ctl.close();
+    };
     let Some(report) = ctl.last_report() else {
+        leave();
         bail!(
             "the run ended in error: {}",
             ctl.view().error.unwrap_or_default()
@@ -123,6 +129,8 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     } else {
         print!("{}", report.summary());
     }
+    // The run's files ship while its summary is read.
+    leave();
     if end == State::Error {
         eprintln!("error: {}", ctl.view().error.unwrap_or_default());
         return Ok(ExitCode::from(1));
@@ -132,6 +140,44 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// One run and out: the shipper gets `limit` seconds to ship what the run wrote (Ctrl-C cuts it
+/// short); what is left is said, and ships at the next start or with `tessera ship run`.
+fn drain_at_exit(s: &tessera_shipper::ShipperService, limit: f64, quit: &AtomicBool, quiet: bool) {
+    let mut last = std::time::Instant::now();
+    let drained = s.drain(Duration::from_secs_f64(limit), |st| {
+        if !quiet && last.elapsed() >= Duration::from_secs(1) {
+            eprintln!("shipper: {}", st.line());
+            last = std::time::Instant::now();
+        }
+        !quit.load(Ordering::Relaxed)
+    });
+    let st = s.status();
+    if drained {
+        if !quiet {
+            eprintln!(
+                "shipper: every file verified at {} ({} copies this session{})",
+                st.destinations.join(", "),
+                st.verified,
+                if st.deleted > 0 {
+                    format!(", {} local files deleted", st.deleted)
+                } else {
+                    String::new()
+                }
+            );
+        }
+    } else {
+        eprintln!(
+            "shipper: {} files ({:.1} MB) not yet verified at every destination{}; they ship at the next start, or now with `tessera ship run {} --to …`",
+            st.backlog_files,
+            st.backlog_bytes as f64 / 1e6,
+            st.last_error
+                .as_deref()
+                .map_or(String::new(), |e| format!(" (last failure: {e})")),
+            s.dir().display()
+        );
+    }
 }
 
 pub fn runs(cmd: Option<crate::RunsCmd>, data: &Path, json: bool) -> Result<ExitCode> {

@@ -94,6 +94,7 @@ fn the_systemd_units_verify_cleanly() {
     let dir = tempfile::tempdir().unwrap();
     let env_file = dir.path().join("run.env");
     let node_env = dir.path().join("node.env");
+    let ship_env = dir.path().join("ship.env");
     let mut units = Vec::new();
     for f in std::fs::read_dir(&src).unwrap().flatten() {
         let name = f.file_name().to_string_lossy().into_owned();
@@ -101,7 +102,8 @@ fn the_systemd_units_verify_cleanly() {
         let text = text
             .replace("/usr/bin/tessera", env!("CARGO_BIN_EXE_tessera"))
             .replace("/etc/tessera/run.env", env_file.to_str().unwrap())
-            .replace("/etc/tessera/node.env", node_env.to_str().unwrap());
+            .replace("/etc/tessera/node.env", node_env.to_str().unwrap())
+            .replace("/etc/tessera/ship.env", ship_env.to_str().unwrap());
         std::fs::write(dir.path().join(&name), text).unwrap();
         if name.ends_with(".service") || name.ends_with(".socket") {
             // Templates are verified through an instance.

@@ -56,6 +56,8 @@ pub struct Topology {
     pub alarms: AlarmsSection,
     /// `[security]`: who may connect to the data and monitor ports.
     pub security: SecuritySection,
+    /// `[shipper]`: copies finished files to permanent storage (none without `to`).
+    pub shipper: ShipperSection,
     /// `[hosts]`: the machines of a run spread over hosts, each with its node agent (`tessera
     /// node`). Empty: every role runs in one process.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
@@ -782,6 +784,11 @@ pub struct RecorderSection {
     /// Threads that checksum, shuffle and compress blocks in parallel (blocks still reach the
     /// file in order; one disk thread only writes).
     pub compression_threads: u32,
+    /// File series the main files are written as in parallel, each with a pipeline of its own
+    /// (compression threads, disk thread, closer): the events of builder `b` go to series
+    /// `b mod writers`, named `run000012_w2_0001.tsr` (series 0 keeps the plain names). For a
+    /// disk array faster than one writer.
+    pub writers: u32,
     /// Limit the write rate, in bytes per second (0: no limit): rehearses a slow disk.
     pub throttle: ByteSize,
     /// fsync each file before it takes its final name.
@@ -816,6 +823,7 @@ impl Default for RecorderSection {
             zstd_level: 1,
             shuffle: true,
             compression_threads: 2,
+            writers: 1,
             streams: BTreeMap::new(),
             throttle: ByteSize(0),
             fsync: true,
@@ -825,6 +833,55 @@ impl Default for RecorderSection {
             disk_soft_free: ByteSize(2 << 30),
             disk_hard_free: ByteSize(1 << 30),
         }
+    }
+}
+
+/// `[shipper]`: the second half of role 6. It runs beside the recorder, in the process that
+/// holds its data directory (the run control, or the node agent of the recorder's host), from
+/// configure until that process ends, so files drain between runs too. docs/shipping.md.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ShipperSection {
+    /// Destinations: a directory (a mounted remote file system), `s3://bucket/prefix`
+    /// (S3-compatible storage; endpoint and keys from the AWS_* environment variables), or
+    /// `ssh://[user@]host[:port]/path` (OpenSSH; `TESSERA_SSH` for its options). Empty: no
+    /// shipper.
+    pub to: Vec<String>,
+    /// Keep a shipped file this many seconds after it was finished (0: delete once every
+    /// destination holds a verified copy).
+    pub keep_s: f64,
+    /// Below this much free space on the data directory's file system, verified files are
+    /// deleted first, oldest first, whatever `keep_s` says. Default: twice
+    /// `recorder.disk_soft_free`, so space comes back before the recorder slows down.
+    pub free_watermark: Option<ByteSize>,
+    /// Bytes per second all copies may read together (0: no limit), so shipping does not take
+    /// the disk from the recorder.
+    pub bandwidth: ByteSize,
+    /// Seconds between passes (a pass also follows the end of every run).
+    pub interval_s: f64,
+    /// `tessera run` (one run, then exit) waits this long after its run for the shipper to
+    /// drain before it exits; what is left ships at the next start.
+    pub drain_at_exit_s: f64,
+}
+
+impl Default for ShipperSection {
+    fn default() -> Self {
+        ShipperSection {
+            to: Vec::new(),
+            keep_s: 0.0,
+            free_watermark: None,
+            bandwidth: ByteSize(0),
+            interval_s: 5.0,
+            drain_at_exit_s: 60.0,
+        }
+    }
+}
+
+impl ShipperSection {
+    /// The free-space watermark in bytes, the default resolved.
+    pub fn watermark(&self, recorder: &RecorderSection) -> u64 {
+        self.free_watermark
+            .map_or(recorder.disk_soft_free.0.saturating_mul(2), |b| b.0)
     }
 }
 
@@ -1629,11 +1686,54 @@ impl Topology {
                 }
             }
         }
+        let sh = &self.shipper;
+        for (i, to) in sh.to.iter().enumerate() {
+            let key = format!("shipper.to[{i}]");
+            if to.trim().is_empty() {
+                return Err(err(&key, "is empty".into()));
+            }
+            if to.contains("://") && !(to.starts_with("s3://") || to.starts_with("ssh://")) {
+                return Err(err(
+                    &key,
+                    format!("{to:?}: a destination is a directory, s3://bucket/prefix or ssh://[user@]host[:port]/path"),
+                ));
+            }
+            if sh.to[..i].contains(to) {
+                return Err(err(&key, format!("{to:?} is listed twice")));
+            }
+        }
+        for (key, v, positive) in [
+            ("shipper.keep_s", sh.keep_s, false),
+            ("shipper.interval_s", sh.interval_s, true),
+            ("shipper.drain_at_exit_s", sh.drain_at_exit_s, false),
+        ] {
+            if !(v.is_finite() && v >= 0.0 && (v > 0.0 || !positive) && v <= 1e9) {
+                return Err(err(key, format!("{v} is not a number of seconds")));
+            }
+        }
         if !(r.max_file_age_s.is_finite() && r.max_file_age_s >= 0.0) {
             return Err(err(
                 "recorder.max_file_age_s",
                 format!("{} is not a number of seconds (0: off)", r.max_file_age_s),
             ));
+        }
+        if !(1..=16).contains(&r.writers) {
+            return Err(err(
+                "recorder.writers",
+                format!("{} is outside 1..=16", r.writers),
+            ));
+        }
+        if r.writers > 1 {
+            if let Some(name) = r.streams.keys().find(|n| {
+                n.strip_prefix('w')
+                    .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+            }) {
+                return Err(err(
+                    &format!("recorder.streams.{name}"),
+                    "with recorder.writers > 1, names w1, w2, ... are the main files' series"
+                        .into(),
+                ));
+            }
         }
         if !(1..=64).contains(&r.compression_threads) {
             return Err(err(

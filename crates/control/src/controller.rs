@@ -93,6 +93,8 @@ struct Ctl {
     db: Option<Arc<RunDb>>,
     /// This process's hold on the output directory (see `recovery::lock_output`).
     output_lock: Option<(std::path::PathBuf, std::fs::File)>,
+    /// `[shipper]` of a run in this process: from the configure on, across runs.
+    shipper: Option<tessera_run::shipping::HeldShipper>,
 }
 
 pub(crate) struct Shared {
@@ -136,6 +138,7 @@ impl Controller {
                 last_report: None,
                 db: None,
                 output_lock: None,
+                shipper: None,
             }),
             changed: Condvar::new(),
             interrupt,
@@ -152,9 +155,23 @@ impl Controller {
         c
     }
 
-    /// Ends the watcher thread (the process is about to exit).
+    /// Ends the watcher thread and the shipper (the process is about to exit; a copy under
+    /// way is made again by the next shipper).
     pub fn close(&self) {
         self.shared.closing.store(true, Ordering::Relaxed);
+        let held = self.shared.ctl.lock().shipper.take();
+        tessera_run::shipping::stop(&mut { held });
+    }
+
+    /// The shipper of this process's data directory, where `[shipper]` names destinations and
+    /// the recorder runs here (with `[hosts]`, the recorder's node agent runs it).
+    pub fn shipper(&self) -> Option<Arc<tessera_shipper::ShipperService>> {
+        self.shared
+            .ctl
+            .lock()
+            .shipper
+            .as_ref()
+            .map(|h| h.service.clone())
     }
 
     pub fn state(&self) -> State {
@@ -434,6 +451,11 @@ impl Controller {
         };
         self.shared.alarms.lock().clear_all(unix_ns());
         let mut c = self.shared.ctl.lock();
+        if cluster.is_none() {
+            tessera_run::shipping::ensure(&mut c.shipper, &r.topology, &r.topology.run.output)?;
+        } else {
+            tessera_run::shipping::stop(&mut c.shipper);
+        }
         c.resolved = Some(r);
         c.db = Some(Arc::new(db));
         c.cluster = cluster;
@@ -483,6 +505,7 @@ impl Controller {
             status: o.status.unwrap_or(tessera_run::StatusMode::Off),
             stop: self.shared.interrupt.clone(),
             run_number: Some(number),
+            shipper: self.shipper(),
             ..Default::default()
         };
         let cluster = self.shared.ctl.lock().cluster.clone();

@@ -389,10 +389,16 @@ async fn live(AxState(app): AxState<Arc<App>>) -> Response {
     let r = tokio::task::spawn_blocking(move || {
         let live = ctl.session().map(|s| s.live());
         let alarms: Vec<_> = ctl.shared.alarms.lock().active().cloned().collect();
+        // Between runs too: files drain after the run that wrote them.
+        let shipper = live
+            .as_ref()
+            .and_then(|l| l.shipper.clone())
+            .or_else(|| ctl.shipper().map(|s| s.status()));
         let s = ctl.shared.sampler.lock();
         serde_json::json!({
             "state": ctl.view(),
             "live": live,
+            "shipper": shipper,
             "rates": s.rates,
             "history": s.history,
             "alarms": alarms,

@@ -22,6 +22,8 @@ struct Snapshot {
     run_number: Option<u64>,
     live: Option<Live>,
     rates: Option<Rates>,
+    /// The shipper's, between runs too.
+    shipper: Option<tessera_run::live::ShipperStatus>,
 }
 
 /// The metrics of `c` now, as OpenMetrics text.
@@ -42,7 +44,12 @@ pub fn render(c: &Controller) -> String {
                 .collect(),
         )
     };
+    let shipper = live
+        .as_ref()
+        .and_then(|l| l.shipper.clone())
+        .or_else(|| c.shipper().map(|s| s.status()));
     reg.register_collector(Box::new(Snapshot {
+        shipper,
         alarms,
         raised,
         state: view.state,
@@ -104,6 +111,9 @@ impl Collector for Snapshot {
                 "the open run, or the last one",
                 &[(vec![], n as f64)],
             )?;
+        }
+        if let Some(s) = &self.shipper {
+            tessera_metrics::shipper_series(&mut e, s)?;
         }
         let Some(live) = &self.live else {
             return Ok(());

@@ -75,9 +75,10 @@ impl Hosts {
         let host = find("readout_unit", &self.readout_units)
             .or_else(|| find("builder", &self.builders))
             .or_else(|| {
-                self.recorder
-                    .clone()
-                    .filter(|_| name.starts_with("tessera_recorder"))
+                // The shipper runs beside the recorder's data directory.
+                self.recorder.clone().filter(|_| {
+                    name.starts_with("tessera_recorder") || name.starts_with("tessera_shipper")
+                })
             })
             .unwrap_or_else(|| self.here.clone());
         l.push(("host", host));
@@ -420,12 +421,57 @@ pub fn live_series(e: &mut Enc<'_, '_>, live: &Live) -> std::fmt::Result {
     Ok(())
 }
 
+/// The shipper's backlog and its work since it started.
+pub fn shipper_series(
+    e: &mut Enc<'_, '_>,
+    s: &tessera_run::live::ShipperStatus,
+) -> std::fmt::Result {
+    e.gauge(
+        "tessera_shipper_backlog_files",
+        "finished files not yet verified at every destination",
+        &[(vec![], s.backlog_files as f64)],
+    )?;
+    e.gauge(
+        "tessera_shipper_backlog_bytes",
+        "bytes of finished files not yet verified at every destination",
+        &[(vec![], s.backlog_bytes as f64)],
+    )?;
+    e.gauge(
+        "tessera_shipper_oldest_seconds",
+        "age of the oldest file not yet verified at every destination",
+        &[(vec![], s.oldest_s)],
+    )?;
+    e.gauge(
+        "tessera_shipper_rate_bytes_per_second",
+        "bytes per second verified in the last pass that copied anything",
+        &[(vec![], s.rate_bytes_per_s)],
+    )?;
+    if let Some(d) = s.drain_s {
+        e.gauge(
+            "tessera_shipper_drain_seconds",
+            "time to drain the backlog at the last rate",
+            &[(vec![], d)],
+        )?;
+    }
+    e.counter(
+        "tessera_shipper_copies",
+        "copies made (copied), read back and found whole (verified), failed, and local files deleted once safe (deleted), since the shipper started",
+        &[
+            (l1("result", "copied"), s.copied),
+            (l1("result", "verified"), s.verified),
+            (l1("result", "failed"), s.failed),
+            (l1("result", "deleted"), s.deleted),
+        ],
+    )
+}
+
 /// A node agent's own series and its part of the run.
 #[derive(Debug)]
 struct Part {
     here: String,
     gauges: Vec<(&'static str, &'static str, f64)>,
     live: Option<Live>,
+    shipper: Option<tessera_run::live::ShipperStatus>,
 }
 
 impl Collector for Part {
@@ -437,6 +483,9 @@ impl Collector for Part {
         for (name, help, v) in &self.gauges {
             e.gauge(name, help, &[(vec![], *v)])?;
         }
+        if let Some(s) = &self.shipper {
+            shipper_series(&mut e, s)?;
+        }
         if let Some(live) = &self.live {
             live_series(&mut e, live)?;
         }
@@ -444,18 +493,20 @@ impl Collector for Part {
     }
 }
 
-/// OpenMetrics text of one host (`here`, its `host` label): `gauges` of its own, then every
-/// series of its part of the run, if one is open.
+/// OpenMetrics text of one host (`here`, its `host` label): `gauges` of its own, its shipper's
+/// series where it runs one, then every series of its part of the run, if one is open.
 pub fn render_part(
     here: &str,
     gauges: Vec<(&'static str, &'static str, f64)>,
     live: Option<Live>,
+    shipper: Option<tessera_run::live::ShipperStatus>,
 ) -> String {
     let mut reg = Registry::default();
     reg.register_collector(Box::new(Part {
         here: here.to_string(),
         gauges,
         live,
+        shipper,
     }));
     let mut out = String::new();
     // Writing to a String cannot fail.

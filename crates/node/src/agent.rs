@@ -421,6 +421,16 @@ impl Agent {
                 Err(e) => problems.push(format!("{key}: cannot listen on {bind}: {e}")),
             }
         }
+        // `[shipper]` on the recorder's host, held by the agent (not by this run control's
+        // connection): files drain between runs and after the run control has gone.
+        {
+            let held = &mut self.opts.published.lock().shipper;
+            if !roles.recorder {
+                tessera_run::shipping::stop(held);
+            } else if let Err(e) = tessera_run::shipping::ensure(held, &r.topology, &output) {
+                problems.push(format!("{e:#}"));
+            }
+        }
         if !problems.is_empty() {
             return Reply::Problems { problems };
         }
@@ -471,6 +481,13 @@ impl Agent {
             listeners,
             start_held: true,
             part: Some(p.host.clone()),
+            shipper: self
+                .opts
+                .published
+                .lock()
+                .shipper
+                .as_ref()
+                .map(|h| h.service.clone()),
             ..Default::default()
         };
         let session = Session::start(&r, &opts)

@@ -22,6 +22,9 @@ pub struct Published {
     pub live: Option<Live>,
     /// A run control drives the agent now.
     pub driven: bool,
+    /// `[shipper]`, where this host runs the recorder: the agent keeps it across runs and run
+    /// controls.
+    pub shipper: Option<tessera_run::shipping::HeldShipper>,
 }
 
 pub type Shared = Arc<Mutex<Published>>;
@@ -45,6 +48,7 @@ pub fn render(p: &Published) -> String {
             ),
         ],
         p.live.clone(),
+        p.shipper.as_ref().map(|h| h.service.status()),
     )
 }
 

@@ -796,12 +796,16 @@ fn close_file(
     let _ = news.try_send(());
 }
 
-/// The recorder's files by stream (`recorder.streams`): the main files first, then each named
-/// stream with a pipeline of its own; an event goes to the stream of its trigger type.
+/// The recorder's files by stream (`recorder.streams`): the main files first (as
+/// `recorder.writers` series, each with a pipeline of its own), then each named stream with a
+/// pipeline of its own; an event goes to the stream of its trigger type, else to the main
+/// series of its builder link.
 pub struct Streams {
     writers: Vec<FileWriter>,
-    /// Trigger type to stream index; absent: the main files (0).
+    /// Trigger type to stream index; absent: the main files.
     route: std::collections::HashMap<u16, usize>,
+    /// Series of the main files: indices `0..main`.
+    main: usize,
 }
 
 impl Streams {
@@ -812,11 +816,20 @@ impl Streams {
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
+        let main = s.section.writers.max(1) as usize;
         let mut route = std::collections::HashMap::new();
-        let mut writers = Vec::with_capacity(names.len() + 1);
+        let mut writers = Vec::with_capacity(names.len() + main);
+        writers.push(FileWriter::new(s.clone(), st.clone(), news.clone()));
+        for k in 1..main {
+            let one = FileSettings {
+                stream: Some(format!("w{k}")),
+                ..s.clone()
+            };
+            writers.push(FileWriter::new(one, st.clone(), news.clone()));
+        }
         for (i, (name, types)) in names.into_iter().enumerate() {
             for t in types {
-                route.insert(t, i + 1);
+                route.insert(t, main + i);
             }
             let one = FileSettings {
                 stream: Some(name),
@@ -824,8 +837,11 @@ impl Streams {
             };
             writers.push(FileWriter::new(one, st.clone(), news.clone()));
         }
-        writers.insert(0, FileWriter::new(s, st, news));
-        Streams { writers, route }
+        Streams {
+            writers,
+            route,
+            main,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -836,18 +852,21 @@ impl Streams {
         self.writers.is_empty()
     }
 
-    /// Adds one event record to its stream's files; the stream's index.
+    /// Adds one event record, from builder link `link`, to its stream's files; the stream's
+    /// index.
     pub fn append(
         &mut self,
+        link: usize,
         rec: ChunkSlice,
         fragments: u32,
         incomplete: bool,
     ) -> io::Result<usize> {
+        let main = link % self.main;
         let i = if self.route.is_empty() || rec.len() < 34 {
-            0
+            main
         } else {
             let trigger = tessera_format::bytes::u16_at(&rec, 32);
-            self.route.get(&trigger).copied().unwrap_or(0)
+            self.route.get(&trigger).copied().unwrap_or(main)
         };
         self.writers[i].append(rec, fragments, incomplete)?;
         Ok(i)

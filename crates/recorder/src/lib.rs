@@ -579,7 +579,7 @@ fn write_loop(
                 m.insert(&rec);
             }
             let stream = if enabled && !failed {
-                match w.append(rec, nf, incomplete) {
+                match w.append(slot, rec, nf, incomplete) {
                     Ok(i) => Some(i),
                     Err(e) => {
                         fail(&mut w, &mut failed, "writing", e);

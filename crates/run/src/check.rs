@@ -164,8 +164,9 @@ pub fn memory(r: &Resolved) -> Vec<(Unit, u64)> {
         // waiting for their turn (crates/recorder/src/file.rs). Uncompressed blocks are the
         // records themselves, inside the queue.
         let rc = &t.recorder;
-        // Each stream has a pipeline and a partial block of its own.
-        let streams = 1 + rc.streams.len() as u64;
+        // Each stream, and each series of the main files, has a pipeline and a partial block
+        // of its own.
+        let streams = rc.writers.max(1) as u64 + rc.streams.len() as u64;
         let pipeline = streams
             * match rc.compression {
                 tessera_config::Compression::None => 0,

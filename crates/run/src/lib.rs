@@ -15,6 +15,7 @@ pub mod check;
 pub mod live;
 pub mod report;
 pub mod role;
+pub mod shipping;
 mod start;
 mod status;
 
@@ -82,6 +83,9 @@ pub struct Options {
     pub start_held: bool,
     /// With `roles`: the name of this part (its host), for the files it writes.
     pub part: Option<String>,
+    /// The shipper of this process's data directory (it outlives the run): its backlog joins
+    /// the live view and the status line, and it is told when a run ends.
+    pub shipper: Option<Arc<tessera_shipper::ShipperService>>,
 }
 
 /// Listening sockets handed to [`Session::start`], by [`RoleSet::listener_key`].
@@ -283,6 +287,7 @@ impl Default for Options {
             listeners: Listeners::default(),
             start_held: false,
             part: None,
+            shipper: None,
         }
     }
 }
@@ -309,6 +314,7 @@ pub struct Running {
 /// ended by [`Session::stop`] and [`Session::finish`]. The run control drives one per run.
 pub struct Session {
     r: Resolved,
+    shipper: Option<Arc<tessera_shipper::ShipperService>>,
     events: u64,
     duration: f64,
     only: Option<Role>,
@@ -544,6 +550,7 @@ impl Session {
         };
         let mut status =
             status::Status::new(opts.status, Duration::from_millis(t.run.status_interval_ms));
+        status.shipper = opts.shipper.clone();
         let external_addrs: Vec<String> = t
             .sources
             .external
@@ -567,6 +574,7 @@ impl Session {
         }
         Ok(Session {
             r: r.clone(),
+            shipper: opts.shipper.clone(),
             events,
             duration,
             only: opts.only,
@@ -997,6 +1005,7 @@ impl Session {
             manifest,
             output,
             run_number,
+            shipper,
             ..
         } = self;
         let Running {
@@ -1027,6 +1036,10 @@ impl Session {
             let json = serde_json::to_vec_pretty(&report)?;
             tessera_recorder::file_write_atomic(&path, &json)
                 .with_context(|| format!("writing {}", path.display()))?;
+        }
+        // Its last files and its manifest are ready: they ship now, not at the next interval.
+        if let Some(s) = shipper {
+            s.kick();
         }
         Ok(report)
     }

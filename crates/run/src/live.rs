@@ -104,6 +104,8 @@ pub struct LiveRecorder {
     pub current_file: Option<tessera_recorder::CurrentFile>,
 }
 
+pub use tessera_shipper::ShipperStatus;
+
 /// A snapshot of every component's counters.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Live {
@@ -116,6 +118,9 @@ pub struct Live {
     pub builders: Vec<LiveBuilder>,
     pub recorder: Option<LiveRecorder>,
     pub components: Vec<crate::Component>,
+    /// The shipper of the recorder's data directory, where one is configured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shipper: Option<tessera_shipper::ShipperStatus>,
 }
 
 impl Live {
@@ -131,6 +136,7 @@ impl Live {
             builders: Vec::new(),
             recorder: None,
             components: Vec::new(),
+            shipper: None,
         }
     }
 
@@ -147,6 +153,7 @@ impl Live {
             builders: Vec::new(),
             recorder: None,
             components: Vec::new(),
+            shipper: None,
         };
         let mut remote: BTreeMap<u32, LiveSource> = BTreeMap::new();
         for p in parts {
@@ -160,6 +167,7 @@ impl Live {
             out.readout_units.extend(p.readout_units);
             out.builders.extend(p.builders);
             out.recorder = out.recorder.or(p.recorder);
+            out.shipper = out.shipper.or(p.shipper);
             out.components.extend(p.components);
         }
         for s in &mut out.sources {
@@ -237,6 +245,7 @@ impl Session {
             vec![part],
         );
         live.components = self.components();
+        live.shipper = self.shipper.as_ref().map(|s| s.status());
         live
     }
 

@@ -16,6 +16,8 @@ pub struct Status {
     last_bytes: u64,
     last_busy: u64,
     dirty: bool,
+    /// The shipper's backlog goes on the line.
+    pub shipper: Option<std::sync::Arc<tessera_shipper::ShipperService>>,
 }
 
 impl Status {
@@ -29,6 +31,7 @@ impl Status {
             last_bytes: 0,
             last_busy: 0,
             dirty: false,
+            shipper: None,
         }
     }
 
@@ -165,6 +168,10 @@ impl Status {
                 human_bytes(rec.stats.disk_free.load(Ordering::Relaxed) as f64)
             ),
             _ => line,
+        };
+        let line = match &self.shipper {
+            Some(s) => format!("{line}  {}", s.status().line()),
+            None => line,
         };
         self.last_events = events;
         self.last_bytes = bytes;

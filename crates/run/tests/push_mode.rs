@@ -499,6 +499,65 @@ streams = {{ calibration = [2], express = [3, 4] }}
     }
 }
 
+/// Issue 13, item 1: `recorder.writers = 2` writes the main files as two series in parallel,
+/// each with its own pipeline: builder 0's events in the plain files, builder 1's in
+/// `run000001_w1_*.tsr`; a named stream still takes its trigger types from both; nothing is lost
+/// or written twice, with lz4 on two compression threads per series.
+#[test]
+fn the_main_files_are_written_as_parallel_series_by_builder() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = topology(
+        r#"
+[run]
+events = 6000
+[sources]
+count = 4
+fragment_size = 512
+trigger = "unlimited"
+trigger_types = 2
+[[readout]]
+id = 0
+[[builder]]
+id = 0
+[[builder]]
+id = 1
+[recorder]
+writers = 2
+compression = "lz4"
+max_file_size = "1 MiB"
+block_size = "64 KiB"
+streams = { calibration = [2] }
+"#,
+    );
+    let rep = run(&t, dir.path());
+    assert!(rep.ok(), "{}", rep.summary());
+    let rec = rep.recorder.as_ref().unwrap();
+    let mut events: std::collections::BTreeMap<Option<String>, u64> = Default::default();
+    for f in &rec.files {
+        *events.entry(f.stream.clone()).or_default() += f.events;
+        let mut r = tessera_archive::FileReader::open(&dir.path().join(&f.file)).unwrap();
+        while let Some((_, raw)) = r.next_block().unwrap() {
+            for e in tessera_archive::events_in(raw) {
+                let h = e.unwrap().header;
+                match f.stream.as_deref() {
+                    None => assert!(h.trigger_type == 1 && h.builder_id == 0, "{}", f.file),
+                    Some("w1") => assert!(h.trigger_type == 1 && h.builder_id == 1, "{}", f.file),
+                    Some("calibration") => assert_eq!(h.trigger_type, 2, "{}", f.file),
+                    Some(other) => panic!("stream {other} in {}", f.file),
+                }
+            }
+        }
+    }
+    assert_eq!(events.len(), 3, "{events:?}");
+    assert!(events.values().all(|&n| n > 0), "{events:?}");
+    assert_eq!(events.values().sum::<u64>(), 6000, "{events:?}");
+    assert!(rec
+        .files
+        .iter()
+        .any(|f| f.file.starts_with("run000001_w1_")));
+    assert_eq!(verify(dir.path()).events, 6000);
+}
+
 #[test]
 fn verify_catches_a_corrupted_file() {
     let dir = tempfile::tempdir().unwrap();

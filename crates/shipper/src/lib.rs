@@ -13,11 +13,13 @@
 
 mod dir;
 mod s3;
+mod service;
 mod ssh;
 mod verify;
 
 pub use dir::DirDestination;
 pub use s3::{S3Destination, S3Target};
+pub use service::{ShipperService, ShipperStatus};
 pub use ssh::{SshDestination, SshTarget};
 pub use verify::{verify_destination, CopyCheck, DestinationReport};
 
@@ -102,6 +104,7 @@ pub struct Pass {
     pub backlog: Backlog,
 }
 
+/// One pass at a time over a data directory; [`ShipperService`] runs passes on a thread.
 pub struct Shipper {
     dir: PathBuf,
     destinations: Vec<Box<dyn Destination>>,
@@ -130,7 +133,17 @@ impl Shipper {
         destinations: Vec<Box<dyn Destination>>,
         policy: Policy,
     ) -> Result<Shipper, ShipError> {
-        let db = RunDb::open(&dir.join("runs.sqlite"))?;
+        Self::with_db(dir, &dir.join("runs.sqlite"), destinations, policy)
+    }
+
+    /// The same, keeping its state in the run database at `db` (`control.database`).
+    pub fn with_db(
+        dir: &Path,
+        db: &Path,
+        destinations: Vec<Box<dyn Destination>>,
+        policy: Policy,
+    ) -> Result<Shipper, ShipError> {
+        let db = RunDb::open(db)?;
         Ok(Shipper {
             dir: dir.to_path_buf(),
             destinations,
