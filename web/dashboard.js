@@ -214,7 +214,7 @@ function showShipping(s) {
     t += `<span class="${s.failed > 0 ? "blocked" : ""}">${s.backlog_files} files, ${bytes(s.backlog_bytes)} waiting</span>, oldest ${s.oldest_s.toFixed(0)} s`;
     if (s.drain_s != null) t += `, ~${s.drain_s.toFixed(0)} s to drain`;
   }
-  t += ` · ${s.verified} copies verified, ${s.deleted} local files freed`;
+  t += ` · verified ${s.verified}, freed locally ${s.deleted}`;
   if (s.failed > 0) t += ` · <span class="blocked">${s.failed} failed copies</span>`;
   if (s.last_error) t += `<br><span class="label">last failure: ${esc(s.last_error)}</span>`;
   el.innerHTML = t;

@@ -280,6 +280,15 @@ fn a_comet_like_run_over_four_hosts_is_started_paused_stopped_and_verified() {
         .map(|(n, h)| agent(h, dir.path(), n))
         .collect();
     let cfg = comet(dir.path(), &hosts, "");
+    // The recorder host's agent ships its files (issue 13): kept locally too, for the checks
+    // below.
+    let archive = dir.path().join("archive");
+    let mut text = std::fs::read_to_string(&cfg).unwrap();
+    text += &format!(
+        "[shipper]\nto = [{:?}]\nkeep_s = 3600\ninterval_s = 0.2\n",
+        archive.display().to_string()
+    );
+    std::fs::write(&cfg, text).unwrap();
     let be = &hosts[3];
     let (ctl, addr) = run_control(be, &cfg, dir.path());
     wait_state(&be.ns, addr, "configured");
@@ -318,6 +327,17 @@ fn a_comet_like_run_over_four_hosts_is_started_paused_stopped_and_verified() {
     assert!(
         metrics.contains("tessera_recorder_events_total{host=\"be\"}"),
         "{metrics}"
+    );
+    // The shipper, run by the recorder host's agent, in the one view.
+    assert!(
+        metrics.contains("tessera_shipper_backlog_files{host=\"be\"}"),
+        "{metrics}"
+    );
+    let live = json(&be.ns, addr, "/api/live");
+    assert_eq!(
+        live["shipper"]["destinations"][0],
+        archive.display().to_string(),
+        "{live}"
     );
     // Every agent serves its host's part, and the run control lists them for Prometheus
     // (file-based discovery, written at configure; the same over HTTP).
@@ -417,6 +437,33 @@ fn a_comet_like_run_over_four_hosts_is_started_paused_stopped_and_verified() {
     assert!(v.status.success(), "{verify}");
     assert_eq!(verify["events"].as_u64(), Some(events), "{verify}");
     assert_eq!(verify["duplicate_event_ids"], 0, "{verify}");
+    // The agent shipped them after the run, each verified; the copies hold every event too.
+    let tsr = |d: &Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .map(|r| {
+                r.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.ends_with(".tsr"))
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    assert!(
+        eventually(LIMIT, || !tsr(&out).is_empty()
+            && tsr(&archive) == tsr(&out)),
+        "archive {:?}, data {:?}",
+        tsr(&archive),
+        tsr(&out)
+    );
+    let v = Command::new(tessera())
+        .args(["verify", "--json"])
+        .arg(&archive)
+        .output()
+        .unwrap();
+    let copies: serde_json::Value = serde_json::from_slice(&v.stdout).unwrap();
+    assert_eq!(copies["events"].as_u64(), Some(events), "{copies}");
     // The agents survive the run: a second run starts on the same agents.
     transition(&be.ns, addr, "start");
     assert!(eventually(LIMIT, || recorded(&be.ns, addr) >= 100));
