@@ -719,3 +719,108 @@ fn a_run_ships_its_files_and_shows_what_is_left() {
     assert!(v.status.success(), "{said}");
     assert!(said.contains("0 still waiting"), "{said}");
 }
+
+/// Issue 13's drill as it reads, inside a run: the object store is down when a run with
+/// `[shipper]` starts; files rotating by time pile up locally, none is deleted, and the backlog
+/// with its failures is on `/api/live` while the run takes data. The store comes back: everything
+/// drains (during the run or in `tessera run`'s drain at exit), each local file deleted only once
+/// verified, and `tessera verify s3://… --db` finds every file the run database lists.
+#[test]
+fn during_a_run_files_wait_for_the_object_store_and_drain_when_it_is_back() {
+    let Some(bin) = moto_server() else {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "TESSERA_MOTO_SERVER is not set in CI"
+        );
+        println!("SKIPPED: no S3-compatible server (set TESSERA_MOTO_SERVER to moto_server)");
+        return;
+    };
+    let t = tempfile::tempdir().unwrap();
+    let data = t.path().join("data");
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let cfg = t.path().join("run.toml");
+    std::fs::write(
+        &cfg,
+        "[run]\nduration_s = 6\n[sources]\ncount = 4\nfragment_size = 1024\n\
+         trigger = \"periodic\"\nrate_hz = 2000\n[recorder]\nmax_file_age_s = 0.5\n\
+         [monitor]\nenabled = false\n[shipper]\nto = [\"s3://archive/daq\"]\ninterval_s = 0.2\n\
+         drain_at_exit_s = 200\n",
+    )
+    .unwrap();
+    let s3_env = |c: &mut Command| {
+        c.env("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}"))
+            .env("AWS_ACCESS_KEY_ID", "test")
+            .env("AWS_SECRET_ACCESS_KEY", "test")
+            .env("AWS_REGION", "us-east-1");
+    };
+    let mut cmd = Command::new(tessera());
+    cmd.arg("run")
+        .arg(&cfg)
+        .arg("--output")
+        .arg(&data)
+        .args(["--http", "127.0.0.1:0"]);
+    s3_env(&mut cmd);
+    let run = Proc::spawn_piped(&mut cmd);
+    let addr_file = data.join("control.addr");
+    assert!(
+        eventually(LIMIT, || std::fs::read_to_string(&addr_file)
+            .is_ok_and(|s| s.trim().parse::<std::net::SocketAddr>().is_ok())),
+        "no control.addr"
+    );
+    let addr = std::fs::read_to_string(&addr_file)
+        .unwrap()
+        .trim()
+        .to_string();
+    let mut live = serde_json::Value::Null;
+    assert!(
+        eventually(LIMIT, || {
+            let (_, body) = http(&addr, "GET", "/api/live");
+            live = serde_json::from_slice(&body).unwrap_or_default();
+            live["state"]["state"] == "running"
+                && live["shipper"]["backlog_files"].as_u64() >= Some(2)
+                && live["shipper"]["failed"].as_u64() >= Some(2)
+        }),
+        "no backlog while the run takes data: {live}"
+    );
+    let waiting: Vec<String> = names(&data)
+        .into_iter()
+        .filter(|n| n.ends_with(".tsr"))
+        .collect();
+    assert!(waiting.len() >= 2, "{waiting:?}");
+    // The store comes back (empty: the bucket made again).
+    let moto = Moto::start(&bin, port);
+    assert_eq!(moto.http("PUT", "/archive").0, 200);
+    let o = run.finish(LIMIT);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("shipper: every file verified at s3://archive/daq"),
+        "{err}"
+    );
+    assert!(
+        names(&data).iter().all(|n| !n.ends_with(".tsr")),
+        "{:?}",
+        names(&data)
+    );
+    let mut v = Command::new(tessera());
+    v.args(["verify", "s3://archive/daq", "--db"]).arg(&data);
+    s3_env(&mut v);
+    let v = v.output().unwrap();
+    let said = String::from_utf8_lossy(&v.stdout);
+    assert!(
+        v.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&v.stderr)
+    );
+    assert!(
+        said.contains(", 0 still waiting to be shipped; 0 problem(s)"),
+        "{said}"
+    );
+    for f in &waiting {
+        assert!(said.contains(&format!("ok   run 1 {f}")), "{f}: {said}");
+    }
+    drop(moto.proc);
+}

@@ -165,9 +165,15 @@ impl Shipper {
             .collect();
         let files = finished(&self.dir)?;
         let (mut moved, t0) = (0u64, Instant::now());
+        // A destination that failed a copy in this pass is not tried again until the next: a
+        // store that is down would otherwise cost a timeout per file.
+        let mut down: Vec<String> = Vec::new();
         for f in &files {
             for d in &self.destinations {
                 let key = (f.name.clone(), d.name());
+                if down.contains(&key.1) {
+                    continue;
+                }
                 let row = rows.get(&key);
                 if row.is_some_and(|r| r.state == "verified")
                     || row.is_some_and(|r| r.next_try_unix_ns > unix_ns(now))
@@ -229,6 +235,9 @@ impl Shipper {
                         }
                     }
                     Err(e) => {
+                        if e.kind() != io::ErrorKind::InvalidData {
+                            down.push(d.name());
+                        }
                         r.state = "failed".into();
                         r.error = Some(e.to_string());
                     }
@@ -282,9 +291,10 @@ impl Shipper {
         if let Some(info) = sidecar(&self.dir, &f.name) {
             got.matches_recorded(info.size_bytes, &info.file_crc32c)
                 .map_err(|e| {
-                    io::Error::other(format!(
-                        "the local file is not what was recorded ({e}); not shipped"
-                    ))
+                    io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("the local file is not what was recorded ({e}); not verified"),
+                    )
                 })?;
         }
         Ok(got.crc32c)

@@ -60,7 +60,20 @@ const PART: usize = 8 << 20;
 
 impl S3Destination {
     pub fn new(target: S3Target) -> io::Result<S3Destination> {
+        // The shipper retries a failed copy itself, with its own backoff and a row in the run
+        // database saying why: the client's own retries stay short, so that a store that is
+        // down costs a pass seconds, not the client's default minutes per file.
+        let retry = object_store::RetryConfig {
+            backoff: object_store::BackoffConfig {
+                init_backoff: std::time::Duration::from_millis(100),
+                max_backoff: std::time::Duration::from_secs(2),
+                base: 2.0,
+            },
+            max_retries: 3,
+            retry_timeout: std::time::Duration::from_secs(30),
+        };
         let mut b = AmazonS3Builder::new()
+            .with_retry(retry)
             .with_bucket_name(&target.bucket)
             .with_region(&target.region)
             .with_access_key_id(&target.access_key_id)

@@ -123,6 +123,14 @@ impl ShipperService {
                     if i.stop.load(Ordering::Relaxed) {
                         break;
                     }
+                    // The backlog as the pass begins: a pass against a slow or unreachable
+                    // destination may take a while, and the files waiting are news now.
+                    if let Ok(b) = shipper.backlog() {
+                        i.status
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .set_backlog(&b);
+                    }
                     let r = shipper.pass();
                     let mut st = i.status.lock().unwrap_or_else(|e| e.into_inner());
                     st.passes += 1;
