@@ -82,7 +82,18 @@ impl SshDestination {
     fn command(&self, script: &str, args: &[&str]) -> Command {
         let t = &self.target;
         let mut c = Command::new(&t.command[0]);
-        c.args(&t.command[1..]).args(["-o", "BatchMode=yes"]);
+        // Bounds on a host that does not answer and on a connection that dies mid-copy; the
+        // site's own values in TESSERA_SSH come first, and ssh takes the first it is given.
+        c.args(&t.command[1..]).args([
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "ConnectTimeout=15",
+            "-o",
+            "ServerAliveInterval=15",
+            "-o",
+            "ServerAliveCountMax=4",
+        ]);
         if let Some(p) = t.port {
             c.arg("-p").arg(p.to_string());
         }
