@@ -25,6 +25,12 @@ pub use recent::RecentSet;
 
 use std::collections::{HashMap, VecDeque};
 
+/// The hasher of tables keyed by event ID. Std's SipHash was 9 % of the instructions per
+/// fragment built (callgrind, 1 KiB x 8); foldhash is a few multiplies, seeded at random per
+/// process, and every such table is bounded by configuration, so a peer that picks colliding
+/// event IDs can slow a bounded table, never grow one.
+pub type EventIdHasher = foldhash::fast::RandomState;
+
 /// An event that left the assembler.
 #[derive(Debug)]
 pub struct Assembled<T> {
@@ -112,13 +118,13 @@ pub struct AssemblyStats {
 pub struct Assembler<T> {
     contributors: usize,
     timeout_ns: u64,
-    pending: HashMap<u64, Pending<T>>,
+    pending: HashMap<u64, Pending<T>, EventIdHasher>,
     /// (event ID, first seen) in arrival order; entries for events that left are skipped lazily.
     order: VecDeque<(u64, u64)>,
     closed: Vec<bool>,
     open: usize,
     /// Events that left, with who delivered them; bounded by `memory`.
-    done: HashMap<u64, Bits>,
+    done: HashMap<u64, Bits, EventIdHasher>,
     done_order: VecDeque<u64>,
     memory: usize,
     held_items: usize,
@@ -138,11 +144,11 @@ impl<T> Assembler<T> {
         Assembler {
             contributors,
             timeout_ns,
-            pending: HashMap::new(),
+            pending: HashMap::default(),
             order: VecDeque::new(),
             closed: vec![false; contributors],
             open: contributors,
-            done: HashMap::new(),
+            done: HashMap::default(),
             done_order: VecDeque::new(),
             memory: memory.max(1),
             held_items: 0,

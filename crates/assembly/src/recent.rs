@@ -5,7 +5,7 @@
 use std::collections::{HashSet, VecDeque};
 
 pub struct RecentSet {
-    set: HashSet<u64>,
+    set: HashSet<u64, crate::EventIdHasher>,
     order: VecDeque<u64>,
     capacity: usize,
 }
@@ -13,7 +13,10 @@ pub struct RecentSet {
 impl RecentSet {
     pub fn new(capacity: usize) -> RecentSet {
         RecentSet {
-            set: HashSet::with_capacity(capacity.min(1 << 16)),
+            set: HashSet::with_capacity_and_hasher(
+                capacity.min(1 << 16),
+                crate::EventIdHasher::default(),
+            ),
             order: VecDeque::new(),
             capacity: capacity.max(1),
         }

@@ -23,6 +23,7 @@ use tessera_run::{Options, StatusMode};
 use tessera_source::SourcePlan;
 
 pub mod hosts;
+pub mod instructions;
 pub mod monitor;
 pub mod record;
 pub mod request;
@@ -35,8 +36,9 @@ pub struct BenchArgs {
     /// building over node agents in network namespaces with tc-shaped links against raw TCP on
     /// the same links, and over agents on one host against one process (root). `record`: the
     /// recorder (uncompressed, lz4 and zstd on 1 and 2 threads, files synced, and a point with
-    /// frequent rotations) against a plain writer on the same disk. Absent: push-mode building
-    /// against the relay baseline.
+    /// frequent rotations) against a plain writer on the same disk. `instructions`: callgrind's
+    /// count of instructions per fragment built (1 KiB x 8 by default; valgrind needed).
+    /// Absent: push-mode building against the relay baseline.
     pub what: Option<String>,
     /// A small set of points (building: under a minute; request: under five).
     #[arg(long)]
@@ -135,9 +137,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         Some("monitor") => return monitor::run_monitor(a),
         Some("hosts") => return hosts::run_hosts(a),
         Some("record") => return record::run_record(a),
+        Some("instructions") => return instructions::run_instructions(a),
         Some(other) => {
             anyhow::bail!(
-                "unknown benchmark `{other}`: the choices are `request`, `monitor`, `hosts`, `record` or none"
+                "unknown benchmark `{other}`: the choices are `request`, `monitor`, `hosts`, `record`, `instructions` or none"
             )
         }
     }
