@@ -1069,3 +1069,35 @@ fn check_over_hosts_names_each_units_host_and_each_hosts_memory() {
     assert!(text.contains(&format!("host fe1: memory {unit}")), "{text}");
     assert!(text.contains("host be: memory"), "{text}");
 }
+
+/// `tessera bench instructions --quick --json`: the binary under callgrind twice; the cost per
+/// fragment is the difference of two real totals (so it lies between what a fragment's CRCs
+/// alone cost and what the whole run cost per fragment).
+#[test]
+fn bench_instructions_counts_the_cost_of_a_fragment_under_callgrind() {
+    if std::process::Command::new("valgrind")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "valgrind is on every machine of this kind"
+        );
+        println!("SKIPPED: valgrind is not installed");
+        return;
+    }
+    let o = tessera(&["bench", "instructions", "--quick", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let p: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&o.stdout).trim()).unwrap();
+    let per = p["instructions_per_fragment"].as_f64().unwrap();
+    let (short, long) = (
+        p["instructions_short"].as_f64().unwrap(),
+        p["instructions_long"].as_f64().unwrap(),
+    );
+    assert!(long > short, "{p}");
+    // Two 1 KiB CRCs (source and readout unit) cost several hundred instructions; a fragment
+    // cannot cost more than the whole long run spread over its fragments.
+    assert!(per > 500.0 && per < long / (15_000.0 * 8.0), "{p}");
+}
