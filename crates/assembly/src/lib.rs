@@ -77,17 +77,32 @@ struct Pending<T> {
 
 /// Bitset of contributors.
 #[derive(Clone, Debug)]
-struct Bits(Vec<u64>);
+/// Up to 64 contributors (every readout unit's links, every builder's units in the seeds'
+/// setups) fit in a word: no allocation per departed event.
+enum Bits {
+    Word(u64),
+    Words(Box<[u64]>),
+}
 
 impl Bits {
     fn new(n: usize) -> Bits {
-        Bits(vec![0; n.div_ceil(64).max(1)])
+        if n <= 64 {
+            Bits::Word(0)
+        } else {
+            Bits::Words(vec![0; n.div_ceil(64)].into_boxed_slice())
+        }
     }
     fn set(&mut self, i: usize) {
-        self.0[i / 64] |= 1 << (i % 64);
+        match self {
+            Bits::Word(w) => *w |= 1 << (i % 64),
+            Bits::Words(v) => v[i / 64] |= 1 << (i % 64),
+        }
     }
     fn get(&self, i: usize) -> bool {
-        self.0[i / 64] & (1 << (i % 64)) != 0
+        match self {
+            Bits::Word(w) => i < 64 && *w & (1 << i) != 0,
+            Bits::Words(v) => v.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0),
+        }
     }
 }
 

@@ -80,6 +80,8 @@ struct Rail {
 struct Shared {
     id: u16,
     rus: Vec<(u32, Vec<u32>)>,
+    /// Fragments of a complete event: every unit's sources.
+    sources: usize,
     /// Per readout unit, its rails.
     rails: Vec<Mutex<Vec<Rail>>>,
     assembler: Mutex<Assembler<Part>>,
@@ -131,6 +133,7 @@ impl BuilderUnit {
             rails: (0..n)
                 .map(|_| Mutex::new(vec![Rail::default(); rails]))
                 .collect(),
+            sources: cfg.readout_units.iter().map(|r| r.1.len()).sum(),
             rus: cfg.readout_units,
             // Readout units send events in the order they finish them, not by event ID: where
             // they are comes from their progress messages instead.
@@ -289,7 +292,7 @@ impl Shared {
         let st = &self.stats;
         st.latency
             .observe_ns(self.now_ns().saturating_sub(ev.first_seen_ns));
-        let mut rec = record::Record::default();
+        let mut rec = record::Record::with_capacity(self.sources);
         let mut missing: Vec<u32> = Vec::new();
         for (slot, part) in ev.parts.into_iter().enumerate() {
             let Some((h, sf)) = part else {

@@ -31,41 +31,66 @@ impl Record {
         count: u32,
         st: &BuilderStats,
     ) -> bool {
-        // The decoders bound `count` by the part's size; the capacity is bounded again here so
-        // that no count from a peer ever sizes an allocation on its own.
+        // The decoders bound `count` by the part's size; the reservation is bounded again here
+        // so that no count from a peer ever sizes an allocation on its own. The fragments go
+        // straight into the record and are taken back out if the part fails a check (one
+        // allocation per event, not one per part).
         let most = body.len() / tessera_format::wire::FRAGMENT_OVERHEAD;
-        let mut found = Vec::with_capacity((count as usize).min(most));
+        let start = self.fragments.len();
+        self.fragments.reserve((count as usize).min(most));
+        let mut first: Option<(u16, u64)> = None;
+        let (mut mismatch, mut status) = (false, false);
         for f in Fragments::new(body) {
             match f {
-                Ok(f) if f.header.event_id == event_id => found.push(f),
+                Ok(f) if f.header.event_id == event_id => {
+                    match first {
+                        None => first = Some((f.header.trigger_type, f.header.timestamp)),
+                        Some((t, _)) if t != f.header.trigger_type => mismatch = true,
+                        _ => {}
+                    }
+                    status |= f.header.status != 0;
+                    self.fragments
+                        .push((f.header.source_id, body.slice(f.start, f.len)));
+                }
                 _ => {
+                    self.fragments.truncate(start);
                     st.malformed_fragments
                         .fetch_add(count as u64, Ordering::Relaxed);
                     return false;
                 }
             }
         }
-        if found.len() != count as usize {
+        if self.fragments.len() - start != count as usize {
+            self.fragments.truncate(start);
             st.malformed_fragments
                 .fetch_add(count as u64, Ordering::Relaxed);
             return false;
         }
-        for f in found {
+        if let Some((t, ts)) = first {
             match self.trigger {
                 None => {
-                    self.trigger = Some(f.header.trigger_type);
-                    self.timestamp = f.header.timestamp;
+                    self.trigger = Some(t);
+                    self.timestamp = ts;
                 }
-                Some(t) if t != f.header.trigger_type => self.flags |= EventFlags::TRIGGER_MISMATCH,
+                Some(mine) if mine != t => mismatch = true,
                 _ => {}
             }
-            if f.header.status != 0 {
-                self.flags |= EventFlags::FRONT_END_STATUS;
-            }
-            self.fragments
-                .push((f.header.source_id, body.slice(f.start, f.len)));
+        }
+        if mismatch {
+            self.flags |= EventFlags::TRIGGER_MISMATCH;
+        }
+        if status {
+            self.flags |= EventFlags::FRONT_END_STATUS;
         }
         true
+    }
+
+    /// A record with room for `fragments` fragments (the sources an event is expected to hold).
+    pub fn with_capacity(fragments: usize) -> Record {
+        Record {
+            fragments: Vec::with_capacity(fragments),
+            ..Record::default()
+        }
     }
 
     /// Seals the record: flags it incomplete if sources are missing (sorted and deduplicated
