@@ -147,3 +147,84 @@ impl Record {
         (header, fragments)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_format::event::EventFlags;
+    use tessera_format::wire::{encode_fragment, FragmentHeader};
+
+    /// Packed fragments of `event` from `sources`, each with `trigger`; one fragment of
+    /// `stray_event` in place `stray` if given.
+    fn part(event: u64, sources: &[u32], trigger: u16, stray: Option<(usize, u64)>) -> ChunkSlice {
+        let mut body = Vec::new();
+        for (i, &s) in sources.iter().enumerate() {
+            let ev = match stray {
+                Some((at, other)) if at == i => other,
+                _ => event,
+            };
+            let h = FragmentHeader {
+                status: 0,
+                source_id: s,
+                trigger_type: trigger,
+                event_id: ev,
+                timestamp: 7,
+                payload_size: 0,
+            };
+            encode_fragment(&mut body, &h, &[s as u8; 40]);
+        }
+        ChunkSlice::copy_from(&body)
+    }
+
+    fn stats() -> BuilderStats {
+        BuilderStats::new(0, [0u32, 1].into_iter(), 1 << 20, 1)
+    }
+
+    /// A part that contradicts itself half-way leaves nothing of itself in the record (its
+    /// good fragments before the bad one included) and is counted whole as malformed; the parts
+    /// before it stay.
+    #[test]
+    fn a_part_that_fails_half_way_leaves_nothing_behind() {
+        let st = stats();
+        let mut r = Record::with_capacity(6);
+        assert!(r.add_part(5, &part(5, &[0, 1, 2], 1, None), 3, &st));
+        assert!(!r.add_part(5, &part(5, &[3, 4, 5], 2, Some((2, 6))), 3, &st));
+        assert_eq!(
+            r.fragments.iter().map(|f| f.0).collect::<Vec<_>>(),
+            vec![0, 1, 2]
+        );
+        assert_eq!(st.malformed_fragments.load(Ordering::Relaxed), 3);
+        // Its trigger type, seen before the bad fragment, flags nothing.
+        assert_eq!(r.flags & EventFlags::TRIGGER_MISMATCH, 0);
+        // A count that differs from what the part holds: the same.
+        assert!(!r.add_part(5, &part(5, &[3, 4], 1, None), 3, &st));
+        assert_eq!(r.fragments.len(), 3);
+        assert_eq!(st.malformed_fragments.load(Ordering::Relaxed), 6);
+        // A good part with another trigger type flags the mismatch.
+        assert!(r.add_part(5, &part(5, &[3, 4], 2, None), 2, &st));
+        assert_eq!(r.fragments.len(), 5);
+        assert_ne!(r.flags & EventFlags::TRIGGER_MISMATCH, 0);
+    }
+
+    /// A mismatch inside one part is flagged as well as one across parts.
+    #[test]
+    fn a_trigger_mismatch_inside_one_part_is_flagged() {
+        let st = stats();
+        let mut body = Vec::new();
+        for (s, t) in [(0u32, 1u16), (1, 3)] {
+            let h = FragmentHeader {
+                status: 0,
+                source_id: s,
+                trigger_type: t,
+                event_id: 9,
+                timestamp: 1,
+                payload_size: 0,
+            };
+            encode_fragment(&mut body, &h, &[0; 8]);
+        }
+        let mut r = Record::default();
+        assert!(r.add_part(9, &ChunkSlice::copy_from(&body), 2, &st));
+        assert_ne!(r.flags & EventFlags::TRIGGER_MISMATCH, 0);
+        assert_eq!(r.trigger, Some(1));
+    }
+}
