@@ -272,6 +272,17 @@ pub struct Report {
     pub stop: Option<crate::StopReport>,
 }
 
+/// The mean fraction of the run each of `n` links spent busy, from their summed busy time: the
+/// sum is divided by the links before anything is capped (capping the sum at 1 first made a
+/// unit of 21 links busy all run read 1/21).
+fn frac_per(ns: u64, secs: f64, n: usize) -> f64 {
+    if secs > 0.0 {
+        (ns as f64 / 1e9 / secs / n.max(1) as f64).min(1.0)
+    } else {
+        0.0
+    }
+}
+
 fn frac(ns: u64, secs: f64) -> f64 {
     if secs > 0.0 {
         (ns as f64 / 1e9 / secs).min(1.0)
@@ -341,7 +352,7 @@ pub(crate) fn readout(u: &tessera_readout::ReadoutUnit, cx: &Cx, p: &mut Parts) 
         } else {
             0.0
         },
-        busy_fraction: frac(st.busy_ns(), cx.secs) / st.links.len().max(1) as f64,
+        busy_fraction: frac_per(st.busy_ns(), cx.secs, st.links.len()),
         refused_connections: st.refused_connections.load(Ordering::Relaxed),
         error: st.builder_error.lock().clone(),
         builder_link_lost: st.builder_lost.load(Ordering::Relaxed),
@@ -417,7 +428,7 @@ pub(crate) fn builder(b: &tessera_builder::BuilderUnit, cx: &Cx, p: &mut Parts) 
         late_fragments: st.late_fragments.load(Ordering::Relaxed),
         duplicate_fragments: st.duplicate_fragments.load(Ordering::Relaxed),
         malformed_fragments: st.malformed_fragments.load(Ordering::Relaxed),
-        busy_fraction: frac(st.busy_ns(), cx.secs) / st.links.len().max(1) as f64,
+        busy_fraction: frac_per(st.busy_ns(), cx.secs, st.links.len()),
         missing_by_source: st.missing_by_source.lock().clone(),
         errors: std::iter::once(st.recorder_error.lock().clone())
             .chain(st.links.iter().map(|l| {
@@ -924,4 +935,18 @@ pub fn human_bytes(b: f64) -> String {
         }
     }
     format!("{b:.0} B")
+}
+
+#[cfg(test)]
+mod tests {
+    /// Issue 14: 21 links each busy the whole run make a unit busy the whole run, not 1/21.
+    #[test]
+    fn a_unit_whose_links_were_all_busy_all_run_was_busy_all_run() {
+        let secs = 10.0;
+        let all = 21 * 10_000_000_000u64;
+        assert_eq!(super::frac_per(all, secs, 21), 1.0);
+        assert!((super::frac_per(all / 2, secs, 21) - 0.5).abs() < 1e-9);
+        assert_eq!(super::frac_per(5, 0.0, 21), 0.0);
+        assert_eq!(super::frac_per(all, secs, 0), 1.0);
+    }
 }
