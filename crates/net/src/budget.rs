@@ -56,14 +56,12 @@ impl Budget {
     pub fn take_buffer(&self, n: usize, stop: &AtomicBool) -> Option<Box<[u8]>> {
         let n64 = n as u64;
         let mut s = self.state.lock();
-        let mut t0: Option<Instant> = None;
         loop {
             if let Some(i) = s.pool.iter().rposition(|b| b.len() == n) {
                 let b = s.pool.swap_remove(i);
                 s.pooled -= n64;
                 s.used += n64;
                 self.peak.fetch_max(s.used, Ordering::Relaxed);
-                self.account_wait(t0);
                 return Some(b);
             }
             // Kept chunks of another size make room for this one.
@@ -74,21 +72,16 @@ impl Budget {
             if s.used + s.pooled + n64 <= self.limit || s.used == 0 {
                 s.used += n64;
                 self.peak.fetch_max(s.used, Ordering::Relaxed);
-                self.account_wait(t0);
                 drop(s);
                 return Some(vec![0u8; n].into_boxed_slice());
             }
             if stop.load(Ordering::Relaxed) {
-                self.account_wait(t0);
                 return None;
             }
-            t0.get_or_insert_with(Instant::now);
+            // Counted per wait of at most 50 ms, not when the whole wait ends: a stall of
+            // seconds shows as busy while it lasts (status line, dashboard, /metrics).
+            let t = Instant::now();
             self.freed.wait_for(&mut s, Duration::from_millis(50));
-        }
-    }
-
-    fn account_wait(&self, t0: Option<Instant>) {
-        if let Some(t) = t0 {
             self.busy_ns
                 .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
@@ -155,5 +148,34 @@ mod tests {
         let y = b.take_buffer(4, &stop).unwrap();
         assert_eq!(y.len(), 4);
         assert_eq!(b.used(), 4);
+    }
+
+    /// Issue 14: a stall shows as busy while it lasts, not only once it ends.
+    #[test]
+    fn a_wait_counts_as_busy_while_it_lasts() {
+        let b = Arc::new(Budget::new(100));
+        let stop = Arc::new(AtomicBool::new(false));
+        let all = b.take_buffer(100, &stop).unwrap();
+        let done = Arc::new(AtomicBool::new(false));
+        let (b2, s2, d2) = (b.clone(), stop.clone(), done.clone());
+        let waiter = std::thread::spawn(move || {
+            let got = b2.take_buffer(10, &s2);
+            d2.store(true, Ordering::Release);
+            got.is_some()
+        });
+        let t = Instant::now();
+        while b.busy_ns.load(Ordering::Relaxed) == 0 {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "no busy time while waiting"
+            );
+            std::thread::yield_now();
+        }
+        assert!(
+            !done.load(Ordering::Acquire),
+            "counted only after the wait ended"
+        );
+        b.give_buffer(all);
+        assert!(waiter.join().unwrap());
     }
 }
