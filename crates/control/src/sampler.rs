@@ -329,7 +329,8 @@ fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
         );
         stages.push(l.view("recorder", rec.host.clone()));
     }
-    let bottleneck = bottleneck(&stages);
+    let after_last = after_last(live, then, dt);
+    let bottleneck = bottleneck_after(&stages, &after_last);
     Rates {
         interval_s: dt,
         per_source_fragments_per_s,
@@ -343,6 +344,38 @@ fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
         recorder_busy_fraction,
         stages,
         bottleneck,
+    }
+}
+
+/// What holds the last stage when it is blocked itself: nothing after the builders when
+/// recording is off (they are CPU-bound), else the disk if the recorder spent most of the
+/// interval in write and sync calls (or is below its free-space watermark), else its own CPU or a
+/// blocking monitor station.
+fn after_last(live: &Live, then: &Live, dt: f64) -> String {
+    match &live.recorder {
+        None => "CPU-bound: its buffers are full and nothing after it holds it".to_string(),
+        Some(rec) if rec.disk_low || rec.disk_full => {
+            "held by the disk: below its free-space watermark".to_string()
+        }
+        Some(rec) => {
+            let writing = frac(
+                rec.write_ns,
+                then.recorder.as_ref().map_or(rec.write_ns, |o| o.write_ns),
+                dt,
+                1,
+            );
+            if writing > 0.5 {
+                format!(
+                    "held by the disk: in write and sync calls {:.0}% of the time",
+                    writing * 100.0
+                )
+            } else {
+                format!(
+                    "not held by the disk (in write and sync calls {:.0}% of the time): CPU-bound, or a blocking monitor station",
+                    writing * 100.0
+                )
+            }
+        }
     }
 }
 
@@ -421,6 +454,15 @@ impl StageView {
 /// blocked when it is on any host; over hosts the bottleneck names the stage's most loaded host
 /// (fullest buffers or longest unable to read), or its blocked one.
 pub fn bottleneck(stages: &[StageView]) -> String {
+    bottleneck_after(
+        stages,
+        "held by what comes after it: disk or a blocking monitor station",
+    )
+}
+
+/// [`bottleneck`], with what holds the last stage when it is blocked itself said by the caller,
+/// which knows (the recorder's time in write calls, or no recorder at all).
+pub fn bottleneck_after(stages: &[StageView], after_last: &str) -> String {
     let mut order: Vec<&'static str> = Vec::new();
     for s in stages {
         if !order.contains(&s.stage) {
@@ -448,10 +490,7 @@ pub fn bottleneck(stages: &[StageView]) -> String {
     match order.iter().rposition(|s| blocked(s)) {
         None => "none: the sources' trigger rate sets the pace".into(),
         Some(i) if i + 1 < order.len() => at(order[i + 1]),
-        Some(i) => format!(
-            "{} (held by what comes after it: disk or a blocking monitor station)",
-            at(order[i])
-        ),
+        Some(i) => format!("{} ({after_last})", at(order[i])),
     }
 }
 
@@ -506,5 +545,30 @@ mod tests {
             "{}",
             bottleneck(&v)
         );
+    }
+
+    /// Issue 14: with recording off the builders are the last stage; full, they are the
+    /// bottleneck by their own CPU, not by a disk that is not there.
+    #[test]
+    fn the_last_stage_blocked_by_nothing_after_it_is_named_cpu_bound() {
+        let v = [
+            s("sources", "blocked"),
+            s("readout", "blocked"),
+            s("builders", "blocked"),
+        ];
+        let live = tessera_run::live::Live::empty(1);
+        assert_eq!(
+            bottleneck_after(&v, &after_last(&live, &live, 1.0)),
+            "builders (CPU-bound: its buffers are full and nothing after it holds it)"
+        );
+        // A recorder in write calls most of the interval is held by its disk; one that is not
+        // is held by something else, and says so.
+        let mut then = tessera_run::live::Live::empty(1);
+        then.recorder = Some(Default::default());
+        let mut now = then.clone();
+        now.recorder.as_mut().unwrap().write_ns = 800_000_000;
+        assert!(after_last(&now, &then, 1.0).starts_with("held by the disk"));
+        now.recorder.as_mut().unwrap().write_ns = 100_000_000;
+        assert!(after_last(&now, &then, 1.0).starts_with("not held by the disk"));
     }
 }

@@ -79,7 +79,7 @@ pub struct LiveBuilder {
     pub latency: LiveHistogram,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct LiveRecorder {
     #[serde(default)]
     pub host: Option<String>,
