@@ -5,22 +5,38 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 /// Writes every byte of `bufs`, retrying short writes (std's `write_all_vectored` is unstable).
-pub fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+pub fn write_all_vectored(w: &mut impl Write, bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+    write_all_vectored_counted(w, bufs).1
+}
+
+/// [`write_all_vectored`], also saying how many bytes went out before an error: a sender whose
+/// link fails in the middle of a batch knows which of its units the peer may have whole.
+pub fn write_all_vectored_counted(
+    w: &mut impl Write,
+    mut bufs: &mut [IoSlice<'_>],
+) -> (usize, io::Result<()>) {
     IoSlice::advance_slices(&mut bufs, 0);
+    let mut done = 0usize;
     while !bufs.is_empty() {
         match w.write_vectored(bufs) {
             Ok(0) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::WriteZero,
-                    "peer stopped accepting data",
-                ))
+                return (
+                    done,
+                    Err(io::Error::new(
+                        io::ErrorKind::WriteZero,
+                        "peer stopped accepting data",
+                    )),
+                )
             }
-            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Ok(n) => {
+                done += n;
+                IoSlice::advance_slices(&mut bufs, n)
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+            Err(e) => return (done, Err(e)),
         }
     }
-    Ok(())
+    (done, Ok(()))
 }
 
 /// Sets up a data-path socket. Nagle is off: every role coalesces its own writes (whole batches

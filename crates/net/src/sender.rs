@@ -139,12 +139,11 @@ fn send_batch<T: Outgoing>(
     on_batch: &mut impl FnMut(BatchOutcome, &[T]),
     on_error: &mut impl FnMut(&io::Error),
 ) {
-    let nfrag: u64 = batch.iter().map(|u| u.fragments().len() as u64).sum();
-    let mut nbytes: u64 = batch
-        .iter()
-        .flat_map(|u| u.fragments())
-        .map(|f| f.len() as u64)
-        .sum();
+    // Units the link took whole: all of them, none (a link already failed), or those before
+    // the byte where it failed. A unit cut in the middle is not whole at the peer (it drops a
+    // partial record), so it is counted lost with the rest; one written whole may still be read.
+    let mut whole = 0usize;
+    let mut sizes: Vec<u64> = Vec::new();
     if st.ok {
         st.headers.clear();
         st.offsets.clear();
@@ -153,30 +152,53 @@ fn send_batch<T: Outgoing>(
             u.encode_header(&mut st.headers);
             st.offsets.push((start, st.headers.len()));
         }
-        nbytes += st.headers.len() as u64;
         let mut io: Vec<IoSlice> = Vec::with_capacity(batch.len() * 9);
         for (u, &(s, e)) in batch.iter().zip(&st.offsets) {
             io.push(IoSlice::new(&st.headers[s..e]));
             io.extend(u.fragments().iter().map(|f| IoSlice::new(f)));
         }
-        if let Err(e) = crate::io::write_all_vectored(stream, &mut io) {
-            on_error(&e);
-            st.ok = false;
+        let (written, r) = crate::io::write_all_vectored_counted(stream, &mut io);
+        match r {
+            Ok(()) => whole = batch.len(),
+            Err(e) => {
+                on_error(&e);
+                st.ok = false;
+                let mut left = written as u64;
+                for (u, &(s, e)) in batch.iter().zip(&st.offsets) {
+                    let size =
+                        (e - s) as u64 + u.fragments().iter().map(|f| f.len() as u64).sum::<u64>();
+                    if size > left {
+                        break;
+                    }
+                    left -= size;
+                    whole += 1;
+                }
+            }
         }
+        sizes = st.offsets.iter().map(|&(s, e)| (e - s) as u64).collect();
     }
-    if st.ok {
-        st.units += batch.len() as u64;
-        st.fragments += nfrag;
+    let (sent, lost) = batch.split_at(whole);
+    let outcome = |units: &[T], headers: &[u64], written: bool| BatchOutcome {
+        units: units.len() as u64,
+        fragments: units.iter().map(|u| u.fragments().len() as u64).sum(),
+        bytes: headers.iter().sum::<u64>()
+            + units
+                .iter()
+                .flat_map(|u| u.fragments())
+                .map(|f| f.len() as u64)
+                .sum::<u64>(),
+        written,
+    };
+    let (hs, hl) = sizes.split_at(whole.min(sizes.len()));
+    if !sent.is_empty() {
+        let o = outcome(sent, hs, true);
+        st.units += o.units;
+        st.fragments += o.fragments;
+        on_batch(o, sent);
     }
-    on_batch(
-        BatchOutcome {
-            units: batch.len() as u64,
-            fragments: nfrag,
-            bytes: nbytes,
-            written: st.ok,
-        },
-        &batch,
-    );
+    if !lost.is_empty() {
+        on_batch(outcome(lost, hl, false), lost);
+    }
 }
 
 /// Ends a link that did not fail with a peer end carrying the counts, then waits for the peer to

@@ -169,6 +169,9 @@ pub struct BuilderReport {
     /// Fragments it still holds (assembling, or queued for the recorder).
     #[serde(default)]
     pub buffered_fragments: u64,
+    /// Of those, built and queued for the recorder.
+    #[serde(default)]
+    pub queued_fragments: u64,
     /// Push mode with `rails`: super-fragments received on each rail, from every readout unit.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub super_fragments_by_rail: Vec<u64>,
@@ -447,6 +450,7 @@ pub(crate) fn builder(b: &tessera_builder::BuilderUnit, cx: &Cx, p: &mut Parts) 
         fragments_rejected_by_filter: st.fragments_rejected.load(Ordering::Relaxed),
         buffered_fragments: st.held_fragments.load(Ordering::Relaxed)
             + st.queued_fragments.load(Ordering::Relaxed),
+        queued_fragments: st.queued_fragments.load(Ordering::Relaxed),
         super_fragments_by_rail: match st.links.first() {
             Some(l) if l.rail_super_fragments.len() > 1 => (0..l.rail_super_fragments.len())
                 .map(|r| {
@@ -633,14 +637,16 @@ impl Report {
             ev_i += b.events_incomplete;
             bytes_built += b.bytes_built;
         }
+        // With a recorder the balance runs to it: a built fragment counts once the recorder
+        // has it, and until then it is buffered (queued at its builder or at the recorder) or
+        // named lost at the recorder link. Counting it when built as well counted it twice
+        // while it was on its way (mid-run, or after an aborted stop). In request mode an event
+        // may also be built twice (after a failover) but is recorded once: the recorder's
+        // counts are the ones that hold. Without a recorder the builders' counts are the end.
         if let Some(rc) = &p.recorder {
             buffered += rc.queued_fragments;
-            // Request mode: an event may be built twice (after a failover) but is recorded
-            // once; the recorder's counts are the ones that hold.
-            if request_mode {
-                complete_f = rc.fragments_in_complete;
-                incomplete_f = rc.fragments_in_incomplete;
-            }
+            complete_f = rc.fragments_in_complete;
+            incomplete_f = rc.fragments_in_incomplete;
         }
         // Fragments the builders sent on but the recorder has not counted are in flight between
         // them; they are part of what is buffered, not lost, until the recorder link is drained.
@@ -652,6 +658,57 @@ impl Report {
             };
             (ev_c + ev_i) as i64 - rc.events as i64 - copies
         });
+        // A stop that gave up (push mode) cut the links between the stages with what the
+        // senders had written still in the kernel's buffers, unread: per hop, what one side
+        // wrote less what the other side took. Named, as `unread_at_abort` is for the sources'
+        // links; after a drained stop they are zero and any difference stays unaccounted.
+        // While the run goes on the same differences are data on its way, in the kernel's
+        // buffers: still buffered, not lost.
+        let running = info.stop_reason == "running";
+        if (running || !info.drained) && !request_mode && !info.partial {
+            let (mut in_flight, mut lost) = (0u64, Vec::new());
+            let forwarded: u64 = p.readout_units.iter().map(|u| u.fragments_forwarded).sum();
+            let at_builders: u64 = p
+                .builders
+                .iter()
+                .map(|b| {
+                    b.fragments_in_complete
+                        + b.fragments_in_incomplete
+                        + b.late_fragments
+                        + b.duplicate_fragments
+                        + b.malformed_fragments
+                        + b.buffered_fragments.saturating_sub(b.queued_fragments)
+                })
+                .sum();
+            lost.push((
+                "in_flight_to_builders_at_abort",
+                forwarded.saturating_sub(at_builders),
+            ));
+            if let Some(rc) = &p.recorder {
+                let written: u64 = p
+                    .builders
+                    .iter()
+                    .map(|b| {
+                        (b.fragments_in_complete + b.fragments_in_incomplete)
+                            .saturating_sub(b.queued_fragments + b.recorder_link_lost)
+                    })
+                    .sum();
+                let taken =
+                    rc.fragments_in_complete + rc.fragments_in_incomplete + rc.queued_fragments;
+                lost.push((
+                    "in_flight_to_recorder_at_abort",
+                    written.saturating_sub(taken),
+                ));
+            }
+            for (label, n) in lost {
+                if running {
+                    in_flight += n;
+                } else {
+                    add(label, n);
+                }
+            }
+            buffered += in_flight;
+        }
         let sent: u64 = p.sources.iter().map(|s| s.sent).sum();
         let rejected_total: u64 = rejected.values().sum();
         let unaccounted = (sent + beyond_sent) as i64
