@@ -210,6 +210,32 @@ fn http(addr: &str, method: &str, path: &str) -> (u16, Vec<u8>) {
     (status, body)
 }
 
+/// A `ship run --once` against a destination that is down: exit 1, every file kept, the backlog
+/// every file, each row failed with a reason that says `why`.
+fn every_file_waits(o: &std::process::Output, data: &Path, files: &[String], why: &str) {
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    for f in files {
+        assert!(data.join(f).exists(), "{f} deleted while unshipped");
+    }
+    let s = Command::new(tessera())
+        .args(["ship", "status", "--json"])
+        .arg(data)
+        .output()
+        .unwrap();
+    let status: serde_json::Value = serde_json::from_slice(&s.stdout).unwrap();
+    assert_eq!(status["backlog"]["files"], files.len(), "{status}");
+    assert!(
+        status["shipments"].as_array().unwrap().iter().all(|r| r["state"] == "failed"
+            && r["error"].as_str().is_some_and(|e| e.contains(why))),
+        "{status}"
+    );
+}
+
 fn ship_once(data: &Path, to: &str, port: u16) -> std::process::Output {
     Command::new(tessera())
         .args(["ship", "run"])
@@ -251,30 +277,7 @@ fn files_wait_for_an_object_store_that_went_away_and_drain_when_it_is_back() {
     };
     // The store is down: nothing ships, nothing is deleted, the backlog is every file.
     let o = ship_once(&data, "s3://archive/daq", port);
-    assert_eq!(
-        o.status.code(),
-        Some(1),
-        "{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    for f in &files {
-        assert!(data.join(f).exists(), "{f} deleted while unshipped");
-    }
-    let s = Command::new(tessera())
-        .args(["ship", "status", "--json"])
-        .arg(&data)
-        .output()
-        .unwrap();
-    let status: serde_json::Value = serde_json::from_slice(&s.stdout).unwrap();
-    assert_eq!(status["backlog"]["files"], files.len(), "{status}");
-    assert!(
-        status["shipments"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|r| r["state"] == "failed" && r["error"].is_string()),
-        "{status}"
-    );
+    every_file_waits(&o, &data, &files, "");
     // It comes back (an empty store: the bucket made again).
     let moto = Moto::start(&bin, port);
     assert_eq!(moto.http("PUT", "/archive").0, 200);
@@ -483,31 +486,7 @@ fn files_reach_a_storage_host_over_openssh_once_it_is_up() {
             .unwrap()
     };
     let o = ship();
-    assert_eq!(
-        o.status.code(),
-        Some(1),
-        "{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    for f in &files {
-        assert!(data.join(f).exists(), "{f} deleted while unshipped");
-    }
-    let s = Command::new(tessera())
-        .args(["ship", "status", "--json"])
-        .arg(&data)
-        .output()
-        .unwrap();
-    let status: serde_json::Value = serde_json::from_slice(&s.stdout).unwrap();
-    assert_eq!(status["backlog"]["files"], files.len(), "{status}");
-    assert!(
-        status["shipments"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|r| r["state"] == "failed"
-                && r["error"].as_str().unwrap().contains("could not reach")),
-        "{status}"
-    );
+    every_file_waits(&o, &data, &files, "could not reach");
     store.start();
     let mut last = String::new();
     assert!(
