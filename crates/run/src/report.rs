@@ -643,8 +643,15 @@ impl Report {
         // while it was on its way (mid-run, or after an aborted stop). In request mode an event
         // may also be built twice (after a failover) but is recorded once: the recorder's
         // counts are the ones that hold. Without a recorder the builders' counts are the end.
+        let aborted = !info.drained && info.stop_reason != "running" && !info.partial;
         if let Some(rc) = &p.recorder {
-            buffered += rc.queued_fragments;
+            // What the recorder had taken from its links but not yet written when its stage
+            // gave up is dropped with its queue: lost, and named, not "still buffered".
+            if aborted {
+                add("dropped_at_recorder_abort", rc.queued_fragments);
+            } else {
+                buffered += rc.queued_fragments;
+            }
             complete_f = rc.fragments_in_complete;
             incomplete_f = rc.fragments_in_incomplete;
         }

@@ -604,6 +604,16 @@ max_ms = 1000
         "{:?}",
         b.rejected
     );
+    // The recorder's queue went with its abort: named, not called still buffered.
+    assert_eq!(
+        b.rejected
+            .get("dropped_at_recorder_abort")
+            .copied()
+            .unwrap_or(0),
+        rec.queued_fragments,
+        "{:?}",
+        b.rejected
+    );
 }
 
 #[test]
