@@ -24,6 +24,7 @@ use tessera_source::SourcePlan;
 
 pub mod hosts;
 pub mod instructions;
+pub mod lowrate;
 pub mod monitor;
 pub mod record;
 pub mod request;
@@ -38,6 +39,7 @@ pub struct BenchArgs {
     /// recorder (uncompressed, lz4 and zstd on 1 and 2 threads, files synced, and a point with
     /// frequent rotations) against a plain writer on the same disk. `instructions`: callgrind's
     /// count of instructions per fragment built (1 KiB x 8 by default; valgrind needed).
+    /// `lowrate`: CPU per fragment of the COMET SUPPRESS setup at 1 kHz against saturation.
     /// Absent: push-mode building against the relay baseline.
     pub what: Option<String>,
     /// A small set of points (building: under a minute; request: under five).
@@ -138,9 +140,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         Some("hosts") => return hosts::run_hosts(a),
         Some("record") => return record::run_record(a),
         Some("instructions") => return instructions::run_instructions(a),
+        Some("lowrate") => return lowrate::run_lowrate(a),
         Some(other) => {
             anyhow::bail!(
-                "unknown benchmark `{other}`: the choices are `request`, `monitor`, `hosts`, `record`, `instructions` or none"
+                "unknown benchmark `{other}`: the choices are `request`, `monitor`, `hosts`, `record`, `instructions`, `lowrate` or none"
             )
         }
     }

@@ -1101,3 +1101,19 @@ fn bench_instructions_counts_the_cost_of_a_fragment_under_callgrind() {
     // cannot cost more than the whole long run spread over its fragments.
     assert!(per > 500.0 && per < long / (15_000.0 * 8.0), "{p}");
 }
+
+/// `tessera bench lowrate --quick --json`: both points ran clean over the same fragments, and the
+/// CPU figures are measured (nonzero) rather than assumed.
+#[test]
+fn bench_lowrate_measures_cpu_per_fragment_at_1_khz_and_at_saturation() {
+    let o = tessera(&["bench", "lowrate", "--quick", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&o.stdout).trim()).unwrap();
+    assert_eq!(r["low"]["fragments"], r["saturated"]["fragments"], "{r}");
+    assert!(r["low"]["fragments"].as_u64().unwrap() >= 105 * 1000, "{r}");
+    for p in ["low", "saturated"] {
+        assert!(r[p]["cpu_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert!(r["ratio"].as_f64().unwrap() > 0.0, "{r}");
+}

@@ -1,0 +1,138 @@
+//! `tessera bench lowrate`: what a DAQ idling at a low trigger rate costs. The COMET SUPPRESS
+//! setup (105 sources of ~380 B on 5 readout units, 1 builder, the recorder writing) runs at a
+//! periodic 1 kHz and again at saturation (unlimited trigger); the process's CPU time (user and
+//! system, every thread, from getrusage) per fragment at 1 kHz over the same at saturation is the
+//! figure (issue 14's target: at most 1.5). A DAQ that costs far more per fragment when little
+//! flows spends its CPU on wake-ups, not on data.
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+use std::time::Instant;
+
+use tessera_config::Topology;
+use tessera_run::{Options, StatusMode};
+
+use crate::BenchArgs;
+
+#[derive(Debug, Serialize)]
+pub struct LowRatePoint {
+    pub trigger: String,
+    pub events: u64,
+    pub fragments: u64,
+    pub wall_s: f64,
+    pub cpu_s: f64,
+    /// CPU seconds per wall second (2.0 = both cores of this machine).
+    pub cores_used: f64,
+    pub cpu_ns_per_fragment: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct LowRate {
+    pub low: LowRatePoint,
+    pub saturated: LowRatePoint,
+    /// CPU per fragment at 1 kHz over the same at saturation.
+    pub ratio: f64,
+}
+
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills the struct it is given; RUSAGE_SELF covers every thread.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
+/// `run` and `trigger`: the keys of `[run]` (events or duration) and the trigger's in `[sources]`.
+fn topology(run: &str, trigger: &str) -> String {
+    let mut t = format!(
+        "[run]\n{run}\nmax_fragment_size = \"4 KiB\"\n[sources]\ncount = 105\nfragment_size = 380\n{trigger}\n\
+         [[builder]]\nid = 0\n[recorder]\nfsync = false\nmax_file_size = \"256 MiB\"\n\
+         [monitor]\nenabled = false\n"
+    );
+    for ru in 0..5 {
+        t += &format!(
+            "[[readout]]\nid = {ru}\nsources = \"{}-{}\"\n",
+            21 * ru,
+            21 * ru + 20
+        );
+    }
+    t
+}
+
+fn point(name: &str, run: &str, trigger: &str, dir: &std::path::Path) -> Result<LowRatePoint> {
+    let r = Topology::parse(&topology(run, trigger), name)?;
+    let out = dir.join(name);
+    let opts = Options {
+        output: Some(out.clone()),
+        status: StatusMode::Off,
+        manifest: false,
+        ..Default::default()
+    };
+    let (c0, t0) = (cpu_seconds(), Instant::now());
+    let rep = tessera_run::run(&r, &opts).with_context(|| format!("the {name} point"))?;
+    let (cpu_s, wall_s) = (cpu_seconds() - c0, t0.elapsed().as_secs_f64());
+    let _ = std::fs::remove_dir_all(&out);
+    if !rep.ok() {
+        anyhow::bail!("the {name} point did not run clean:\n{}", rep.summary());
+    }
+    let events = rep.events_complete + rep.events_incomplete;
+    let fragments = rep.balance.sent;
+    Ok(LowRatePoint {
+        trigger: name.into(),
+        events,
+        fragments,
+        wall_s,
+        cpu_s,
+        cores_used: cpu_s / wall_s.max(1e-9),
+        cpu_ns_per_fragment: cpu_s * 1e9 / fragments.max(1) as f64,
+    })
+}
+
+pub fn run_lowrate(a: &BenchArgs) -> Result<()> {
+    let secs = if a.quick { 2 } else { 6 };
+    let dir = tempfile::tempdir()?;
+    if !a.json {
+        eprintln!(
+            "low rate: COMET SUPPRESS (105 sources x 380 B, 5 readout units, 1 builder, recorder) at 1 kHz for {secs} s and at saturation"
+        );
+    }
+    let low = point(
+        "periodic-1kHz",
+        &format!("duration_s = {secs}"),
+        "trigger = \"periodic\"\nrate_hz = 1000",
+        dir.path(),
+    )?;
+    // The same number of events as fast as the system takes them.
+    let saturated = point(
+        "unlimited",
+        &format!("events = {}", low.events.max(1000)),
+        "trigger = \"unlimited\"",
+        dir.path(),
+    )?;
+    let r = LowRate {
+        ratio: low.cpu_ns_per_fragment / saturated.cpu_ns_per_fragment.max(1e-9),
+        low,
+        saturated,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        for p in [&r.low, &r.saturated] {
+            println!(
+                "{:<14} {:>7} events {:>9} fragments in {:>5.1} s: CPU {:>5.2} s ({:.0} % of a core), {:>6.0} ns per fragment",
+                p.trigger,
+                p.events,
+                p.fragments,
+                p.wall_s,
+                p.cpu_s,
+                p.cores_used * 100.0,
+                p.cpu_ns_per_fragment
+            );
+        }
+        println!(
+            "CPU per fragment at 1 kHz / at saturation: {:.2} (target <= 1.5)",
+            r.ratio
+        );
+    }
+    Ok(())
+}
