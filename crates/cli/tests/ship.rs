@@ -565,6 +565,17 @@ fn files_reach_a_storage_host_over_openssh_once_it_is_up() {
     store.stop();
 }
 
+/// The run control's HTTP address, once `tessera run` has written it to `data/control.addr`.
+fn control_addr(data: &Path) -> String {
+    let file = data.join("control.addr");
+    assert!(
+        eventually(LIMIT, || std::fs::read_to_string(&file)
+            .is_ok_and(|s| s.trim().parse::<std::net::SocketAddr>().is_ok())),
+        "no control.addr"
+    );
+    std::fs::read_to_string(&file).unwrap().trim().to_string()
+}
+
 /// The value of the `/metrics` series `name{labels}` (the first whose labels include `labels`).
 fn metric(text: &str, name: &str, labels: &str) -> Option<f64> {
     text.lines()
@@ -613,16 +624,7 @@ fn a_run_ships_its_files_and_shows_what_is_left() {
             .arg(&data)
             .args(["--http", "127.0.0.1:0"]),
     );
-    let addr_file = data.join("control.addr");
-    assert!(
-        eventually(LIMIT, || std::fs::read_to_string(&addr_file)
-            .is_ok_and(|s| s.trim().parse::<std::net::SocketAddr>().is_ok())),
-        "no control.addr"
-    );
-    let addr = std::fs::read_to_string(&addr_file)
-        .unwrap()
-        .trim()
-        .to_string();
+    let addr = control_addr(&data);
     // The run ends by itself; the process stays to drain, which the broken destination never
     // lets happen: the backlog and the failures are there to see.
     let mut seen = String::new();
@@ -742,16 +744,7 @@ fn during_a_run_files_wait_for_the_object_store_and_drain_when_it_is_back() {
         .args(["--http", "127.0.0.1:0"]);
     s3_env(&mut cmd);
     let run = Proc::spawn_piped(&mut cmd);
-    let addr_file = data.join("control.addr");
-    assert!(
-        eventually(LIMIT, || std::fs::read_to_string(&addr_file)
-            .is_ok_and(|s| s.trim().parse::<std::net::SocketAddr>().is_ok())),
-        "no control.addr"
-    );
-    let addr = std::fs::read_to_string(&addr_file)
-        .unwrap()
-        .trim()
-        .to_string();
+    let addr = control_addr(&data);
     let mut live = serde_json::Value::Null;
     assert!(
         eventually(LIMIT, || {
