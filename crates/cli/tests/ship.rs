@@ -124,15 +124,8 @@ fn a_shipper_killed_mid_copy_resumes_and_ships_every_file_once() {
     assert!(rows.iter().any(|r| r["attempts"] == 2), "{status}");
     assert_eq!(status["deleted"].as_array().unwrap().len(), files.len());
     // The archive against the run database: every file the recorder wrote, as it wrote it.
-    let v = Command::new(tessera())
-        .arg("verify")
-        .arg(&archive)
-        .arg("--db")
-        .arg(&data)
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&v.stdout);
-    assert!(v.status.success(), "{said}");
+    let (st, said) = verify_db(archive.to_str().unwrap(), &data, vec![]);
+    assert!(st.success(), "{said}");
     assert!(
         said.contains(&format!("{} verified here", files.len())),
         "{said}"
@@ -246,17 +239,44 @@ fn every_file_waits(o: &std::process::Output, data: &Path, files: &[String], why
     );
 }
 
+/// What an `s3://` destination on the local server at `port` reads from the environment.
+fn s3_env(port: u16) -> Vec<(&'static str, String)> {
+    vec![
+        ("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}")),
+        ("AWS_ACCESS_KEY_ID", "test".into()),
+        ("AWS_SECRET_ACCESS_KEY", "test".into()),
+        ("AWS_REGION", "us-east-1".into()),
+    ]
+}
+
 fn ship_once(data: &Path, to: &str, port: u16) -> std::process::Output {
     Command::new(tessera())
         .args(["ship", "run"])
         .arg(data)
         .args(["--to", to, "--once"])
-        .env("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}"))
-        .env("AWS_ACCESS_KEY_ID", "test")
-        .env("AWS_SECRET_ACCESS_KEY", "test")
-        .env("AWS_REGION", "us-east-1")
+        .envs(s3_env(port))
         .output()
         .unwrap()
+}
+
+/// `tessera verify DEST --db DATA` with `env`: how it exited, and what it printed.
+fn verify_db(
+    dest: &str,
+    data: &Path,
+    env: Vec<(&'static str, String)>,
+) -> (std::process::ExitStatus, String) {
+    let o = Command::new(tessera())
+        .args(["verify", dest, "--db"])
+        .arg(data)
+        .envs(env)
+        .output()
+        .unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    (o.status, said)
 }
 
 /// Issue 13's S3 drill: the object store goes away while files wait; they pile up locally,
@@ -305,21 +325,8 @@ fn files_wait_for_an_object_store_that_went_away_and_drain_when_it_is_back() {
         assert!(body == *bytes, "{f}: the object differs from the file");
         assert_eq!(moto.http("GET", &format!("/archive/daq/{f}.json")).0, 200);
     }
-    let v = Command::new(tessera())
-        .args(["verify", "s3://archive/daq", "--db"])
-        .arg(&data)
-        .env("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}"))
-        .env("AWS_ACCESS_KEY_ID", "test")
-        .env("AWS_SECRET_ACCESS_KEY", "test")
-        .env("AWS_REGION", "us-east-1")
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&v.stdout);
-    assert!(
-        v.status.success(),
-        "{said}{}",
-        String::from_utf8_lossy(&v.stderr)
-    );
+    let (st, said) = verify_db("s3://archive/daq", &data, s3_env(port));
+    assert!(st.success(), "{said}");
     assert!(
         said.contains(&format!("{} verified here", files.len())),
         "{said}"
@@ -481,14 +488,7 @@ fn files_reach_a_storage_host_over_openssh_once_it_is_up() {
             .unwrap()
     };
     let ship = || ship_keeping("3600");
-    let verify = || {
-        Command::new(tessera())
-            .args(["verify", &to, "--db"])
-            .arg(&data)
-            .env("TESSERA_SSH", &ssh_env)
-            .output()
-            .unwrap()
-    };
+    let verify = || verify_db(&to, &data, vec![("TESSERA_SSH", ssh_env.clone())]);
     let o = ship();
     every_file_waits(&o, &data, &files, "could not reach");
     store.start();
@@ -518,13 +518,8 @@ fn files_reach_a_storage_host_over_openssh_once_it_is_up() {
         assert_eq!(e["destinations"][0]["destination"], to.as_str(), "{e}");
     }
     assert!(remote.join("run000001.manifest.json").exists());
-    let o = verify();
-    let said = String::from_utf8_lossy(&o.stdout).into_owned();
-    assert!(
-        o.status.success(),
-        "{said}{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let (st, said) = verify();
+    assert!(st.success(), "{said}");
     assert!(
         said.contains(&format!("{} verified here", files.len())),
         "{said}"
@@ -536,9 +531,8 @@ fn files_reach_a_storage_host_over_openssh_once_it_is_up() {
     let mid = b.len() / 2;
     b[mid] ^= 0x04;
     std::fs::write(&damaged, &b).unwrap();
-    let o = verify();
-    let said = String::from_utf8_lossy(&o.stdout).into_owned();
-    assert_eq!(o.status.code(), Some(1), "{said}");
+    let (st, said) = verify();
+    assert_eq!(st.code(), Some(1), "{said}");
     assert!(
         said.lines().any(|l| l.starts_with("FAIL")
             && l.contains(&files[1])
@@ -552,7 +546,7 @@ fn files_reach_a_storage_host_over_openssh_once_it_is_up() {
         std::fs::read(&damaged).unwrap() == originals[1],
         "not sent again"
     );
-    assert!(verify().status.success());
+    assert!(verify().0.success());
     // Retention over: the local copies go, the archive answers for every file alone.
     assert!(ship_keeping("0").status.success());
     assert!(
@@ -560,8 +554,8 @@ fn files_reach_a_storage_host_over_openssh_once_it_is_up() {
         "{:?}",
         names(&data)
     );
-    let o = verify();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    let (st, said) = verify();
+    assert!(st.success(), "{said}");
     store.stop();
 }
 
@@ -693,15 +687,8 @@ fn a_run_ships_its_files_and_shows_what_is_left() {
             "{run}"
         );
     }
-    let v = Command::new(tessera())
-        .arg("verify")
-        .arg(&archive)
-        .arg("--db")
-        .arg(&data)
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&v.stdout);
-    assert!(v.status.success(), "{said}");
+    let (st, said) = verify_db(archive.to_str().unwrap(), &data, vec![]);
+    assert!(st.success(), "{said}");
     assert!(said.contains("0 still waiting"), "{said}");
 }
 
@@ -730,19 +717,13 @@ fn during_a_run_files_wait_for_the_object_store_and_drain_when_it_is_back() {
          drain_at_exit_s = 200\n",
     )
     .unwrap();
-    let s3_env = |c: &mut Command| {
-        c.env("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}"))
-            .env("AWS_ACCESS_KEY_ID", "test")
-            .env("AWS_SECRET_ACCESS_KEY", "test")
-            .env("AWS_REGION", "us-east-1");
-    };
     let mut cmd = Command::new(tessera());
     cmd.arg("run")
         .arg(&cfg)
         .arg("--output")
         .arg(&data)
         .args(["--http", "127.0.0.1:0"]);
-    s3_env(&mut cmd);
+    cmd.envs(s3_env(port));
     let run = Proc::spawn_piped(&mut cmd);
     let addr = control_addr(&data);
     let mut live = serde_json::Value::Null;
@@ -776,16 +757,8 @@ fn during_a_run_files_wait_for_the_object_store_and_drain_when_it_is_back() {
         "{:?}",
         names(&data)
     );
-    let mut v = Command::new(tessera());
-    v.args(["verify", "s3://archive/daq", "--db"]).arg(&data);
-    s3_env(&mut v);
-    let v = v.output().unwrap();
-    let said = String::from_utf8_lossy(&v.stdout);
-    assert!(
-        v.status.success(),
-        "{said}{}",
-        String::from_utf8_lossy(&v.stderr)
-    );
+    let (st, said) = verify_db("s3://archive/daq", &data, s3_env(port));
+    assert!(st.success(), "{said}");
     assert!(
         said.contains(", 0 still waiting to be shipped; 0 problem(s)"),
         "{said}"

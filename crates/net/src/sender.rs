@@ -143,7 +143,8 @@ fn send_batch<T: Outgoing>(
     // the byte where it failed. A unit cut in the middle is not whole at the peer (it drops a
     // partial record), so it is counted lost with the rest; one written whole may still be read.
     let mut whole = 0usize;
-    let mut sizes: Vec<u64> = Vec::new();
+    // Headers were encoded for this batch (its offsets in `st.headers` are this batch's).
+    let encoded = st.ok;
     if st.ok {
         st.headers.clear();
         st.offsets.clear();
@@ -175,29 +176,35 @@ fn send_batch<T: Outgoing>(
                 }
             }
         }
-        sizes = st.offsets.iter().map(|&(s, e)| (e - s) as u64).collect();
     }
-    let (sent, lost) = batch.split_at(whole);
-    let outcome = |units: &[T], headers: &[u64], written: bool| BatchOutcome {
-        units: units.len() as u64,
-        fragments: units.iter().map(|u| u.fragments().len() as u64).sum(),
-        bytes: headers.iter().sum::<u64>()
-            + units
-                .iter()
-                .flat_map(|u| u.fragments())
-                .map(|f| f.len() as u64)
-                .sum::<u64>(),
-        written,
+    // Units `range` of the batch, as counted for `on_batch`.
+    let outcome = |range: std::ops::Range<usize>, written: bool| {
+        let units = &batch[range.clone()];
+        let headers = match (encoded, range.is_empty()) {
+            (true, false) => (st.offsets[range.end - 1].1 - st.offsets[range.start].0) as u64,
+            _ => 0,
+        };
+        BatchOutcome {
+            units: units.len() as u64,
+            fragments: units.iter().map(|u| u.fragments().len() as u64).sum(),
+            bytes: headers
+                + units
+                    .iter()
+                    .flat_map(|u| u.fragments())
+                    .map(|f| f.len() as u64)
+                    .sum::<u64>(),
+            written,
+        }
     };
-    let (hs, hl) = sizes.split_at(whole.min(sizes.len()));
-    if !sent.is_empty() {
-        let o = outcome(sent, hs, true);
+    if whole > 0 {
+        let o = outcome(0..whole, true);
         st.units += o.units;
         st.fragments += o.fragments;
-        on_batch(o, sent);
+        on_batch(o, &batch[..whole]);
     }
-    if !lost.is_empty() {
-        on_batch(outcome(lost, hl, false), lost);
+    if whole < batch.len() {
+        let o = outcome(whole..batch.len(), false);
+        on_batch(o, &batch[whole..]);
     }
 }
 

@@ -287,11 +287,7 @@ fn frac_per(ns: u64, secs: f64, n: usize) -> f64 {
 }
 
 fn frac(ns: u64, secs: f64) -> f64 {
-    if secs > 0.0 {
-        (ns as f64 / 1e9 / secs).min(1.0)
-    } else {
-        0.0
-    }
+    frac_per(ns, secs, 1)
 }
 
 // Each role's part of the report, called through `RunRole::report`.

@@ -610,6 +610,16 @@ pub struct Digester {
 impl Digester {
     pub fn update(&mut self, chunk: &[u8]) {
         self.size += chunk.len() as u64;
+        if chunk.len() >= FILE_TRAILER_SIZE {
+            // Everything held and all but the chunk's tail go into the body at once: the bytes
+            // are checksummed where they lie, not copied first.
+            let (body, tail) = chunk.split_at(chunk.len() - FILE_TRAILER_SIZE);
+            self.body = tessera_format::crc::crc32c_append(self.body, &self.held);
+            self.body = tessera_format::crc::crc32c_append(self.body, body);
+            self.held.clear();
+            self.held.extend_from_slice(tail);
+            return;
+        }
         self.held.extend_from_slice(chunk);
         if self.held.len() > FILE_TRAILER_SIZE {
             let out = self.held.len() - FILE_TRAILER_SIZE;
@@ -641,5 +651,36 @@ pub fn digest_of(mut r: impl Read) -> io::Result<Digest> {
             return Ok(d.finish());
         }
         d.update(&buf[..k]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// However the bytes arrive, the digest is the same: the body CRC over all but the last
+    /// trailer-size bytes, the tail those bytes, the whole CRC over everything.
+    #[test]
+    fn a_digest_does_not_depend_on_how_the_bytes_are_cut() {
+        let data: Vec<u8> = (0..5000u32).map(|i| (i * 29 % 251) as u8).collect();
+        for n in [0usize, 10, 56, 57, 1000, 5000] {
+            let d = &data[..n];
+            let keep = n.min(FILE_TRAILER_SIZE);
+            for step in [1usize, 7, 55, 56, 57, 300, 5000] {
+                let mut g = Digester::default();
+                for c in d.chunks(step) {
+                    g.update(c);
+                }
+                let got = g.finish();
+                assert_eq!(got.size, n as u64);
+                assert_eq!(got.crc32c, tessera_format::crc::crc32c(d), "{n} by {step}");
+                assert_eq!(
+                    got.body_crc32c,
+                    tessera_format::crc::crc32c(&d[..n - keep]),
+                    "{n} by {step}"
+                );
+                assert_eq!(&got.tail[..got.tail_len], &d[n - keep..], "{n} by {step}");
+            }
+        }
     }
 }

@@ -112,15 +112,19 @@ fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
 
-/// The child's exit as an error with what it said on stderr.
-fn finish(mut child: Child, what: &str) -> io::Result<std::process::ExitStatus> {
+/// The child's exit: `Ok(true)` for success, `Ok(false)` for the exit code `absent` (the
+/// script's "no such file"), else an error with what it said on stderr.
+fn finish(mut child: Child, what: &str, absent: Option<i32>) -> io::Result<bool> {
     let mut err = String::new();
     if let Some(mut e) = child.stderr.take() {
         let _ = e.read_to_string(&mut err);
     }
     let status = child.wait()?;
     if status.success() {
-        return Ok(status);
+        return Ok(true);
+    }
+    if absent.is_some() && status.code() == absent {
+        return Ok(false);
     }
     let err = err.trim();
     Err(io::Error::other(match status.code() {
@@ -141,7 +145,10 @@ sync "$1/$2.part" 2>/dev/null || sync
 mv -f "$1/$2.part" "$1/$2"
 sync "$1" 2>/dev/null || true"#;
 
-/// The final file to stdout; exit 44 if there is none.
+/// The exit code of [`GET`] when there is no such file.
+const ABSENT: i32 = 44;
+
+/// The final file to stdout; exit [`ABSENT`] if there is none.
 const GET: &str = r#"[ -e "$1/$2" ] || exit 44
 exec cat "$1/$2""#;
 
@@ -186,13 +193,13 @@ impl Destination for SshDestination {
             if e.kind() != io::ErrorKind::BrokenPipe {
                 let _ = child.kill();
             }
-            return Err(match finish(child, "copy") {
+            return Err(match finish(child, "copy", None) {
                 Err(why) => why,
                 Ok(_) => e,
             });
         }
         drop(stdin);
-        finish(child, "copy").map(|_| ())
+        finish(child, "copy", None).map(|_| ())
     }
 
     fn check(&self, file: &str) -> io::Result<Option<crate::Digest>> {
@@ -204,10 +211,9 @@ impl Destination for SshDestination {
             .spawn()
             .map_err(|e| io::Error::other(format!("{}: {e}", self.target.command[0])))?;
         let got = crate::digest_of(child.stdout.take().expect("piped"));
-        match finish(child, "read-back") {
-            Ok(_) => got.map(Some),
-            Err(e) if e.to_string().contains("exit status: 44") => Ok(None),
-            Err(e) => Err(e),
+        match finish(child, "read-back", Some(ABSENT))? {
+            true => got.map(Some),
+            false => Ok(None),
         }
     }
 }
