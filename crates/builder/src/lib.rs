@@ -1,7 +1,8 @@
 //! The builder unit (CMS BU, CODA EB, ATLAS DCM).
 //!
-//! One reader thread per readout unit takes super-fragments (zero-copy slices of its read
-//! chunks) into the shared [`Assembler`]; a sweeper times events out; one sender writes finished
+//! Each readout unit's link (each rail) is served by the process's I/O pollers
+//! ([`tessera_net::reactor`]), which take super-fragments (zero-copy slices of its read chunks)
+//! into the shared [`Assembler`]; a sweeper times events out; one sender writes finished
 //! event records to the recorder, fragments straight from the read chunks. Each event is checked:
 //! every expected source present (else flagged incomplete, naming the missing sources), one event
 //! ID in every fragment, fragment counts and sizes as the super-fragments declare, trigger types
@@ -326,6 +327,7 @@ impl Shared {
 /// hello is refused, counted and logged with its address, also after every unit has connected.
 fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener) {
     let readers = Mutex::new(Vec::new());
+    let live = Arc::new(tessera_net::reactor::Tally::default());
     let hellos = tessera_net::io::Hellos::default();
     let open = || {
         sh.stats
@@ -339,13 +341,42 @@ fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener) {
             Err(why) => return refused(sh, peer, &why),
         };
         let sh2 = sh.clone();
+        let live = live.clone();
         let mut v = readers.lock();
         tessera_net::role::reap(&mut v);
-        v.push(spawn(format!("bu{}-link", sh.id), move || {
+        v.push(spawn(format!("bu{}-hello", sh.id), move || {
             let r = handshake(&sh2, rail, &mut stream);
             drop(hello);
             match r {
-                Ok(slot) => read_link(&sh2, slot, rail, stream),
+                Ok(slot) => {
+                    let link = &sh2.stats.links[slot];
+                    let reader = ChunkReader::new(
+                        link.budget.clone(),
+                        sh2.read_chunk.max(2 * sh2.max_message),
+                    );
+                    if let Err(e) = stream.set_nonblocking(true) {
+                        *link.error.lock() = Some(e.to_string());
+                        sh2.close_rail(slot, rail);
+                        return;
+                    }
+                    let conn = PolledRail {
+                        sh: sh2.clone(),
+                        slot,
+                        rail,
+                        stream,
+                        reader,
+                        want: 0,
+                        got: Vec::new(),
+                        progress: Vec::new(),
+                        done: false,
+                        eof: false,
+                        dry_since: None,
+                        silent: false,
+                        held_since: None,
+                        _live: live.enter(),
+                    };
+                    tessera_net::reactor::Reactor::global().register(Box::new(conn));
+                }
                 Err(why) => refused(&sh2, peer, &why),
             }
         }));
@@ -366,6 +397,8 @@ fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener) {
     for r in readers.into_inner() {
         let _ = r.join();
     }
+    // Every rail handed to the pollers has closed.
+    live.wait_zero();
 }
 
 fn refused(sh: &Shared, peer: std::net::SocketAddr, why: &str) {
@@ -399,120 +432,209 @@ fn handshake(sh: &Shared, rail: usize, stream: &mut TcpStream) -> Result<usize, 
     Ok(slot)
 }
 
-fn read_link(sh: &Shared, slot: usize, rail: usize, mut stream: TcpStream) {
-    let link = &sh.stats.links[slot];
-    let several = link.rail_super_fragments.len() > 1;
-    let fail = |e: String| {
-        *link.error.lock() = Some(if several {
-            format!("rail {rail}: {e}")
+/// A readout unit's rail, served by the process's I/O pollers ([`tessera_net::reactor`]): reads
+/// what the socket has without blocking, offers super-fragments to the assembler in one lock per
+/// read, and never waits (a link that has no memory or whose events the table cannot take yet
+/// is looked at again a millisecond later and not read meanwhile: TCP holds the unit).
+struct PolledRail {
+    sh: Arc<Shared>,
+    slot: usize,
+    rail: usize,
+    stream: TcpStream,
+    reader: ChunkReader,
+    want: usize,
+    got: Vec<(u64, Part)>,
+    progress: Vec<u64>,
+    /// The end came, or the link broke the protocol: finish once what came before is taken.
+    done: bool,
+    eof: bool,
+    /// Since when the socket has been found empty with nothing read after.
+    dry_since: Option<Instant>,
+    silent: bool,
+    held_since: Option<Instant>,
+    _live: tessera_net::reactor::TallyGuard,
+}
+
+/// Reads per turn before the poller's other ready links get theirs.
+const READS_PER_TURN: usize = 8;
+/// How soon a held link looks again.
+const HELD_RETRY: Duration = Duration::from_millis(1);
+/// A read that finds nothing for this long proves the rail silent.
+const SILENCE_PROOF: Duration = Duration::from_millis(100);
+
+impl PolledRail {
+    fn fail(&self, e: String) {
+        let link = &self.sh.stats.links[self.slot];
+        *link.error.lock() = Some(if link.rail_super_fragments.len() > 1 {
+            format!("rail {}: {e}", self.rail)
         } else {
             e
         });
-    };
-    let mut reader = ChunkReader::new(link.budget.clone(), sh.read_chunk.max(2 * sh.max_message));
-    let mut want = 0usize;
-    let mut got: Vec<(u64, Part)> = Vec::new();
-    let mut progress: Vec<u64> = Vec::new();
-    let mut done = false;
-    let mut silent = false;
-    loop {
+    }
+
+    /// Decodes every whole message in the window.
+    fn parse(&mut self) {
+        let sh = &*self.sh;
+        let (slot, rail) = (self.slot, self.rail);
+        let link = &sh.stats.links[slot];
         loop {
-            match decode_link(reader.window(), sh.max_message) {
+            match decode_link(self.reader.window(), sh.max_message) {
                 Ok((LinkItem::SuperFragment(h), n)) => {
-                    let sf = reader.take(n);
+                    let sf = self.reader.take(n);
                     link.super_fragments.fetch_add(1, Ordering::Relaxed);
                     link.rail_super_fragments[rail].fetch_add(1, Ordering::Relaxed);
                     link.fragments
                         .fetch_add(h.fragment_count as u64, Ordering::Relaxed);
-                    got.push((h.event_id, (h, sf)));
+                    self.got.push((h.event_id, (h, sf)));
                 }
                 Ok((LinkItem::Progress(p), n)) => {
-                    reader.skip(n);
-                    progress.push(p.floor);
+                    self.reader.skip(n);
+                    self.progress.push(p.floor);
                 }
                 Ok((LinkItem::End(end), n)) => {
-                    reader.skip(n);
+                    self.reader.skip(n);
                     sh.rails[slot].lock()[rail].ended = Some(end.fragments);
-                    done = true;
-                    break;
+                    self.done = true;
+                    return;
                 }
                 Ok((LinkItem::NeedMore(n), _)) => {
-                    want = n;
-                    break;
+                    self.want = n;
+                    return;
                 }
                 Ok((LinkItem::Idle, _)) => {
-                    want = 0;
-                    break;
+                    self.want = 0;
+                    return;
                 }
                 Ok((other, _)) => {
-                    fail(format!("unexpected message {other:?}"));
-                    done = true;
-                    break;
+                    self.fail(format!("unexpected message {other:?}"));
+                    self.done = true;
+                    return;
                 }
                 Err(e) => {
                     tracing::error!(builder = sh.id, readout_unit = sh.rus[slot].0, error = %e, "readout unit link broke the protocol; closing it");
-                    fail(e.to_string());
-                    done = true;
-                    break;
+                    self.fail(e.to_string());
+                    self.done = true;
+                    return;
                 }
             }
-        }
-        if !got.is_empty() {
-            let t = Instant::now();
-            offer(sh, slot, &mut got);
-            if !got.is_empty() {
-                // The table of open events is full: this link waits (back-pressure).
-                while !got.is_empty() && !sh.abort.load(Ordering::Relaxed) {
-                    std::thread::sleep(Duration::from_millis(1));
-                    offer(sh, slot, &mut got);
-                }
-                link.budget
-                    .busy_ns
-                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            }
-        }
-        // A floor applies after the super-fragments that came before it.
-        if let Some(&floor) = progress.iter().max() {
-            progress.clear();
-            sh.rails[slot].lock()[rail].floor = Some(floor);
-            sh.rails_changed(slot);
-        }
-        if done {
-            break;
-        }
-        match reader.fill(&mut stream, want, &sh.abort) {
-            Ok(Fill::Data(0)) => {
-                // Nothing, not even a progress message, since the read began: silence.
-                if let Some(t) = reader.read_started {
-                    let since = t.saturating_duration_since(sh.t0).as_nanos() as u64;
-                    sh.rail_silent(slot, rail, Some((since, sh.now_ns())));
-                    silent = true;
-                }
-            }
-            Ok(Fill::Data(_)) => {
-                if silent {
-                    sh.rail_silent(slot, rail, None);
-                    silent = false;
-                }
-            }
-            Ok(Fill::Eof) => {
-                if !reader.window().is_empty() {
-                    fail("link closed inside a super-fragment".into());
-                }
-                break;
-            }
-            Ok(Fill::Stopped) => break,
-            Err(e) => {
-                fail(e.to_string());
-                break;
-            }
-        }
-        if sh.abort.load(Ordering::Relaxed) {
-            break;
         }
     }
-    let _ = stream.shutdown(std::net::Shutdown::Both);
-    sh.close_rail(slot, rail);
+
+    /// Counts held time as busy time as it passes (a long hold shows while it lasts).
+    fn count_held(&mut self, now: Instant, still: bool) {
+        if let Some(t) = self.held_since {
+            self.sh.stats.links[self.slot].budget.busy_ns.fetch_add(
+                now.saturating_duration_since(t).as_nanos() as u64,
+                Ordering::Relaxed,
+            );
+            self.held_since = still.then_some(now);
+        } else if still {
+            self.held_since = Some(now);
+        }
+    }
+
+    /// Offers what came, then applies the floors said after it; false while the table of
+    /// open events cannot take it all (back-pressure).
+    fn offer(&mut self, now: Instant) -> bool {
+        if !self.got.is_empty() {
+            offer(&self.sh, self.slot, &mut self.got);
+            if !self.got.is_empty() {
+                self.count_held(now, true);
+                return false;
+            }
+        }
+        self.count_held(now, false);
+        // A floor applies after the super-fragments that came before it.
+        if let Some(&floor) = self.progress.iter().max() {
+            self.progress.clear();
+            self.sh.rails[self.slot].lock()[self.rail].floor = Some(floor);
+            self.sh.rails_changed(self.slot);
+        }
+        true
+    }
+
+    fn finish(&mut self) -> tessera_net::reactor::Next {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.sh.close_rail(self.slot, self.rail);
+        tessera_net::reactor::Next::Done
+    }
+}
+
+impl tessera_net::reactor::Conn for PolledRail {
+    fn fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&self.stream)
+    }
+
+    fn turn(&mut self) -> tessera_net::reactor::Next {
+        use tessera_net::reactor::Next;
+        if self.sh.abort.load(Ordering::Relaxed) {
+            self.count_held(Instant::now(), false);
+            return self.finish();
+        }
+        let mut reads = 0;
+        let mut drained = false;
+        loop {
+            if !self.done {
+                self.parse();
+            }
+            let now = Instant::now();
+            if !self.offer(now) {
+                return Next::At(now + HELD_RETRY);
+            }
+            if self.done {
+                return self.finish();
+            }
+            if self.eof {
+                if !self.reader.window().is_empty() {
+                    self.fail("link closed inside a super-fragment".into());
+                }
+                return self.finish();
+            }
+            if drained {
+                return Next::Readable(now + SILENCE_PROOF);
+            }
+            if reads == READS_PER_TURN {
+                return Next::Again;
+            }
+            reads += 1;
+            match self.reader.try_fill(&mut self.stream, self.want) {
+                Ok(Fill::Data(0)) => {
+                    // Nothing, not even a progress message, since `since`: silence.
+                    let now = Instant::now();
+                    let since = *self
+                        .dry_since
+                        .get_or_insert(self.reader.read_started.unwrap_or(now));
+                    if now.saturating_duration_since(since) >= SILENCE_PROOF {
+                        let s = since.saturating_duration_since(self.sh.t0).as_nanos() as u64;
+                        self.sh
+                            .rail_silent(self.slot, self.rail, Some((s, self.sh.now_ns())));
+                        self.silent = true;
+                    }
+                    return Next::Readable(now + SILENCE_PROOF);
+                }
+                Ok(Fill::Data(_)) => {
+                    if self.silent {
+                        self.sh.rail_silent(self.slot, self.rail, None);
+                        self.silent = false;
+                    }
+                    drained = self.reader.drained();
+                    self.dry_since = drained.then(Instant::now);
+                }
+                Ok(Fill::Eof) => self.eof = true,
+                Ok(Fill::NoMemory) => {
+                    self.dry_since = None;
+                    let now = Instant::now();
+                    self.count_held(now, true);
+                    return Next::At(now + HELD_RETRY);
+                }
+                Ok(Fill::Stopped) => unreachable!("try_fill never waits"),
+                Err(e) => {
+                    self.fail(e.to_string());
+                    return self.finish();
+                }
+            }
+        }
+    }
 }
 
 fn offer(sh: &Shared, slot: usize, got: &mut Vec<(u64, Part)>) {

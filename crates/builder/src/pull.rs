@@ -622,7 +622,7 @@ fn read_answers(p: &Pull, slot: usize, mut stream: TcpStream, chunk: usize, max:
                 }
                 break;
             }
-            Ok(Fill::Stopped) => break,
+            Ok(Fill::Stopped | Fill::NoMemory) => break,
             Err(e) => {
                 lost = Some(e.to_string());
                 break;

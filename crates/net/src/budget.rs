@@ -18,6 +18,11 @@ struct State {
     pool: Vec<Box<[u8]>>,
 }
 
+enum Taken {
+    Kept(Box<[u8]>),
+    Fresh,
+}
+
 #[derive(Debug)]
 pub struct Budget {
     limit: u64,
@@ -54,26 +59,15 @@ impl Budget {
     /// request larger than the whole budget waits for an empty budget and then takes it, so one
     /// oversized message cannot deadlock a link.
     pub fn take_buffer(&self, n: usize, stop: &AtomicBool) -> Option<Box<[u8]>> {
-        let n64 = n as u64;
         let mut s = self.state.lock();
         loop {
-            if let Some(i) = s.pool.iter().rposition(|b| b.len() == n) {
-                let b = s.pool.swap_remove(i);
-                s.pooled -= n64;
-                s.used += n64;
-                self.peak.fetch_max(s.used, Ordering::Relaxed);
-                return Some(b);
-            }
-            // Kept chunks of another size make room for this one.
-            while s.used + s.pooled + n64 > self.limit && !s.pool.is_empty() {
-                let b = s.pool.remove(0);
-                s.pooled -= b.len() as u64;
-            }
-            if s.used + s.pooled + n64 <= self.limit || s.used == 0 {
-                s.used += n64;
-                self.peak.fetch_max(s.used, Ordering::Relaxed);
-                drop(s);
-                return Some(vec![0u8; n].into_boxed_slice());
+            match self.take_locked(&mut s, n) {
+                Some(Taken::Kept(b)) => return Some(b),
+                Some(Taken::Fresh) => {
+                    drop(s);
+                    return Some(vec![0u8; n].into_boxed_slice());
+                }
+                None => {}
             }
             if stop.load(Ordering::Relaxed) {
                 return None;
@@ -85,6 +79,42 @@ impl Budget {
             self.busy_ns
                 .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
+    }
+
+    /// [`Self::take_buffer`] without waiting: `None` when the budget is exhausted (for a
+    /// poller, which must not block; it asks again later).
+    pub fn try_take_buffer(&self, n: usize) -> Option<Box<[u8]>> {
+        let mut s = self.state.lock();
+        match self.take_locked(&mut s, n)? {
+            Taken::Kept(b) => Some(b),
+            Taken::Fresh => {
+                drop(s);
+                Some(vec![0u8; n].into_boxed_slice())
+            }
+        }
+    }
+
+    fn take_locked(&self, s: &mut State, n: usize) -> Option<Taken> {
+        let n64 = n as u64;
+        if let Some(i) = s.pool.iter().rposition(|b| b.len() == n) {
+            let b = s.pool.swap_remove(i);
+            s.pooled -= n64;
+            s.used += n64;
+            self.peak.fetch_max(s.used, Ordering::Relaxed);
+            return Some(Taken::Kept(b));
+        }
+        // Kept chunks of another size make room for this one.
+        while s.used + s.pooled + n64 > self.limit && !s.pool.is_empty() {
+            let b = s.pool.remove(0);
+            s.pooled -= b.len() as u64;
+        }
+        if s.used + s.pooled + n64 <= self.limit || s.used == 0 {
+            s.used += n64;
+            self.peak.fetch_max(s.used, Ordering::Relaxed);
+            // Zeroed outside the lock by the caller.
+            return Some(Taken::Fresh);
+        }
+        None
     }
 
     /// Whether `n` more bytes would have to wait right now (the link is BUSY).

@@ -20,6 +20,8 @@ pub enum Fill {
     Eof,
     /// `stop` was raised while waiting for memory.
     Stopped,
+    /// [`ChunkReader::try_fill`]: the link's budget is exhausted; nothing was read.
+    NoMemory,
 }
 
 pub struct ChunkReader {
@@ -33,6 +35,7 @@ pub struct ChunkReader {
     /// When the last read system call began (after any wait for memory): a read that came back
     /// empty proves the peer silent from then on, a wait for memory proves nothing.
     pub read_started: Option<Instant>,
+    drained: bool,
 }
 
 impl ChunkReader {
@@ -45,6 +48,7 @@ impl ChunkReader {
             filled: 0,
             bytes_read: 0,
             read_started: None,
+            drained: false,
         }
     }
 
@@ -81,6 +85,35 @@ impl ChunkReader {
     /// its start (the size of the message being assembled); a new chunk is started when the
     /// current one cannot hold that, taking memory from the budget and waiting for it if needed.
     pub fn fill(&mut self, r: &mut impl Read, want: usize, stop: &AtomicBool) -> io::Result<Fill> {
+        let budget = self.budget.clone();
+        if !self.ensure_room(want, |n| budget.take_buffer(n, stop)) {
+            return Ok(Fill::Stopped);
+        }
+        self.read_into(r)
+    }
+
+    /// [`Self::fill`] for a non-blocking socket served by a poller: never waits. `NoMemory` when
+    /// the budget has no chunk to give (nothing was read: the peer is held by TCP), `Data(0)`
+    /// when the socket had nothing. [`Self::drained`] says whether the socket was read dry.
+    pub fn try_fill(&mut self, r: &mut impl Read, want: usize) -> io::Result<Fill> {
+        let budget = self.budget.clone();
+        if !self.ensure_room(want, |n| budget.try_take_buffer(n)) {
+            return Ok(Fill::NoMemory);
+        }
+        self.read_into(r)
+    }
+
+    /// Whether the last read left the socket empty (it returned less than it could take, or
+    /// nothing): with edge-triggered polling, new bytes will raise a new event.
+    pub fn drained(&self) -> bool {
+        self.drained
+    }
+
+    fn ensure_room(
+        &mut self,
+        want: usize,
+        take: impl FnOnce(usize) -> Option<Box<[u8]>>,
+    ) -> bool {
         let cap = self.chunk.as_ref().map_or(0, |c| c.capacity());
         let have = self.filled - self.pos;
         // A fresh chunk when this one cannot take the whole message, or is nearly used up.
@@ -97,11 +130,11 @@ impl ChunkReader {
             // message long.
             let carry = self.window().to_vec();
             self.chunk = None;
-            let Some(buf) = self.budget.take_buffer(size, stop) else {
+            let Some(buf) = take(size) else {
                 self.chunk = Some(Chunk::from_vec(carry));
                 self.pos = 0;
                 self.filled = have;
-                return Ok(Fill::Stopped);
+                return false;
             };
             let fresh = Chunk::new(buf, self.budget.clone());
             if have > 0 {
@@ -112,9 +145,14 @@ impl ChunkReader {
             self.pos = 0;
             self.filled = have;
         }
+        true
+    }
+
+    fn read_into(&mut self, r: &mut impl Read) -> io::Result<Fill> {
         let c = self.chunk.as_ref().expect("chunk present");
         // SAFETY: every slice handed out lies before `filled`; this is the only writer.
         let tail = unsafe { c.tail_mut(self.filled) };
+        let asked = tail.len();
         self.read_started = Some(Instant::now());
         loop {
             match r.read(tail) {
@@ -122,6 +160,7 @@ impl ChunkReader {
                 Ok(n) => {
                     self.filled += n;
                     self.bytes_read += n as u64;
+                    self.drained = n < asked;
                     return Ok(Fill::Data(n));
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -131,7 +170,8 @@ impl ChunkReader {
                         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                     ) =>
                 {
-                    return Ok(Fill::Data(0))
+                    self.drained = true;
+                    return Ok(Fill::Data(0));
                 }
                 Err(e) => return Err(e),
             }

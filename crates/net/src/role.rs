@@ -59,3 +59,14 @@ pub fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> 
         .spawn(f)
         .expect("spawn thread")
 }
+
+/// CPU time (user and system) the calling thread has used, in nanoseconds.
+pub fn thread_cpu_ns() -> u64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given; the thread clock always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}

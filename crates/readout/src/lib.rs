@@ -2,10 +2,14 @@
 //!
 //! Threads, and why:
 //! - an accept thread takes its sources' connections and checks each hello;
-//! - one reader thread per link, blocking on its own socket (the CODA lesson: one `select()` loop
-//!   serialising 20 links collapsed); each reads large chunks from the link's own memory budget,
-//!   validates every fragment, and offers the good ones to the shared [`Assembler`] in one lock
-//!   per read;
+//! - push mode: every link is served by the process's I/O pollers (one `epoll` thread per core,
+//!   [`tessera_net::reactor`], `polled.rs`), not a thread of its own: CODA's lesson was that one
+//!   `select()` thread serialising 20 links collapsed while a thread per link scaled with the
+//!   processors; a poller per processor keeps that parallelism without a wake-up per link and
+//!   fragment. Each link reads large chunks from its own memory budget, validates every
+//!   fragment, and offers the good ones to the shared [`Assembler`] in one lock per read;
+//!   request mode still reads each link on a blocking thread (its paged buffers wait on a
+//!   condition variable for clears);
 //! - a sweeper that sends events out as incomplete once they waited past the timeout;
 //! - one sender per builder, writing each event's super-fragment with vectored writes straight
 //!   from the read chunks (no copy of fragment data inside the unit).
@@ -14,6 +18,7 @@
 //! growing. Every fragment read is accounted: accepted (then forwarded), or rejected by reason.
 
 pub mod paged;
+mod polled;
 mod quarantine;
 pub mod requests;
 mod serve;
@@ -388,6 +393,7 @@ impl ReadoutUnit {
 fn accept<S: LinkSink>(sh: &Arc<S>, listener: TcpListener) {
     let c = sh.ctx();
     let readers = Mutex::new(Vec::new());
+    let live = Arc::new(tessera_net::reactor::Tally::default());
     let hellos = tessera_net::io::Hellos::default();
     let open = || c.stats.links.iter().any(|l| !l.state().ended());
     let end = tessera_net::io::accept_until(&listener, &c.stop, open, |stream, peer| {
@@ -398,12 +404,22 @@ fn accept<S: LinkSink>(sh: &Arc<S>, listener: TcpListener) {
         let sh2 = sh.clone();
         let mut v = readers.lock();
         tessera_net::role::reap(&mut v);
-        v.push(spawn(format!("ru{}-link", c.id), move || {
+        let live = live.clone();
+        v.push(spawn(format!("ru{}-hello", c.id), move || {
             let c = sh2.ctx();
             let r = handshake(c, stream);
             drop(hello);
             match r {
-                Ok((slot, stream)) => read_link(&*sh2, slot, stream),
+                Ok((slot, stream)) => {
+                    match polled::PolledLink::new(sh2.clone(), slot, stream, &live) {
+                        Ok(conn) => tessera_net::reactor::Reactor::global().register(Box::new(conn)),
+                        Err(e) => {
+                            tracing::warn!(readout_unit = c.id, source = c.sources[slot], error = %e, "link could not be served");
+                            c.stats.links[slot].set_state(LinkState::Disconnected);
+                            sh2.close_link(slot);
+                        }
+                    }
+                }
                 Err(why) => refused(c, peer, why),
             }
         }));
@@ -417,6 +433,8 @@ fn accept<S: LinkSink>(sh: &Arc<S>, listener: TcpListener) {
     for r in readers.into_inner() {
         let _ = r.join();
     }
+    // Every link handed to the pollers has closed and been accounted.
+    live.wait_zero();
 }
 
 pub(crate) fn refused(c: &LinkCtx, peer: std::net::SocketAddr, why: String) {
@@ -467,6 +485,98 @@ pub(crate) fn source_slot(sh: &LinkCtx, h: &[u8; HELLO_SIZE]) -> Result<usize, S
     Ok(slot)
 }
 
+/// What [`parse`] found at the end of the window.
+struct Parsed {
+    /// Bytes the window must hold for the message under way (0: between messages).
+    want: usize,
+    /// The source's end-of-stream came.
+    ended: bool,
+}
+
+/// Decodes every whole message the window holds: good fragments into `good` (as slices of the
+/// read chunk), rejections counted (and dumped) by reason, the end of stream noted.
+fn parse(
+    sh: &LinkCtx,
+    slot: usize,
+    dec: &mut StreamDecoder,
+    reader: &mut ChunkReader,
+    good: &mut Vec<(u64, ChunkSlice)>,
+) -> Parsed {
+    let link = &sh.stats.links[slot];
+    let source = sh.sources[slot];
+    loop {
+        let w = reader.window();
+        let step = dec.next(w);
+        match step.item {
+            Decoded::Fragment(h) => {
+                link.last_event.store(h.event_id, Ordering::Relaxed);
+                good.push((h.event_id, reader.take(step.consumed)));
+            }
+            Decoded::Rejected { reason, evidence } => {
+                let ev = &w[..evidence.min(w.len())];
+                if let Some(q) = &sh.quarantine {
+                    q.dump(source, reason.label(), ev);
+                }
+                link.reject(Rejection::Wire(reason));
+                reader.skip(step.consumed);
+            }
+            Decoded::Skipped => {
+                link.skipped_bytes
+                    .fetch_add(step.consumed as u64, Ordering::Relaxed);
+                reader.skip(step.consumed);
+            }
+            Decoded::End(end) => {
+                link.eos_fragments
+                    .store(end.fragments_sent, Ordering::Relaxed);
+                reader.skip(step.consumed);
+                return Parsed {
+                    want: 0,
+                    ended: true,
+                };
+            }
+            Decoded::NeedMore(n) => {
+                return Parsed {
+                    want: n,
+                    ended: false,
+                }
+            }
+            Decoded::Idle => {
+                return Parsed {
+                    want: 0,
+                    ended: false,
+                }
+            }
+            Decoded::Hello(_) | Decoded::BadHello(_) => {
+                unreachable!("hello was read by the handshake")
+            }
+        }
+    }
+}
+
+/// Bytes after the end of stream are a protocol error: those already read with it and what
+/// arrives in a short look after are counted (as bytes: they may be anything, so they are no
+/// fragment of the balance) and logged, rather than silently dropped.
+fn count_after_end(sh: &LinkCtx, slot: usize, after: u64) {
+    if after > 0 {
+        sh.stats.links[slot]
+            .bytes_after_end
+            .fetch_add(after, Ordering::Relaxed);
+        tracing::warn!(
+            readout_unit = sh.id,
+            source = sh.sources[slot],
+            bytes = after,
+            "data after the end of stream"
+        );
+    }
+}
+
+/// How long after its end of stream a link is still read, to count bytes that should not come.
+const LOOK_AFTER_END: Duration = Duration::from_millis(200);
+/// A read that finds nothing for this long proves the link silent (as the blocking readers'
+/// socket timeout does).
+const SILENCE_PROOF: Duration = Duration::from_millis(100);
+
+/// Reads one link on its own thread, blocking (request mode).
 pub(crate) fn read_link<S: LinkSink>(sink: &S, slot: usize, mut stream: TcpStream) {
     let sh = sink.ctx();
     let link = &sh.stats.links[slot];
@@ -474,56 +584,13 @@ pub(crate) fn read_link<S: LinkSink>(sink: &S, slot: usize, mut stream: TcpStrea
     let mut dec = StreamDecoder::after_hello(sh.max_payload, source);
     let chunk = sh.read_chunk.max(dec.max_message() * 2);
     let mut reader = ChunkReader::new(link.budget.clone(), chunk);
-    let mut want = 0usize;
+    let mut want;
     let mut good: Vec<(u64, ChunkSlice)> = Vec::new();
-    let mut ended = false;
+    let mut ended;
     let mut eof = false;
     let mut silent = false;
     loop {
-        // Parse everything the window holds.
-        loop {
-            let w = reader.window();
-            let step = dec.next(w);
-            match step.item {
-                Decoded::Fragment(h) => {
-                    link.last_event.store(h.event_id, Ordering::Relaxed);
-                    good.push((h.event_id, reader.take(step.consumed)));
-                }
-                Decoded::Rejected { reason, evidence } => {
-                    let ev = &w[..evidence.min(w.len())];
-                    if let Some(q) = &sh.quarantine {
-                        q.dump(source, reason.label(), ev);
-                    }
-                    link.reject(Rejection::Wire(reason));
-                    reader.skip(step.consumed);
-                }
-                Decoded::Skipped => {
-                    link.skipped_bytes
-                        .fetch_add(step.consumed as u64, Ordering::Relaxed);
-                    reader.skip(step.consumed);
-                }
-                Decoded::End(end) => {
-                    link.eos_fragments
-                        .store(end.fragments_sent, Ordering::Relaxed);
-                    reader.skip(step.consumed);
-                    ended = true;
-                }
-                Decoded::NeedMore(n) => {
-                    want = n;
-                    break;
-                }
-                Decoded::Idle => {
-                    want = 0;
-                    break;
-                }
-                Decoded::Hello(_) | Decoded::BadHello(_) => {
-                    unreachable!("hello was read by the handshake")
-                }
-            }
-            if ended {
-                break;
-            }
-        }
+        Parsed { want, ended } = parse(sh, slot, &mut dec, &mut reader, &mut good);
         if !good.is_empty() {
             offer_until_taken(sink, slot, &mut good, &link.budget);
         }
@@ -555,7 +622,7 @@ pub(crate) fn read_link<S: LinkSink>(sink: &S, slot: usize, mut stream: TcpStrea
                 dec.finish();
                 eof = true;
             }
-            Ok(Fill::Stopped) => {
+            Ok(Fill::Stopped | Fill::NoMemory) => {
                 link.set_state(LinkState::Aborted);
                 break;
             }
@@ -568,11 +635,8 @@ pub(crate) fn read_link<S: LinkSink>(sink: &S, slot: usize, mut stream: TcpStrea
     }
     if ended {
         link.set_state(LinkState::Ended);
-        // Bytes after the end of stream are a protocol error: those already read with it and
-        // what arrives in a short look after are counted (as bytes: they may be anything, so
-        // they are no fragment of the balance) and logged, rather than silently dropped.
         let mut after = reader.window().len() as u64;
-        let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+        let _ = stream.set_read_timeout(Some(LOOK_AFTER_END));
         let mut tail = [0u8; 4096];
         while let Ok(n) = std::io::Read::read(&mut stream, &mut tail) {
             if n == 0 || after > 1 << 20 {
@@ -580,15 +644,7 @@ pub(crate) fn read_link<S: LinkSink>(sink: &S, slot: usize, mut stream: TcpStrea
             }
             after += n as u64;
         }
-        if after > 0 {
-            link.bytes_after_end.fetch_add(after, Ordering::Relaxed);
-            tracing::warn!(
-                readout_unit = sh.id,
-                source,
-                bytes = after,
-                "data after the end of stream"
-            );
-        }
+        count_after_end(sh, slot, after);
     } else if link.state() != LinkState::Aborted {
         link.set_state(LinkState::Disconnected);
     }

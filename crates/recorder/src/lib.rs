@@ -407,7 +407,7 @@ fn read_builder(
         }
         match reader.fill(&mut s, want, abort) {
             Ok(Fill::Data(_)) => {}
-            Ok(Fill::Eof) | Ok(Fill::Stopped) | Err(_) => break,
+            Ok(Fill::Eof | Fill::Stopped | Fill::NoMemory) | Err(_) => break,
         }
     }
     if clean {

@@ -56,6 +56,11 @@ pub struct SourcePlan {
     pub start_held: bool,
 }
 
+/// CPU time used by every source driver thread that has finished in this process: the emulated
+/// front-ends' share, which a measurement of the DAQ's own cost takes out (real front-ends are
+/// other hardware).
+pub static DRIVER_CPU_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Handles to running source threads and their counters.
 pub struct RunningSources {
     pub stats: Vec<Arc<SourceStats>>,
@@ -223,7 +228,13 @@ pub fn start(plan: SourcePlan) -> std::io::Result<RunningSources> {
             let control = control.clone();
             std::thread::Builder::new()
                 .name(format!("source-drv-{k}"))
-                .spawn(move || drive(&plan, group, &control, t0))
+                .spawn(move || {
+                    drive(&plan, group, &control, t0);
+                    DRIVER_CPU_NS.fetch_add(
+                        tessera_net::role::thread_cpu_ns(),
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
+                })
                 .expect("spawn source thread")
         })
         .collect();

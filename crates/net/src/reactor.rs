@@ -1,0 +1,378 @@
+//! The event-driven I/O core: a few threads (one per core by default) each own many inbound data
+//! connections through `epoll` (via `mio`), instead of a thread per connection.
+//!
+//! Why: with a thread per link, a trigger at 1 kHz over 105 links woke 105 threads per event
+//! (a context switch and a scheduler pass each); the kernel's wake-ups were the largest cost of a
+//! DAQ idling at a low rate, and 16 readout units x 60 builders ran two thousand threads that
+//! waited seconds for a core. One poller wakes once for all the links that became readable and
+//! reads them in turn, and the thread count follows the cores, not the connections.
+//!
+//! A connection is a [`Conn`]: a state machine that reads what it can without blocking and says
+//! what it waits for next ([`Next`]). It must never block: a link that has no memory left, or
+//! whose fragments the assembler cannot take yet, asks to be called again a little later
+//! ([`Next::At`]) and reads nothing meanwhile, so TCP holds its sender (back-pressure), exactly
+//! as a blocked reader thread did, without holding the poller's other links.
+
+use crossbeam_channel::{unbounded, Receiver, Sender};
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token, Waker};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+/// What a connection waits for after a turn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Next {
+    /// The socket was read dry: call again when it is readable, or at this time anyway (to see
+    /// silence, a stop or an abort).
+    Readable(Instant),
+    /// More may be waiting: call again once the poller's other ready links had their turn.
+    Again,
+    /// Blocked (no memory, or a full table of open events): call again at this time, whether or
+    /// not the socket became readable.
+    At(Instant),
+    /// Finished: the poller deregisters and drops the connection.
+    Done,
+}
+
+/// One connection served by the poller.
+pub trait Conn: Send + 'static {
+    /// The socket's descriptor (non-blocking; it lives as long as the connection).
+    fn fd(&self) -> RawFd;
+    /// Reads and handles what it can without blocking.
+    fn turn(&mut self) -> Next;
+}
+
+/// Counts the connections a role handed to the pollers, so the role can wait for the last one
+/// to finish (its links closed and accounted) as it would join reader threads.
+#[derive(Debug, Default)]
+pub struct Tally {
+    live: parking_lot::Mutex<usize>,
+    zero: parking_lot::Condvar,
+}
+
+/// Held by a connection while it lives.
+#[derive(Debug)]
+pub struct TallyGuard(Arc<Tally>);
+
+impl Tally {
+    pub fn enter(self: &Arc<Self>) -> TallyGuard {
+        *self.live.lock() += 1;
+        TallyGuard(self.clone())
+    }
+
+    /// Returns once every connection entered so far has been dropped.
+    pub fn wait_zero(&self) {
+        let mut n = self.live.lock();
+        while *n > 0 {
+            self.zero.wait(&mut n);
+        }
+    }
+}
+
+impl Drop for TallyGuard {
+    fn drop(&mut self) {
+        let mut n = self.0.live.lock();
+        *n -= 1;
+        if *n == 0 {
+            self.0.zero.notify_all();
+        }
+    }
+}
+
+const WAKE: Token = Token(usize::MAX);
+
+struct Entry {
+    conn: Box<dyn Conn>,
+    /// When the connection must be called even if nothing happens.
+    deadline: Option<Instant>,
+    /// Whether the time heap holds an entry for this slot that has not passed yet (at most
+    /// one is kept per connection, so the heap stays as small as the set of connections).
+    queued: Option<Instant>,
+    /// Waiting for `deadline` only (blocked): readiness events are left for then.
+    blocked: bool,
+    in_again: bool,
+}
+
+struct Worker {
+    tx: Sender<Box<dyn Conn>>,
+    waker: Arc<Waker>,
+    load: Arc<AtomicUsize>,
+}
+
+/// A fixed set of poller threads that inbound connections are spread over.
+pub struct Reactor {
+    workers: Vec<Worker>,
+}
+
+impl Reactor {
+    /// Starts `threads` pollers (at least one). They live as long as the process: a node agent
+    /// runs run after run on the same pollers.
+    pub fn new(threads: usize) -> std::io::Result<Reactor> {
+        let mut workers = Vec::new();
+        for i in 0..threads.max(1) {
+            let poll = Poll::new()?;
+            let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
+            let (tx, rx) = unbounded::<Box<dyn Conn>>();
+            let load = Arc::new(AtomicUsize::new(0));
+            let l = load.clone();
+            std::thread::Builder::new()
+                .name(format!("io{i}"))
+                .spawn(move || run(poll, rx, l))?;
+            workers.push(Worker { tx, waker, load });
+        }
+        Ok(Reactor { workers })
+    }
+
+    /// The process's pollers: `TESSERA_IO_THREADS`, or one per core.
+    pub fn global() -> &'static Reactor {
+        static R: OnceLock<Reactor> = OnceLock::new();
+        R.get_or_init(|| {
+            let n = std::env::var("TESSERA_IO_THREADS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .filter(|&n| n > 0)
+                .unwrap_or_else(|| {
+                    std::thread::available_parallelism().map_or(1, |n| n.get())
+                });
+            Reactor::new(n).expect("start the I/O pollers")
+        })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Hands a connection to the least loaded poller; it is called at once.
+    pub fn register(&self, conn: Box<dyn Conn>) {
+        let w = self
+            .workers
+            .iter()
+            .min_by_key(|w| w.load.load(Ordering::Relaxed))
+            .expect("at least one poller");
+        w.load.fetch_add(1, Ordering::Relaxed);
+        // The poller outlives every sender (it never ends), so the send cannot fail.
+        let _ = w.tx.send(conn);
+        let _ = w.waker.wake();
+    }
+}
+
+fn run(mut poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>) {
+    let mut events = Events::with_capacity(1024);
+    let mut slots: Vec<Option<Entry>> = Vec::new();
+    let mut free: Vec<usize> = Vec::new();
+    let mut times: BinaryHeap<Reverse<(Instant, usize)>> = BinaryHeap::new();
+    let mut again: VecDeque<usize> = VecDeque::new();
+    loop {
+        let now = Instant::now();
+        let timeout = if !again.is_empty() {
+            Some(Duration::ZERO)
+        } else {
+            times.peek().map(|Reverse((t, _))| t.saturating_duration_since(now))
+        };
+        if let Err(e) = poll.poll(&mut events, timeout) {
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                tracing::error!(error = %e, "I/O poller failed");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            continue;
+        }
+        let mut ready: Vec<usize> = Vec::with_capacity(events.iter().count());
+        for ev in events.iter() {
+            if ev.token() == WAKE {
+                for conn in rx.try_iter() {
+                    let fd = conn.fd();
+                    let i = free.pop().unwrap_or_else(|| {
+                        slots.push(None);
+                        slots.len() - 1
+                    });
+                    if let Err(e) =
+                        poll.registry()
+                            .register(&mut SourceFd(&fd), Token(i), Interest::READABLE)
+                    {
+                        // Called anyway: its read fails or sees the state that broke it.
+                        tracing::warn!(error = %e, "could not poll a connection");
+                    }
+                    slots[i] = Some(Entry {
+                        conn,
+                        deadline: None,
+                        queued: None,
+                        blocked: false,
+                        in_again: false,
+                    });
+                    ready.push(i);
+                }
+            } else {
+                ready.push(ev.token().0);
+            }
+        }
+        for i in ready {
+            if slots
+                .get(i)
+                .and_then(|s| s.as_ref())
+                .is_some_and(|e| !e.blocked && !e.in_again)
+            {
+                turn(&poll, &mut slots, &mut free, &mut times, &mut again, &load, i);
+            }
+        }
+        // Links that had more to read, once each, after everyone else's turn.
+        for _ in 0..again.len() {
+            let Some(i) = again.pop_front() else { break };
+            if let Some(e) = slots[i].as_mut() {
+                e.in_again = false;
+                turn(&poll, &mut slots, &mut free, &mut times, &mut again, &load, i);
+            }
+        }
+        let now = Instant::now();
+        while let Some(&Reverse((t, i))) = times.peek() {
+            if t > now {
+                break;
+            }
+            times.pop();
+            let Some(e) = slots[i].as_mut() else { continue };
+            e.queued = None;
+            match e.deadline {
+                Some(d) if d <= now => {
+                    if !e.in_again {
+                        turn(&poll, &mut slots, &mut free, &mut times, &mut again, &load, i)
+                    }
+                }
+                Some(d) => {
+                    e.queued = Some(d);
+                    times.push(Reverse((d, i)));
+                }
+                None => {}
+            }
+        }
+    }
+}
+
+fn turn(
+    poll: &Poll,
+    slots: &mut [Option<Entry>],
+    free: &mut Vec<usize>,
+    times: &mut BinaryHeap<Reverse<(Instant, usize)>>,
+    again: &mut VecDeque<usize>,
+    load: &AtomicUsize,
+    i: usize,
+) {
+    let Some(e) = slots[i].as_mut() else { return };
+    let next = e.conn.turn();
+    let mut at = |e: &mut Entry, t: Instant| {
+        e.deadline = Some(t);
+        if e.queued.map_or(true, |q| q > t) {
+            e.queued = Some(t);
+            times.push(Reverse((t, i)));
+        }
+    };
+    match next {
+        Next::Readable(t) => {
+            e.blocked = false;
+            at(e, t);
+        }
+        Next::At(t) => {
+            e.blocked = true;
+            at(e, t);
+        }
+        Next::Again => {
+            e.blocked = false;
+            e.in_again = true;
+            again.push_back(i);
+        }
+        Next::Done => {
+            let fd = e.conn.fd();
+            let _ = poll.registry().deregister(&mut SourceFd(&fd));
+            // Dropping the connection closes its socket, after the deregistration.
+            slots[i] = None;
+            free.push(i);
+            load.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::os::fd::AsRawFd;
+    use std::sync::mpsc;
+
+    /// Reads to the end and reports every byte, with a turn limit so `Again` is exercised, and
+    /// blocks itself for a while at the first bytes so `At` is exercised.
+    struct Counter {
+        s: TcpStream,
+        got: Vec<u8>,
+        blocked_once: bool,
+        done: mpsc::Sender<Vec<u8>>,
+    }
+
+    impl Conn for Counter {
+        fn fd(&self) -> RawFd {
+            self.s.as_raw_fd()
+        }
+        fn turn(&mut self) -> Next {
+            if !self.got.is_empty() && !self.blocked_once {
+                self.blocked_once = true;
+                return Next::At(Instant::now() + Duration::from_millis(20));
+            }
+            let mut buf = [0u8; 7];
+            for _ in 0..3 {
+                match self.s.read(&mut buf) {
+                    Ok(0) => {
+                        let _ = self.done.send(std::mem::take(&mut self.got));
+                        return Next::Done;
+                    }
+                    Ok(n) => self.got.extend_from_slice(&buf[..n]),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        return Next::Readable(Instant::now() + Duration::from_secs(1))
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            Next::Again
+        }
+    }
+
+    #[test]
+    fn many_connections_on_few_threads_each_read_to_the_end() {
+        let r = Reactor::new(2).unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let (tx, rx) = mpsc::channel();
+        let mut writers = Vec::new();
+        for k in 0..20u8 {
+            let mut w = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+            let (s, _) = l.accept().unwrap();
+            s.set_nonblocking(true).unwrap();
+            r.register(Box::new(Counter {
+                s,
+                got: Vec::new(),
+                blocked_once: false,
+                done: tx.clone(),
+            }));
+            writers.push(std::thread::spawn(move || {
+                for i in 0..200u32 {
+                    w.write_all(&[k; 50]).unwrap();
+                    if i % 50 == 0 {
+                        std::thread::yield_now();
+                    }
+                }
+            }));
+        }
+        for w in writers {
+            w.join().unwrap();
+        }
+        let mut seen = Vec::new();
+        for _ in 0..20 {
+            let got = rx.recv_timeout(Duration::from_secs(20)).unwrap();
+            assert_eq!(got.len(), 200 * 50);
+            assert!(got.iter().all(|&b| b == got[0]));
+            seen.push(got[0]);
+        }
+        seen.sort();
+        assert_eq!(seen, (0..20).collect::<Vec<u8>>());
+    }
+}

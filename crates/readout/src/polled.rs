@@ -1,0 +1,251 @@
+//! A push-mode link served by the process's I/O pollers ([`tessera_net::reactor`]) instead of a
+//! thread of its own: the same decoding, offering, silence and end-of-stream rules as the
+//! blocking reader, as a state machine that never waits.
+
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tessera_format::StreamDecoder;
+use tessera_net::reactor::{Conn, Next, Tally, TallyGuard};
+use tessera_net::reader::Fill;
+use tessera_net::{ChunkReader, ChunkSlice};
+
+use crate::{count_after_end, parse, LinkSink, LinkState, Parsed, LOOK_AFTER_END, SILENCE_PROOF};
+
+/// Reads per turn before the other ready links of the poller get theirs.
+const READS_PER_TURN: usize = 8;
+/// How soon a held link (no memory, or a full table of open events) looks again.
+const HELD_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
+
+enum Phase {
+    Reading,
+    /// After the end of stream: counting bytes that should not come, until this time.
+    AfterEnd { until: Instant, bytes: u64 },
+}
+
+pub(crate) struct PolledLink<S: LinkSink> {
+    sink: Arc<S>,
+    slot: usize,
+    stream: TcpStream,
+    dec: StreamDecoder,
+    reader: ChunkReader,
+    want: usize,
+    /// Good fragments the sink could not take yet (the table of open events is full).
+    good: Vec<(u64, ChunkSlice)>,
+    /// Since when the socket has been found empty with nothing read after: the link is proven
+    /// silent from then on (only reads prove silence; a wait for memory proves nothing).
+    dry_since: Option<Instant>,
+    silent: bool,
+    /// Since when the link has been held and not yet counted as busy time.
+    held_since: Option<Instant>,
+    eof: bool,
+    /// The end of stream was parsed (acted on once every fragment before it was taken).
+    ended: bool,
+    phase: Phase,
+    _live: TallyGuard,
+}
+
+impl<S: LinkSink> PolledLink<S> {
+    pub(crate) fn new(
+        sink: Arc<S>,
+        slot: usize,
+        stream: TcpStream,
+        live: &Arc<Tally>,
+    ) -> std::io::Result<Self> {
+        stream.set_nonblocking(true)?;
+        let sh = sink.ctx();
+        let dec = StreamDecoder::after_hello(sh.max_payload, sh.sources[slot]);
+        let chunk = sh.read_chunk.max(dec.max_message() * 2);
+        let reader = ChunkReader::new(sh.stats.links[slot].budget.clone(), chunk);
+        Ok(PolledLink {
+            sink,
+            slot,
+            stream,
+            dec,
+            reader,
+            want: 0,
+            good: Vec::new(),
+            dry_since: None,
+            silent: false,
+            held_since: None,
+            eof: false,
+            ended: false,
+            phase: Phase::Reading,
+            _live: live.enter(),
+        })
+    }
+
+    /// Counts the time held since the last count as busy time: a long hold shows while it
+    /// lasts (status line, dashboard, /metrics), not only when it ends.
+    fn count_held(&mut self, now: Instant, still: bool) {
+        if let Some(t) = self.held_since {
+            let link = &self.sink.ctx().stats.links[self.slot];
+            link.budget.busy_ns.fetch_add(
+                now.saturating_duration_since(t).as_nanos() as u64,
+                Ordering::Relaxed,
+            );
+            self.held_since = still.then_some(now);
+        } else if still {
+            self.held_since = Some(now);
+        }
+    }
+
+    /// Offers what is waiting; false while the sink cannot take it all.
+    fn offer(&mut self, now: Instant) -> bool {
+        if self.good.is_empty() {
+            // Ends a wait for memory, if there was one.
+            self.count_held(now, false);
+            return true;
+        }
+        self.sink.offer(self.slot, &mut self.good);
+        let taken = self.good.is_empty();
+        self.count_held(now, !taken);
+        taken
+    }
+
+    fn finish(&mut self) -> Next {
+        let sh = self.sink.ctx();
+        let link = &sh.stats.links[self.slot];
+        if link.state() != LinkState::Aborted && link.state() != LinkState::Ended {
+            link.set_state(LinkState::Disconnected);
+        }
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.sink.close_link(self.slot);
+        Next::Done
+    }
+
+    fn after_end(&mut self, now: Instant) -> Next {
+        let Phase::AfterEnd { until, bytes } = &mut self.phase else {
+            unreachable!("called after the end only")
+        };
+        let mut tail = [0u8; 4096];
+        let mut over = now >= *until;
+        loop {
+            match std::io::Read::read(&mut self.stream, &mut tail) {
+                Ok(0) => over = true,
+                Ok(n) => {
+                    *bytes += n as u64;
+                    if *bytes <= 1 << 20 {
+                        continue;
+                    }
+                    over = true;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => over = true,
+            }
+            break;
+        }
+        if !over {
+            return Next::Readable(*until);
+        }
+        let bytes = *bytes;
+        count_after_end(self.sink.ctx(), self.slot, bytes);
+        self.finish()
+    }
+}
+
+impl<S: LinkSink> Conn for PolledLink<S> {
+    fn fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+
+    fn turn(&mut self) -> Next {
+        let now = Instant::now();
+        if let Phase::AfterEnd { .. } = self.phase {
+            return self.after_end(now);
+        }
+        let sink = self.sink.clone();
+        let sh = sink.ctx();
+        let link = &sh.stats.links[self.slot];
+        if sh.abort.load(Ordering::Relaxed) {
+            self.count_held(now, false);
+            link.set_state(LinkState::Aborted);
+            return self.finish();
+        }
+        let mut reads = 0;
+        let mut drained = false;
+        loop {
+            if !self.ended {
+                let p: Parsed = parse(
+                    sh,
+                    self.slot,
+                    &mut self.dec,
+                    &mut self.reader,
+                    &mut self.good,
+                );
+                self.want = p.want;
+                self.ended = p.ended;
+            }
+            let now = Instant::now();
+            // Whatever follows waits with held fragments: a link's fragments stay in order,
+            // and its end is acted on only once all before it were taken.
+            if !self.offer(now) {
+                return Next::At(now + HELD_RETRY);
+            }
+            if self.ended {
+                link.set_state(LinkState::Ended);
+                self.phase = Phase::AfterEnd {
+                    until: now + LOOK_AFTER_END,
+                    bytes: self.reader.window().len() as u64,
+                };
+                return self.after_end(now);
+            }
+            if self.eof {
+                return self.finish();
+            }
+            if drained {
+                // The socket was empty as of the last read: wait for the next edge rather
+                // than make a read that would only say "nothing".
+                return Next::Readable(now + SILENCE_PROOF);
+            }
+            if reads == READS_PER_TURN {
+                return Next::Again;
+            }
+            sink.before_read();
+            reads += 1;
+            match self.reader.try_fill(&mut self.stream, self.want) {
+                Ok(Fill::Data(0)) => {
+                    let now = Instant::now();
+                    let since = *self
+                        .dry_since
+                        .get_or_insert(self.reader.read_started.unwrap_or(now));
+                    if now.saturating_duration_since(since) >= SILENCE_PROOF {
+                        let s = since.saturating_duration_since(sh.t0).as_nanos() as u64;
+                        sink.quiet(self.slot, s, sh.now_ns());
+                        self.silent = true;
+                    }
+                    return Next::Readable(now + SILENCE_PROOF);
+                }
+                Ok(Fill::Data(_)) => {
+                    if self.silent {
+                        sink.heard(self.slot);
+                        self.silent = false;
+                    }
+                    drained = self.reader.drained();
+                    self.dry_since = drained.then(Instant::now);
+                }
+                Ok(Fill::Eof) => {
+                    self.dec.finish();
+                    self.eof = true;
+                }
+                Ok(Fill::NoMemory) => {
+                    // Not read: TCP holds the source. Not silence either.
+                    self.dry_since = None;
+                    let now = Instant::now();
+                    self.count_held(now, true);
+                    return Next::At(now + HELD_RETRY);
+                }
+                Ok(Fill::Stopped) => unreachable!("try_fill never waits, so is never stopped"),
+                Err(e) => {
+                    tracing::warn!(readout_unit = sh.id, source = sh.sources[self.slot], error = %e, "link read failed");
+                    self.dec.finish();
+                    self.eof = true;
+                }
+            }
+        }
+    }
+}
