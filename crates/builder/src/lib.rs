@@ -565,6 +565,10 @@ impl tessera_net::reactor::Conn for PolledRail {
         std::os::fd::AsRawFd::as_raw_fd(&self.stream)
     }
 
+    fn bytes_read(&self) -> u64 {
+        self.reader.bytes_read
+    }
+
     fn turn(&mut self) -> tessera_net::reactor::Next {
         use tessera_net::reactor::Next;
         if self.sh.abort.load(Ordering::Relaxed) {

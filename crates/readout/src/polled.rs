@@ -153,6 +153,10 @@ impl<S: LinkSink> Conn for PolledLink<S> {
         self.stream.as_raw_fd()
     }
 
+    fn bytes_read(&self) -> u64 {
+        self.reader.bytes_read
+    }
+
     fn turn(&mut self) -> Next {
         let now = Instant::now();
         if let Phase::AfterEnd { .. } = self.phase {
