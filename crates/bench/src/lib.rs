@@ -28,6 +28,7 @@ pub mod lowrate;
 pub mod monitor;
 pub mod record;
 pub mod request;
+pub mod trapezoid;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -40,6 +41,8 @@ pub struct BenchArgs {
     /// frequent rotations) against a plain writer on the same disk. `instructions`: callgrind's
     /// count of instructions per fragment built (1 KiB x 8 by default; valgrind needed).
     /// `lowrate`: CPU per fragment of the COMET SUPPRESS setup at 1 kHz against saturation.
+    /// `trapezoid`: building per CPU-second as readout units x builders grow (8x2 to 16x60 at
+    /// 16 KiB), with the process's peak threads and descriptors.
     /// Absent: push-mode building against the relay baseline.
     pub what: Option<String>,
     /// A small set of points (building: under a minute; request: under five).
@@ -141,9 +144,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         Some("record") => return record::run_record(a),
         Some("instructions") => return instructions::run_instructions(a),
         Some("lowrate") => return lowrate::run_lowrate(a),
+        Some("trapezoid") => return trapezoid::run_trapezoid(a),
         Some(other) => {
             anyhow::bail!(
-                "unknown benchmark `{other}`: the choices are `request`, `monitor`, `hosts`, `record`, `instructions`, `lowrate` or none"
+                "unknown benchmark `{other}`: the choices are `request`, `monitor`, `hosts`, `record`, `instructions`, `lowrate`, `trapezoid` or none"
             )
         }
     }

@@ -375,7 +375,8 @@ fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener) {
                         held_since: None,
                         _live: live.enter(),
                     };
-                    tessera_net::reactor::Reactor::global().register(Box::new(conn));
+                    tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Builder)
+                        .register(Box::new(conn));
                 }
                 Err(why) => refused(&sh2, peer, &why),
             }

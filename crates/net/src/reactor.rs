@@ -105,6 +105,24 @@ struct Worker {
     load: Arc<AtomicUsize>,
 }
 
+/// The stages of the data path that have pollers, upstream first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// Readout units reading their sources.
+    Readout = 0,
+    /// Builders reading their readout units.
+    Builder = 1,
+}
+
+impl Stage {
+    fn name(self) -> &'static str {
+        match self {
+            Stage::Readout => "ru",
+            Stage::Builder => "bu",
+        }
+    }
+}
+
 /// A fixed set of poller threads that inbound connections are spread over.
 pub struct Reactor {
     workers: Vec<Worker>,
@@ -113,7 +131,7 @@ pub struct Reactor {
 impl Reactor {
     /// Starts `threads` pollers (at least one). They live as long as the process: a node agent
     /// runs run after run on the same pollers.
-    pub fn new(threads: usize) -> std::io::Result<Reactor> {
+    pub fn new(threads: usize, name: &str) -> std::io::Result<Reactor> {
         let mut workers = Vec::new();
         for i in 0..threads.max(1) {
             let poll = Poll::new()?;
@@ -122,25 +140,30 @@ impl Reactor {
             let load = Arc::new(AtomicUsize::new(0));
             let l = load.clone();
             std::thread::Builder::new()
-                .name(format!("io{i}"))
+                .name(format!("{name}-io{i}"))
                 .spawn(move || run(poll, rx, l))?;
             workers.push(Worker { tx, waker, load });
         }
         Ok(Reactor { workers })
     }
 
-    /// The process's pollers: `TESSERA_IO_THREADS`, or one per core.
-    pub fn global() -> &'static Reactor {
-        static R: OnceLock<Reactor> = OnceLock::new();
-        R.get_or_init(|| {
+    /// The process's pollers for one stage of the data path: `TESSERA_IO_THREADS` each, or one
+    /// per core.
+    ///
+    /// One set per stage, because a stage may block its poller on the next stage (a readout
+    /// unit's full queue to a builder, a builder's full queue to the recorder): that wait must
+    /// never be on a poller the next stage needs, or a readout unit waiting for its builder
+    /// queue would hold the very poller that reads the builder's link. Waits only ever point
+    /// downstream, so pollers per stage cannot wait on themselves.
+    pub fn stage(stage: Stage) -> &'static Reactor {
+        static R: [OnceLock<Reactor>; 2] = [OnceLock::new(), OnceLock::new()];
+        R[stage as usize].get_or_init(|| {
             let n = std::env::var("TESSERA_IO_THREADS")
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
                 .filter(|&n| n > 0)
-                .unwrap_or_else(|| {
-                    std::thread::available_parallelism().map_or(1, |n| n.get())
-                });
-            Reactor::new(n).expect("start the I/O pollers")
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+            Reactor::new(n, stage.name()).expect("start the I/O pollers")
         })
     }
 
@@ -197,23 +220,42 @@ impl Round {
     }
 }
 
-fn run(mut poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>) {
+/// One poller thread's state.
+struct Poller {
+    poll: Poll,
+    slots: Vec<Option<Entry>>,
+    free: Vec<usize>,
+    /// When connections must be called even if nothing happens (at most one pending per slot).
+    times: BinaryHeap<Reverse<(Instant, usize)>>,
+    /// Connections with more to read, called once the others had their turn.
+    again: VecDeque<usize>,
+    load: Arc<AtomicUsize>,
+    round: Round,
+}
+
+fn run(poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>) {
     let coalesce = coalesce();
     let mut last_round: Option<Instant> = None;
-    let mut round = Round::default();
     let mut events = Events::with_capacity(1024);
-    let mut slots: Vec<Option<Entry>> = Vec::new();
-    let mut free: Vec<usize> = Vec::new();
-    let mut times: BinaryHeap<Reverse<(Instant, usize)>> = BinaryHeap::new();
-    let mut again: VecDeque<usize> = VecDeque::new();
+    let mut p = Poller {
+        poll,
+        slots: Vec::new(),
+        free: Vec::new(),
+        times: BinaryHeap::new(),
+        again: VecDeque::new(),
+        load,
+        round: Round::default(),
+    };
     loop {
         let now = Instant::now();
-        let timeout = if !again.is_empty() {
+        let timeout = if !p.again.is_empty() {
             Some(Duration::ZERO)
         } else {
-            times.peek().map(|Reverse((t, _))| t.saturating_duration_since(now))
+            p.times
+                .peek()
+                .map(|Reverse((t, _))| t.saturating_duration_since(now))
         };
-        if let Err(e) = poll.poll(&mut events, timeout) {
+        if let Err(e) = p.poll.poll(&mut events, timeout) {
             if e.kind() != std::io::ErrorKind::Interrupted {
                 tracing::error!(error = %e, "I/O poller failed");
                 std::thread::sleep(Duration::from_millis(10));
@@ -223,9 +265,9 @@ fn run(mut poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>) {
         if !events.is_empty() && !coalesce.is_zero() {
             // Too soon after a light round: let more gather, but never past a deadline.
             let now = Instant::now();
-            if let Some(t) = last_round.filter(|_| round.light()) {
+            if let Some(t) = last_round.filter(|_| p.round.light()) {
                 let mut until = t + coalesce;
-                if let Some(Reverse((d, _))) = times.peek() {
+                if let Some(Reverse((d, _))) = p.times.peek() {
                     until = until.min(*d);
                 }
                 if until > now {
@@ -233,121 +275,120 @@ fn run(mut poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>) {
                 }
             }
             last_round = Some(Instant::now());
-            round = Round::default();
+            p.round = Round::default();
         }
         let mut ready: Vec<usize> = Vec::with_capacity(events.iter().count());
         for ev in events.iter() {
             if ev.token() == WAKE {
                 for conn in rx.try_iter() {
-                    let fd = conn.fd();
-                    let i = free.pop().unwrap_or_else(|| {
-                        slots.push(None);
-                        slots.len() - 1
-                    });
-                    if let Err(e) =
-                        poll.registry()
-                            .register(&mut SourceFd(&fd), Token(i), Interest::READABLE)
-                    {
-                        // Called anyway: its read fails or sees the state that broke it.
-                        tracing::warn!(error = %e, "could not poll a connection");
-                    }
-                    slots[i] = Some(Entry {
-                        conn,
-                        deadline: None,
-                        queued: None,
-                        blocked: false,
-                        in_again: false,
-                    });
-                    ready.push(i);
+                    ready.push(p.add(conn));
                 }
             } else {
                 ready.push(ev.token().0);
             }
         }
         for i in ready {
-            if slots
+            if p.slots
                 .get(i)
                 .and_then(|s| s.as_ref())
                 .is_some_and(|e| !e.blocked && !e.in_again)
             {
-                turn(&poll, &mut slots, &mut free, &mut times, &mut again, &load, &mut round, i);
+                p.turn(i);
             }
         }
         // Links that had more to read, once each, after everyone else's turn.
-        for _ in 0..again.len() {
-            let Some(i) = again.pop_front() else { break };
-            if let Some(e) = slots[i].as_mut() {
+        for _ in 0..p.again.len() {
+            let Some(i) = p.again.pop_front() else { break };
+            if let Some(e) = p.slots[i].as_mut() {
                 e.in_again = false;
-                turn(&poll, &mut slots, &mut free, &mut times, &mut again, &load, &mut round, i);
+                p.turn(i);
             }
         }
         let now = Instant::now();
-        while let Some(&Reverse((t, i))) = times.peek() {
+        while let Some(&Reverse((t, i))) = p.times.peek() {
             if t > now {
                 break;
             }
-            times.pop();
-            let Some(e) = slots[i].as_mut() else { continue };
+            p.times.pop();
+            let Some(e) = p.slots[i].as_mut() else {
+                continue;
+            };
             e.queued = None;
             match e.deadline {
-                Some(d) if d <= now => {
-                    if !e.in_again {
-                        turn(&poll, &mut slots, &mut free, &mut times, &mut again, &load, &mut round, i)
-                    }
-                }
-                Some(d) => {
+                Some(d) if d <= now && !e.in_again => p.turn(i),
+                Some(d) if d > now => {
                     e.queued = Some(d);
-                    times.push(Reverse((d, i)));
+                    p.times.push(Reverse((d, i)));
                 }
-                None => {}
+                _ => {}
             }
         }
     }
 }
 
-fn turn(
-    poll: &Poll,
-    slots: &mut [Option<Entry>],
-    free: &mut Vec<usize>,
-    times: &mut BinaryHeap<Reverse<(Instant, usize)>>,
-    again: &mut VecDeque<usize>,
-    load: &AtomicUsize,
-    round: &mut Round,
-    i: usize,
-) {
-    let Some(e) = slots[i].as_mut() else { return };
-    let before = e.conn.bytes_read();
-    let next = e.conn.turn();
-    round.turns += 1;
-    round.bytes += e.conn.bytes_read() - before;
-    let mut at = |e: &mut Entry, t: Instant| {
-        e.deadline = Some(t);
-        if e.queued.map_or(true, |q| q > t) {
-            e.queued = Some(t);
-            times.push(Reverse((t, i)));
+impl Poller {
+    fn add(&mut self, conn: Box<dyn Conn>) -> usize {
+        let fd = conn.fd();
+        let i = self.free.pop().unwrap_or_else(|| {
+            self.slots.push(None);
+            self.slots.len() - 1
+        });
+        if let Err(e) =
+            self.poll
+                .registry()
+                .register(&mut SourceFd(&fd), Token(i), Interest::READABLE)
+        {
+            // Called anyway: its read fails or sees the state that broke it.
+            tracing::warn!(error = %e, "could not poll a connection");
         }
-    };
-    match next {
-        Next::Readable(t) => {
-            e.blocked = false;
-            at(e, t);
-        }
-        Next::At(t) => {
-            e.blocked = true;
-            at(e, t);
-        }
-        Next::Again => {
-            e.blocked = false;
-            e.in_again = true;
-            again.push_back(i);
-        }
-        Next::Done => {
-            let fd = e.conn.fd();
-            let _ = poll.registry().deregister(&mut SourceFd(&fd));
-            // Dropping the connection closes its socket, after the deregistration.
-            slots[i] = None;
-            free.push(i);
-            load.fetch_sub(1, Ordering::Relaxed);
+        self.slots[i] = Some(Entry {
+            conn,
+            deadline: None,
+            queued: None,
+            blocked: false,
+            in_again: false,
+        });
+        i
+    }
+
+    fn turn(&mut self, i: usize) {
+        let Some(e) = self.slots[i].as_mut() else {
+            return;
+        };
+        let before = e.conn.bytes_read();
+        let next = e.conn.turn();
+        self.round.turns += 1;
+        self.round.bytes += e.conn.bytes_read() - before;
+        let times = &mut self.times;
+        let mut at = |e: &mut Entry, t: Instant| {
+            e.deadline = Some(t);
+            if e.queued.is_none_or(|q| q > t) {
+                e.queued = Some(t);
+                times.push(Reverse((t, i)));
+            }
+        };
+        match next {
+            Next::Readable(t) => {
+                e.blocked = false;
+                at(e, t);
+            }
+            Next::At(t) => {
+                e.blocked = true;
+                at(e, t);
+            }
+            Next::Again => {
+                e.blocked = false;
+                e.in_again = true;
+                self.again.push_back(i);
+            }
+            Next::Done => {
+                let fd = e.conn.fd();
+                let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
+                // Dropping the connection closes its socket, after the deregistration.
+                self.slots[i] = None;
+                self.free.push(i);
+                self.load.fetch_sub(1, Ordering::Relaxed);
+            }
         }
     }
 }
@@ -401,7 +442,7 @@ mod tests {
 
     #[test]
     fn many_connections_on_few_threads_each_read_to_the_end() {
-        let r = Reactor::new(2).unwrap();
+        let r = Reactor::new(2, "test").unwrap();
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let (tx, rx) = mpsc::channel();
         let mut writers = Vec::new();

@@ -109,11 +109,7 @@ impl ChunkReader {
         self.drained
     }
 
-    fn ensure_room(
-        &mut self,
-        want: usize,
-        take: impl FnOnce(usize) -> Option<Box<[u8]>>,
-    ) -> bool {
+    fn ensure_room(&mut self, want: usize, take: impl FnOnce(usize) -> Option<Box<[u8]>>) -> bool {
         let cap = self.chunk.as_ref().map_or(0, |c| c.capacity());
         let have = self.filled - self.pos;
         // A fresh chunk when this one cannot take the whole message, or is nearly used up.

@@ -412,7 +412,7 @@ fn accept<S: LinkSink>(sh: &Arc<S>, listener: TcpListener) {
             match r {
                 Ok((slot, stream)) => {
                     match polled::PolledLink::new(sh2.clone(), slot, stream, &live) {
-                        Ok(conn) => tessera_net::reactor::Reactor::global().register(Box::new(conn)),
+                        Ok(conn) => tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Readout).register(Box::new(conn)),
                         Err(e) => {
                             tracing::warn!(readout_unit = c.id, source = c.sources[slot], error = %e, "link could not be served");
                             c.stats.links[slot].set_state(LinkState::Disconnected);

@@ -23,7 +23,10 @@ const HELD_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
 enum Phase {
     Reading,
     /// After the end of stream: counting bytes that should not come, until this time.
-    AfterEnd { until: Instant, bytes: u64 },
+    AfterEnd {
+        until: Instant,
+        bytes: u64,
+    },
 }
 
 pub(crate) struct PolledLink<S: LinkSink> {

@@ -1,0 +1,194 @@
+//! `tessera bench trapezoid`: building per CPU-second as the number of connections grows, the
+//! CMS trapezoid (seeds/001: throughput flat in the number of readout and builder units). Each
+//! shape is readout units x builders, every unit connected to every builder (units x builders
+//! connections), two emulated sources of 16 KiB per unit, unlimited trigger, builders counting
+//! and dropping (no recorder), in one process. The figure is event bytes built per CPU-second
+//! of the whole process (getrusage: every thread, sources included), and the same without the
+//! sources' threads; each shape's is given against the first shape's, measured in the same
+//! invocation. The process's peak thread count and descriptors are sampled while it runs.
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tessera_config::Topology;
+use tessera_run::{Options, StatusMode};
+
+use crate::BenchArgs;
+
+#[derive(Debug, Serialize)]
+pub struct Shape {
+    pub readout_units: usize,
+    pub builders: usize,
+    pub connections: usize,
+    pub fragment_size: u64,
+    pub events: u64,
+    pub clean: bool,
+    pub wall_s: f64,
+    pub cpu_s: f64,
+    pub sources_cpu_s: f64,
+    pub built_mb_per_s: f64,
+    /// Event bytes built per CPU-second of the whole process, in MB.
+    pub mb_per_cpu_s: f64,
+    /// The same without the emulated sources' threads.
+    pub daq_mb_per_cpu_s: f64,
+    /// Against the first shape of the same invocation.
+    pub ratio: f64,
+    pub daq_ratio: f64,
+    pub peak_threads: usize,
+    pub peak_descriptors: usize,
+}
+
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills the struct it is given; RUSAGE_SELF covers every thread.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
+fn threads_now() -> usize {
+    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
+}
+
+fn descriptors_now() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
+}
+
+fn topology(rus: usize, bus: usize, size: u64, events: u64) -> String {
+    let per = 2;
+    let mut t = format!(
+        "[run]\nevents = {events}\nmax_fragment_size = \"64 KiB\"\n[sources]\ncount = {}\nfragment_size = {size}\ntrigger = \"unlimited\"\n\
+         [recorder]\nenabled = false\n[monitor]\nenabled = false\n",
+        rus * per
+    );
+    for r in 0..rus {
+        t += &format!(
+            "[[readout]]\nid = {r}\nsources = \"{}-{}\"\nbuffer = \"32 MiB\"\n",
+            per * r,
+            per * r + per - 1
+        );
+    }
+    for b in 0..bus {
+        // Two read chunks per readout-unit link, the least `tessera check` allows.
+        t += &format!("[[builder]]\nid = {b}\nbuffer = \"{} MiB\"\n", 8 * rus);
+    }
+    t
+}
+
+fn shape(rus: usize, bus: usize, size: u64, bytes: f64) -> Result<Shape> {
+    let event_bytes = (rus * 2) as f64 * size as f64;
+    let events = ((bytes / event_bytes) as u64).max(2 * bus as u64);
+    let name = format!("trapezoid-{rus}x{bus}");
+    let topo = Topology::parse(&topology(rus, bus, size, events), &name)?;
+    let opts = Options {
+        status: StatusMode::Off,
+        manifest: false,
+        ..Default::default()
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let (pt, pd) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let sampler = {
+        let (stop, pt, pd) = (stop.clone(), pt.clone(), pd.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                pt.fetch_max(threads_now(), Ordering::Relaxed);
+                pd.fetch_max(descriptors_now(), Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    let src = || tessera_source::DRIVER_CPU_NS.load(Ordering::Relaxed);
+    let (c0, s0, t0) = (cpu_seconds(), src(), Instant::now());
+    let rep = tessera_run::run(&topo, &opts).with_context(|| format!("the {name} point"));
+    let (cpu_s, wall_s) = (cpu_seconds() - c0, t0.elapsed().as_secs_f64());
+    let sources_cpu_s = (src() - s0) as f64 / 1e9;
+    stop.store(true, Ordering::Relaxed);
+    let _ = sampler.join();
+    let rep = rep?;
+    let built = rep.bytes_built as f64 / 1e6;
+    Ok(Shape {
+        readout_units: rus,
+        builders: bus,
+        connections: rus * bus,
+        fragment_size: size,
+        events: rep.events_complete + rep.events_incomplete,
+        clean: rep.ok() && rep.events_incomplete == 0,
+        wall_s,
+        cpu_s,
+        sources_cpu_s,
+        built_mb_per_s: built / wall_s.max(1e-9),
+        mb_per_cpu_s: built / cpu_s.max(1e-9),
+        daq_mb_per_cpu_s: built / (cpu_s - sources_cpu_s).max(1e-9),
+        ratio: 1.0,
+        daq_ratio: 1.0,
+        peak_threads: pt.load(Ordering::Relaxed),
+        peak_descriptors: pd.load(Ordering::Relaxed),
+    })
+}
+
+pub fn run_trapezoid(a: &BenchArgs) -> Result<()> {
+    let shapes: &[(usize, usize)] = if a.quick {
+        &[(8, 2), (16, 60)]
+    } else {
+        &[(8, 2), (8, 16), (8, 60), (16, 60)]
+    };
+    let size = a
+        .sizes
+        .as_ref()
+        .and_then(|s| s.first().copied())
+        .unwrap_or(16384);
+    let bytes = a.bytes.unwrap_or(if a.quick { 0.6e9 } else { 2e9 });
+    if !a.json {
+        eprintln!(
+            "trapezoid: readout units x builders, 2 sources of {size} B per unit, builders counting and dropping, {:.1} GB per shape (machine: {} cores, {} I/O pollers)",
+            bytes / 1e9,
+            std::thread::available_parallelism().map_or(1, |n| n.get()),
+            tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Readout).threads()
+        );
+        println!(
+            "{:>5} {:>5} {:>6} {:>9} {:>9} {:>10} {:>12} {:>7} {:>10} {:>8} {:>8} {:>5}",
+            "RUs",
+            "BUs",
+            "conns",
+            "events",
+            "MB/s",
+            "MB/CPU-s",
+            "DAQ MB/CPU-s",
+            "ratio",
+            "DAQ ratio",
+            "threads",
+            "fds",
+            "clean"
+        );
+    }
+    let mut first: Option<(f64, f64)> = None;
+    for &(rus, bus) in shapes {
+        let mut s = shape(rus, bus, size, bytes)?;
+        let (f, fd) = *first.get_or_insert((s.mb_per_cpu_s, s.daq_mb_per_cpu_s));
+        s.ratio = s.mb_per_cpu_s / f.max(1e-9);
+        s.daq_ratio = s.daq_mb_per_cpu_s / fd.max(1e-9);
+        if a.json {
+            println!("{}", serde_json::to_string(&s)?);
+        } else {
+            println!(
+                "{:>5} {:>5} {:>6} {:>9} {:>9.0} {:>10.0} {:>12.0} {:>7.2} {:>10.2} {:>8} {:>8} {:>5}",
+                s.readout_units,
+                s.builders,
+                s.connections,
+                s.events,
+                s.built_mb_per_s,
+                s.mb_per_cpu_s,
+                s.daq_mb_per_cpu_s,
+                s.ratio,
+                s.daq_ratio,
+                s.peak_threads,
+                s.peak_descriptors,
+                if s.clean { "yes" } else { "NO" }
+            );
+        }
+    }
+    Ok(())
+}
