@@ -12,7 +12,7 @@ pub mod pull;
 mod record;
 pub mod stats;
 
-use crossbeam_channel::{bounded, Receiver, Sender};
+use crossbeam_channel::Receiver;
 use parking_lot::Mutex;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -86,7 +86,7 @@ struct Shared {
     /// Per readout unit, its rails.
     rails: Vec<Mutex<Vec<Rail>>>,
     assembler: Mutex<Assembler<Part>>,
-    to_recorder: Option<Sender<Vec<Built>>>,
+    to_recorder: Option<tessera_net::sender::Queue<Built>>,
     stats: Arc<BuilderStats>,
     t0: Instant,
     stop: Arc<AtomicBool>,
@@ -119,12 +119,12 @@ impl BuilderUnit {
             Some(addr) => {
                 let s = tessera_net::io::connect_retry(addr, Duration::from_secs(10))?;
                 tessera_net::io::tune(&s, Some(Duration::from_secs(1)))?;
-                let (tx, rx) = bounded::<Vec<Built>>(256);
-                let st = stats.clone();
-                let id = cfg.id;
-                role.threads.push(spawn(format!("bu{id}-to-rec"), move || {
-                    send_to_recorder(id, s, rx, &st)
-                }));
+                let (tx, rx, bell) = tessera_net::sender::queue::<Built>(256);
+                let live = Arc::new(tessera_net::reactor::Tally::default());
+                let conn = sender_to_recorder(cfg.id, s, rx, bell, stats.clone(), &live)?;
+                tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Send)
+                    .register(Box::new(conn));
+                role.polled.push(live);
                 Some(tx)
             }
             None => None,
@@ -701,22 +701,33 @@ fn sweep(sh: &Shared) {
     }
 }
 
-fn send_to_recorder(id: u16, stream: TcpStream, rx: Receiver<Vec<Built>>, st: &BuilderStats) {
+/// The link to the recorder, served by the pollers of the sending stage.
+fn sender_to_recorder(
+    id: u16,
+    stream: TcpStream,
+    rx: Receiver<Vec<Built>>,
+    bell: tessera_net::reactor::Doorbell,
+    st: Arc<BuilderStats>,
+    live: &Arc<tessera_net::reactor::Tally>,
+) -> std::io::Result<impl tessera_net::reactor::Conn> {
     let hello = PeerHello {
         role: PeerRole::BuilderUnit,
         id: id as u32,
         flags: 0,
     };
-    let on_batch = |o: tessera_net::sender::BatchOutcome, _: &[_]| {
+    let st2 = st.clone();
+    let on_batch = move |o: tessera_net::sender::BatchOutcome, _: &[Built]| {
         if !o.written {
-            st.recorder_lost.fetch_add(o.fragments, Ordering::Relaxed);
+            st2.recorder_lost.fetch_add(o.fragments, Ordering::Relaxed);
         }
-        st.queued_fragments
+        st2.queued_fragments
             .fetch_sub(o.fragments, Ordering::Relaxed);
     };
-    let on_error = |e: &std::io::Error| {
+    let on_error = move |e: &std::io::Error| {
         tracing::error!(builder = id, error = %e, "recorder link failed; events are dropped and counted");
         *st.recorder_error.lock() = Some(e.to_string());
     };
-    tessera_net::sender::send_loop(stream, rx, hello, on_batch, on_error);
+    tessera_net::sender::PolledSender::new(
+        stream, rx, bell, hello, on_batch, on_error, None, true, live,
+    )
 }

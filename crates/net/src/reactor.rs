@@ -46,6 +46,45 @@ pub trait Conn: Send + 'static {
     fn turn(&mut self) -> Next;
     /// Bytes read so far (tells the poller whether its rounds are light: see [`coalesce`]).
     fn bytes_read(&self) -> u64;
+    /// What readiness calls it (a sender also waits for room to write).
+    fn interest(&self) -> Interest {
+        Interest::READABLE
+    }
+    /// A doorbell other threads ring when they have given it work (a sender's queue).
+    fn doorbell(&self) -> Option<&Doorbell> {
+        None
+    }
+}
+
+/// Rung by the threads that give a connection work: the connection gets a turn soon after,
+/// even if its socket says nothing. Ringing a bell already rung costs one atomic operation (no
+/// system call): a busy connection is woken at most once per turn.
+#[derive(Clone, Debug, Default)]
+pub struct Doorbell(Arc<Bell>);
+
+#[derive(Debug, Default)]
+struct Bell {
+    rung: std::sync::atomic::AtomicBool,
+    /// Where it rings: the poller's waker and queue, and the connection's slot there.
+    at: OnceLock<(Arc<Waker>, Rung, usize)>,
+}
+
+impl Doorbell {
+    /// Work was given: the connection gets a turn.
+    pub fn ring(&self) {
+        if !self.0.rung.swap(true, Ordering::SeqCst) {
+            if let Some((waker, rung, slot)) = self.0.at.get() {
+                rung.lock().push(*slot);
+                let _ = waker.wake();
+            }
+        }
+    }
+
+    /// Called by the connection at the start of its turn, before it looks for work: a ring
+    /// after this gives it another turn.
+    pub fn answer(&self) {
+        self.0.rung.store(false, Ordering::SeqCst);
+    }
 }
 
 /// Counts the connections a role handed to the pollers, so the role can wait for the last one
@@ -64,6 +103,10 @@ impl Tally {
     pub fn enter(self: &Arc<Self>) -> TallyGuard {
         *self.live.lock() += 1;
         TallyGuard(self.clone())
+    }
+
+    pub fn is_zero(&self) -> bool {
+        *self.live.lock() == 0
     }
 
     /// Returns once every connection entered so far has been dropped.
@@ -105,6 +148,9 @@ struct Worker {
     load: Arc<AtomicUsize>,
 }
 
+/// Slots whose doorbell rang since the poller last looked.
+type Rung = Arc<parking_lot::Mutex<Vec<usize>>>;
+
 /// The stages of the data path that have pollers, upstream first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stage {
@@ -112,6 +158,9 @@ pub enum Stage {
     Readout = 0,
     /// Builders reading their readout units.
     Builder = 1,
+    /// Senders of every stage (readout unit to builder): they never block, so one set serves
+    /// all stages' links downstream.
+    Send = 2,
 }
 
 impl Stage {
@@ -119,6 +168,7 @@ impl Stage {
         match self {
             Stage::Readout => "ru",
             Stage::Builder => "bu",
+            Stage::Send => "send",
         }
     }
 }
@@ -139,9 +189,10 @@ impl Reactor {
             let (tx, rx) = unbounded::<Box<dyn Conn>>();
             let load = Arc::new(AtomicUsize::new(0));
             let l = load.clone();
+            let w = waker.clone();
             std::thread::Builder::new()
                 .name(format!("{name}-io{i}"))
-                .spawn(move || run(poll, rx, l))?;
+                .spawn(move || run(poll, rx, l, w))?;
             workers.push(Worker { tx, waker, load });
         }
         Ok(Reactor { workers })
@@ -156,7 +207,7 @@ impl Reactor {
     /// queue would hold the very poller that reads the builder's link. Waits only ever point
     /// downstream, so pollers per stage cannot wait on themselves.
     pub fn stage(stage: Stage) -> &'static Reactor {
-        static R: [OnceLock<Reactor>; 2] = [OnceLock::new(), OnceLock::new()];
+        static R: [OnceLock<Reactor>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
         R[stage as usize].get_or_init(|| {
             let n = std::env::var("TESSERA_IO_THREADS")
                 .ok()
@@ -231,9 +282,11 @@ struct Poller {
     again: VecDeque<usize>,
     load: Arc<AtomicUsize>,
     round: Round,
+    waker: Arc<Waker>,
+    rung: Rung,
 }
 
-fn run(poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>) {
+fn run(poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>, waker: Arc<Waker>) {
     let coalesce = coalesce();
     let mut last_round: Option<Instant> = None;
     let mut events = Events::with_capacity(1024);
@@ -245,6 +298,8 @@ fn run(poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>) {
         again: VecDeque::new(),
         load,
         round: Round::default(),
+        waker,
+        rung: Rung::default(),
     };
     loop {
         let now = Instant::now();
@@ -283,6 +338,9 @@ fn run(poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>) {
                 for conn in rx.try_iter() {
                     ready.push(p.add(conn));
                 }
+                // A bell of a connection that has ended may name a slot taken since by
+                // another: that one gets a turn it did not need, which is harmless.
+                ready.append(&mut p.rung.lock());
             } else {
                 ready.push(ev.token().0);
             }
@@ -333,10 +391,13 @@ impl Poller {
             self.slots.push(None);
             self.slots.len() - 1
         });
-        if let Err(e) =
-            self.poll
-                .registry()
-                .register(&mut SourceFd(&fd), Token(i), Interest::READABLE)
+        if let Some(bell) = conn.doorbell() {
+            let _ = bell.0.at.set((self.waker.clone(), self.rung.clone(), i));
+        }
+        if let Err(e) = self
+            .poll
+            .registry()
+            .register(&mut SourceFd(&fd), Token(i), conn.interest())
         {
             // Called anyway: its read fails or sees the state that broke it.
             tracing::warn!(error = %e, "could not poll a connection");
@@ -361,6 +422,9 @@ impl Poller {
         self.round.bytes += e.conn.bytes_read() - before;
         let times = &mut self.times;
         let mut at = |e: &mut Entry, t: Instant| {
+            // Never in the past: a connection that keeps asking for a time already gone is
+            // called once per round, not in a loop that starves the poll.
+            let t = t.max(Instant::now());
             e.deadline = Some(t);
             if e.queued.is_none_or(|q| q > t) {
                 e.queued = Some(t);

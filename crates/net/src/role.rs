@@ -11,6 +11,9 @@ pub struct RoleThreads {
     pub stop: Arc<AtomicBool>,
     pub abort: Arc<AtomicBool>,
     pub threads: Vec<JoinHandle<()>>,
+    /// Connections of the role served by the I/O pollers: the role has finished once they
+    /// have, as once its threads have.
+    pub polled: Vec<Arc<crate::reactor::Tally>>,
 }
 
 impl RoleThreads {
@@ -29,12 +32,15 @@ impl RoleThreads {
     }
 
     pub fn is_finished(&self) -> bool {
-        self.threads.iter().all(|t| t.is_finished())
+        self.threads.iter().all(|t| t.is_finished()) && self.polled.iter().all(|t| t.is_zero())
     }
 
     pub fn join(self) {
         for t in self.threads {
             let _ = t.join();
+        }
+        for t in self.polled {
+            t.wait_zero();
         }
     }
 }

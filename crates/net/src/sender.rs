@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use tessera_format::link::{PeerEnd, PeerHello};
 
+use crate::reactor::{Conn, Doorbell, Next};
 use crate::ChunkSlice;
 
 /// Most units gathered into one vectored write when the queue holds several batches.
@@ -146,13 +147,7 @@ fn send_batch<T: Outgoing>(
     // Headers were encoded for this batch (its offsets in `st.headers` are this batch's).
     let encoded = st.ok;
     if st.ok {
-        st.headers.clear();
-        st.offsets.clear();
-        for u in &batch {
-            let start = st.headers.len();
-            u.encode_header(&mut st.headers);
-            st.offsets.push((start, st.headers.len()));
-        }
+        encode_headers(&batch, st);
         let mut io: Vec<IoSlice> = Vec::with_capacity(batch.len() * 9);
         for (u, &(s, e)) in batch.iter().zip(&st.offsets) {
             io.push(IoSlice::new(&st.headers[s..e]));
@@ -164,19 +159,22 @@ fn send_batch<T: Outgoing>(
             Err(e) => {
                 on_error(&e);
                 st.ok = false;
-                let mut left = written as u64;
-                for (u, &(s, e)) in batch.iter().zip(&st.offsets) {
-                    let size =
-                        (e - s) as u64 + u.fragments().iter().map(|f| f.len() as u64).sum::<u64>();
-                    if size > left {
-                        break;
-                    }
-                    left -= size;
-                    whole += 1;
-                }
+                whole = whole_units(&batch, st, written);
             }
         }
     }
+    report(&batch, st, whole, encoded, on_batch);
+}
+
+/// Tells `on_batch` the fate of a batch of which the first `whole` units reached the link whole
+/// (`encoded`: `st`'s headers were encoded for this batch), and counts them.
+fn report<T: Outgoing>(
+    batch: &[T],
+    st: &mut LinkState,
+    whole: usize,
+    encoded: bool,
+    on_batch: &mut impl FnMut(BatchOutcome, &[T]),
+) {
     // Units `range` of the batch, as counted for `on_batch`.
     let outcome = |range: std::ops::Range<usize>, written: bool| {
         let units = &batch[range.clone()];
@@ -208,6 +206,32 @@ fn send_batch<T: Outgoing>(
     }
 }
 
+/// How many units of `batch` lie whole within its first `written` bytes on the wire.
+fn whole_units<T: Outgoing>(batch: &[T], st: &LinkState, written: usize) -> usize {
+    let mut left = written as u64;
+    let mut whole = 0;
+    for (u, &(s, e)) in batch.iter().zip(&st.offsets) {
+        let size = (e - s) as u64 + u.fragments().iter().map(|f| f.len() as u64).sum::<u64>();
+        if size > left {
+            break;
+        }
+        left -= size;
+        whole += 1;
+    }
+    whole
+}
+
+/// Encodes the headers of `batch` into `st` (their offsets index `st.headers`).
+fn encode_headers<T: Outgoing>(batch: &[T], st: &mut LinkState) {
+    st.headers.clear();
+    st.offsets.clear();
+    for u in batch {
+        let start = st.headers.len();
+        u.encode_header(&mut st.headers);
+        st.offsets.push((start, st.headers.len()));
+    }
+}
+
 /// Ends a link that did not fail with a peer end carrying the counts, then waits for the peer to
 /// close (it has then read everything).
 fn finish_link(stream: &mut TcpStream, hello: PeerHello, st: &LinkState, wait_close: bool) {
@@ -225,5 +249,544 @@ fn finish_link(stream: &mut TcpStream, hello: PeerHello, st: &LinkState, wait_cl
             let _ = stream.set_read_timeout(Some(Duration::from_secs(60)));
             let _ = std::io::Read::read(stream, &mut [0u8; 64]);
         }
+    }
+}
+
+/// The queue into a polled sender: a bounded channel whose every send rings the sender's bell.
+pub struct Queue<T> {
+    /// `None` only while dropping.
+    tx: Option<crossbeam_channel::Sender<Vec<T>>>,
+    bell: Doorbell,
+}
+
+impl<T> Clone for Queue<T> {
+    fn clone(&self) -> Self {
+        Queue {
+            tx: self.tx.clone(),
+            bell: self.bell.clone(),
+        }
+    }
+}
+
+impl<T> Queue<T> {
+    /// Queues a batch (waiting while the queue is full: back-pressure on the caller) and wakes
+    /// the sender.
+    pub fn send(&self, batch: Vec<T>) -> Result<(), crossbeam_channel::SendError<Vec<T>>> {
+        let r = match &self.tx {
+            Some(tx) => tx.send(batch),
+            None => Err(crossbeam_channel::SendError(batch)),
+        };
+        self.bell.ring();
+        r
+    }
+}
+
+impl<T> Drop for Queue<T> {
+    fn drop(&mut self) {
+        // The last queue gone means the end of the link: the sender must see it, so the
+        // channel's end goes first and the bell after.
+        self.tx = None;
+        self.bell.ring();
+    }
+}
+
+/// A queue of `cap` batches and its receiving end with the bell it rings.
+pub fn queue<T>(cap: usize) -> (Queue<T>, Receiver<Vec<T>>, Doorbell) {
+    let (tx, rx) = crossbeam_channel::bounded(cap);
+    let bell = Doorbell::default();
+    (
+        Queue {
+            tx: Some(tx),
+            bell: bell.clone(),
+        },
+        rx,
+        bell,
+    )
+}
+
+/// A [`Beat`] a polled sender owns.
+pub struct OwnedBeat<T> {
+    pub every: Duration,
+    #[allow(clippy::type_complexity)]
+    pub message: Box<dyn FnMut(&Receiver<Vec<T>>) -> Option<Vec<u8>> + Send>,
+}
+
+/// [`send_loop_beating`] as a connection of the I/O pollers ([`crate::reactor`]): the same link
+/// protocol (hello, batches coalesced from the queue and written with vectored writes straight
+/// from the read chunks, beats between batches, the peer end, the wait for the peer's close) and
+/// the same accounting, written without blocking, so one poller serves the links to every
+/// builder instead of a thread each. A link that cannot take more waits for the socket to say
+/// it can (its queue fills: back-pressure), without holding anyone else's link.
+pub struct PolledSender<T, B, E> {
+    stream: TcpStream,
+    rx: Receiver<Vec<T>>,
+    bell: Doorbell,
+    hello: PeerHello,
+    /// Small messages to write before anything else (hello, beat, end), and how far.
+    out: Vec<u8>,
+    out_at: usize,
+    /// The batch being written, and how many of its bytes are out.
+    batch: Vec<T>,
+    at: usize,
+    st: LinkState,
+    on_batch: B,
+    on_error: E,
+    beat: Option<OwnedBeat<T>>,
+    last_beat: Instant,
+    wait_close: bool,
+    closing: Closing,
+    _live: crate::reactor::TallyGuard,
+}
+
+/// How long a finished link waits for its peer to close it.
+const CLOSE_WAIT: Duration = Duration::from_secs(60);
+/// Slices per vectored write (Linux's IOV_MAX).
+const MAX_SLICES: usize = 1024;
+
+impl<T, B, E> PolledSender<T, B, E>
+where
+    T: Outgoing + 'static,
+    B: FnMut(BatchOutcome, &[T]) + Send + 'static,
+    E: FnMut(&io::Error) + Send + 'static,
+{
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        stream: TcpStream,
+        rx: Receiver<Vec<T>>,
+        bell: Doorbell,
+        hello: PeerHello,
+        on_batch: B,
+        on_error: E,
+        beat: Option<OwnedBeat<T>>,
+        wait_close: bool,
+        live: &std::sync::Arc<crate::reactor::Tally>,
+    ) -> io::Result<Self> {
+        stream.set_nonblocking(true)?;
+        Ok(PolledSender {
+            stream,
+            rx,
+            bell,
+            hello,
+            out: hello.encode().to_vec(),
+            out_at: 0,
+            batch: Vec::new(),
+            at: 0,
+            st: LinkState {
+                ok: true,
+                units: 0,
+                fragments: 0,
+                headers: Vec::new(),
+                offsets: Vec::new(),
+            },
+            on_batch,
+            on_error,
+            beat,
+            last_beat: Instant::now(),
+            wait_close,
+            closing: Closing::Open,
+            _live: live.enter(),
+        })
+    }
+
+    fn fail(&mut self, e: &io::Error) {
+        (self.on_error)(e);
+        self.st.ok = false;
+        self.out.clear();
+        self.out_at = 0;
+        let batch = std::mem::take(&mut self.batch);
+        if !batch.is_empty() {
+            let whole = whole_units(&batch, &self.st, self.at);
+            report(&batch, &mut self.st, whole, true, &mut self.on_batch);
+        }
+        self.at = 0;
+    }
+
+    /// Writes what it can of the current batch: `Ok(true)` when it is all out.
+    fn write_batch(&mut self) -> io::Result<bool> {
+        loop {
+            let mut skip = self.at;
+            let mut io: Vec<IoSlice> = Vec::with_capacity(MAX_SLICES.min(self.batch.len() * 9));
+            'fill: for (u, &(s, e)) in self.batch.iter().zip(&self.st.offsets) {
+                for piece in std::iter::once(&self.st.headers[s..e])
+                    .chain(u.fragments().iter().map(|f| &f[..]))
+                {
+                    if skip >= piece.len() {
+                        skip -= piece.len();
+                        continue;
+                    }
+                    io.push(IoSlice::new(&piece[skip..]));
+                    skip = 0;
+                    if io.len() == MAX_SLICES {
+                        break 'fill;
+                    }
+                }
+            }
+            if io.is_empty() {
+                return Ok(true);
+            }
+            match std::io::Write::write_vectored(&mut self.stream, &io) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::WriteZero,
+                        "peer stopped accepting data",
+                    ))
+                }
+                Ok(n) => self.at += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Writes what it can of the small messages: `Ok(true)` when they are all out.
+    fn write_out(&mut self) -> io::Result<bool> {
+        while self.out_at < self.out.len() {
+            match std::io::Write::write(&mut self.stream, &self.out[self.out_at..]) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::WriteZero,
+                        "peer stopped accepting data",
+                    ))
+                }
+                Ok(n) => self.out_at += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+        self.out.clear();
+        self.out_at = 0;
+        Ok(true)
+    }
+
+    /// When an idle link looks again: when a beat is next due (or a distant check when there
+    /// is none), never in the past (a beat that declined is asked again a little later).
+    fn next_check(&self) -> Instant {
+        let now = Instant::now();
+        match &self.beat {
+            Some(b) => (self.last_beat + b.every).max(now + Duration::from_millis(1)),
+            None => now + Duration::from_secs(1),
+        }
+    }
+
+    /// When a link whose socket is full looks again if no room is announced: its beat waits
+    /// for the units before it anyway.
+    fn blocked_check() -> Instant {
+        Instant::now() + Duration::from_secs(1)
+    }
+
+    /// Queues a beat if one is due and the beat has something to say.
+    fn beat_if_due(&mut self) {
+        if !self.st.ok || !self.out.is_empty() {
+            return;
+        }
+        if let Some(b) = &mut self.beat {
+            if self.last_beat.elapsed() >= b.every {
+                if let Some(m) = (b.message)(&self.rx) {
+                    self.out = m;
+                    self.out_at = 0;
+                    self.last_beat = Instant::now();
+                }
+            }
+        }
+    }
+
+    /// After the peer end: waits for the peer to close (it has then read everything).
+    fn await_close(&mut self, until: Instant) -> Next {
+        let mut buf = [0u8; 64];
+        loop {
+            match std::io::Read::read(&mut self.stream, &mut buf) {
+                Ok(0) => return Next::Done,
+                Ok(_) => continue,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    return if Instant::now() >= until {
+                        Next::Done
+                    } else {
+                        Next::Readable(until)
+                    };
+                }
+                Err(_) => return Next::Done,
+            }
+        }
+    }
+}
+
+impl<T, B, E> Conn for PolledSender<T, B, E>
+where
+    T: Outgoing + 'static,
+    B: FnMut(BatchOutcome, &[T]) + Send + 'static,
+    E: FnMut(&io::Error) + Send + 'static,
+{
+    fn fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&self.stream)
+    }
+
+    fn bytes_read(&self) -> u64 {
+        0
+    }
+
+    fn interest(&self) -> mio::Interest {
+        mio::Interest::READABLE | mio::Interest::WRITABLE
+    }
+
+    fn doorbell(&self) -> Option<&Doorbell> {
+        Some(&self.bell)
+    }
+
+    fn turn(&mut self) -> Next {
+        self.bell.answer();
+        if let Closing::Waiting(until) = self.closing {
+            return self.await_close(until);
+        }
+        loop {
+            if self.st.ok && !self.out.is_empty() {
+                match self.write_out() {
+                    Ok(true) => {}
+                    Ok(false) => return Next::Readable(Self::blocked_check()),
+                    Err(e) => {
+                        self.fail(&e);
+                        continue;
+                    }
+                }
+            }
+            if let Closing::Ending(until) = self.closing {
+                // The peer end is out (or the link failed, and then ends without it).
+                if !self.st.ok {
+                    return Next::Done;
+                }
+                let _ = self.stream.shutdown(std::net::Shutdown::Write);
+                if !self.wait_close {
+                    return Next::Done;
+                }
+                self.closing = Closing::Waiting(until);
+                return self.await_close(until);
+            }
+            if !self.batch.is_empty() {
+                match self.write_batch() {
+                    Ok(true) => {
+                        let batch = std::mem::take(&mut self.batch);
+                        let n = batch.len();
+                        report(&batch, &mut self.st, n, true, &mut self.on_batch);
+                        self.at = 0;
+                        // After the batch: a beat never overtakes a unit taken from the queue.
+                        self.beat_if_due();
+                        continue;
+                    }
+                    Ok(false) => return Next::Readable(Self::blocked_check()),
+                    Err(e) => {
+                        self.fail(&e);
+                        continue;
+                    }
+                }
+            }
+            match self.rx.try_recv() {
+                Ok(mut batch) => {
+                    // Several batches per write when they are queued: fewer system calls.
+                    while batch.len() < COALESCE {
+                        match self.rx.try_recv() {
+                            Ok(more) => batch.extend(more),
+                            Err(_) => break,
+                        }
+                    }
+                    if self.st.ok {
+                        encode_headers(&batch, &mut self.st);
+                        self.batch = batch;
+                        self.at = 0;
+                    } else {
+                        report(&batch, &mut self.st, 0, false, &mut self.on_batch);
+                    }
+                }
+                Err(crossbeam_channel::TryRecvError::Empty) => {
+                    self.beat_if_due();
+                    if self.st.ok && !self.out.is_empty() {
+                        continue;
+                    }
+                    return Next::Readable(self.next_check());
+                }
+                Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                    self.closing = Closing::Ending(Instant::now() + CLOSE_WAIT);
+                    if self.st.ok {
+                        let end = PeerEnd {
+                            role: self.hello.role,
+                            id: self.hello.id,
+                            units: self.st.units,
+                            fragments: self.st.fragments,
+                        };
+                        self.out = end.encode().to_vec();
+                        self.out_at = 0;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Where a polled sender is in ending its link.
+#[derive(Clone, Copy)]
+enum Closing {
+    Open,
+    /// The queue closed: the peer end is being written; then the write side is shut.
+    Ending(Instant),
+    /// Waiting (until then) for the peer to close the link.
+    Waiting(Instant),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reactor::{Reactor, Tally};
+    use std::net::TcpListener;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    use tessera_format::link::{PeerRole, PEER_END_SIZE, PEER_HELLO_SIZE};
+
+    /// A unit of an 8-byte header (its number) and two fragments of its own bytes.
+    struct Unit(u64, Vec<ChunkSlice>);
+
+    impl Outgoing for Unit {
+        fn encode_header(&self, out: &mut Vec<u8>) {
+            out.extend_from_slice(&self.0.to_le_bytes());
+        }
+        fn fragments(&self) -> &[ChunkSlice] {
+            &self.1
+        }
+    }
+
+    fn unit(i: u64) -> Unit {
+        let f = |k: u64| ChunkSlice::copy_from(&vec![(i * 7 + k) as u8; 3000 + (i % 5) as usize]);
+        Unit(i, vec![f(1), f(2)])
+    }
+
+    fn expected(units: u64) -> Vec<u8> {
+        let mut v = Vec::new();
+        for i in 0..units {
+            let u = unit(i);
+            u.encode_header(&mut v);
+            for f in u.fragments() {
+                v.extend_from_slice(f);
+            }
+        }
+        v
+    }
+
+    /// Every unit reaches a slow peer whole and in order (writes are cut by a full socket and
+    /// resumed on the next turn), then the peer end with the counts; the link waits for the
+    /// peer's close before it is done.
+    #[test]
+    fn a_polled_sender_delivers_every_unit_in_order_then_the_end() {
+        let r = Reactor::new(1, "test").unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut peer, _) = l.accept().unwrap();
+        let (q, rx, bell) = queue::<Unit>(4);
+        let sent = Arc::new(AtomicU64::new(0));
+        let live = Arc::new(Tally::default());
+        let hello = PeerHello {
+            role: PeerRole::ReadoutUnit,
+            id: 7,
+            flags: 0,
+        };
+        let s2 = sent.clone();
+        let conn = PolledSender::new(
+            s,
+            rx,
+            bell,
+            hello,
+            move |o: BatchOutcome, _: &[Unit]| {
+                assert!(o.written);
+                s2.fetch_add(o.units, Ordering::Relaxed);
+            },
+            |e: &io::Error| panic!("{e}"),
+            None,
+            true,
+            &live,
+        )
+        .unwrap();
+        r.register(Box::new(conn));
+        const N: u64 = 2000;
+        let producer = std::thread::spawn(move || {
+            for i in 0..N {
+                q.send(vec![unit(i)]).unwrap();
+            }
+        });
+        let mut got = Vec::new();
+        let mut buf = vec![0u8; 1000];
+        let want = PEER_HELLO_SIZE + expected(N).len() + PEER_END_SIZE;
+        while got.len() < want {
+            // Small reads of 12 MB: the sender's socket fills and its writes are cut.
+            let n = std::io::Read::read(&mut peer, &mut buf).unwrap();
+            assert!(n > 0, "closed early at {} of {want} bytes", got.len());
+            got.extend_from_slice(&buf[..n]);
+        }
+        producer.join().unwrap();
+        assert_eq!(&got[..PEER_HELLO_SIZE], &hello.encode());
+        let body = &got[PEER_HELLO_SIZE..want - PEER_END_SIZE];
+        assert!(body == expected(N).as_slice(), "units out of order or cut");
+        let end = PeerEnd {
+            role: PeerRole::ReadoutUnit,
+            id: 7,
+            units: N,
+            fragments: 2 * N,
+        };
+        assert_eq!(&got[want - PEER_END_SIZE..], &end.encode());
+        assert_eq!(sent.load(Ordering::Relaxed), N);
+        // The sender shut its side and waits for ours.
+        assert_eq!(std::io::Read::read(&mut peer, &mut buf).unwrap(), 0);
+        drop(peer);
+        live.wait_zero();
+    }
+
+    /// A peer that goes away: the units it cannot have had are reported as not written (to be
+    /// counted as lost), the error once, and the queue still drains to the end.
+    #[test]
+    fn a_polled_sender_whose_peer_dies_accounts_every_unit() {
+        let r = Reactor::new(1, "test").unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (peer, _) = l.accept().unwrap();
+        let (q, rx, bell) = queue::<Unit>(4);
+        let (written, lost, errors) = (
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicU64::new(0)),
+        );
+        let live = Arc::new(Tally::default());
+        let (w2, l2, e2) = (written.clone(), lost.clone(), errors.clone());
+        let conn = PolledSender::new(
+            s,
+            rx,
+            bell,
+            PeerHello {
+                role: PeerRole::ReadoutUnit,
+                id: 1,
+                flags: 0,
+            },
+            move |o: BatchOutcome, _: &[Unit]| {
+                if o.written { &w2 } else { &l2 }.fetch_add(o.units, Ordering::Relaxed);
+            },
+            move |_: &io::Error| {
+                e2.fetch_add(1, Ordering::Relaxed);
+            },
+            None,
+            true,
+            &live,
+        )
+        .unwrap();
+        r.register(Box::new(conn));
+        drop(peer);
+        const N: u64 = 3000;
+        for i in 0..N {
+            q.send(vec![unit(i)]).unwrap();
+        }
+        drop(q);
+        live.wait_zero();
+        assert_eq!(errors.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            written.load(Ordering::Relaxed) + lost.load(Ordering::Relaxed),
+            N
+        );
+        assert!(lost.load(Ordering::Relaxed) > 0);
     }
 }

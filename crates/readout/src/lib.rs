@@ -24,7 +24,7 @@ pub mod requests;
 mod serve;
 mod stats;
 
-use crossbeam_channel::{bounded, Receiver, Sender};
+use crossbeam_channel::Receiver;
 use parking_lot::Mutex;
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -138,7 +138,7 @@ struct Shared {
     ctx: LinkCtx,
     assembler: Mutex<Assembler<ChunkSlice>>,
     /// Per builder, one queue per rail.
-    to_builders: Vec<Vec<Sender<Vec<SuperFragment>>>>,
+    to_builders: Vec<Vec<tessera_net::sender::Queue<SuperFragment>>>,
     /// Per builder, super-fragments dispatched so far: the next one's rail.
     next_rail: Vec<AtomicUsize>,
     assignment: AssignmentSection,
@@ -304,9 +304,9 @@ impl ReadoutUnit {
                 let s = tessera_net::io::connect_retry(addr, Duration::from_secs(10))?;
                 tessera_net::io::tune(&s, Some(Duration::from_secs(1)))?;
                 // Bounded in batches; the bytes behind them are bounded by the link budgets.
-                let (tx, rx) = bounded::<Vec<SuperFragment>>(256);
+                let (tx, rx, bell) = tessera_net::sender::queue::<SuperFragment>(256);
                 txs.push(tx);
-                builder_links.push((b, rail, rails.len(), s, rx));
+                builder_links.push((b, rail, rails.len(), s, rx, bell));
             }
             to_builders.push(txs);
         }
@@ -334,23 +334,30 @@ impl ReadoutUnit {
             assignment: cfg.assignment.clone(),
             in_dispatch: AtomicUsize::new(0),
         });
-        for (b, rail, rails, stream, rx) in builder_links {
-            let st = stats.clone();
-            let id = cfg.id;
-            // Weak: the senders end when the last reader and the sweeper let go of the unit.
-            let sh = Arc::downgrade(&shared);
-            let (name, link) = if rails > 1 {
-                (
-                    format!("ru{id}-to-bu{b}r{rail}"),
-                    format!("builder {b} rail {rail}"),
-                )
+        let senders = Arc::new(tessera_net::reactor::Tally::default());
+        for (b, rail, rails, stream, rx, bell) in builder_links {
+            let link = if rails > 1 {
+                format!("builder {b} rail {rail}")
             } else {
-                (format!("ru{id}-to-bu{b}"), format!("builder {b}"))
+                format!("builder {b}")
             };
-            role.threads.push(spawn(name, move || {
-                send_to_builder(id, &link, stream, rx, &st, sh)
-            }));
+            // Weak: the senders end when the last reader and the sweeper let go of the unit.
+            let conn = sender_to_builder(
+                cfg.id,
+                link,
+                stream,
+                rx,
+                bell,
+                stats.clone(),
+                Arc::downgrade(&shared),
+                &senders,
+            )?;
+            tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Send)
+                .register(Box::new(conn));
         }
+        // The unit has finished once its links to the builders have (their ends written and
+        // the builders' closes seen).
+        role.polled.push(senders);
         {
             let sh = shared.clone();
             role.threads
@@ -747,20 +754,26 @@ fn sweep(sh: &Shared) {
 /// How often a readout unit tells each builder where it is (docs/wire-format.md, 2.3).
 pub const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
 
-fn send_to_builder(
+/// The link to one builder (one rail), served by the pollers of the sending stage.
+#[allow(clippy::too_many_arguments)]
+fn sender_to_builder(
     id: u32,
-    b: &str,
+    b: String,
     stream: TcpStream,
     rx: Receiver<Vec<SuperFragment>>,
-    st: &ReadoutStats,
+    bell: tessera_net::reactor::Doorbell,
+    st: Arc<ReadoutStats>,
     unit: std::sync::Weak<Shared>,
-) {
+    live: &Arc<tessera_net::reactor::Tally>,
+) -> std::io::Result<impl tessera_net::reactor::Conn> {
     let hello = PeerHello {
         role: PeerRole::ReadoutUnit,
         id,
         flags: 0,
     };
-    let on_batch = |o: tessera_net::sender::BatchOutcome, _: &[_]| {
+    let st2 = st.clone();
+    let on_batch = move |o: tessera_net::sender::BatchOutcome, _: &[SuperFragment]| {
+        let st = &st2;
         if o.written {
             st.super_fragments.fetch_add(o.units, Ordering::Relaxed);
             st.fragments_forwarded
@@ -772,7 +785,7 @@ fn send_to_builder(
         st.queued_fragments
             .fetch_sub(o.fragments, Ordering::Relaxed);
     };
-    let on_error = |e: &std::io::Error| {
+    let on_error = move |e: &std::io::Error| {
         tracing::error!(readout_unit = id, link = b, error = %e, "builder link failed; its events are dropped and counted");
         *st.builder_error.lock() = Some(format!("{b}: {e}"));
     };
@@ -781,7 +794,7 @@ fn send_to_builder(
     // events still queued for this builder): then the last floor is said again, which stays
     // true (everything below it had been sent when it was first said).
     let mut last_floor = 0u64;
-    let mut progress = |rx: &Receiver<Vec<SuperFragment>>| {
+    let progress = move |rx: &Receiver<Vec<SuperFragment>>| {
         let sh = unit.upgrade()?;
         let floor = {
             let a = sh.assembler.lock();
@@ -798,16 +811,18 @@ fn send_to_builder(
         };
         Some(p.encode().to_vec())
     };
-    tessera_net::sender::send_loop_beating(
+    tessera_net::sender::PolledSender::new(
         stream,
         rx,
+        bell,
         hello,
         on_batch,
         on_error,
-        Some(tessera_net::sender::Beat {
+        Some(tessera_net::sender::OwnedBeat {
             every: PROGRESS_INTERVAL,
-            message: &mut progress,
+            message: Box::new(progress),
         }),
         true,
-    );
+        live,
+    )
 }
