@@ -2,9 +2,15 @@
 //! CMS trapezoid (seeds/001: throughput flat in the number of readout and builder units). Each
 //! shape is readout units x builders, every unit connected to every builder (units x builders
 //! connections), two emulated sources of 16 KiB per unit, unlimited trigger, builders counting
-//! and dropping (no recorder), in one process. The figure is event bytes built per CPU-second
-//! of the whole process (getrusage: every thread, sources included), and the same without the
-//! sources' threads; each shape's is given against the first shape's, measured in the same
+//! and dropping (no recorder), in one process; each builder has 1 MiB of buffer per readout unit
+//! (read chunks of 256 KiB), each unit 8 MiB.
+//!
+//! The figure is event bytes built per CPU-second of the whole process (getrusage: every
+//! thread, sources included), and the same without the sources' threads, over the run's steady
+//! part: while the sources send their second half but the last twentieth, the buffers full.
+//! Why not the whole run: its start connects every link and touches every buffer page for the
+//! first time (at 16 x 60, 960 links x 1 MiB: a gigabyte of page faults, a one-off cost that
+//! would be much of a short run), and its end drains the buffers with the sources idle. Each shape's figure is given against the first shape's, measured in the same
 //! invocation. The process's peak thread count and descriptors are sampled while it runs.
 
 use anyhow::{Context, Result};
@@ -37,6 +43,10 @@ pub struct Shape {
     /// Against the first shape of the same invocation.
     pub ratio: f64,
     pub daq_ratio: f64,
+    /// The whole run, start (connections, first touch of every buffer page) and drain
+    /// included: event bytes built per CPU-second, and against the first shape's.
+    pub whole_run_mb_per_cpu_s: f64,
+    pub whole_run_ratio: f64,
     pub peak_threads: usize,
     pub peak_descriptors: usize,
 }
@@ -66,16 +76,54 @@ fn topology(rus: usize, bus: usize, size: u64, events: u64) -> String {
     );
     for r in 0..rus {
         t += &format!(
-            "[[readout]]\nid = {r}\nsources = \"{}-{}\"\nbuffer = \"32 MiB\"\n",
+            "[[readout]]\nid = {r}\nsources = \"{}-{}\"\nbuffer = \"8 MiB\"\n",
             per * r,
             per * r + per - 1
         );
     }
     for b in 0..bus {
-        // Two read chunks per readout-unit link, the least `tessera check` allows.
-        t += &format!("[[builder]]\nid = {b}\nbuffer = \"{} MiB\"\n", 8 * rus);
+        t += &format!(
+            "[[builder]]\nid = {b}\nbuffer = \"{} MiB\"\nread_chunk = \"256 KiB\"\n",
+            rus
+        );
     }
     t
+}
+
+/// CPU seconds of the emulated sources' driver threads so far (from /proc: they still run).
+fn sources_cpu_now() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let Ok(d) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    let mut ticks = 0u64;
+    for e in d.flatten() {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        // pid (comm) state ...: the comm may hold spaces, so fields count from its ')'.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        if !stat[open + 1..close].starts_with("source-drv") {
+            continue;
+        }
+        let f: Vec<&str> = stat[close + 2..].split(' ').collect();
+        // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after the comm.
+        ticks += f.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+            + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    }
+    ticks as f64 / tick
+}
+
+/// CPU (all, sources), wall time and bytes built at one moment.
+#[derive(Clone, Copy)]
+struct Mark {
+    cpu: f64,
+    sources: f64,
+    t: Instant,
+    built: u64,
 }
 
 fn shape(rus: usize, bus: usize, size: u64, bytes: f64) -> Result<Shape> {
@@ -100,15 +148,49 @@ fn shape(rus: usize, bus: usize, size: u64, bytes: f64) -> Result<Shape> {
             }
         })
     };
-    let src = || tessera_source::DRIVER_CPU_NS.load(Ordering::Relaxed);
-    let (c0, s0, t0) = (cpu_seconds(), src(), Instant::now());
-    let rep = tessera_run::run(&topo, &opts).with_context(|| format!("the {name} point"));
-    let (cpu_s, wall_s) = (cpu_seconds() - c0, t0.elapsed().as_secs_f64());
-    let sources_cpu_s = (src() - s0) as f64 / 1e9;
+    let cpu0 = cpu_seconds();
+    let result = (|| -> Result<(tessera_run::Report, Mark, Mark)> {
+        let session = tessera_run::Session::start(&topo, &opts)
+            .with_context(|| format!("the {name} point"))?;
+        let mark = |built: u64| Mark {
+            cpu: cpu_seconds(),
+            sources: sources_cpu_now(),
+            t: Instant::now(),
+            built,
+        };
+        let (mut from, mut to) = (None, None);
+        let fragments = events * (rus as u64) * 2;
+        let reason = loop {
+            std::thread::sleep(Duration::from_millis(20));
+            if let Some(r) = session.end_reason() {
+                break r;
+            }
+            let live = session.live();
+            let sent: u64 = live.sources.iter().filter_map(|x| x.fragments_sent).sum();
+            let built = || live.builders.iter().map(|b| b.bytes_built).sum::<u64>();
+            if from.is_none() && sent >= fragments / 2 {
+                from = Some(mark(built()));
+            }
+            if to.is_none() && sent >= fragments * 19 / 20 {
+                to = Some(mark(built()));
+            }
+        };
+        let stopped = session.stop(&tessera_run::StopDeadlines::from(&topo.topology.stop));
+        let rep = session.finish(reason, stopped)?;
+        match (from, to) {
+            (Some(a), Some(b)) if b.built > a.built => Ok((rep, a, b)),
+            _ => anyhow::bail!(
+                "the {name} point ended before its steady part could be measured (increase --bytes)"
+            ),
+        }
+    })();
     stop.store(true, Ordering::Relaxed);
     let _ = sampler.join();
-    let rep = rep?;
-    let built = rep.bytes_built as f64 / 1e6;
+    let (rep, a, b) = result?;
+    let whole_cpu = cpu_seconds() - cpu0;
+    let (cpu_s, wall_s) = (b.cpu - a.cpu, (b.t - a.t).as_secs_f64());
+    let sources_cpu_s = b.sources - a.sources;
+    let built = (b.built - a.built) as f64 / 1e6;
     Ok(Shape {
         readout_units: rus,
         builders: bus,
@@ -124,6 +206,8 @@ fn shape(rus: usize, bus: usize, size: u64, bytes: f64) -> Result<Shape> {
         daq_mb_per_cpu_s: built / (cpu_s - sources_cpu_s).max(1e-9),
         ratio: 1.0,
         daq_ratio: 1.0,
+        whole_run_mb_per_cpu_s: rep.bytes_built as f64 / 1e6 / whole_cpu.max(1e-9),
+        whole_run_ratio: 1.0,
         peak_threads: pt.load(Ordering::Relaxed),
         peak_descriptors: pd.load(Ordering::Relaxed),
     })
@@ -140,10 +224,10 @@ pub fn run_trapezoid(a: &BenchArgs) -> Result<()> {
         .as_ref()
         .and_then(|s| s.first().copied())
         .unwrap_or(16384);
-    let bytes = a.bytes.unwrap_or(if a.quick { 0.6e9 } else { 2e9 });
+    let bytes = a.bytes.unwrap_or(if a.quick { 3e9 } else { 6e9 });
     if !a.json {
         eprintln!(
-            "trapezoid: readout units x builders, 2 sources of {size} B per unit, builders counting and dropping, {:.1} GB per shape (machine: {} cores, {} I/O pollers)",
+            "trapezoid: readout units x builders, 2 sources of {size} B per unit, builders counting and dropping, {:.1} GB per shape (measured while the sources send from 50 to 95 %) (machine: {} cores, {} I/O pollers)",
             bytes / 1e9,
             std::thread::available_parallelism().map_or(1, |n| n.get()),
             tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Readout).threads()
@@ -164,17 +248,19 @@ pub fn run_trapezoid(a: &BenchArgs) -> Result<()> {
             "clean"
         );
     }
-    let mut first: Option<(f64, f64)> = None;
+    let mut first: Option<(f64, f64, f64)> = None;
     for &(rus, bus) in shapes {
         let mut s = shape(rus, bus, size, bytes)?;
-        let (f, fd) = *first.get_or_insert((s.mb_per_cpu_s, s.daq_mb_per_cpu_s));
+        let (f, fd, fw) =
+            *first.get_or_insert((s.mb_per_cpu_s, s.daq_mb_per_cpu_s, s.whole_run_mb_per_cpu_s));
         s.ratio = s.mb_per_cpu_s / f.max(1e-9);
         s.daq_ratio = s.daq_mb_per_cpu_s / fd.max(1e-9);
+        s.whole_run_ratio = s.whole_run_mb_per_cpu_s / fw.max(1e-9);
         if a.json {
             println!("{}", serde_json::to_string(&s)?);
         } else {
             println!(
-                "{:>5} {:>5} {:>6} {:>9} {:>9.0} {:>10.0} {:>12.0} {:>7.2} {:>10.2} {:>8} {:>8} {:>5}",
+                "{:>5} {:>5} {:>6} {:>9} {:>9.0} {:>10.0} {:>12.0} {:>7.2} {:>10.2} {:>12.2} {:>8} {:>8} {:>5}",
                 s.readout_units,
                 s.builders,
                 s.connections,
@@ -184,6 +270,7 @@ pub fn run_trapezoid(a: &BenchArgs) -> Result<()> {
                 s.daq_mb_per_cpu_s,
                 s.ratio,
                 s.daq_ratio,
+                s.whole_run_ratio,
                 s.peak_threads,
                 s.peak_descriptors,
                 if s.clean { "yes" } else { "NO" }

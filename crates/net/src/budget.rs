@@ -54,14 +54,15 @@ impl Budget {
         self.state.lock().used
     }
 
-    /// Takes `n` bytes, waiting while the budget is exhausted, and returns a zero-initialised or
-    /// recycled buffer of exactly `n` bytes. `None` if `stop` was raised while waiting. A
-    /// request larger than the whole budget waits for an empty budget and then takes it, so one
-    /// oversized message cannot deadlock a link.
-    pub fn take_buffer(&self, n: usize, stop: &AtomicBool) -> Option<Box<[u8]>> {
+    /// Takes a buffer of at least `min` and preferably `n` bytes, waiting while the budget is
+    /// exhausted: a kept chunk of any size from `min` up if there is one (reused memory, warm in
+    /// cache), else a fresh zero-initialised one of `n` bytes. `None` if `stop` was raised while
+    /// waiting. A request larger than the whole budget waits for an empty budget and then takes
+    /// it, so one oversized message cannot deadlock a link.
+    pub fn take_buffer(&self, min: usize, n: usize, stop: &AtomicBool) -> Option<Box<[u8]>> {
         let mut s = self.state.lock();
         loop {
-            match self.take_locked(&mut s, n) {
+            match self.take_locked(&mut s, min, n) {
                 Some(Taken::Kept(b)) => return Some(b),
                 Some(Taken::Fresh) => {
                     drop(s);
@@ -83,9 +84,9 @@ impl Budget {
 
     /// [`Self::take_buffer`] without waiting: `None` when the budget is exhausted (for a
     /// poller, which must not block; it asks again later).
-    pub fn try_take_buffer(&self, n: usize) -> Option<Box<[u8]>> {
+    pub fn try_take_buffer(&self, min: usize, n: usize) -> Option<Box<[u8]>> {
         let mut s = self.state.lock();
-        match self.take_locked(&mut s, n)? {
+        match self.take_locked(&mut s, min, n)? {
             Taken::Kept(b) => Some(b),
             Taken::Fresh => {
                 drop(s);
@@ -94,12 +95,16 @@ impl Budget {
         }
     }
 
-    fn take_locked(&self, s: &mut State, n: usize) -> Option<Taken> {
+    fn take_locked(&self, s: &mut State, min: usize, n: usize) -> Option<Taken> {
         let n64 = n as u64;
-        if let Some(i) = s.pool.iter().rposition(|b| b.len() == n) {
-            let b = s.pool.swap_remove(i);
-            s.pooled -= n64;
-            s.used += n64;
+        // Any kept chunk that is big enough: a link whose chunk size follows its rate must not
+        // take fresh memory while it keeps chunks of another size (every byte of a 16 x 60
+        // trapezoid run was a page fault before this).
+        if let Some(i) = s.pool.iter().rposition(|b| b.len() >= min) {
+            let b = s.pool.remove(i);
+            let len = b.len() as u64;
+            s.pooled -= len;
+            s.used += len;
             self.peak.fetch_max(s.used, Ordering::Relaxed);
             return Some(Taken::Kept(b));
         }
@@ -147,13 +152,13 @@ mod tests {
     fn blocks_until_given_back_and_reuses() {
         let b = Arc::new(Budget::new(100));
         let stop = AtomicBool::new(false);
-        let x = b.take_buffer(60, &stop).unwrap();
+        let x = b.take_buffer(60, 60, &stop).unwrap();
         assert!(b.would_block(60));
         let ptr = x.as_ptr();
         let b2 = b.clone();
         let h = std::thread::spawn(move || {
             let stop = AtomicBool::new(false);
-            let got = b2.take_buffer(60, &stop).unwrap();
+            let got = b2.take_buffer(60, 60, &stop).unwrap();
             got.as_ptr() as usize
         });
         b.give_buffer(x);
@@ -169,15 +174,25 @@ mod tests {
     fn stop_releases_waiter_and_pool_respects_limit() {
         let b = Budget::new(10);
         let stop = AtomicBool::new(false);
-        let x = b.take_buffer(10, &stop).unwrap();
+        let x = b.take_buffer(10, 10, &stop).unwrap();
         stop.store(true, Ordering::Relaxed);
-        assert!(b.take_buffer(1, &stop).is_none());
+        assert!(b.take_buffer(1, 1, &stop).is_none());
         b.give_buffer(x);
         stop.store(false, Ordering::Relaxed);
-        // A different size evicts the kept buffer rather than exceeding the limit.
-        let y = b.take_buffer(4, &stop).unwrap();
-        assert_eq!(y.len(), 4);
-        assert_eq!(b.used(), 4);
+        // A kept buffer big enough is taken whatever its size (no fresh memory)...
+        let y = b.take_buffer(4, 4, &stop).unwrap();
+        assert_eq!(y.len(), 10);
+        assert_eq!(b.used(), 10);
+        b.give_buffer(y);
+        // ...one too small is evicted rather than exceeding the limit.
+        let z = b.take_buffer(10, 10, &stop).unwrap();
+        b.give_buffer(z);
+        let big = Budget::new(10);
+        let small = big.take_buffer(6, 6, &stop).unwrap();
+        big.give_buffer(small);
+        let w = big.take_buffer(8, 8, &stop).unwrap();
+        assert_eq!(w.len(), 8);
+        assert_eq!(big.used(), 8);
     }
 
     /// Issue 14: a stall shows as busy while it lasts, not only once it ends.
@@ -185,11 +200,11 @@ mod tests {
     fn a_wait_counts_as_busy_while_it_lasts() {
         let b = Arc::new(Budget::new(100));
         let stop = Arc::new(AtomicBool::new(false));
-        let all = b.take_buffer(100, &stop).unwrap();
+        let all = b.take_buffer(100, 100, &stop).unwrap();
         let done = Arc::new(AtomicBool::new(false));
         let (b2, s2, d2) = (b.clone(), stop.clone(), done.clone());
         let waiter = std::thread::spawn(move || {
-            let got = b2.take_buffer(10, &s2);
+            let got = b2.take_buffer(10, 10, &s2);
             d2.store(true, Ordering::Release);
             got.is_some()
         });

@@ -11,6 +11,16 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// The smallest read chunk. Chunks start this small and double while the link fills them
+/// within [`GROW_WITHIN`], up to the configured read chunk. Why: a builder of 60 reading 16
+/// readout units has 960 links that each carry little; with every link reading into chunks of
+/// the full 1 MiB, nearly every byte landed in memory fresh from the system, and zeroing those
+/// pages (`clear_page`, page faults) took a third of all CPU at 16 x 60. A link's own freed
+/// chunks are kept for it (see [`Budget`]), so a slow link cycles through a few small warm ones.
+pub const MIN_CHUNK: usize = 128 << 10;
+const GROW_WITHIN: std::time::Duration = std::time::Duration::from_millis(10);
+const SHRINK_AFTER: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// What a [`ChunkReader::fill`] call produced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fill {
@@ -26,7 +36,12 @@ pub enum Fill {
 
 pub struct ChunkReader {
     budget: Arc<Budget>,
+    /// The largest chunk (the configured read chunk).
     chunk_size: usize,
+    /// The size of the next chunk: it follows the link's rate (see [`MIN_CHUNK`]).
+    cur: usize,
+    /// When the current chunk was started.
+    started: Option<Instant>,
     chunk: Option<Arc<Chunk>>,
     pos: usize,
     filled: usize,
@@ -43,6 +58,8 @@ impl ChunkReader {
         ChunkReader {
             budget,
             chunk_size,
+            cur: MIN_CHUNK.min(chunk_size),
+            started: None,
             chunk: None,
             pos: 0,
             filled: 0,
@@ -86,7 +103,7 @@ impl ChunkReader {
     /// current one cannot hold that, taking memory from the budget and waiting for it if needed.
     pub fn fill(&mut self, r: &mut impl Read, want: usize, stop: &AtomicBool) -> io::Result<Fill> {
         let budget = self.budget.clone();
-        if !self.ensure_room(want, |n| budget.take_buffer(n, stop)) {
+        if !self.ensure_room(want, |min, n| budget.take_buffer(min, n, stop)) {
             return Ok(Fill::Stopped);
         }
         self.read_into(r)
@@ -97,7 +114,7 @@ impl ChunkReader {
     /// when the socket had nothing. [`Self::drained`] says whether the socket was read dry.
     pub fn try_fill(&mut self, r: &mut impl Read, want: usize) -> io::Result<Fill> {
         let budget = self.budget.clone();
-        if !self.ensure_room(want, |n| budget.try_take_buffer(n)) {
+        if !self.ensure_room(want, |min, n| budget.try_take_buffer(min, n)) {
             return Ok(Fill::NoMemory);
         }
         self.read_into(r)
@@ -109,24 +126,39 @@ impl ChunkReader {
         self.drained
     }
 
-    fn ensure_room(&mut self, want: usize, take: impl FnOnce(usize) -> Option<Box<[u8]>>) -> bool {
+    fn ensure_room(
+        &mut self,
+        want: usize,
+        take: impl FnOnce(usize, usize) -> Option<Box<[u8]>>,
+    ) -> bool {
         let cap = self.chunk.as_ref().map_or(0, |c| c.capacity());
         let have = self.filled - self.pos;
         // A fresh chunk when this one cannot take the whole message, or is nearly used up.
         let room = cap - self.filled;
         if self.chunk.is_none()
             || cap - self.pos < want
-            || room < (self.chunk_size / 16).max(1).min(want.max(1))
+            || room < (self.cur / 16).max(1).min(want.max(1))
             || room == 0
         {
-            let size = self.chunk_size.max(want);
+            // A chunk used up fast means a busy link: the next is twice as big (fewer reads,
+            // fewer messages cut at a chunk's end); a slow one, half.
+            if let Some(t) = self.started {
+                let took = t.elapsed();
+                if took < GROW_WITHIN {
+                    self.cur = (self.cur * 2).min(self.chunk_size);
+                } else if took > SHRINK_AFTER {
+                    self.cur = (self.cur / 2).max(MIN_CHUNK.min(self.chunk_size));
+                }
+            }
+            let size = self.cur.max(want);
             // Let go of the current chunk before waiting for memory: if nothing downstream still
             // holds a slice of it, that frees it, and a budget of two chunks can never deadlock
             // on the reader's own leftovers. The partial message carried over is at most one
             // message long.
             let carry = self.window().to_vec();
             self.chunk = None;
-            let Some(buf) = take(size) else {
+            // The new chunk must hold the message under way (and what was carried of it).
+            let Some(buf) = take(want.max(have).max(1), size) else {
                 self.chunk = Some(Chunk::from_vec(carry));
                 self.pos = 0;
                 self.filled = have;
@@ -140,6 +172,7 @@ impl ChunkReader {
             self.chunk = Some(fresh);
             self.pos = 0;
             self.filled = have;
+            self.started = Some(Instant::now());
         }
         true
     }
