@@ -572,8 +572,16 @@ fn run_request(a: &BenchArgs) -> Result<()> {
             );
         } else {
             println!(
-                "fit of eq. 7.2 (effective cost, us): per external request {:.3}, per internal transfer {:.3}, per clear {:.3}, per kB {:.3}",
-                f.t_external_us, f.t_internal_us, f.t_clear_us, f.t_per_kb_us
+                "fit of eq. 7.2, costs >= 0 (effective cost, us): per external request {:.3}, per internal transfer {:.3}, per clear {:.3}, per kB {:.3}{}",
+                f.t_external_us,
+                f.t_internal_us,
+                f.t_clear_us,
+                f.t_per_kb_us,
+                if f.at_zero.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (held at 0 by the constraint: {})", f.at_zero.join(", "))
+                }
             );
             let r: Vec<String> = f.residuals.iter().map(|x| format!("{x:+.3}")).collect();
             println!(
