@@ -2,8 +2,9 @@
 //!
 //! Each readout unit's link (each rail) is served by the process's I/O pollers
 //! ([`tessera_net::reactor`]), which take super-fragments (zero-copy slices of its read chunks)
-//! into the shared [`Assembler`]; a sweeper times events out; one sender writes finished
-//! event records to the recorder, fragments straight from the read chunks. Each event is checked:
+//! into the shared [`Assembler`]; a sweeper times events out; the link to the recorder, served
+//! by the sending stage's pollers, writes finished event records, fragments straight from the
+//! read chunks. Each event is checked:
 //! every expected source present (else flagged incomplete, naming the missing sources), one event
 //! ID in every fragment, fragment counts and sizes as the super-fragments declare, trigger types
 //! that agree.

@@ -1,8 +1,11 @@
 //! The sending side of a link between Tessera's roles (readout unit → builder, builder →
-//! recorder): one thread per link takes batches from a bounded queue, coalesces what is queued,
-//! and writes every unit's header and fragments with vectored writes straight from the read
-//! chunks. It opens the link with a peer hello and, once the queue is closed, ends it with a
-//! peer end carrying the counts, then waits for the peer to close (it has then read everything).
+//! recorder, and a request-mode builder's links): it takes batches from a bounded queue,
+//! coalesces what is queued, and writes every unit's header and fragments with vectored writes
+//! straight from the read chunks. It opens the link with a peer hello and, once the queue is
+//! closed, ends it with a peer end carrying the counts, then waits for the peer to close (it has
+//! then read everything). Two forms, one protocol and one accounting: [`send_loop`] on a thread
+//! of its own, blocking (request mode), and [`PolledSender`], a connection of the I/O pollers
+//! (push mode: one poller serves any number of links).
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use std::io::{self, IoSlice};

@@ -11,8 +11,9 @@
 //!   request mode still reads each link on a blocking thread (its paged buffers wait on a
 //!   condition variable for clears);
 //! - a sweeper that sends events out as incomplete once they waited past the timeout;
-//! - one sender per builder, writing each event's super-fragment with vectored writes straight
-//!   from the read chunks (no copy of fragment data inside the unit).
+//! - one link per builder (and rail), served by the sending stage's pollers, writing each
+//!   event's super-fragment with vectored writes straight from the read chunks (no copy of
+//!   fragment data inside the unit).
 //!
 //! A link whose budget is full stops reading, so TCP holds its source: the unit is BUSY, never
 //! growing. Every fragment read is accounted: accepted (then forwarded), or rejected by reason.
@@ -394,7 +395,7 @@ impl ReadoutUnit {
 
 /// Accepts sources until every link has ended (or the stop): a connection's hello is read on
 /// its own thread with its own deadline, so a silent or slow connection holds nobody else's
-/// hello; the thread then reads the link. A connection for a source that is connected or has
+/// hello; the thread then hands the link to the pollers and ends. A connection for a source that is connected or has
 /// finished, or that never says a valid hello, is refused, counted and logged with its address,
 /// also after every source has connected.
 fn accept<S: LinkSink>(sh: &Arc<S>, listener: TcpListener) {
