@@ -504,6 +504,7 @@ fn run_request(a: &BenchArgs) -> Result<()> {
                 roi_fraction: a.roi_fraction.unwrap_or(0.0),
                 roi_size: a.roi_size.unwrap_or(4),
                 full_fraction: a.full_fraction.unwrap_or(1.0),
+                generator: false,
             })
             .collect()
     } else {
@@ -522,7 +523,7 @@ fn run_request(a: &BenchArgs) -> Result<()> {
             std::thread::available_parallelism().map_or(0, |n| n.get())
         );
         println!(
-            "{:>6} {:>5} {:>6} {:>4} {:>6} {:>11} {:>11} {:>12} {:>9} {:>5}",
+            "{:>6} {:>5} {:>6} {:>4} {:>6} {:>11} {:>11} {:>12} {:>9} {:>5} {:>9}",
             "words",
             "links",
             "RoI",
@@ -532,7 +533,8 @@ fn run_request(a: &BenchArgs) -> Result<()> {
             "requests/s",
             "transfers/s",
             "MB/s",
-            "clean"
+            "clean",
+            "input"
         );
     }
     let mut points = Vec::new();
@@ -542,7 +544,7 @@ fn run_request(a: &BenchArgs) -> Result<()> {
             println!("{}", serde_json::to_string(&p)?);
         } else {
             println!(
-                "{:>6} {:>5} {:>6.2} {:>4} {:>6.2} {:>11.0} {:>11.0} {:>12.0} {:>9.1} {:>5}",
+                "{:>6} {:>5} {:>6.2} {:>4} {:>6.2} {:>11.0} {:>11.0} {:>12.0} {:>9.1} {:>5} {:>9}",
                 p.fragment_words,
                 p.links,
                 p.roi_fraction,
@@ -552,8 +554,15 @@ fn run_request(a: &BenchArgs) -> Result<()> {
                 p.external_requests_per_s,
                 p.internal_transfers_per_s,
                 p.kb_per_s / 1000.0,
-                if p.clean { "yes" } else { "NO" }
+                if p.clean { "yes" } else { "NO" },
+                p.input
             );
+            if p.input == "generator" {
+                println!(
+                    "       (generated in the unit: the generator's own thread used {:.2} CPU-s of the point; target at 24 links x 400 words, full build: >= 100 000 clears/s)",
+                    p.generator_cpu_s
+                );
+            }
         }
         points.push(p);
     }
@@ -564,6 +573,7 @@ fn run_request(a: &BenchArgs) -> Result<()> {
             roi_fraction: 0.0,
             roi_size: 4,
             full_fraction: 1.0,
+            generator: false,
         };
         if a.json {
             println!(

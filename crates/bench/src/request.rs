@@ -32,6 +32,9 @@ pub struct Mix {
     pub roi_fraction: f64,
     pub roi_size: u32,
     pub full_fraction: f64,
+    /// Fragments made inside the unit (the ROBIN's generator) instead of sent by emulated
+    /// sources over TCP.
+    pub generator: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -52,6 +55,10 @@ pub struct RequestPoint {
     pub kb_per_s: f64,
     /// Every request answered complete and every event cleared.
     pub clean: bool,
+    /// `tcp` (emulated sources) or `generator` (fragments made inside the unit).
+    pub input: &'static str,
+    /// CPU seconds of the generator's thread over the whole point (0 for TCP input).
+    pub generator_cpu_s: f64,
 }
 
 /// The fitted effective costs, in microseconds.
@@ -176,6 +183,10 @@ pub fn measure(m: &Mix, events: u64) -> Result<RequestPoint> {
             event_manager: em_addr,
             builders: (0..TESTERS).collect(),
             takeover: Duration::ZERO,
+            generator: m.generator.then_some(tessera_readout::LinkGenerator {
+                payload_size: m.fragment_size as usize,
+                events,
+            }),
         }),
     })
     .context("starting the readout unit")?;
@@ -249,21 +260,27 @@ pub fn measure(m: &Mix, events: u64) -> Result<RequestPoint> {
             }
         })
     };
-    let src = tessera_source::start(tessera_source::SourcePlan {
-        settings: SourcesSection {
-            count: m.links,
-            fragment_size: ByteSize(m.fragment_size),
-            trigger: TriggerMode::Unlimited,
-            ..Default::default()
-        },
-        pattern: Pattern::Counter,
-        max_payload,
-        sources: sources.iter().map(|&s| (s, ru_addr.clone())).collect(),
-        injections: Vec::new(),
-        events,
-        start_held: false,
-    })
-    .context("starting the sources")?;
+    let src = if m.generator {
+        None
+    } else {
+        Some(
+            tessera_source::start(tessera_source::SourcePlan {
+                settings: SourcesSection {
+                    count: m.links,
+                    fragment_size: ByteSize(m.fragment_size),
+                    trigger: TriggerMode::Unlimited,
+                    ..Default::default()
+                },
+                pattern: Pattern::Counter,
+                max_payload,
+                sources: sources.iter().map(|&s| (s, ru_addr.clone())).collect(),
+                injections: Vec::new(),
+                events,
+                start_held: false,
+            })
+            .context("starting the sources")?,
+        )
+    };
     // The event manager's side: announcements in, dealt to the testers.
     let mut announced = 0u64;
     let mut rd = Reader::default();
@@ -295,7 +312,9 @@ pub fn measure(m: &Mix, events: u64) -> Result<RequestPoint> {
         .lock()
         .unwrap()
         .write_all(&Message::End { units: 0, items: 0 }.encode());
-    src.stop();
+    if let Some(s) = &src {
+        s.stop();
+    }
     ru.stop();
     let t0 = Instant::now();
     while !ru.is_finished() && t0.elapsed() < Duration::from_secs(10) {
@@ -304,8 +323,11 @@ pub fn measure(m: &Mix, events: u64) -> Result<RequestPoint> {
     clean &= ru.stats.requests.stored_fragments.load(Ordering::Relaxed) == 0
         && cleared == events
         && tally.partial.load(Ordering::Relaxed) == 0;
+    let generator_cpu_s = ru.stats.requests.generator_cpu_ns.load(Ordering::Relaxed) as f64 / 1e9;
     ru.abort();
-    src.join();
+    if let Some(s) = src {
+        s.join();
+    }
     let (c0, t_start) = tally.window_start.lock().unwrap().unwrap_or((0, end));
     let dt = (end - t_start).as_secs_f64().max(1e-9);
     let frac = (cleared - c0) as f64 / cleared.max(1) as f64;
@@ -324,6 +346,8 @@ pub fn measure(m: &Mix, events: u64) -> Result<RequestPoint> {
         internal_transfers_per_s: rate(tally.fragments.load(Ordering::Relaxed)),
         kb_per_s: rate(tally.bytes.load(Ordering::Relaxed)) / 1000.0,
         clean,
+        input: if m.generator { "generator" } else { "tcp" },
+        generator_cpu_s,
     })
 }
 
@@ -467,6 +491,8 @@ impl Reader {
 /// found by trying every subset of costs free (the rest held at zero) and keeping the best
 /// feasible one.
 pub fn fit(points: &[RequestPoint]) -> Option<Fit> {
+    // The model's costs are those of input over TCP: generated input is another machine.
+    let points: Vec<&RequestPoint> = points.iter().filter(|p| p.input == "tcp").collect();
     if points.len() < 4 {
         return None;
     }
@@ -588,6 +614,7 @@ pub fn plan(quick: bool, links: u32) -> Vec<Mix> {
                 roi_fraction: 0.1,
                 roi_size: 4,
                 full_fraction: f,
+                generator: false,
             });
         }
     }
@@ -597,6 +624,7 @@ pub fn plan(quick: bool, links: u32) -> Vec<Mix> {
         roi_fraction: 0.6,
         roi_size: 4,
         full_fraction: 0.1,
+        generator: false,
     });
     v.push(Mix {
         fragment_size: 1600,
@@ -604,6 +632,16 @@ pub fn plan(quick: bool, links: u32) -> Vec<Mix> {
         roi_fraction: 0.0,
         roi_size: 4,
         full_fraction: 1.0,
+        generator: false,
+    });
+    // The design point again, fed by the in-process generator (as the ATLAS lab measured).
+    v.push(Mix {
+        fragment_size: 1600,
+        links,
+        roi_fraction: 0.0,
+        roi_size: 4,
+        full_fraction: 1.0,
+        generator: true,
     });
     v
 }
@@ -636,6 +674,8 @@ mod tests {
                     internal_transfers_per_s: int * hz,
                     kb_per_s: kb * hz,
                     clean: true,
+                    input: "tcp",
+                    generator_cpu_s: 0.0,
                 }
             })
             .collect();
@@ -683,6 +723,8 @@ mod tests {
                     internal_transfers_per_s: int * hz,
                     kb_per_s: kb * hz,
                     clean: true,
+                    input: "tcp",
+                    generator_cpu_s: 0.0,
                 }
             })
             .collect();
@@ -725,6 +767,7 @@ mod tests {
             roi_fraction: 0.5,
             roi_size: 4,
             full_fraction: 0.5,
+            generator: false,
         };
         let (mut ext, mut int) = (0usize, 0usize);
         for e in 0..20_000u64 {

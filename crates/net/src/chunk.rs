@@ -113,6 +113,16 @@ impl ChunkSlice {
         }
     }
 
+    /// A slice owning `bytes` (no copy), outside any budget.
+    pub fn from_vec(bytes: Vec<u8>) -> ChunkSlice {
+        let len = bytes.len();
+        ChunkSlice {
+            chunk: Chunk::from_vec(bytes),
+            start: 0,
+            len,
+        }
+    }
+
     /// A sub-slice `[off, off+len)` of this slice. Panics when the range is not inside it (the
     /// callers check lengths from peers before slicing; the check here keeps the unsafe read in
     /// `Deref` sound whatever a caller passes, including `off + len` that would overflow).

@@ -42,7 +42,7 @@ use tessera_net::reader::Fill;
 use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::{ChunkReader, ChunkSlice};
 
-pub use serve::RequestMode;
+pub use serve::{LinkGenerator, RequestMode};
 pub use stats::{LinkState, LinkStats, ReadoutStats, Rejection, RequestStats};
 
 /// Everything a readout unit needs to start.

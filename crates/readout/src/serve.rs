@@ -49,6 +49,19 @@ pub struct RequestMode {
     pub builders: Vec<u32>,
     /// How long to wait for a lost event manager to come back; zero: end at once.
     pub takeover: Duration,
+    /// Fragments made inside the unit instead of read from sources (for measurements).
+    pub generator: Option<LinkGenerator>,
+}
+
+/// Makes every link's fragments inside the unit, as the ATLAS lab measured its ROS with input
+/// from the ROBIN's on-board generator (seeds/004 §7.1), to separate the unit's own cost from
+/// its input's: no sources, no TCP in. Each fragment is a whole, valid wire fragment (its CRCs
+/// computed here, on this thread), stored in the pages exactly as one read from a link.
+#[derive(Clone, Copy, Debug)]
+pub struct LinkGenerator {
+    pub payload_size: usize,
+    /// Events 0 to `events` - 1 on every link, then every link ends.
+    pub events: u64,
 }
 
 /// The unit's side of its event-manager connection, which may be replaced (takeover).
@@ -159,11 +172,72 @@ pub(crate) fn start(
         let u = unit.clone();
         role.spawn(format!("ru{}-sweep", u.id), move || sweep(&u));
     }
+    if let Some(g) = mode.generator {
+        let u = unit.clone();
+        role.spawn(format!("ru{}-generator", u.id), move || generate(&u, g));
+    }
     {
         let u = unit;
         role.spawn(format!("ru{}-accept", u.id), move || accept(&u, listener));
     }
     Ok(())
+}
+
+/// Fills every link with generated fragments in batches, waiting for page space as a link
+/// reader does (back-pressure), then ends every link.
+fn generate(u: &Unit, g: LinkGenerator) {
+    use tessera_format::wire::{encode_fragment, FragmentHeader};
+    const BATCH: u64 = 32;
+    let n = u.sources.len();
+    for l in &u.stats.links {
+        l.claim();
+    }
+    let payload: Vec<u8> = (0..g.payload_size).map(|i| i as u8).collect();
+    let mut ev = 0u64;
+    let mut good: Vec<(u64, ChunkSlice)> = Vec::with_capacity(BATCH as usize);
+    let mut at: Vec<(u64, usize, usize)> = Vec::with_capacity(BATCH as usize);
+    while ev < g.events && !u.abort.load(Ordering::Relaxed) {
+        let end = (ev + BATCH).min(g.events);
+        for slot in 0..n {
+            let mut buf = Vec::new();
+            at.clear();
+            for e in ev..end {
+                let start = buf.len();
+                let h = FragmentHeader {
+                    status: 0,
+                    source_id: u.sources[slot],
+                    trigger_type: 0,
+                    event_id: e,
+                    timestamp: e,
+                    payload_size: g.payload_size as u32,
+                };
+                encode_fragment(&mut buf, &h, &payload);
+                at.push((e, start, buf.len() - start));
+            }
+            let whole = ChunkSlice::from_vec(buf);
+            good.extend(at.iter().map(|&(e, s, l)| (e, whole.slice(s, l))));
+            u.stats.links[slot]
+                .last_event
+                .store(end - 1, Ordering::Relaxed);
+            LinkSink::offer(u, slot, &mut good);
+            good.clear();
+        }
+        ev = end;
+    }
+    u.stats
+        .requests
+        .generator_cpu_ns
+        .store(tessera_net::role::thread_cpu_ns(), Ordering::Relaxed);
+    for slot in 0..n {
+        let l = &u.stats.links[slot];
+        l.eos_fragments.store(ev, Ordering::Relaxed);
+        l.set_state(if ev == g.events {
+            LinkState::Ended
+        } else {
+            LinkState::Aborted
+        });
+        u.close_link(slot);
+    }
 }
 
 impl LinkSink for Unit {

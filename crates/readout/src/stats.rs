@@ -214,6 +214,8 @@ pub struct ReadoutStats {
 pub struct RequestStats {
     /// Fragments in the paged buffers now.
     pub stored_fragments: AtomicU64,
+    /// CPU time of the in-process link generator's thread, once it has finished (0 without).
+    pub generator_cpu_ns: AtomicU64,
     pub total_pages: AtomicU64,
     pub free_pages: AtomicU64,
     pub requests: AtomicU64,

@@ -72,6 +72,7 @@ fn start_ru(
         max_payload: 1 << 20,
         quarantine: None,
         request_mode: Some(RequestMode {
+            generator: None,
             page_size,
             descriptors,
             timeout: Duration::from_millis(timeout_ms),

@@ -317,6 +317,7 @@ impl<'a> Starter<'a> {
                         )
                     }),
                     request_mode: self.request_mode().then(|| tessera_readout::RequestMode {
+                        generator: None,
                         page_size: q.page_size.0 as usize,
                         descriptors: q.descriptors as usize,
                         timeout: Duration::from_millis(q.timeout_ms),
