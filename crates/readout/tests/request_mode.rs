@@ -346,3 +346,84 @@ fn event_ids_that_wrap_around_are_served() {
     }
     ru.abort();
 }
+
+/// The in-process link generator (the ROBIN's generator of the ATLAS lab): every link gets every
+/// event, whole, held back by the pages until clears free them (pages for far fewer events than
+/// the run), then every link ends, and nothing is left in the pages.
+#[test]
+fn the_link_generator_fills_every_link_with_every_event_under_back_pressure() {
+    let (em_addr, em) = fake_em();
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    const EVENTS: u64 = 2000;
+    let sources = [3u32, 4, 5];
+    let ru = ReadoutUnit::start(ReadoutConfig {
+        id: 7,
+        listener: l,
+        sources: sources.to_vec(),
+        builders: Vec::new(),
+        assignment: AssignmentSection::default(),
+        // 64 KiB of pages per link: room for about a hundred of the 2000 events.
+        buffer: 3 * (64 << 10),
+        read_chunk: 16 << 10,
+        event_timeout: Duration::from_secs(1),
+        max_open_events: 1 << 16,
+        max_payload: 1 << 20,
+        quarantine: None,
+        request_mode: Some(RequestMode {
+            generator: Some(tessera_readout::LinkGenerator {
+                payload_size: 400,
+                events: EVENTS,
+            }),
+            page_size: 1024,
+            descriptors: 16,
+            timeout: Duration::from_secs(10),
+            event_manager: em_addr,
+            builders: vec![1],
+            takeover: Duration::ZERO,
+        }),
+    })
+    .unwrap();
+    let mut em = em();
+    let mut cleared = 0usize;
+    let t0 = std::time::Instant::now();
+    while cleared < EVENTS as usize {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "only {cleared} events announced"
+        );
+        let ids: Vec<u64> = em.announced.lock().unwrap()[cleared..].to_vec();
+        if ids.is_empty() {
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
+        }
+        cleared += ids.len();
+        em.send(Message::Clear { event_ids: ids });
+    }
+    let mut all = em.announced.lock().unwrap().clone();
+    all.sort_unstable();
+    assert_eq!(
+        all,
+        (0..EVENTS).collect::<Vec<_>>(),
+        "each event announced once"
+    );
+    let q = &ru.stats.requests;
+    while q.stored_fragments.load(Ordering::Relaxed) > 0
+        || !ru.stats.links.iter().all(|l| l.state().ended())
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "pages or links not done"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    for l in &ru.stats.links {
+        assert_eq!(l.fragments.load(Ordering::Relaxed), EVENTS);
+        assert_eq!(l.eos_fragments.load(Ordering::Relaxed), EVENTS);
+    }
+    // 64 pages of 1 KiB per link hold 64 of the 2000 events: the rest waited for clears.
+    assert!(
+        ru.stats.busy_ns() > 0,
+        "the pages never held the generator back"
+    );
+    ru.abort();
+}
