@@ -62,6 +62,10 @@ pub struct BenchArgs {
     pub roi_size: Option<u32>,
     #[arg(long)]
     pub full_fraction: Option<f64>,
+    /// request: with one mix (--roi-fraction, --full-fraction), feed the unit from its
+    /// in-process link generator instead of emulated sources over TCP.
+    #[arg(long)]
+    pub generator: bool,
     /// One JSON object per point on stdout (one per line).
     #[arg(long)]
     pub json: bool,
@@ -492,7 +496,10 @@ pub fn relay_chain(r: &Resolved, hops: usize) -> Result<f64> {
 fn run_request(a: &BenchArgs) -> Result<()> {
     use request::{fit, measure, plan, Mix};
     let events = a.events.unwrap_or(if a.quick { 30_000 } else { 100_000 });
-    let single = a.roi_fraction.is_some() || a.full_fraction.is_some() || a.roi_size.is_some();
+    let single = a.roi_fraction.is_some()
+        || a.full_fraction.is_some()
+        || a.roi_size.is_some()
+        || a.generator;
     let mixes: Vec<Mix> = if single {
         a.sizes
             .clone()
@@ -504,7 +511,7 @@ fn run_request(a: &BenchArgs) -> Result<()> {
                 roi_fraction: a.roi_fraction.unwrap_or(0.0),
                 roi_size: a.roi_size.unwrap_or(4),
                 full_fraction: a.full_fraction.unwrap_or(1.0),
-                generator: false,
+                generator: a.generator,
             })
             .collect()
     } else {
