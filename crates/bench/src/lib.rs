@@ -139,6 +139,15 @@ pub struct Point {
     pub ratio_max: f64,
 }
 
+/// CPU seconds (user and system) every thread of this process has used so far.
+pub(crate) fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills the struct it is given; RUSAGE_SELF covers every thread.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
 pub fn run(a: &BenchArgs) -> Result<()> {
     match a.what.as_deref() {
         None => {}

@@ -12,7 +12,7 @@ use std::time::Instant;
 use tessera_config::Topology;
 use tessera_run::{Options, StatusMode};
 
-use crate::BenchArgs;
+use crate::{cpu_seconds, BenchArgs};
 
 #[derive(Debug, Serialize)]
 pub struct LowRatePoint {
@@ -40,14 +40,6 @@ pub struct LowRate {
     pub ratio: f64,
     /// The same ratio for the DAQ's own threads.
     pub daq_ratio: f64,
-}
-
-fn cpu_seconds() -> f64 {
-    // SAFETY: getrusage fills the struct it is given; RUSAGE_SELF covers every thread.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
-    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
-    t(u.ru_utime) + t(u.ru_stime)
 }
 
 /// `run` and `trigger`: the keys of `[run]` (events or duration) and the trigger's in `[sources]`.

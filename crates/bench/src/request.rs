@@ -650,17 +650,19 @@ pub fn plan(quick: bool, links: u32) -> Vec<Mix> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_fit_recovers_known_costs() {
-        // Points generated from known costs at 100 % utilisation.
-        let t = [2.0, 0.5, 3.0, 0.8];
-        let mixes = plan(false, 24);
-        let pts: Vec<RequestPoint> = mixes
+    /// The points of `mixes` as if each were measured at 100 % utilisation with `us`
+    /// microseconds per event (from the mix's index, the mix, and its requests, transfers and
+    /// kB per event).
+    fn points_at_full_load(
+        mixes: &[Mix],
+        us: impl Fn(usize, &Mix, f64, f64, f64) -> f64,
+    ) -> Vec<RequestPoint> {
+        mixes
             .iter()
-            .map(|m| {
+            .enumerate()
+            .map(|(k, m)| {
                 let (ext, int, kb) = per_event(m);
-                let us = ext * t[0] + int * t[1] + t[2] + kb * t[3];
-                let hz = 1e6 / us;
+                let hz = 1e6 / us(k, m, ext, int, kb);
                 RequestPoint {
                     fragment_size: m.fragment_size,
                     fragment_words: m.fragment_size / 4,
@@ -678,7 +680,17 @@ mod tests {
                     generator_cpu_s: 0.0,
                 }
             })
-            .collect();
+            .collect()
+    }
+
+    #[test]
+    fn the_fit_recovers_known_costs() {
+        // Points generated from known costs at 100 % utilisation.
+        let t = [2.0, 0.5, 3.0, 0.8];
+        let mixes = plan(false, 24);
+        let pts = points_at_full_load(&mixes, |_, _, ext, int, kb| {
+            ext * t[0] + int * t[1] + t[2] + kb * t[3]
+        });
         let f = fit(&pts).unwrap();
         for (got, want) in [
             (f.t_external_us, t[0]),
@@ -699,35 +711,12 @@ mod tests {
     fn the_fit_never_gives_a_negative_cost() {
         let t = [2.0, 0.5, 3.0, 0.0];
         let mixes = plan(false, 24);
-        let pts: Vec<RequestPoint> = mixes
-            .iter()
-            .enumerate()
-            .map(|(k, m)| {
-                let (ext, int, kb) = per_event(m);
-                // Bigger fragments a little faster than the model: a negative per-kB cost
-                // fits best without the constraint.
-                let us = (ext * t[0] + int * t[1] + t[2])
-                    * (1.0 - 0.02 * (m.fragment_size as f64 / 1600.0))
-                    + 0.001 * (k % 3) as f64;
-                let hz = 1e6 / us;
-                RequestPoint {
-                    fragment_size: m.fragment_size,
-                    fragment_words: m.fragment_size / 4,
-                    links: m.links,
-                    roi_fraction: m.roi_fraction,
-                    roi_size: m.roi_size,
-                    full_fraction: m.full_fraction,
-                    events: 0,
-                    clear_rate_hz: hz,
-                    external_requests_per_s: ext * hz,
-                    internal_transfers_per_s: int * hz,
-                    kb_per_s: kb * hz,
-                    clean: true,
-                    input: "tcp",
-                    generator_cpu_s: 0.0,
-                }
-            })
-            .collect();
+        let pts = points_at_full_load(&mixes, |k, m, ext, int, _| {
+            // Bigger fragments a little faster than the model: a negative per-kB cost
+            // fits best without the constraint.
+            (ext * t[0] + int * t[1] + t[2]) * (1.0 - 0.02 * (m.fragment_size as f64 / 1600.0))
+                + 0.001 * (k % 3) as f64
+        });
         let free = least_squares(
             &pts.iter()
                 .map(|p| {

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use tessera_config::Topology;
 use tessera_run::{Options, StatusMode};
 
-use crate::BenchArgs;
+use crate::{cpu_seconds, BenchArgs};
 
 #[derive(Debug, Serialize)]
 pub struct Shape {
@@ -49,14 +49,6 @@ pub struct Shape {
     pub whole_run_ratio: f64,
     pub peak_threads: usize,
     pub peak_descriptors: usize,
-}
-
-fn cpu_seconds() -> f64 {
-    // SAFETY: getrusage fills the struct it is given; RUSAGE_SELF covers every thread.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
-    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
-    t(u.ru_utime) + t(u.ru_stime)
 }
 
 fn threads_now() -> usize {

@@ -373,7 +373,7 @@ fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener) {
                         eof: false,
                         dry_since: None,
                         silent: false,
-                        held_since: None,
+                        held: Default::default(),
                         _live: live.enter(),
                     };
                     tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Builder)
@@ -453,7 +453,7 @@ struct PolledRail {
     /// Since when the socket has been found empty with nothing read after.
     dry_since: Option<Instant>,
     silent: bool,
-    held_since: Option<Instant>,
+    held: tessera_net::reactor::Held,
     _live: tessera_net::reactor::TallyGuard,
 }
 
@@ -522,17 +522,9 @@ impl PolledRail {
         }
     }
 
-    /// Counts held time as busy time as it passes (a long hold shows while it lasts).
     fn count_held(&mut self, now: Instant, still: bool) {
-        if let Some(t) = self.held_since {
-            self.sh.stats.links[self.slot].budget.busy_ns.fetch_add(
-                now.saturating_duration_since(t).as_nanos() as u64,
-                Ordering::Relaxed,
-            );
-            self.held_since = still.then_some(now);
-        } else if still {
-            self.held_since = Some(now);
-        }
+        let busy = &self.sh.stats.links[self.slot].budget.busy_ns;
+        self.held.count(busy, now, still);
     }
 
     /// Offers what came, then applies the floors said after it; false while the table of

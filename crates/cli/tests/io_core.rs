@@ -5,7 +5,7 @@
 mod support;
 use std::process::Command;
 use std::time::Duration;
-use support::{eventually, Proc, LIMIT};
+use support::{eventually, has_part, Proc, LIMIT};
 
 fn threads_of(pid: u32) -> usize {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
@@ -14,15 +14,6 @@ fn threads_of(pid: u32) -> usize {
         .find_map(|l| l.strip_prefix("Threads:"))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0)
-}
-
-fn has_part(dir: &std::path::Path) -> bool {
-    std::fs::read_dir(dir)
-        .map(|d| {
-            d.flatten()
-                .any(|e| e.file_name().to_string_lossy().ends_with(".part"))
-        })
-        .unwrap_or(false)
 }
 
 #[test]

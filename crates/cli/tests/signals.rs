@@ -5,19 +5,10 @@
 mod support;
 use std::process::Command;
 use std::time::Duration;
-use support::{eventually, output, Proc, LIMIT};
+use support::{eventually, has_part, output, Proc, LIMIT};
 
 fn exe() -> &'static str {
     env!("CARGO_BIN_EXE_tessera")
-}
-
-fn has_part(dir: &std::path::Path) -> bool {
-    std::fs::read_dir(dir)
-        .map(|d| {
-            d.flatten()
-                .any(|e| e.file_name().to_string_lossy().ends_with(".part"))
-        })
-        .unwrap_or(false)
 }
 
 #[test]

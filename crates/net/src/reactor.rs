@@ -128,6 +128,25 @@ impl Drop for TallyGuard {
     }
 }
 
+/// The time a polled link spends held (no memory, or fragments the next stage cannot take yet),
+/// counted into a busy-time counter as it passes: a long hold shows while it lasts (status
+/// line, dashboard, /metrics), not only when it ends, as a blocked reader thread's wait did.
+#[derive(Debug, Default)]
+pub struct Held(Option<Instant>);
+
+impl Held {
+    /// Counts the time since the last call into `busy`; `still`: the link is held from `now`.
+    pub fn count(&mut self, busy: &std::sync::atomic::AtomicU64, now: Instant, still: bool) {
+        if let Some(t) = self.0 {
+            busy.fetch_add(
+                now.saturating_duration_since(t).as_nanos() as u64,
+                Ordering::Relaxed,
+            );
+        }
+        self.0 = still.then_some(now);
+    }
+}
+
 const WAKE: Token = Token(usize::MAX);
 
 struct Entry {

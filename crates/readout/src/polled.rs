@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tessera_format::StreamDecoder;
-use tessera_net::reactor::{Conn, Next, Tally, TallyGuard};
+use tessera_net::reactor::{Conn, Held, Next, Tally, TallyGuard};
 use tessera_net::reader::Fill;
 use tessera_net::{ChunkReader, ChunkSlice};
 
@@ -42,8 +42,7 @@ pub(crate) struct PolledLink<S: LinkSink> {
     /// silent from then on (only reads prove silence; a wait for memory proves nothing).
     dry_since: Option<Instant>,
     silent: bool,
-    /// Since when the link has been held and not yet counted as busy time.
-    held_since: Option<Instant>,
+    held: Held,
     eof: bool,
     /// The end of stream was parsed (acted on once every fragment before it was taken).
     ended: bool,
@@ -73,7 +72,7 @@ impl<S: LinkSink> PolledLink<S> {
             good: Vec::new(),
             dry_since: None,
             silent: false,
-            held_since: None,
+            held: Held::default(),
             eof: false,
             ended: false,
             phase: Phase::Reading,
@@ -81,19 +80,9 @@ impl<S: LinkSink> PolledLink<S> {
         })
     }
 
-    /// Counts the time held since the last count as busy time: a long hold shows while it
-    /// lasts (status line, dashboard, /metrics), not only when it ends.
     fn count_held(&mut self, now: Instant, still: bool) {
-        if let Some(t) = self.held_since {
-            let link = &self.sink.ctx().stats.links[self.slot];
-            link.budget.busy_ns.fetch_add(
-                now.saturating_duration_since(t).as_nanos() as u64,
-                Ordering::Relaxed,
-            );
-            self.held_since = still.then_some(now);
-        } else if still {
-            self.held_since = Some(now);
-        }
+        let busy = &self.sink.ctx().stats.links[self.slot].budget.busy_ns;
+        self.held.count(busy, now, still);
     }
 
     /// Offers what is waiting; false while the sink cannot take it all.

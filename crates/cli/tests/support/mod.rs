@@ -260,3 +260,13 @@ pub fn on_host<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'stat
     .join()
     .unwrap()
 }
+
+/// Whether a recorder is writing a file in `dir` (a `.part` exists): data reached the disk.
+pub fn has_part(dir: &std::path::Path) -> bool {
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .any(|e| e.file_name().to_string_lossy().ends_with(".part"))
+        })
+        .unwrap_or(false)
+}
