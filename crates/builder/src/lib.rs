@@ -371,8 +371,7 @@ fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener) {
                         progress: Vec::new(),
                         done: false,
                         eof: false,
-                        dry_since: None,
-                        silent: false,
+                        silence: Default::default(),
                         held: Default::default(),
                         _live: live.enter(),
                     };
@@ -450,9 +449,7 @@ struct PolledRail {
     /// The end came, or the link broke the protocol: finish once what came before is taken.
     done: bool,
     eof: bool,
-    /// Since when the socket has been found empty with nothing read after.
-    dry_since: Option<Instant>,
-    silent: bool,
+    silence: tessera_net::reactor::Silence,
     held: tessera_net::reactor::Held,
     _live: tessera_net::reactor::TallyGuard,
 }
@@ -461,8 +458,7 @@ struct PolledRail {
 const READS_PER_TURN: usize = 8;
 /// How soon a held link looks again.
 const HELD_RETRY: Duration = Duration::from_millis(1);
-/// A read that finds nothing for this long proves the rail silent.
-const SILENCE_PROOF: Duration = Duration::from_millis(100);
+use tessera_net::reactor::SILENCE_PROOF;
 
 impl PolledRail {
     fn fail(&self, e: String) {
@@ -599,28 +595,22 @@ impl tessera_net::reactor::Conn for PolledRail {
                 Ok(Fill::Data(0)) => {
                     // Nothing, not even a progress message, since `since`: silence.
                     let now = Instant::now();
-                    let since = *self
-                        .dry_since
-                        .get_or_insert(self.reader.read_started.unwrap_or(now));
-                    if now.saturating_duration_since(since) >= SILENCE_PROOF {
+                    if let Some(since) = self.silence.empty_read(self.reader.read_started, now) {
                         let s = since.saturating_duration_since(self.sh.t0).as_nanos() as u64;
                         self.sh
                             .rail_silent(self.slot, self.rail, Some((s, self.sh.now_ns())));
-                        self.silent = true;
                     }
                     return Next::Readable(now + SILENCE_PROOF);
                 }
                 Ok(Fill::Data(_)) => {
-                    if self.silent {
-                        self.sh.rail_silent(self.slot, self.rail, None);
-                        self.silent = false;
-                    }
                     drained = self.reader.drained();
-                    self.dry_since = drained.then(Instant::now);
+                    if self.silence.data(drained) {
+                        self.sh.rail_silent(self.slot, self.rail, None);
+                    }
                 }
                 Ok(Fill::Eof) => self.eof = true,
                 Ok(Fill::NoMemory) => {
-                    self.dry_since = None;
+                    self.silence.not_read();
                     let now = Instant::now();
                     self.count_held(now, true);
                     return Next::At(now + HELD_RETRY);

@@ -147,6 +147,43 @@ impl Held {
     }
 }
 
+/// How long a polled link must be found empty to be proven silent (as the blocking readers'
+/// socket timeout did).
+pub const SILENCE_PROOF: Duration = Duration::from_millis(100);
+
+/// What a polled link's reads prove about its peer's silence. Only reads prove it: a link not
+/// read (held for memory) proves nothing.
+#[derive(Debug, Default)]
+pub struct Silence {
+    /// Since when the socket has been found empty with nothing read after.
+    dry_since: Option<Instant>,
+    silent: bool,
+}
+
+impl Silence {
+    /// A read found nothing (it began at `read_started`). `Some(since)` when the link is now
+    /// proven silent from `since`: the caller reports it (again, extended, on later calls).
+    pub fn empty_read(&mut self, read_started: Option<Instant>, now: Instant) -> Option<Instant> {
+        let since = *self.dry_since.get_or_insert(read_started.unwrap_or(now));
+        (now.saturating_duration_since(since) >= SILENCE_PROOF).then(|| {
+            self.silent = true;
+            since
+        })
+    }
+
+    /// A read brought bytes (`drained`: and left the socket empty). True when the link had
+    /// been reported silent: the caller reports it heard.
+    pub fn data(&mut self, drained: bool) -> bool {
+        self.dry_since = drained.then(Instant::now);
+        std::mem::take(&mut self.silent)
+    }
+
+    /// The link was not read: what was proven so far proves nothing from here.
+    pub fn not_read(&mut self) {
+        self.dry_since = None;
+    }
+}
+
 const WAKE: Token = Token(usize::MAX);
 
 struct Entry {

@@ -580,9 +580,6 @@ fn count_after_end(sh: &LinkCtx, slot: usize, after: u64) {
 
 /// How long after its end of stream a link is still read, to count bytes that should not come.
 const LOOK_AFTER_END: Duration = Duration::from_millis(200);
-/// A read that finds nothing for this long proves the link silent (as the blocking readers'
-/// socket timeout does).
-const SILENCE_PROOF: Duration = Duration::from_millis(100);
 
 /// Reads one link on its own thread, blocking (request mode).
 pub(crate) fn read_link<S: LinkSink>(sink: &S, slot: usize, mut stream: TcpStream) {

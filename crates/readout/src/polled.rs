@@ -9,11 +9,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tessera_format::StreamDecoder;
-use tessera_net::reactor::{Conn, Held, Next, Tally, TallyGuard};
+use tessera_net::reactor::{Conn, Held, Next, Silence, Tally, TallyGuard, SILENCE_PROOF};
 use tessera_net::reader::Fill;
 use tessera_net::{ChunkReader, ChunkSlice};
 
-use crate::{count_after_end, parse, LinkSink, LinkState, Parsed, LOOK_AFTER_END, SILENCE_PROOF};
+use crate::{count_after_end, parse, LinkSink, LinkState, Parsed, LOOK_AFTER_END};
 
 /// Reads per turn before the other ready links of the poller get theirs.
 const READS_PER_TURN: usize = 8;
@@ -38,10 +38,7 @@ pub(crate) struct PolledLink<S: LinkSink> {
     want: usize,
     /// Good fragments the sink could not take yet (the table of open events is full).
     good: Vec<(u64, ChunkSlice)>,
-    /// Since when the socket has been found empty with nothing read after: the link is proven
-    /// silent from then on (only reads prove silence; a wait for memory proves nothing).
-    dry_since: Option<Instant>,
-    silent: bool,
+    silence: Silence,
     held: Held,
     eof: bool,
     /// The end of stream was parsed (acted on once every fragment before it was taken).
@@ -70,8 +67,7 @@ impl<S: LinkSink> PolledLink<S> {
             reader,
             want: 0,
             good: Vec::new(),
-            dry_since: None,
-            silent: false,
+            silence: Silence::default(),
             held: Held::default(),
             eof: false,
             ended: false,
@@ -206,23 +202,17 @@ impl<S: LinkSink> Conn for PolledLink<S> {
             match self.reader.try_fill(&mut self.stream, self.want) {
                 Ok(Fill::Data(0)) => {
                     let now = Instant::now();
-                    let since = *self
-                        .dry_since
-                        .get_or_insert(self.reader.read_started.unwrap_or(now));
-                    if now.saturating_duration_since(since) >= SILENCE_PROOF {
+                    if let Some(since) = self.silence.empty_read(self.reader.read_started, now) {
                         let s = since.saturating_duration_since(sh.t0).as_nanos() as u64;
                         sink.quiet(self.slot, s, sh.now_ns());
-                        self.silent = true;
                     }
                     return Next::Readable(now + SILENCE_PROOF);
                 }
                 Ok(Fill::Data(_)) => {
-                    if self.silent {
-                        sink.heard(self.slot);
-                        self.silent = false;
-                    }
                     drained = self.reader.drained();
-                    self.dry_since = drained.then(Instant::now);
+                    if self.silence.data(drained) {
+                        sink.heard(self.slot);
+                    }
                 }
                 Ok(Fill::Eof) => {
                     self.dec.finish();
@@ -230,7 +220,7 @@ impl<S: LinkSink> Conn for PolledLink<S> {
                 }
                 Ok(Fill::NoMemory) => {
                     // Not read: TCP holds the source. Not silence either.
-                    self.dry_since = None;
+                    self.silence.not_read();
                     let now = Instant::now();
                     self.count_held(now, true);
                     return Next::At(now + HELD_RETRY);
