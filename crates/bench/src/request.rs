@@ -496,19 +496,7 @@ pub fn fit(points: &[RequestPoint]) -> Option<Fit> {
     if points.len() < 4 {
         return None;
     }
-    // Rows [f_ext, f_int, f_clear, S] in units that keep the normal equations well scaled
-    // (per microsecond), target 1.
-    let rows: Vec<[f64; 4]> = points
-        .iter()
-        .map(|p| {
-            [
-                p.external_requests_per_s / 1e6,
-                p.internal_transfers_per_s / 1e6,
-                p.clear_rate_hz / 1e6,
-                p.kb_per_s / 1e6,
-            ]
-        })
-        .collect();
+    let rows = model_rows(points.iter().copied());
     let sse = |t: &[f64; 4]| -> f64 {
         rows.iter()
             .map(|r| (1.0 - (0..4).map(|i| r[i] * t[i]).sum::<f64>()).powi(2))
@@ -548,6 +536,21 @@ pub fn fit(points: &[RequestPoint]) -> Option<Fit> {
             .map(|i| names[i].to_string())
             .collect(),
     })
+}
+
+/// The model's rows [f_ext, f_int, f_clear, S] of each point, in units that keep the normal
+/// equations well scaled (per microsecond); each row's target is 1 (100 % utilisation).
+fn model_rows<'a>(points: impl Iterator<Item = &'a RequestPoint>) -> Vec<[f64; 4]> {
+    points
+        .map(|p| {
+            [
+                p.external_requests_per_s / 1e6,
+                p.internal_transfers_per_s / 1e6,
+                p.clear_rate_hz / 1e6,
+                p.kb_per_s / 1e6,
+            ]
+        })
+        .collect()
 }
 
 /// Unconstrained least squares of `rows · t = 1` over the costs in `free` (bit i: cost i), the
@@ -717,20 +720,7 @@ mod tests {
             (ext * t[0] + int * t[1] + t[2]) * (1.0 - 0.02 * (m.fragment_size as f64 / 1600.0))
                 + 0.001 * (k % 3) as f64
         });
-        let free = least_squares(
-            &pts.iter()
-                .map(|p| {
-                    [
-                        p.external_requests_per_s / 1e6,
-                        p.internal_transfers_per_s / 1e6,
-                        p.clear_rate_hz / 1e6,
-                        p.kb_per_s / 1e6,
-                    ]
-                })
-                .collect::<Vec<_>>(),
-            15,
-        )
-        .unwrap();
+        let free = least_squares(&model_rows(pts.iter()), 15).unwrap();
         assert!(
             free.iter().any(|&x| x < 0.0),
             "the case must need the constraint: {free:?}"
