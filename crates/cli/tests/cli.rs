@@ -1097,9 +1097,15 @@ fn bench_instructions_counts_the_cost_of_a_fragment_under_callgrind() {
         p["instructions_long"].as_f64().unwrap(),
     );
     assert!(long > short, "{p}");
-    // Two 1 KiB CRCs (source and readout unit) cost several hundred instructions; a fragment
-    // cannot cost more than the whole long run spread over its fragments.
-    assert!(per > 500.0 && per < long / (15_000.0 * 8.0), "{p}");
+    // Two 1 KiB CRCs (source and readout unit) cost several hundred instructions; the figure is
+    // the difference of the runs over the fragments between them, so it cannot exceed the whole
+    // long run spread over those fragments. (Not over all the long run's fragments: with little
+    // fixed start-up cost the marginal cost of a fragment may exceed its average, as it did by
+    // 0.4 % once links stopped having threads of their own.)
+    assert!(
+        per > 500.0 && per < long / ((15_000.0 - 5_000.0) * 8.0),
+        "{p}"
+    );
 }
 
 /// `tessera bench lowrate --quick --json`: both points ran clean over the same fragments, and the
