@@ -133,9 +133,19 @@ fn tessera() -> &'static str {
 
 /// A node agent on `host`, writing under `dir/<name>`.
 fn agent(host: &Host, dir: &Path, name: &str) -> Proc {
+    agent_with(
+        Command::new("ip").args(["netns", "exec", &host.ns]),
+        host,
+        dir,
+        name,
+    )
+}
+
+/// [`agent`], started by `launcher` (the command that puts it in the host's namespace).
+fn agent_with(launcher: &mut Command, host: &Host, dir: &Path, name: &str) -> Proc {
     Proc::spawn(
-        Command::new("ip")
-            .args(["netns", "exec", &host.ns, tessera(), "node", "--listen"])
+        launcher
+            .args([tessera(), "node", "--listen"])
             .arg(format!("{}:7300", host.ip))
             .arg("--output")
             .arg(dir.join(name))
@@ -1112,4 +1122,148 @@ fn an_external_source_on_a_front_end_host_holds_every_host_until_it_connects() {
         a.signal("INT");
         a.finish(LIMIT);
     }
+}
+
+/// A control group with a CPU quota, for the processes put in it (cgroup v1 `cpu` controller,
+/// else v2 `cpu.max`): a host with less CPU than its work needs, as a Kubernetes CPU limit or
+/// systemd's `CPUQuota=` makes one. Its processes go back to the root group and it is removed
+/// when dropped.
+struct CpuLimit {
+    dir: PathBuf,
+    root: PathBuf,
+}
+
+impl CpuLimit {
+    /// `None` where no group can be made (not root, no cpu controller).
+    fn new(cores: f64) -> Option<CpuLimit> {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "tessera-test-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        );
+        let period = 100_000u64;
+        let quota = (cores * period as f64) as u64;
+        for (root, v1) in [
+            (PathBuf::from("/sys/fs/cgroup/cpu"), true),
+            (PathBuf::from("/sys/fs/cgroup"), false),
+        ] {
+            let dir = root.join(&name);
+            if std::fs::create_dir(&dir).is_err() {
+                continue;
+            }
+            let limit = CpuLimit {
+                dir: dir.clone(),
+                root,
+            };
+            let set = if v1 {
+                std::fs::write(dir.join("cpu.cfs_period_us"), period.to_string()).is_ok()
+                    && std::fs::write(dir.join("cpu.cfs_quota_us"), quota.to_string()).is_ok()
+            } else {
+                std::fs::write(dir.join("cpu.max"), format!("{quota} {period}")).is_ok()
+            };
+            if set {
+                return Some(limit);
+            }
+        }
+        None
+    }
+
+    fn add(&self, pid: u32) {
+        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string())
+            .unwrap_or_else(|e| panic!("cannot put {pid} in {}: {e}", self.dir.display()));
+    }
+}
+
+impl Drop for CpuLimit {
+    fn drop(&mut self) {
+        let procs = std::fs::read_to_string(self.dir.join("cgroup.procs")).unwrap_or_default();
+        for pid in procs.lines() {
+            let _ = std::fs::write(self.root.join("cgroup.procs"), pid);
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// Issue 14, diagnosis: one host of a run over hosts given a fifth of a core, the sources on a
+/// host of their own sending as fast as back-pressure lets them; the run control must name the
+/// stage on that host as the bottleneck, and as CPU-bound (its process used all the CPU it may),
+/// for most of the run: what a profiler of that host would say.
+fn cpu_starved_drill(starved: &str, want: &str) {
+    let names = ["src", "fe1", "bu", "be"];
+    let Some((_net, hosts)) = make_net(&names) else {
+        println!("SKIPPED: network namespaces need root and iproute2");
+        return;
+    };
+    let Some(limit) = CpuLimit::new(0.2) else {
+        println!("SKIPPED: a CPU quota needs root and a cgroup cpu controller");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    // The starved host's agent enters only the network namespace (nsenter), not the fresh
+    // /sys that `ip netns exec` mounts: it sees its control group's quota, as an agent under
+    // systemd or Kubernetes does.
+    let agents: Vec<Proc> = names
+        .iter()
+        .zip(&hosts)
+        .map(|(n, h)| {
+            if *n == starved {
+                let net = format!("--net=/run/netns/{}", h.ns);
+                agent_with(Command::new("nsenter").arg(net), h, dir.path(), n)
+            } else {
+                agent(h, dir.path(), n)
+            }
+        })
+        .collect();
+    let i = names.iter().position(|n| *n == starved).unwrap();
+    limit.add(agents[i].id());
+    let mut t = format!(
+        "[run]\noutput = \"{}\"\nduration_s = 5\nmax_fragment_size = \"16 KiB\"\n\
+         [sources]\nhost = \"src\"\ncount = 4\nfragment_size = 4096\ntrigger = \"unlimited\"\n\
+         [control]\nagent_timeout_ms = 10000\nsample_interval_ms = 250\n\
+         [security]\nallow = [\"10.78.0.0/24\"]\n\
+         [[readout]]\nid = 0\nhost = \"fe1\"\nsources = \"0-3\"\n\
+         [[builder]]\nid = 0\nhost = \"bu\"\n\
+         [recorder]\nhost = \"be\"\nfsync = false\n[hosts]\n",
+        dir.path().join("control").display()
+    );
+    for (n, h) in names.iter().zip(&hosts) {
+        t += &format!("{n} = \"{}:7300\"\n", h.ip);
+    }
+    let cfg = dir.path().join("drill.toml");
+    std::fs::write(&cfg, t).unwrap();
+    let be = &hosts[3];
+    let (_ctl, addr) = run_control(be, &cfg, dir.path());
+    wait_state(&be.ns, addr, "configured");
+    transition(&be.ns, addr, "start");
+    // The run ends by itself after its duration.
+    let mut st = serde_json::Value::Null;
+    assert!(
+        eventually(LIMIT, || {
+            st = state(&be.ns, addr);
+            st["last_stop"].is_object() && st["busy"].is_null() && st["state"] != "running"
+        }),
+        "the run never ended: {st}"
+    );
+    let run = st["run_number"].as_u64().unwrap();
+    let report = json(&be.ns, addr, &format!("/api/runs/{run}"))["report"].clone();
+    assert_eq!(report["balance"]["holds"], true, "{report}");
+    let top = &report["bottlenecks"][0];
+    assert_eq!(top["name"], want, "{}", report["bottlenecks"]);
+    assert!(
+        top["share"].as_f64().unwrap() > 0.5,
+        "{}",
+        report["bottlenecks"]
+    );
+    drop(agents);
+}
+
+#[test]
+fn a_cpu_starved_readout_unit_is_named_the_bottleneck() {
+    cpu_starved_drill("fe1", "readout on fe1 (cpu)");
+}
+
+#[test]
+fn a_cpu_starved_builder_is_named_the_bottleneck() {
+    cpu_starved_drill("bu", "builders on bu (cpu)");
 }

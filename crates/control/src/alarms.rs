@@ -349,6 +349,7 @@ mod tests {
             per_builder_busy_fraction: vec![],
             recorder_busy_fraction: 0.0,
             bottleneck: crate::sampler::bottleneck(&stages),
+            bottleneck_key: String::new(),
             stages,
         }
     }
@@ -371,6 +372,7 @@ mod tests {
             condition,
             why: "buffers 99% full".into(),
             load: 0.99,
+            cpu: None,
         }
     }
 

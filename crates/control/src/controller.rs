@@ -589,7 +589,8 @@ impl Controller {
             }
         };
         let number = session.run_number();
-        let report = session.finish(reason, stop.clone())?;
+        let mut report = session.finish(reason, stop.clone())?;
+        report.bottlenecks = self.shared.sampler.lock().bottlenecks();
         let report = Arc::new(report);
         if let Some(db) = db {
             let failed = self.shared.ctl.lock().error.clone();
@@ -654,18 +655,18 @@ impl Controller {
             if last_sample.elapsed() >= Duration::from_millis(interval) {
                 last_sample = Instant::now();
                 let live = session.as_ref().map(|s| s.live());
+                let taking_data = state == State::Running
+                    && busy.is_none()
+                    && live.as_ref().is_some_and(|l| !l.paused);
                 let (rates, point) = match &live {
                     Some(l) => {
                         let mut s = self.shared.sampler.lock();
-                        s.push(l);
+                        s.push(l, taking_data);
                         (s.rates.clone(), s.history.back().cloned())
                     }
                     None => (None, None),
                 };
                 let lost = cluster.as_ref().map(|c| c.lost_hosts()).unwrap_or_default();
-                let taking_data = state == State::Running
-                    && busy.is_none()
-                    && live.as_ref().is_some_and(|l| !l.paused);
                 self.shared.alarms.lock().evaluate(
                     &Look {
                         t: t0.elapsed().as_secs_f64(),

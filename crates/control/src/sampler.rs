@@ -19,6 +19,15 @@ pub const HISTORY: usize = 600;
 /// fraction of the interval unable to read (sources: held by back-pressure).
 const BLOCKED: f64 = 0.8;
 const HELD: f64 = 0.2;
+/// A host that used more than this fraction of the cores it may use is CPU-bound: its stages
+/// go no faster because they get no more CPU, whatever their buffers say.
+const CPU_BOUND: f64 = 0.9;
+/// A process whose threads waited for a core more than this fraction of the time they were
+/// ready to run is CPU-starved.
+const CPU_WAITED: f64 = 0.5;
+/// A blocked stage is named itself, CPU-starved, when its process waited for a core this much
+/// more of its ready time than the next stage's did.
+const STARVED_MORE: f64 = 0.15;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Point {
@@ -46,6 +55,55 @@ pub struct StageView {
     /// The larger of the fullest buffer's occupancy and the fraction of the interval unable to
     /// read (0..1).
     pub load: f64,
+    /// The CPU of the process this stage runs in (its host's agent, or the whole run) over the
+    /// interval, where it was measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<Cpu>,
+}
+
+/// CPU a process used over an interval.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Cpu {
+    /// Fraction of what it may use (0..1, a little above on rounding).
+    pub used: f64,
+    /// Cores it may use (its CPUs, or its control group's quota where the process can see it).
+    pub allowance: f64,
+    /// Of the time its threads were ready to run, the fraction they waited for a core (0..1):
+    /// high on a host short of cores, or under a CPU quota the process cannot see.
+    pub waited: f64,
+}
+
+impl Cpu {
+    fn bound(&self) -> bool {
+        self.used > CPU_BOUND || self.waited > CPU_WAITED
+    }
+
+    fn words(&self) -> String {
+        if self.used > CPU_BOUND || self.waited <= CPU_WAITED {
+            format!(
+                "CPU-bound: its process used {:.0}% of the {} cores it may use",
+                self.used * 100.0,
+                trim(self.allowance)
+            )
+        } else {
+            format!(
+                "CPU-starved: its process's threads waited for a core {:.0}% of the time they were ready to run",
+                self.waited * 100.0
+            )
+        }
+    }
+}
+
+fn trim(x: f64) -> String {
+    let s = format!("{x:.2}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+/// What holds the last stage when it is blocked itself, in words and as one word for tallies
+/// (`disk`, `monitor`, `cpu`, `unknown`).
+pub struct Hold {
+    pub cause: &'static str,
+    pub words: String,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -63,6 +121,10 @@ pub struct Rates {
     pub recorder_busy_fraction: f64,
     pub stages: Vec<StageView>,
     pub bottleneck: String,
+    /// The bottleneck in a few fixed words, to count over a run: the stage (and host), and
+    /// what holds it when it is the last stage or CPU-bound (`recorder (disk)`, `builders
+    /// (cpu)`, `readout on fe1`, `none`).
+    pub bottleneck_key: String,
 }
 
 #[derive(Default)]
@@ -70,6 +132,8 @@ pub struct Sampler {
     last: Option<(Instant, Live)>,
     pub history: VecDeque<Point>,
     pub rates: Option<Rates>,
+    /// Seconds each bottleneck was named while the run took data (not paused).
+    named: BTreeMap<String, f64>,
 }
 
 fn per_s(a: u64, b: u64, dt: f64) -> f64 {
@@ -93,7 +157,9 @@ impl Sampler {
         *self = Sampler::default();
     }
 
-    pub fn push(&mut self, live: &Live) {
+    /// Takes a snapshot; `taking_data` (running, not paused, no transition under way) counts
+    /// the interval towards the run's bottleneck tally.
+    pub fn push(&mut self, live: &Live, taking_data: bool) {
         let now = Instant::now();
         let Some((t_then, then)) = self.last.take() else {
             self.last = Some((now, live.clone()));
@@ -130,8 +196,28 @@ impl Sampler {
         while self.history.len() > HISTORY {
             self.history.pop_front();
         }
-        self.rates = Some(rates(live, &then, dt));
+        let r = rates(live, &then, dt);
+        if taking_data && !then.paused {
+            *self.named.entry(r.bottleneck_key.clone()).or_default() += dt;
+        }
+        self.rates = Some(r);
         self.last = Some((now, live.clone()));
+    }
+
+    /// What was named the bottleneck over the run so far, most named first.
+    pub fn bottlenecks(&self) -> Vec<tessera_run::report::BottleneckShare> {
+        let total: f64 = self.named.values().sum();
+        let mut out: Vec<_> = self
+            .named
+            .iter()
+            .map(|(name, &seconds)| tessera_run::report::BottleneckShare {
+                name: name.clone(),
+                seconds,
+                share: if total > 0.0 { seconds / total } else { 0.0 },
+            })
+            .collect();
+        out.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
+        out
     }
 }
 
@@ -329,8 +415,15 @@ fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
         );
         stages.push(l.view("recorder", rec.host.clone()));
     }
-    let after_last = after_last(live, then, dt);
-    let bottleneck = bottleneck_after(&stages, &after_last);
+    let cpu = cpu_per_host(live, then, dt);
+    for s in &mut stages {
+        // The sources' view is grouped by the readout unit's host, not by where they run.
+        if s.stage != "sources" {
+            s.cpu = cpu.get(&s.host).copied();
+        }
+    }
+    let hold = after_last(live, then, dt, &cpu);
+    let (bottleneck, bottleneck_key) = named(&stages, &hold);
     Rates {
         interval_s: dt,
         per_source_fragments_per_s,
@@ -344,38 +437,98 @@ fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
         recorder_busy_fraction,
         stages,
         bottleneck,
+        bottleneck_key,
     }
 }
 
-/// What holds the last stage when it is blocked itself: nothing after the builders when
-/// recording is off (they are CPU-bound), else the disk if the recorder spent most of the
-/// interval in write and sync calls (or is below its free-space watermark), else its own CPU or a
-/// blocking monitor station.
-fn after_last(live: &Live, then: &Live, dt: f64) -> String {
-    match &live.recorder {
-        None => "CPU-bound: its buffers are full and nothing after it holds it".to_string(),
-        Some(rec) if rec.disk_low || rec.disk_full => {
-            "held by the disk: below its free-space watermark".to_string()
-        }
-        Some(rec) => {
-            let writing = frac(
-                rec.write_ns,
-                then.recorder.as_ref().map_or(rec.write_ns, |o| o.write_ns),
-                dt,
-                1,
-            );
-            if writing > 0.5 {
-                format!(
-                    "held by the disk: in write and sync calls {:.0}% of the time",
-                    writing * 100.0
-                )
+/// Each process's CPU use over the interval, by host (`None`: the run in one process).
+fn cpu_per_host(live: &Live, then: &Live, dt: f64) -> BTreeMap<Option<String>, Cpu> {
+    live.hosts
+        .iter()
+        .filter_map(|h| {
+            let o = then.hosts.iter().find(|o| o.host == h.host)?;
+            let allowance = h.cpu_allowance.max(0.01);
+            let ran = h.cpu_ns.saturating_sub(o.cpu_ns) as f64;
+            let used = ran / 1e9 / dt / allowance;
+            let wait = h.cpu_wait_ns.saturating_sub(o.cpu_wait_ns) as f64;
+            let waited = if ran + wait > 0.0 {
+                wait / (ran + wait)
             } else {
-                format!(
-                    "not held by the disk (in write and sync calls {:.0}% of the time): CPU-bound, or a blocking monitor station",
-                    writing * 100.0
-                )
-            }
-        }
+                0.0
+            };
+            Some((
+                h.host.clone(),
+                Cpu {
+                    used,
+                    allowance,
+                    waited,
+                },
+            ))
+        })
+        .collect()
+}
+
+/// What holds the last stage when it is blocked itself: nothing after the builders when
+/// recording is off (they are CPU-bound); else the disk if the recorder spent most of the
+/// interval in write and sync calls or held by the disk (throttle, free-space watermark); else
+/// a blocking monitor station if it spent most of it offering events to the monitor; else its
+/// own CPU when its process used nearly all it may.
+fn after_last(live: &Live, then: &Live, dt: f64, cpu: &BTreeMap<Option<String>, Cpu>) -> Hold {
+    let hold = |cause, words: String| Hold { cause, words };
+    let Some(rec) = &live.recorder else {
+        return hold(
+            "cpu",
+            "CPU-bound: its buffers are full and nothing after it holds it".into(),
+        );
+    };
+    if rec.disk_low || rec.disk_full {
+        return hold(
+            "disk",
+            "held by the disk: below its free-space watermark".into(),
+        );
+    }
+    let old = then.recorder.as_ref();
+    let at_disk = frac(
+        rec.write_ns + rec.throttled_ns,
+        old.map_or(rec.write_ns + rec.throttled_ns, |o| {
+            o.write_ns + o.throttled_ns
+        }),
+        dt,
+        1,
+    );
+    let at_monitor = frac(
+        rec.monitor_ns,
+        old.map_or(rec.monitor_ns, |o| o.monitor_ns),
+        dt,
+        1,
+    );
+    if at_disk > 0.5 {
+        hold(
+            "disk",
+            format!(
+                "held by the disk: in write and sync calls or throttled {:.0}% of the time",
+                at_disk * 100.0
+            ),
+        )
+    } else if at_monitor > 0.5 {
+        hold(
+            "monitor",
+            format!(
+                "held by a blocking monitor station: waiting for its consumers {:.0}% of the time",
+                at_monitor * 100.0
+            ),
+        )
+    } else if let Some(c) = cpu.get(&rec.host).filter(|c| c.bound()) {
+        hold("cpu", c.words())
+    } else {
+        hold(
+            "unknown",
+            format!(
+                "not held by the disk ({:.0}% of the time in write calls), the monitor ({:.0}%) or its CPU",
+                at_disk * 100.0,
+                at_monitor * 100.0
+            ),
+        )
     }
 }
 
@@ -445,6 +598,7 @@ impl StageView {
             condition,
             why,
             load,
+            cpu: None,
         }
     }
 }
@@ -454,15 +608,21 @@ impl StageView {
 /// blocked when it is on any host; over hosts the bottleneck names the stage's most loaded host
 /// (fullest buffers or longest unable to read), or its blocked one.
 pub fn bottleneck(stages: &[StageView]) -> String {
-    bottleneck_after(
+    named(
         stages,
-        "held by what comes after it: disk or a blocking monitor station",
+        &Hold {
+            cause: "unknown",
+            words: "held by what comes after it: disk or a blocking monitor station".into(),
+        },
     )
+    .0
 }
 
-/// [`bottleneck`], with what holds the last stage when it is blocked itself said by the caller,
-/// which knows (the recorder's time in write calls, or no recorder at all).
-pub fn bottleneck_after(stages: &[StageView], after_last: &str) -> String {
+/// [`bottleneck`] in words and as a key to count, with what holds the last stage when it is
+/// blocked itself said by the caller, which knows (the recorder's time in write calls and at
+/// the monitor, its CPU, or no recorder at all). A stage named whose process is CPU-bound says
+/// so: that is what a profiler would name.
+pub fn named(stages: &[StageView], hold: &Hold) -> (String, String) {
     let mut order: Vec<&'static str> = Vec::new();
     for s in stages {
         if !order.contains(&s.stage) {
@@ -475,22 +635,58 @@ pub fn bottleneck_after(stages: &[StageView], after_last: &str) -> String {
             .any(|s| s.stage == name && s.condition == "blocked")
     };
     // The host to name within a stage: a blocked one first, then the most loaded.
-    let at = |name: &str| -> String {
+    let at = |name: &str| -> (String, Option<Cpu>) {
         let worst = stages.iter().filter(|s| s.stage == name).max_by(|a, b| {
             let key = |s: &StageView| ((s.condition == "blocked") as u8, s.load);
             key(a)
                 .partial_cmp(&key(b))
                 .unwrap_or(std::cmp::Ordering::Equal)
         });
+        let cpu = worst.and_then(|s| s.cpu);
         match worst.and_then(|s| s.host.as_deref()) {
-            Some(h) => format!("{name} on {h}"),
-            None => name.to_string(),
+            Some(h) => (format!("{name} on {h}"), cpu),
+            None => (name.to_string(), cpu),
+        }
+    };
+    // A blocked stage whose own process is starved of CPU, clearly more than the next stage's,
+    // is held by its CPU rather than by the next stage: buffers fill where a stage reads faster
+    // than its own starved sending side empties them.
+    let starved_more = |i: usize| -> bool {
+        let (_, a) = at(order[i]);
+        let (_, b) = at(order[i + 1]);
+        match (a, b) {
+            // At the end of its own allowance while the next is not: a quota or a small host.
+            (Some(a), Some(b)) if a.used > CPU_BOUND => b.used <= CPU_BOUND,
+            (Some(a), Some(b)) => {
+                a.waited > CPU_WAITED && b.used <= CPU_BOUND && a.waited > b.waited + STARVED_MORE
+            }
+            (Some(a), None) => a.bound(),
+            _ => false,
         }
     };
     match order.iter().rposition(|s| blocked(s)) {
-        None => "none: the sources' trigger rate sets the pace".into(),
-        Some(i) if i + 1 < order.len() => at(order[i + 1]),
-        Some(i) => format!("{} ({after_last})", at(order[i])),
+        None => (
+            "none: the sources' trigger rate sets the pace".into(),
+            "none".into(),
+        ),
+        Some(i) if i + 1 < order.len() && order[i] != "sources" && starved_more(i) => {
+            let (name, c) = at(order[i]);
+            let c = c.expect("starved_more saw it");
+            (format!("{name} ({})", c.words()), format!("{name} (cpu)"))
+        }
+        Some(i) if i + 1 < order.len() => match at(order[i + 1]) {
+            (name, Some(c)) if c.bound() => {
+                (format!("{name} ({})", c.words()), format!("{name} (cpu)"))
+            }
+            (name, _) => (name.clone(), name),
+        },
+        Some(i) => {
+            let (name, _) = at(order[i]);
+            (
+                format!("{name} ({})", hold.words),
+                format!("{name} ({})", hold.cause),
+            )
+        }
     }
 }
 
@@ -557,18 +753,93 @@ mod tests {
             s("builders", "blocked"),
         ];
         let live = tessera_run::live::Live::empty(1);
+        let none = BTreeMap::new();
+        let (words, key) = named(&v, &after_last(&live, &live, 1.0, &none));
         assert_eq!(
-            bottleneck_after(&v, &after_last(&live, &live, 1.0)),
+            words,
             "builders (CPU-bound: its buffers are full and nothing after it holds it)"
         );
-        // A recorder in write calls most of the interval is held by its disk; one that is not
-        // is held by something else, and says so.
+        assert_eq!(key, "builders (cpu)");
+        // A recorder in write calls (or throttled) most of the interval is held by its disk; one
+        // offering events to a blocking monitor station, by the monitor; one doing neither on a
+        // process that used all its CPU, by its CPU; else by nothing measured, and it says so.
         let mut then = tessera_run::live::Live::empty(1);
         then.recorder = Some(Default::default());
         let mut now = then.clone();
+        let hold = |now: &Live, then: &Live, cpu: &BTreeMap<Option<String>, Cpu>| {
+            after_last(now, then, 1.0, cpu)
+        };
         now.recorder.as_mut().unwrap().write_ns = 800_000_000;
-        assert!(after_last(&now, &then, 1.0).starts_with("held by the disk"));
+        assert_eq!(hold(&now, &then, &none).cause, "disk");
         now.recorder.as_mut().unwrap().write_ns = 100_000_000;
-        assert!(after_last(&now, &then, 1.0).starts_with("not held by the disk"));
+        now.recorder.as_mut().unwrap().throttled_ns = 700_000_000;
+        assert_eq!(hold(&now, &then, &none).cause, "disk");
+        now.recorder.as_mut().unwrap().throttled_ns = 0;
+        now.recorder.as_mut().unwrap().monitor_ns = 900_000_000;
+        let h = hold(&now, &then, &none);
+        assert_eq!(h.cause, "monitor");
+        assert!(
+            h.words.starts_with("held by a blocking monitor station"),
+            "{}",
+            h.words
+        );
+        now.recorder.as_mut().unwrap().monitor_ns = 0;
+        let busy = BTreeMap::from([(
+            None,
+            Cpu {
+                used: 0.97,
+                allowance: 2.0,
+                waited: 0.1,
+            },
+        )]);
+        let h = hold(&now, &then, &busy);
+        assert_eq!(h.cause, "cpu");
+        assert_eq!(
+            h.words,
+            "CPU-bound: its process used 97% of the 2 cores it may use"
+        );
+        let h = hold(&now, &then, &none);
+        assert_eq!(h.cause, "unknown");
+        assert!(h.words.starts_with("not held by the disk"), "{}", h.words);
+    }
+
+    /// A stage named after a blocked one whose process used nearly all its CPU is named
+    /// CPU-bound; the same stage on a host with CPU to spare is named alone.
+    #[test]
+    fn a_named_stage_on_a_saturated_host_is_named_cpu_bound() {
+        let mut v = [
+            on("sources", "fe1", "blocked", 0.9),
+            on("readout", "fe1", "busy", 0.1),
+            on("builders", "bu", "busy", 0.2),
+        ];
+        v[1].cpu = Some(Cpu {
+            used: 0.99,
+            allowance: 0.2,
+            waited: 0.0,
+        });
+        let (words, key) = named(
+            &v,
+            &Hold {
+                cause: "unknown",
+                words: String::new(),
+            },
+        );
+        assert_eq!(
+            words,
+            "readout on fe1 (CPU-bound: its process used 99% of the 0.2 cores it may use)"
+        );
+        assert_eq!(key, "readout on fe1 (cpu)");
+        v[1].cpu.as_mut().unwrap().used = 0.3;
+        let (words, key) = named(
+            &v,
+            &Hold {
+                cause: "unknown",
+                words: String::new(),
+            },
+        );
+        assert_eq!(
+            (words.as_str(), key.as_str()),
+            ("readout on fe1", "readout on fe1")
+        );
     }
 }

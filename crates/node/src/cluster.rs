@@ -864,8 +864,15 @@ impl RunSession for ClusterRun {
             .cluster
             .statuses
             .lock()
-            .values()
-            .filter_map(|s| s.live.clone())
+            .iter()
+            .filter_map(|(host, s)| {
+                let mut l = s.live.clone()?;
+                // An agent measures its own process; the run control knows which host it is.
+                for h in &mut l.hosts {
+                    h.host.get_or_insert_with(|| host.clone());
+                }
+                Some(l)
+            })
             .collect();
         Live::combine(
             self.run_number,

@@ -71,6 +71,9 @@ pub struct RecorderStats {
     pub throttled_ns: AtomicU64,
     /// Nanoseconds the writer spent in write and fsync calls.
     pub write_ns: AtomicU64,
+    /// Time spent offering events to the monitor (waits at full blocking stations), a wait
+    /// under way included.
+    pub monitor: tessera_net::role::Stopwatch,
     /// fsync/fdatasync calls on data files (group commits and finished files).
     pub syncs: AtomicU64,
     pub files: Mutex<Vec<FileInfo>>,
@@ -576,7 +579,7 @@ fn write_loop(
             if let Some(m) = monitor {
                 // Returns at once unless a blocking station is full: then the recorder waits, as
                 // a blocking station asks (the monitor copies what it keeps; `rec` stays ours).
-                m.insert(&rec);
+                st.monitor.time(|| m.insert(&rec));
             }
             let stream = if enabled && !failed {
                 match w.append(slot, rec, nf, incomplete) {

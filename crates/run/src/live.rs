@@ -93,6 +93,13 @@ pub struct LiveRecorder {
     pub busy_ns: u64,
     pub links: usize,
     pub write_ns: u64,
+    /// Nanoseconds the writer was held by the disk beyond its calls: the configured throttle,
+    /// or pauses below the free-space watermark.
+    #[serde(default)]
+    pub throttled_ns: u64,
+    /// Nanoseconds spent offering events to the monitor: waits at full blocking stations.
+    #[serde(default)]
+    pub monitor_ns: u64,
     pub queued_fragments: u64,
     pub error: Option<String>,
     /// Free bytes on the output file system at the recorder's last look.
@@ -121,6 +128,36 @@ pub struct Live {
     /// The shipper of the recorder's data directory, where one is configured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shipper: Option<tessera_shipper::ShipperStatus>,
+    /// Each process's CPU: one entry in a run in one process, one per host over hosts.
+    #[serde(default)]
+    pub hosts: Vec<LiveHost>,
+}
+
+/// The CPU one process of the run (the whole run, or one host's agent) has used and may use.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct LiveHost {
+    /// `None` in a run in one process.
+    pub host: Option<String>,
+    /// CPU time of every thread of the process, nanoseconds (monotonic).
+    pub cpu_ns: u64,
+    /// Time its live threads spent ready to run and waiting for a core, nanoseconds (falls when
+    /// a thread that waited ends).
+    #[serde(default)]
+    pub cpu_wait_ns: u64,
+    /// Cores it may use now (CPUs, or its control group's quota).
+    pub cpu_allowance: f64,
+}
+
+impl LiveHost {
+    /// This process, now.
+    pub fn here(host: Option<String>) -> LiveHost {
+        LiveHost {
+            host,
+            cpu_ns: tessera_net::role::process_cpu_ns(),
+            cpu_wait_ns: tessera_net::role::process_cpu_wait_ns(),
+            cpu_allowance: tessera_net::role::cpu_allowance(),
+        }
+    }
 }
 
 impl Live {
@@ -137,6 +174,7 @@ impl Live {
             recorder: None,
             components: Vec::new(),
             shipper: None,
+            hosts: Vec::new(),
         }
     }
 
@@ -154,6 +192,7 @@ impl Live {
             recorder: None,
             components: Vec::new(),
             shipper: None,
+            hosts: Vec::new(),
         };
         let mut remote: BTreeMap<u32, LiveSource> = BTreeMap::new();
         for p in parts {
@@ -169,6 +208,7 @@ impl Live {
             out.recorder = out.recorder.or(p.recorder);
             out.shipper = out.shipper.or(p.shipper);
             out.components.extend(p.components);
+            out.hosts.extend(p.hosts);
         }
         for s in &mut out.sources {
             if let Some(x) = remote.remove(&s.id) {
@@ -246,6 +286,7 @@ impl Session {
         );
         live.components = self.components();
         live.shipper = self.shipper.as_ref().map(|s| s.status());
+        live.hosts = vec![LiveHost::here(None)];
         live
     }
 

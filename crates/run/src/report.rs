@@ -273,6 +273,21 @@ pub struct Report {
     /// How the stop went, stage by stage (absent while the run goes on).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stop: Option<crate::StopReport>,
+    /// What the run control named as the bottleneck while the run took data, each name with
+    /// the share of that time it was named, most named first (filled by the run control from
+    /// its samples; empty for a run shorter than two samples).
+    #[serde(default)]
+    pub bottlenecks: Vec<BottleneckShare>,
+}
+
+/// One bottleneck name (`recorder (disk)`, `readout on fe1 (cpu)`, `none`, ...) and how long
+/// it was named.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct BottleneckShare {
+    pub name: String,
+    pub seconds: f64,
+    /// Of the time sampled while taking data (0..1).
+    pub share: f64,
 }
 
 /// The mean fraction of the run each of `n` links spent busy, from their summed busy time: the
@@ -760,6 +775,7 @@ impl Report {
             monitor: None,
             hosts_missing: Vec::new(),
             stop: None,
+            bottlenecks: Vec::new(),
         }
     }
 

@@ -432,6 +432,8 @@ impl RunRole for tessera_recorder::Recorder {
             busy_ns: s.busy_ns(),
             links: s.links.lock().len(),
             write_ns: s.write_ns.load(Relaxed),
+            throttled_ns: s.throttled_ns.load(Relaxed),
+            monitor_ns: s.monitor.ns(),
             queued_fragments: s.queued_fragments.load(Relaxed),
             error: s.error.lock().clone(),
             current_file: s.current_file.lock().clone(),

@@ -270,3 +270,39 @@ pub fn has_part(dir: &std::path::Path) -> bool {
         })
         .unwrap_or(false)
 }
+
+/// One plain HTTP/1.1 request to `addr`: status and (de-chunked) body.
+pub fn http(addr: &str, method: &str, path: &str) -> (u16, Vec<u8>) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut r = Vec::new();
+    s.read_to_end(&mut r).unwrap();
+    let end = r.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let head = String::from_utf8_lossy(&r[..end]).to_string();
+    let status = head[9..12].parse().unwrap();
+    let mut body = r[end + 4..].to_vec();
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        // De-chunk: size line, data, CRLF, until the 0 chunk.
+        let (mut out, mut rest) = (Vec::new(), &body[..]);
+        loop {
+            let eol = rest.windows(2).position(|w| w == b"\r\n").unwrap();
+            let n = usize::from_str_radix(std::str::from_utf8(&rest[..eol]).unwrap().trim(), 16)
+                .unwrap();
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&rest[eol + 2..eol + 2 + n]);
+            rest = &rest[eol + 4 + n..];
+        }
+        body = out;
+    }
+    (status, body)
+}
