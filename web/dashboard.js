@@ -195,7 +195,13 @@ async function refresh() {
       `<tr><td>${esc(s.stage)}</td><td>${esc(s.host || "")}</td><td class="${esc(s.condition)}">${esc(s.condition)}</td><td>${esc(s.why)}</td></tr>`));
     $("bottleneck").textContent = "bottleneck: " + r.bottleneck;
     $("bottleneck").className = "bottleneck" + (r.bottleneck.startsWith("none") ? "" : " named");
+    // The trigger: offered against accepted, dead time over the interval and the run's vetoes.
+    const t = live.trigger;
+    $("trigger").textContent = t
+      ? `trigger (${t.policy}): ${r.trigger_offered_per_s.toFixed(0)}/s offered, ${r.trigger_accepted_per_s.toFixed(0)}/s accepted, dead time ${(100 * r.dead_time_fraction).toFixed(1)}%; run: ${t.offered} offered, ${t.accepted} accepted, ${t.vetoed} vetoed`
+      : "";
   } else {
+    $("trigger").textContent = "";
     // No run taking data: no stage is blocked, whatever the last look said.
     rows($("stages").tBodies[0], []);
     $("bottleneck").textContent = "no run taking data";

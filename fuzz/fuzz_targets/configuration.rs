@@ -1,5 +1,5 @@
 //! Topology files: any text through the parser and every check (`tessera check` without
-//! binding ports).
+//! binding ports); and the same text as a scenario file of trigger times.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 
@@ -8,4 +8,7 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let _ = tessera_config::Topology::parse(text, "fuzz.toml");
+    if let Ok(times) = tessera_config::parse_scenario(text) {
+        assert!(times.windows(2).all(|w| w[0] <= w[1]));
+    }
 });

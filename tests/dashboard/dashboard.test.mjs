@@ -71,6 +71,8 @@ try {
   const n1 = Number(await page.textContent("#events-total"));
   await until("more events", async () => Number(await page.textContent("#events-total")) > n1);
   await until("stages with a bottleneck", async () => (await page.textContent("#bottleneck")).startsWith("bottleneck:"));
+  // The demo's periodic trigger, one for all sources: offered, accepted and dead time.
+  await until("the trigger line", async () => /^trigger \(veto\): \d+\/s offered, \d+\/s accepted, dead time [\d.]+%; run: \d+ offered/.test(await page.textContent("#trigger")));
   await until("readout buffers", async () => (await page.locator("#ru-buffers .bar").count()) === 2);
   await until("alignment rows", async () => (await page.locator("#alignment tbody tr").count()) === 8);
   await until("a sampled event", async () => (await page.textContent("#sample")).startsWith("run 1 event"));

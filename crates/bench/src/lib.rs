@@ -486,6 +486,8 @@ pub fn relay_chain(r: &Resolved, hops: usize) -> Result<f64> {
         injections: Vec::new(),
         events: t.run.events,
         start_held: false,
+        veto: false,
+        scenario: None,
     };
     let t0 = Instant::now();
     let src = tessera_source::start(plan)?;

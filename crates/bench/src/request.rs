@@ -277,6 +277,8 @@ pub fn measure(m: &Mix, events: u64) -> Result<RequestPoint> {
                 injections: Vec::new(),
                 events,
                 start_held: false,
+                veto: false,
+                scenario: None,
             })
             .context("starting the sources")?,
         )

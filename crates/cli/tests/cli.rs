@@ -3,7 +3,7 @@
 mod support;
 use std::path::Path;
 use std::process::{Command, Output};
-use support::{output, Ports, Proc, LIMIT};
+use support::{event_headers, output, Ports, Proc, LIMIT};
 
 fn tessera(args: &[&str]) -> Output {
     output(
@@ -304,21 +304,6 @@ fn request_mode_processes(
             p[2]
         ),
     )
-}
-
-/// The header of every event in the finished files of `out`.
-fn event_headers(out: &Path) -> Vec<tessera_format::event::EventRecordHeader> {
-    let mut v = Vec::new();
-    for f in std::fs::read_dir(out).unwrap().flatten() {
-        if !f.file_name().to_string_lossy().ends_with(".tsr") {
-            continue;
-        }
-        let mut rd = tessera_verify::FileReader::open(&f.path()).unwrap();
-        while let Some((_, raw)) = rd.next_block().unwrap() {
-            v.extend(tessera_verify::events_in(raw).map(|e| e.unwrap().header));
-        }
-    }
-    v
 }
 
 /// A role's end: its JSON report (null if it printed none) with what it logged as `stderr`.

@@ -364,6 +364,38 @@ pub enum TriggerMode {
     Periodic,
     /// Exponential gaps with mean 1/rate, from `seed`: every source sees the same triggers.
     Poisson,
+    /// Bursts of `burst_size` triggers spread evenly over `burst_window_us`, the bursts starting
+    /// every 1/rate seconds (NectarCAM: 9 events within 180 us).
+    Bursts,
+    /// Trigger times read from `scenario` (a file of times in seconds from the start of the
+    /// run, one per line), replayed once.
+    Scenario,
+}
+
+/// What the trigger does with a trigger that comes while the system is BUSY.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BusyPolicy {
+    /// `veto` where one process runs every emulated source and triggers are paced, else
+    /// `queue`.
+    Auto,
+    /// As a trigger system does: a trigger while any front-end is BUSY (more than
+    /// `derandomizer` accepted events not yet sent) is not taken, and is counted. Accepted
+    /// triggers get consecutive event IDs.
+    Veto,
+    /// Every trigger is taken: a held source falls behind its schedule and sends the backlog
+    /// when it can (the behaviour before the trigger model).
+    Queue,
+}
+
+/// How `rate_profile` joins its points.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProfileShape {
+    /// Each rate holds until the next point.
+    Steps,
+    /// The rate changes linearly between points.
+    Linear,
 }
 
 /// `[sources]`: the emulated front-ends, and the IDs of external ones.
@@ -387,8 +419,26 @@ pub struct SourcesSection {
     /// drawn from a normal distribution clamped to [0, max_fragment_size].
     pub size_spread: ByteSize,
     pub trigger: TriggerMode,
-    /// Trigger rate for `periodic` and `poisson`, in Hz.
+    /// Trigger rate for `periodic` and `poisson` (bursts per second for `bursts`), in Hz.
     pub rate_hz: f64,
+    /// The rate over the run instead of one `rate_hz`: points `[seconds from the start, Hz]`,
+    /// the first at 0, joined as `rate_profile_shape` says; the last rate holds after the last
+    /// point.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rate_profile: Vec<[f64; 2]>,
+    pub rate_profile_shape: ProfileShape,
+    /// `bursts`: triggers per burst, and the window they are spread over (microseconds).
+    pub burst_size: u32,
+    pub burst_window_us: f64,
+    /// `scenario`: the file of trigger times (seconds from the start of the run, one per line,
+    /// ascending; `#` starts a comment). Relative to the topology file.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scenario: Option<std::path::PathBuf>,
+    /// What a trigger that comes while the system is BUSY does.
+    pub busy: BusyPolicy,
+    /// Accepted events the front-ends may hold not yet sent before they raise BUSY (the depth
+    /// of their derandomizers), with `busy = "veto"`.
+    pub derandomizer: u32,
     /// Seed shared by all sources: trigger times, trigger types and sizes derive from it.
     pub seed: u64,
     /// Payload pattern: `counter` (incompressible) or `adc` (12-bit samples, compressible).
@@ -416,6 +466,13 @@ impl Default for SourcesSection {
             size_spread: ByteSize(0),
             trigger: TriggerMode::Unlimited,
             rate_hz: 1000.0,
+            rate_profile: Vec::new(),
+            rate_profile_shape: ProfileShape::Steps,
+            burst_size: 9,
+            burst_window_us: 180.0,
+            scenario: None,
+            busy: BusyPolicy::Auto,
+            derandomizer: 1024,
             seed: 1,
             pattern: "counter".into(),
             trigger_types: 4,
@@ -424,6 +481,52 @@ impl Default for SourcesSection {
             host: None,
         }
     }
+}
+
+/// Most triggers a scenario file may hold (8 bytes each in memory).
+pub const MAX_SCENARIO_TRIGGERS: usize = 50_000_000;
+
+/// Reads a file of trigger times (seconds from the start of the run, one per line, ascending;
+/// blank lines and `#` comments skipped) as nanoseconds.
+pub fn read_scenario(path: &Path) -> Result<Vec<u64>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    parse_scenario(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// [`read_scenario`] of text.
+pub fn parse_scenario(text: &str) -> Result<Vec<u64>, String> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let t: f64 = line
+            .parse()
+            .map_err(|_| format!("line {}: {line:?} is not a time in seconds", i + 1))?;
+        if !(t.is_finite() && (0.0..=1e9).contains(&t)) {
+            return Err(format!(
+                "line {}: {t} s is not a time from 0 to 1e9 s",
+                i + 1
+            ));
+        }
+        let ns = (t * 1e9).round() as u64;
+        if out.last().is_some_and(|&last| ns < last) {
+            return Err(format!(
+                "line {}: {t} s comes before the time above it",
+                i + 1
+            ));
+        }
+        if out.len() == MAX_SCENARIO_TRIGGERS {
+            return Err(format!("more than {MAX_SCENARIO_TRIGGERS} triggers"));
+        }
+        out.push(ns);
+    }
+    if out.is_empty() {
+        return Err("no trigger times in it".into());
+    }
+    Ok(out)
 }
 
 /// Most sources one topology may have (emulated and external together): every table sized by
@@ -1229,7 +1332,24 @@ impl Topology {
             key: "-".into(),
             reason: format!("cannot read: {e}"),
         })?;
-        Self::parse(&text, &file)
+        let mut r = Self::parse(&text, &file)?;
+        // A scenario file is found beside the topology file that names it, and read now, so
+        // that a bad one is refused at configure, with its line.
+        if let Some(sc) = r.topology.sources.scenario.as_mut() {
+            if sc.is_relative() {
+                if let Some(dir) = path.parent() {
+                    *sc = dir.join(&*sc);
+                }
+            }
+            if r.topology.sources.trigger == TriggerMode::Scenario {
+                read_scenario(sc).map_err(|reason| ConfigError {
+                    file: file.clone(),
+                    key: "sources.scenario".into(),
+                    reason,
+                })?;
+            }
+        }
+        Ok(r)
     }
 
     /// Parses and checks topology text; `origin` names it in errors.
@@ -1327,7 +1447,77 @@ impl Topology {
                 "first_id + count overflows a 32-bit source ID".into(),
             ));
         }
-        if s.trigger != TriggerMode::Unlimited && !(s.rate_hz > 0.0 && s.rate_hz.is_finite()) {
+        let rated = matches!(
+            s.trigger,
+            TriggerMode::Periodic | TriggerMode::Poisson | TriggerMode::Bursts
+        );
+        if !s.rate_profile.is_empty() {
+            if !rated {
+                return Err(err(
+                    "sources.rate_profile",
+                    format!(
+                        "applies to periodic, poisson and bursts triggers, not {:?}",
+                        s.trigger
+                    ),
+                ));
+            }
+            if s.rate_profile[0][0] != 0.0 {
+                return Err(err(
+                    "sources.rate_profile",
+                    "the first point must be at 0 s".into(),
+                ));
+            }
+            for (i, [t, hz]) in s.rate_profile.iter().enumerate() {
+                if !(t.is_finite() && *t >= 0.0 && hz.is_finite() && *hz >= 0.0) {
+                    return Err(err(
+                        "sources.rate_profile",
+                        format!("point {i} ([{t}, {hz}]) needs a time and a rate, both finite and not negative"),
+                    ));
+                }
+                if i > 0 && *t <= s.rate_profile[i - 1][0] {
+                    return Err(err(
+                        "sources.rate_profile",
+                        format!(
+                            "point {i}: times must increase ({t} after {})",
+                            s.rate_profile[i - 1][0]
+                        ),
+                    ));
+                }
+            }
+            if s.rate_profile.iter().all(|p| p[1] == 0.0) {
+                return Err(err(
+                    "sources.rate_profile",
+                    "every rate is 0: no trigger would come".into(),
+                ));
+            }
+        }
+        if s.trigger == TriggerMode::Bursts {
+            if s.burst_size == 0 || s.burst_size > 1_000_000 {
+                return Err(err(
+                    "sources.burst_size",
+                    format!("must be 1 to 1000000 triggers, got {}", s.burst_size),
+                ));
+            }
+            if !(s.burst_window_us.is_finite() && s.burst_window_us >= 0.0) {
+                return Err(err(
+                    "sources.burst_window_us",
+                    format!("must be a time not below 0, got {}", s.burst_window_us),
+                ));
+            }
+        }
+        if s.trigger == TriggerMode::Scenario && s.scenario.is_none() {
+            return Err(err(
+                "sources.scenario",
+                "trigger = \"scenario\" needs the file of trigger times".into(),
+            ));
+        }
+        if s.busy == BusyPolicy::Veto && s.derandomizer == 0 {
+            return Err(err(
+                "sources.derandomizer",
+                "must hold at least 1 event with busy = \"veto\"".into(),
+            ));
+        }
+        if rated && s.rate_profile.is_empty() && !(s.rate_hz > 0.0 && s.rate_hz.is_finite()) {
             return Err(err(
                 "sources.rate_hz",
                 format!(
@@ -2008,6 +2198,21 @@ fn short_list(v: &[u32]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_scenario_file_reads_as_ascending_nanoseconds_and_names_a_bad_line() {
+        assert_eq!(
+            parse_scenario("# spill\n0.001\n\n0.5 # late\n0.5\n"),
+            Ok(vec![1_000_000, 500_000_000, 500_000_000])
+        );
+        assert!(parse_scenario("0.2\n0.1\n")
+            .unwrap_err()
+            .starts_with("line 2"));
+        assert!(parse_scenario("x\n").unwrap_err().starts_with("line 1"));
+        assert!(parse_scenario("-1\n").is_err());
+        assert!(parse_scenario("inf\n").is_err());
+        assert!(parse_scenario("# nothing\n").is_err());
+    }
 
     fn parse(s: &str) -> Result<Resolved, ConfigError> {
         Topology::parse(s, "t.toml")

@@ -590,7 +590,13 @@ impl Controller {
         };
         let number = session.run_number();
         let mut report = session.finish(reason, stop.clone())?;
-        report.bottlenecks = self.shared.sampler.lock().bottlenecks();
+        {
+            let sampler = self.shared.sampler.lock();
+            report.bottlenecks = sampler.bottlenecks();
+            if let Some(t) = report.trigger.as_mut() {
+                t.vetoed_by = sampler.vetoed_by(t.vetoed);
+            }
+        }
         let report = Arc::new(report);
         if let Some(db) = db {
             let failed = self.shared.ctl.lock().error.clone();

@@ -124,6 +124,13 @@ impl Collector for Snapshot {
         if let Some(rt) = &self.rates {
             let ru = |id: u32| l1("readout_unit", id);
             let bu = |id: u16| l1("builder", id);
+            if self.live.as_ref().is_some_and(|l| l.trigger.is_some()) {
+                e.gauge(
+                    "tessera_trigger_dead_time_fraction",
+                    "fraction of the triggers offered in the last interval that were vetoed",
+                    &[(vec![], rt.dead_time_fraction)],
+                )?;
+            }
             e.gauge(
                 "tessera_source_fragments_per_second",
                 "fragments per second read from each source's link, last interval",

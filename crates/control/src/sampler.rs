@@ -119,6 +119,11 @@ pub struct Rates {
     pub per_builder_bytes_per_s: Vec<(u16, f64)>,
     pub per_builder_busy_fraction: Vec<(u16, f64)>,
     pub recorder_busy_fraction: f64,
+    /// Triggers offered and accepted per second, and the fraction of offered ones vetoed
+    /// (dead time), over the interval.
+    pub trigger_offered_per_s: f64,
+    pub trigger_accepted_per_s: f64,
+    pub dead_time_fraction: f64,
     pub stages: Vec<StageView>,
     pub bottleneck: String,
     /// The bottleneck in a few fixed words, to count over a run: the stage (and host), and
@@ -134,6 +139,8 @@ pub struct Sampler {
     pub rates: Option<Rates>,
     /// Seconds each bottleneck was named while the run took data (not paused).
     named: BTreeMap<String, f64>,
+    /// Triggers vetoed in intervals where each bottleneck was named.
+    vetoed_by: BTreeMap<String, u64>,
 }
 
 fn per_s(a: u64, b: u64, dt: f64) -> f64 {
@@ -200,8 +207,25 @@ impl Sampler {
         if taking_data && !then.paused {
             *self.named.entry(r.bottleneck_key.clone()).or_default() += dt;
         }
+        if let (Some(a), Some(b)) = (&live.trigger, &then.trigger) {
+            let vetoed = a.vetoed.saturating_sub(b.vetoed);
+            if vetoed > 0 {
+                *self.vetoed_by.entry(r.bottleneck_key.clone()).or_default() += vetoed;
+            }
+        }
         self.rates = Some(r);
         self.last = Some((now, live.clone()));
+    }
+
+    /// Vetoed triggers by the bottleneck named when they were vetoed, out of `vetoed` in all:
+    /// those after the last sample are `after the last sample`.
+    pub fn vetoed_by(&self, vetoed: u64) -> BTreeMap<String, u64> {
+        let mut out = self.vetoed_by.clone();
+        let seen: u64 = out.values().sum();
+        if vetoed > seen {
+            out.insert("after the last sample".into(), vetoed - seen);
+        }
+        out
     }
 
     /// What was named the bottleneck over the run so far, most named first.
@@ -415,6 +439,23 @@ fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
         );
         stages.push(l.view("recorder", rec.host.clone()));
     }
+    let (trigger_offered_per_s, trigger_accepted_per_s, dead_time_fraction) =
+        match (&live.trigger, &then.trigger) {
+            (Some(a), Some(b)) => {
+                let offered = a.offered.saturating_sub(b.offered);
+                let vetoed = a.vetoed.saturating_sub(b.vetoed);
+                (
+                    offered as f64 / dt,
+                    a.accepted.saturating_sub(b.accepted) as f64 / dt,
+                    if offered > 0 {
+                        vetoed as f64 / offered as f64
+                    } else {
+                        0.0
+                    },
+                )
+            }
+            _ => (0.0, 0.0, 0.0),
+        };
     let cpu = cpu_per_host(live, then, dt);
     for s in &mut stages {
         // The sources' view is grouped by the readout unit's host, not by where they run.
@@ -435,6 +476,9 @@ fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
         per_builder_bytes_per_s,
         per_builder_busy_fraction,
         recorder_busy_fraction,
+        trigger_offered_per_s,
+        trigger_accepted_per_s,
+        dead_time_fraction,
         stages,
         bottleneck,
         bottleneck_key,

@@ -163,6 +163,26 @@ pub fn live_series(e: &mut Enc<'_, '_>, live: &Live) -> std::fmt::Result {
         &[(vec![], live.elapsed_s)],
     )?;
 
+    // The trigger: every offered trigger accepted or vetoed (BUSY).
+    if let Some(t) = &live.trigger {
+        let p = || vec![("policy", t.policy.clone())];
+        e.counter(
+            "tessera_trigger_offered",
+            "triggers the emulated sources' trigger offered",
+            &[(p(), t.offered)],
+        )?;
+        e.counter(
+            "tessera_trigger_accepted",
+            "triggers taken: events every emulated source sends",
+            &[(p(), t.accepted)],
+        )?;
+        e.counter(
+            "tessera_trigger_vetoed",
+            "triggers not taken because the system was BUSY (dead time)",
+            &[(p(), t.vetoed)],
+        )?;
+    }
+
     // Sources.
     let src = |s: &tessera_run::live::LiveSource| -> Labels {
         vec![

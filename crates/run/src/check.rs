@@ -231,7 +231,17 @@ pub fn check(r: &Resolved) -> CheckReport {
     let s = &t.sources;
     let events_per_s = match s.trigger {
         TriggerMode::Unlimited => None,
-        TriggerMode::Periodic | TriggerMode::Poisson => Some(s.rate_hz),
+        // The highest rate the run will see: the profile's peak where there is one.
+        TriggerMode::Periodic | TriggerMode::Poisson => Some(peak_rate(s)),
+        TriggerMode::Bursts => Some(peak_rate(s) * f64::from(s.burst_size.max(1))),
+        TriggerMode::Scenario => s
+            .scenario
+            .as_deref()
+            .and_then(|p| tessera_config::read_scenario(p).ok())
+            .and_then(|t| {
+                let span = (*t.last()? as f64 - *t.first()? as f64) / 1e9;
+                (span > 0.0).then(|| t.len() as f64 / span)
+            }),
     };
     let frag_wire = tessera_format::wire::fragment_wire_size(s.fragment_size.0 as usize) as f64;
     let per_link = events_per_s.map(|r| r * frag_wire);
@@ -404,5 +414,14 @@ pub fn check(r: &Resolved) -> CheckReport {
         events_per_s,
         mean_event_bytes: mean_event,
         units,
+    }
+}
+
+/// The highest trigger rate of `[sources]`: `rate_hz`, or the peak of `rate_profile`.
+fn peak_rate(s: &tessera_config::SourcesSection) -> f64 {
+    if s.rate_profile.is_empty() {
+        s.rate_hz
+    } else {
+        s.rate_profile.iter().map(|p| p[1]).fold(0.0, f64::max)
     }
 }

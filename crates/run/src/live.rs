@@ -120,6 +120,9 @@ pub struct Live {
     pub elapsed_s: f64,
     pub mode: String,
     pub paused: bool,
+    /// The emulated sources' trigger counts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trigger: Option<LiveTrigger>,
     pub sources: Vec<LiveSource>,
     pub readout_units: Vec<LiveReadout>,
     pub builders: Vec<LiveBuilder>,
@@ -131,6 +134,15 @@ pub struct Live {
     /// Each process's CPU: one entry in a run in one process, one per host over hosts.
     #[serde(default)]
     pub hosts: Vec<LiveHost>,
+}
+
+/// The trigger's counters (monotonic).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct LiveTrigger {
+    pub policy: String,
+    pub offered: u64,
+    pub accepted: u64,
+    pub vetoed: u64,
 }
 
 /// The CPU one process of the run (the whole run, or one host's agent) has used and may use.
@@ -168,6 +180,7 @@ impl Live {
             elapsed_s: 0.0,
             mode: "push".into(),
             paused: false,
+            trigger: None,
             sources: Vec::new(),
             readout_units: Vec::new(),
             builders: Vec::new(),
@@ -186,6 +199,7 @@ impl Live {
             elapsed_s,
             mode: parts.first().map_or("push".into(), |p| p.mode.clone()),
             paused,
+            trigger: None,
             sources: Vec::new(),
             readout_units: Vec::new(),
             builders: Vec::new(),
@@ -209,6 +223,15 @@ impl Live {
             out.shipper = out.shipper.or(p.shipper);
             out.components.extend(p.components);
             out.hosts.extend(p.hosts);
+            out.trigger = match (out.trigger.take(), p.trigger) {
+                (Some(a), Some(b)) => Some(LiveTrigger {
+                    policy: a.policy,
+                    offered: a.offered.max(b.offered),
+                    accepted: a.accepted.max(b.accepted),
+                    vetoed: a.vetoed + b.vetoed,
+                }),
+                (a, b) => a.or(b),
+            };
         }
         for s in &mut out.sources {
             if let Some(x) = remote.remove(&s.id) {

@@ -22,6 +22,7 @@ const REMOTE_DISCONNECTED: &str = "remote_disconnected";
 /// Every component's report, before the totals and the balance are taken.
 #[derive(Default)]
 pub struct Parts {
+    trigger: Option<TriggerReport>,
     sources: Vec<SourceReport>,
     readout_units: Vec<ReadoutReport>,
     builders: Vec<BuilderReport>,
@@ -250,6 +251,10 @@ pub struct Report {
     pub bytes_built: u64,
     pub events_per_s: f64,
     pub built_bytes_per_s: f64,
+    /// The emulated sources' trigger: offered, accepted and vetoed (absent without emulated
+    /// sources).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trigger: Option<TriggerReport>,
     pub sources: Vec<SourceReport>,
     pub readout_units: Vec<ReadoutReport>,
     pub builders: Vec<BuilderReport>,
@@ -278,6 +283,53 @@ pub struct Report {
     /// its samples; empty for a run shorter than two samples).
     #[serde(default)]
     pub bottlenecks: Vec<BottleneckShare>,
+}
+
+/// The trigger of the emulated sources: every offered trigger is accepted (an event, sent by
+/// every source) or vetoed because the system was BUSY.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct TriggerReport {
+    /// `veto` (a trigger while BUSY is not taken) or `queue` (every trigger is taken, late).
+    pub policy: String,
+    pub offered: u64,
+    pub accepted: u64,
+    pub vetoed: u64,
+    /// Vetoed over offered: the fraction of triggers lost to dead time.
+    pub dead_time_fraction: f64,
+    /// offered = accepted + vetoed.
+    pub holds: bool,
+    /// Vetoed triggers by the bottleneck the run control named while they were vetoed (the
+    /// stage that held the system BUSY; filled by the run control from its samples).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub vetoed_by: BTreeMap<String, u64>,
+}
+
+impl TriggerReport {
+    pub fn new(policy: &str, offered: u64, accepted: u64, vetoed: u64) -> TriggerReport {
+        TriggerReport {
+            policy: policy.into(),
+            offered,
+            accepted,
+            vetoed,
+            dead_time_fraction: if offered > 0 {
+                vetoed as f64 / offered as f64
+            } else {
+                0.0
+            },
+            holds: offered == accepted + vetoed,
+            vetoed_by: BTreeMap::new(),
+        }
+    }
+
+    /// Two processes' triggers (sources queued on several hosts), summed.
+    fn and(&self, o: &TriggerReport) -> TriggerReport {
+        TriggerReport::new(
+            &self.policy,
+            self.offered.max(o.offered),
+            self.accepted.max(o.accepted),
+            self.vetoed + o.vetoed,
+        )
+    }
 }
 
 /// One bottleneck name (`recorder (disk)`, `readout on fe1 (cpu)`, `none`, ...) and how long
@@ -407,6 +459,13 @@ pub(crate) fn readout(u: &tessera_readout::ReadoutUnit, cx: &Cx, p: &mut Parts) 
 /// Emulated sources, their sending side only (`remote`): where their readout unit runs in
 /// this process too, [`Report::collect`] keeps the link's side, which carries the same counts.
 pub(crate) fn sources(s: &tessera_source::RunningSources, cx: &Cx, p: &mut Parts) {
+    let t = &s.trigger;
+    p.trigger = Some(TriggerReport::new(
+        t.policy,
+        t.offered.load(Ordering::Relaxed),
+        t.accepted.load(Ordering::Relaxed),
+        t.vetoed.load(Ordering::Relaxed),
+    ));
     for st in &s.stats {
         let id = st.id;
         p.sources.push(SourceReport {
@@ -561,6 +620,7 @@ impl Report {
     /// unit; the balance is computed over the whole, as in one process.
     pub fn combine(r: &Resolved, info: RunInfo, parts: Vec<Report>) -> Report {
         let mut all = Parts {
+            trigger: None,
             sources: Vec::new(),
             readout_units: Vec::new(),
             builders: Vec::new(),
@@ -584,6 +644,10 @@ impl Report {
             all.event_manager = all.event_manager.or(p.event_manager);
             all.refused_outside_allow += p.refused_outside_allow;
             monitor = monitor.or(p.monitor);
+            all.trigger = match (all.trigger.take(), p.trigger) {
+                (Some(a), Some(b)) => Some(a.and(&b)),
+                (a, b) => a.or(b),
+            };
         }
         for s in &mut all.sources {
             if let Some(x) = remote.remove(&s.id) {
@@ -754,6 +818,7 @@ impl Report {
             } else {
                 0.0
             },
+            trigger: p.trigger,
             sources: p.sources,
             readout_units: p.readout_units,
             builders: p.builders,

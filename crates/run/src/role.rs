@@ -144,6 +144,13 @@ impl RunRole for tessera_source::RunningSources {
     fn live(&self, r: &Resolved, live: &mut Live) {
         // The sending side; the link's side comes from the readout unit, here or on another
         // host, and the two are joined by `Live::combine`.
+        let t = &self.trigger;
+        live.trigger = Some(crate::live::LiveTrigger {
+            policy: t.policy.into(),
+            offered: t.offered.load(Relaxed),
+            accepted: t.accepted.load(Relaxed),
+            vetoed: t.vetoed.load(Relaxed),
+        });
         for e in &self.stats {
             live.sources.push(LiveSource {
                 id: e.id,

@@ -2,7 +2,7 @@
 //! topology, the options, the sizes derived from them, how to get a listening socket).
 //! [`Session::start`](crate::Session::start) calls them sink first and wires their addresses.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -396,6 +396,27 @@ impl<'a> Starter<'a> {
         if emulated.is_empty() {
             return Ok(None);
         }
+        // A veto needs one trigger deciding for every source; sources spread over processes
+        // each derive their triggers alone, so they can only queue.
+        let all_here = emulated.len() as u64 == u64::from(t.sources.count);
+        let veto = match t.sources.busy {
+            tessera_config::BusyPolicy::Queue => false,
+            tessera_config::BusyPolicy::Auto => all_here,
+            tessera_config::BusyPolicy::Veto if all_here => true,
+            tessera_config::BusyPolicy::Veto => bail!(
+                "sources.busy = \"veto\" needs one trigger for every emulated source, and this process runs {} of {}: set sources.host (one host runs them all), or busy = \"queue\"",
+                emulated.len(),
+                t.sources.count
+            ),
+        };
+        let scenario = match (&t.sources.trigger, &t.sources.scenario) {
+            (tessera_config::TriggerMode::Scenario, Some(path)) => Some(
+                tessera_config::read_scenario(path)
+                    .map_err(|e| anyhow!("sources.scenario: {e}"))?
+                    .into(),
+            ),
+            _ => None,
+        };
         Ok(Some(
             tessera_source::start(SourcePlan {
                 settings: t.sources.clone(),
@@ -405,6 +426,8 @@ impl<'a> Starter<'a> {
                 injections: t.injections.clone(),
                 events: self.events,
                 start_held: held,
+                veto,
+                scenario,
             })
             .context("connecting the emulated sources")?,
         ))

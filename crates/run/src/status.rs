@@ -15,6 +15,8 @@ pub struct Status {
     last_events: u64,
     last_bytes: u64,
     last_busy: u64,
+    last_offered: u64,
+    last_vetoed: u64,
     dirty: bool,
     /// The shipper's backlog goes on the line.
     pub shipper: Option<std::sync::Arc<tessera_shipper::ShipperService>>,
@@ -30,6 +32,8 @@ impl Status {
             last_events: 0,
             last_bytes: 0,
             last_busy: 0,
+            last_offered: 0,
+            last_vetoed: 0,
             dirty: false,
             shipper: None,
         }
@@ -134,6 +138,26 @@ impl Status {
             pct(ru_used, ru_lim),
             pct(bu_used, bu_lim),
         );
+        // The trigger: offered against accepted, and the dead time of the interval.
+        let line = match &r.sources {
+            Some(src) if src.trigger.policy == "veto" => {
+                let t = &src.trigger;
+                let offered = t.offered.load(Ordering::Relaxed);
+                let vetoed = t.vetoed.load(Ordering::Relaxed);
+                let (o, v) = (
+                    offered - self.last_offered.min(offered),
+                    vetoed - self.last_vetoed.min(vetoed),
+                );
+                self.last_offered = offered;
+                self.last_vetoed = vetoed;
+                format!(
+                    "{line}  trigger {:.0}/s offered, dead {:.0}% (vetoed {vetoed})",
+                    o as f64 / dt,
+                    pct(v, o)
+                )
+            }
+            _ => line,
+        };
         let line = match &r.manager {
             Some(m) => {
                 let v = m.view();

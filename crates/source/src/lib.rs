@@ -54,6 +54,22 @@ pub struct SourcePlan {
     /// Start with the triggers held (as paused, the schedule's clock standing still) until
     /// [`RunningSources::resume`]: the run waits for external sources before its first event.
     pub start_held: bool,
+    /// Veto triggers that come while the front-ends are BUSY (the caller has checked that
+    /// these are every emulated source of the run: one trigger decides for all), or queue them.
+    pub veto: bool,
+    /// The times of `sources.scenario`, read (for `trigger = "scenario"`).
+    pub scenario: Option<Arc<[u64]>>,
+}
+
+/// The trigger's counts: every offered trigger is accepted or vetoed.
+#[derive(Debug, Default)]
+pub struct TriggerStats {
+    /// `veto` or `queue`.
+    pub policy: &'static str,
+    pub offered: AtomicU64,
+    pub accepted: AtomicU64,
+    /// Offered while BUSY, not taken.
+    pub vetoed: AtomicU64,
 }
 
 /// CPU time used by every source driver thread that has finished in this process: the emulated
@@ -64,6 +80,7 @@ pub static DRIVER_CPU_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::Atom
 /// Handles to running source threads and their counters.
 pub struct RunningSources {
     pub stats: Vec<Arc<SourceStats>>,
+    pub trigger: Arc<TriggerStats>,
     threads: Vec<JoinHandle<()>>,
     control: Arc<Control>,
 }
@@ -75,6 +92,42 @@ pub struct RunningSources {
 #[derive(Default)]
 struct Control {
     gate: Mutex<Gate>,
+    /// With a veto: the accepted triggers the drivers have not all sent yet.
+    log: Mutex<Log>,
+    /// Rung when triggers are accepted or the log ends.
+    more: parking_lot::Condvar,
+    trigger: Arc<TriggerStats>,
+}
+
+/// Accepted triggers on their way to every source (veto mode): the front-ends' derandomizers,
+/// seen together. The trigger is BUSY while the driver furthest behind has `depth` accepted
+/// events not yet sent.
+#[derive(Default)]
+struct Log {
+    /// Trigger times of events `base..next`.
+    times: std::collections::VecDeque<u64>,
+    base: u64,
+    /// One past the last accepted event ID.
+    next: u64,
+    /// Per driver: the next event ID it sends.
+    sent: Vec<u64>,
+    /// No trigger will be accepted any more (stopped, scenario over, `events` reached).
+    ended: bool,
+}
+
+impl Log {
+    fn slowest(&self) -> u64 {
+        self.sent.iter().copied().min().unwrap_or(self.next)
+    }
+
+    /// Forgets the times every driver has sent.
+    fn trim(&mut self) {
+        let done = self.slowest();
+        while self.base < done && !self.times.is_empty() {
+            self.times.pop_front();
+            self.base += 1;
+        }
+    }
 }
 
 #[derive(Clone, Copy, Default)]
@@ -95,6 +148,10 @@ impl Control {
         if g.stopping || g.paused_since.is_some() {
             g.claimed
         } else {
+            // Queued triggers are all taken: offered and accepted move together.
+            let more = end.saturating_sub(g.claimed);
+            self.trigger.offered.fetch_add(more, Ordering::Relaxed);
+            self.trigger.accepted.fetch_add(more, Ordering::Relaxed);
             g.claimed = g.claimed.max(end);
             end
         }
@@ -111,6 +168,7 @@ impl RunningSources {
     /// leaves no event built from only some sources.
     pub fn stop(&self) {
         self.control.gate.lock().stopping = true;
+        self.control.more.notify_all();
     }
 
     /// Holds the triggers (a run pause): every source sends up to the highest trigger already
@@ -178,7 +236,15 @@ struct Link {
 
 /// Connects every source and starts the driver threads. [`RunningSources::stop`] ends them.
 pub fn start(plan: SourcePlan) -> std::io::Result<RunningSources> {
-    let control = Arc::new(Control::default());
+    let paced = plan.settings.trigger != tessera_config::TriggerMode::Unlimited;
+    let veto = plan.veto && paced;
+    let control = Arc::new(Control {
+        trigger: Arc::new(TriggerStats {
+            policy: if veto { "veto" } else { "queue" },
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
     if plan.start_held {
         control.gate.lock().paused_since = Some(Instant::now());
     }
@@ -218,9 +284,10 @@ pub fn start(plan: SourcePlan) -> std::io::Result<RunningSources> {
     for (i, l) in links.into_iter().enumerate() {
         groups[i % threads_wanted].push(l);
     }
+    control.log.lock().sent = vec![0; groups.len()];
     let plan = Arc::new(plan);
     let t0 = Instant::now();
-    let threads = groups
+    let mut threads: Vec<JoinHandle<()>> = groups
         .into_iter()
         .enumerate()
         .map(|(k, group)| {
@@ -229,7 +296,11 @@ pub fn start(plan: SourcePlan) -> std::io::Result<RunningSources> {
             std::thread::Builder::new()
                 .name(format!("source-drv-{k}"))
                 .spawn(move || {
-                    drive(&plan, group, &control, t0);
+                    if veto {
+                        drive_accepted(&plan, group, &control, k);
+                    } else {
+                        drive(&plan, group, &control, t0);
+                    }
                     DRIVER_CPU_NS.fetch_add(
                         tessera_net::role::thread_cpu_ns(),
                         std::sync::atomic::Ordering::Relaxed,
@@ -238,21 +309,160 @@ pub fn start(plan: SourcePlan) -> std::io::Result<RunningSources> {
                 .expect("spawn source thread")
         })
         .collect();
+    if veto {
+        let plan = plan.clone();
+        let control = control.clone();
+        threads.push(
+            std::thread::Builder::new()
+                .name("trigger".into())
+                .spawn(move || {
+                    trigger_unit(&plan, &control, t0);
+                    DRIVER_CPU_NS.fetch_add(
+                        tessera_net::role::thread_cpu_ns(),
+                        std::sync::atomic::Ordering::Relaxed,
+                    );
+                })
+                .expect("spawn trigger thread"),
+        );
+    }
     Ok(RunningSources {
         stats,
+        trigger: control.trigger.clone(),
         threads,
         control,
     })
 }
 
+/// The shortest the trigger sleeps between looks at the clock: triggers due within it are
+/// decided together, on the BUSY state of that moment.
+const TRIGGER_TICK: Duration = Duration::from_micros(200);
+
+/// The trigger of a run with a veto: offers the schedule's triggers at their times and takes
+/// each one only when no front-end is BUSY, giving the taken ones consecutive event IDs; the
+/// others are vetoed and counted. Holds while paused (its clock stands still), ends on a stop,
+/// when the scenario runs out or `events` triggers are taken.
+fn trigger_unit(plan: &SourcePlan, control: &Control, t0: Instant) {
+    let s = &plan.settings;
+    let mut sched = TriggerSchedule::from_settings(s, plan.scenario.clone());
+    let depth = u64::from(s.derandomizer.max(1));
+    let hard_end = if plan.events > 0 {
+        plan.events
+    } else {
+        u64::MAX
+    };
+    let st = &control.trigger;
+    let mut pending = sched.next_trigger();
+    loop {
+        let g = control.state();
+        if g.stopping || pending.is_none() {
+            break;
+        }
+        if g.paused_since.is_some() {
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
+        }
+        let now = t0.elapsed().saturating_sub(g.paused_total).as_nanos() as u64;
+        let mut accepted_any = false;
+        {
+            let mut log = control.log.lock();
+            while let Some((_, t)) = pending.filter(|&(_, t)| t <= now) {
+                if log.next >= hard_end {
+                    pending = None;
+                    break;
+                }
+                st.offered.fetch_add(1, Ordering::Relaxed);
+                if log.next.saturating_sub(log.slowest()) >= depth {
+                    st.vetoed.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    log.times.push_back(t);
+                    log.next += 1;
+                    st.accepted.fetch_add(1, Ordering::Relaxed);
+                    accepted_any = true;
+                }
+                pending = sched.next_trigger();
+            }
+            if log.next >= hard_end {
+                pending = None;
+            }
+            let mut g = control.gate.lock();
+            g.claimed = g.claimed.max(log.next);
+        }
+        if accepted_any {
+            control.more.notify_all();
+        }
+        if let Some((_, t)) = pending {
+            let wait = Duration::from_nanos(t.saturating_sub(now));
+            std::thread::sleep(wait.clamp(TRIGGER_TICK, Duration::from_millis(5)));
+        }
+    }
+    control.log.lock().ended = true;
+    control.more.notify_all();
+}
+
+/// A driver of a run with a veto: sends the accepted triggers, in order, as the trigger takes
+/// them.
+fn drive_accepted(plan: &SourcePlan, mut links: Vec<Link>, control: &Control, k: usize) {
+    let s = &plan.settings;
+    let mean_wire = wire::fragment_wire_size(s.fragment_size.0 as usize);
+    let batch_events = ((s.batch.0 as usize) / mean_wire.max(1)).clamp(1, 4096) as u64;
+    let mut due: Vec<(u64, u64)> = Vec::with_capacity(batch_events as usize);
+    loop {
+        if links.iter().all(|l| l.stream.is_none()) {
+            break;
+        }
+        due.clear();
+        {
+            let mut log = control.log.lock();
+            let from = log.sent[k];
+            if from >= log.next {
+                // Stopped with everything sent: the log is final once the trigger ended, or
+                // once a stop is seen (the trigger takes nothing after it).
+                if log.ended {
+                    break;
+                }
+                control.more.wait_for(&mut log, Duration::from_millis(20));
+                continue;
+            }
+            let to = log.next.min(from + batch_events);
+            for ev in from..to {
+                due.push((ev, log.times[(ev - log.base) as usize]));
+            }
+        }
+        let next_event = due.last().map_or(0, |d| d.0 + 1);
+        for link in links.iter_mut() {
+            if link.stream.is_none() {
+                continue;
+            }
+            for &(ev, t) in &due {
+                emit(plan, link, ev, t);
+                if link.stream.is_none() {
+                    break;
+                }
+            }
+            flush(link);
+            link.stats.next_event.store(next_event, Ordering::Relaxed);
+        }
+        let mut log = control.log.lock();
+        log.sent[k] = next_event;
+        log.trim();
+    }
+    // A driver whose links all failed sends nothing more: it must not hold the others BUSY.
+    {
+        let mut log = control.log.lock();
+        log.sent[k] = u64::MAX;
+        log.trim();
+    }
+    finish_links(plan, &mut links);
+}
+
 fn drive(plan: &SourcePlan, mut links: Vec<Link>, control: &Control, t0: Instant) {
     let s = &plan.settings;
-    let mut sched = TriggerSchedule::new(s.trigger, s.rate_hz, s.seed);
+    let mut sched = TriggerSchedule::from_settings(s, plan.scenario.clone());
     let mean_wire = wire::fragment_wire_size(s.fragment_size.0 as usize);
     // Unlimited: batch as many triggers as fill `batch` bytes. Paced: whatever is due, capped.
     let batch_events = ((s.batch.0 as usize) / mean_wire.max(1)).clamp(1, 4096) as u64;
-    let paced = s.trigger != tessera_config::TriggerMode::Unlimited;
-    let hard_end = if plan.events > 0 {
+    let paced = sched.paced();
+    let mut hard_end = if plan.events > 0 {
         plan.events
     } else {
         u64::MAX
@@ -283,7 +493,11 @@ fn drive(plan: &SourcePlan, mut links: Vec<Link>, control: &Control, t0: Instant
         let mut due: Vec<(u64, u64)> = Vec::with_capacity(batch_events as usize);
         let now = t0.elapsed().saturating_sub(g.paused_total).as_nanos() as u64;
         while (due.len() as u64) < batch_events && next_event < end {
-            let (ev, t) = pending.take().unwrap_or_else(|| sched.next_trigger());
+            let Some((ev, t)) = pending.take().or_else(|| sched.next_trigger()) else {
+                // The schedule has run out (a scenario's last trigger): that is the end.
+                hard_end = hard_end.min(next_event);
+                break;
+            };
             // After a stop, triggers other sources already sent are due at once.
             if paced && !stopping && t > now {
                 pending = Some((ev, t));
@@ -293,6 +507,11 @@ fn drive(plan: &SourcePlan, mut links: Vec<Link>, control: &Control, t0: Instant
             next_event = ev + 1;
         }
         if due.is_empty() {
+            if next_event >= hard_end {
+                // Every source stops at the same trigger: the schedule is the same for all.
+                control.claim(next_event);
+                break;
+            }
             if let Some((_, t)) = pending {
                 std::thread::sleep(
                     Duration::from_nanos(t.saturating_sub(now)).min(Duration::from_millis(20)),
@@ -319,6 +538,12 @@ fn drive(plan: &SourcePlan, mut links: Vec<Link>, control: &Control, t0: Instant
             link.stats.next_event.store(next_event, Ordering::Relaxed);
         }
     }
+    finish_links(plan, &mut links);
+}
+
+/// Ends every link: a held-back event, the end of stream, and a wait for the readout unit's
+/// close.
+fn finish_links(plan: &SourcePlan, links: &mut [Link]) {
     for link in links.iter_mut() {
         if let Some(ev) = link.swapped.take() {
             encode(plan, link, ev, 0, 0, None);

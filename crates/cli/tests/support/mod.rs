@@ -306,3 +306,18 @@ pub fn http(addr: &str, method: &str, path: &str) -> (u16, Vec<u8>) {
     }
     (status, body)
 }
+
+/// The header of every event in the finished files of `out`.
+pub fn event_headers(out: &std::path::Path) -> Vec<tessera_format::event::EventRecordHeader> {
+    let mut v = Vec::new();
+    for f in std::fs::read_dir(out).unwrap().flatten() {
+        if !f.file_name().to_string_lossy().ends_with(".tsr") {
+            continue;
+        }
+        let mut rd = tessera_verify::FileReader::open(&f.path()).unwrap();
+        while let Some((_, raw)) = rd.next_block().unwrap() {
+            v.extend(tessera_verify::events_in(raw).map(|e| e.unwrap().header));
+        }
+    }
+    v
+}

@@ -1,0 +1,214 @@
+//! Issue 15, the trigger model: one trigger for every emulated source, BUSY vetoing triggers as
+//! a trigger system does (offered = accepted + vetoed, exactly, and the accepted ones are the
+//! events in the files), the old behaviour (queue every trigger) by name, and bursts and
+//! scenario files whose trigger times come back in the recorded timestamps.
+
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use support::{event_headers, Proc, LIMIT};
+
+fn run(dir: &Path, cfg: &str, args: &[&str]) -> serde_json::Value {
+    let p = dir.join("topology.toml");
+    std::fs::write(&p, cfg).unwrap();
+    let o = Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .env("TESSERA_HTTP", "127.0.0.1:0")
+            .args(["run", p.to_str().unwrap(), "--quiet", "--json"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )
+    .finish(LIMIT);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// Four sources at 2 kHz into a recorder whose disk takes 8 MiB/s (a quarter of what they
+/// offer), small buffers and derandomizers so that BUSY comes within a second.
+fn slow_disk(out: &Path, busy: &str) -> String {
+    format!(
+        r#"
+[run]
+output = "{}"
+max_fragment_size = "16 KiB"
+[sources]
+count = 4
+fragment_size = 4096
+trigger = "periodic"
+rate_hz = 2000
+busy = "{busy}"
+derandomizer = 16
+[control]
+sample_interval_ms = 100
+[[readout]]
+id = 0
+sources = "0-3"
+buffer = "2 MiB"
+read_chunk = "128 KiB"
+[[builder]]
+id = 0
+buffer = "4 MiB"
+[recorder]
+fsync = false
+queue = "2 MiB"
+block_size = "256 KiB"
+throttle = "8 MiB"
+"#,
+        out.display()
+    )
+}
+
+#[test]
+fn a_busy_system_vetoes_triggers_and_counts_every_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("data");
+    let report = run(dir.path(), &slow_disk(&out, "veto"), &["--duration", "3"]);
+    let t = &report["trigger"];
+    assert_eq!(t["policy"], "veto", "{t}");
+    let (offered, accepted, vetoed) = (
+        t["offered"].as_u64().unwrap(),
+        t["accepted"].as_u64().unwrap(),
+        t["vetoed"].as_u64().unwrap(),
+    );
+    assert_eq!(offered, accepted + vetoed, "{t}");
+    assert_eq!(t["holds"], true);
+    assert!(
+        vetoed > 0,
+        "a disk a quarter as fast as the sources vetoes: {t}"
+    );
+    // Every accepted trigger is an event every source sent, and in the files, whole.
+    assert_eq!(report["balance"]["holds"], true, "{report}");
+    for s in report["sources"].as_array().unwrap() {
+        assert_eq!(s["sent"].as_u64().unwrap(), accepted, "{s}");
+    }
+    let headers = event_headers(&out);
+    assert_eq!(headers.len() as u64, accepted);
+    let mut headers = headers;
+    headers.sort_by_key(|h| h.event_id);
+    // Accepted triggers have consecutive event IDs and keep their trigger times: multiples of
+    // the 500 us period, with holes where triggers were vetoed.
+    let mut holes = 0;
+    for (i, h) in headers.iter().enumerate() {
+        assert_eq!(h.event_id, i as u64);
+        assert_eq!(h.timestamp % 500_000, 0, "{h:?}");
+        if i > 0 {
+            let gap = h.timestamp - headers[i - 1].timestamp;
+            assert!(gap >= 500_000, "{h:?}");
+            holes += (gap / 500_000 - 1) as usize;
+        }
+    }
+    let last = headers.last().unwrap().timestamp / 500_000;
+    assert_eq!(
+        holes as u64,
+        last + 1 - accepted,
+        "holes in time are vetoed triggers"
+    );
+    assert!(holes as u64 <= vetoed);
+    // Each veto is put on the stage that held the system BUSY: here the disk.
+    let by = t["vetoed_by"].as_object().unwrap();
+    assert_eq!(
+        by.values().map(|v| v.as_u64().unwrap()).sum::<u64>(),
+        vetoed
+    );
+    let top = by.iter().max_by_key(|(_, v)| v.as_u64().unwrap()).unwrap();
+    assert_eq!(top.0, "recorder (disk)", "{by:?}");
+}
+
+/// `busy = "queue"`, the behaviour before the trigger model: nothing is vetoed, every trigger
+/// is taken, late; the times are the schedule's, without a hole.
+#[test]
+fn queued_triggers_are_all_taken_late() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("data");
+    let report = run(dir.path(), &slow_disk(&out, "queue"), &["--events", "3000"]);
+    let t = &report["trigger"];
+    assert_eq!(t["policy"], "queue", "{t}");
+    assert_eq!(t["vetoed"], 0, "{t}");
+    assert_eq!(t["offered"], 3000, "{t}");
+    assert_eq!(t["accepted"], 3000, "{t}");
+    let mut headers = event_headers(&out);
+    headers.sort_by_key(|h| h.event_id);
+    assert_eq!(headers.len(), 3000);
+    for (i, h) in headers.iter().enumerate() {
+        assert_eq!(h.timestamp, i as u64 * 500_000, "{h:?}");
+    }
+}
+
+fn paced(out: &Path, trigger: &str) -> String {
+    format!(
+        r#"
+[run]
+output = "{}"
+[sources]
+count = 3
+fragment_size = 256
+{trigger}
+[recorder]
+fsync = false
+"#,
+        out.display()
+    )
+}
+
+/// NectarCAM's bursts: 9 triggers within 180 us, the bursts at 50 Hz; every trigger time comes
+/// back in the recorded timestamps.
+#[test]
+fn bursts_come_back_in_the_recorded_timestamps() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("data");
+    let cfg = paced(
+        &out,
+        "trigger = \"bursts\"\nrate_hz = 50\nburst_size = 9\nburst_window_us = 180",
+    );
+    let report = run(dir.path(), &cfg, &["--events", "45"]);
+    assert_eq!(report["trigger"]["vetoed"], 0, "{}", report["trigger"]);
+    let mut headers = event_headers(&out);
+    headers.sort_by_key(|h| h.event_id);
+    let want: Vec<u64> = (0..45u64)
+        .map(|i| (i / 9) * 20_000_000 + (i % 9) * 20_000)
+        .collect();
+    let got: Vec<u64> = headers.iter().map(|h| h.timestamp).collect();
+    assert_eq!(got, want);
+}
+
+/// A scenario file of trigger times (comments, blank lines) replayed once: the run ends by
+/// itself after its last trigger, and the timestamps are the file's times. A file out of order
+/// is refused at configure, with its line.
+#[test]
+fn a_scenario_file_is_replayed_and_a_bad_one_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("data");
+    std::fs::write(
+        dir.path().join("times.txt"),
+        "# a spill\n0.001\n0.0015\n\n0.1\n0.1000002  # 200 ns later\n0.5\n",
+    )
+    .unwrap();
+    let cfg = paced(&out, "trigger = \"scenario\"\nscenario = \"times.txt\"");
+    let report = run(dir.path(), &cfg, &[]);
+    assert_eq!(report["trigger"]["accepted"], 5, "{}", report["trigger"]);
+    let mut headers = event_headers(&out);
+    headers.sort_by_key(|h| h.event_id);
+    let got: Vec<u64> = headers.iter().map(|h| h.timestamp).collect();
+    assert_eq!(
+        got,
+        vec![1_000_000, 1_500_000, 100_000_000, 100_000_200, 500_000_000]
+    );
+    std::fs::write(dir.path().join("times.txt"), "0.2\n0.1\n").unwrap();
+    let p = dir.path().join("topology.toml");
+    let o = Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args(["check", p.to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )
+    .finish(LIMIT);
+    assert!(!o.status.success());
+    let text = String::from_utf8_lossy(&o.stderr).to_string() + &String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("sources.scenario") && text.contains("line 2"),
+        "{text}"
+    );
+}
