@@ -1055,6 +1055,34 @@ fn check_over_hosts_names_each_units_host_and_each_hosts_memory() {
     assert!(text.contains("host be: memory"), "{text}");
 }
 
+/// Issue 15: a veto needs one trigger for every emulated source; sources that would run beside
+/// readout units on two hosts are refused by `tessera check`, naming the key and the way out;
+/// with `sources.host` the same topology is fine.
+#[test]
+fn check_refuses_a_veto_over_sources_on_several_hosts() {
+    let dir = tempfile::tempdir().unwrap();
+    let topo = |sources_host: &str| {
+        format!(
+            "[sources]\ncount = 4\ntrigger = \"periodic\"\nbusy = \"veto\"\n{sources_host}\
+             [[readout]]\nid = 0\nhost = \"fe1\"\nsources = \"0-1\"\n\
+             [[readout]]\nid = 1\nhost = \"fe2\"\nsources = \"2-3\"\n\
+             [[builder]]\nid = 0\nhost = \"be\"\n[recorder]\nhost = \"be\"\n\
+             [hosts]\nfe1 = \"127.0.0.1:7301\"\nfe2 = \"127.0.0.1:7303\"\nbe = \"127.0.0.1:7302\"\n"
+        )
+    };
+    let bad = write(dir.path(), "bad.toml", &topo(""));
+    let o = tessera(&["check", &bad]);
+    assert!(!o.status.success());
+    let text = stderr(&o) + &String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("sources.busy") && text.contains("sources.host"),
+        "{text}"
+    );
+    let good = write(dir.path(), "good.toml", &topo("host = \"be\"\n"));
+    let o = tessera(&["check", &good]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
 /// `tessera bench instructions --quick --json`: the binary under callgrind twice; the cost per
 /// fragment is the difference of two real totals (so it lies between what a fragment's CRCs
 /// alone cost and what the whole run cost per fragment).

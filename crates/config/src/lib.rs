@@ -2165,6 +2165,22 @@ impl Topology {
                 Some(_) => {}
             }
         }
+        // One trigger decides for every emulated source: with a veto they must all run in one
+        // process (sources.host, or every readout unit on one host).
+        if self.sources.busy == BusyPolicy::Veto && self.sources.count > 0 {
+            let hosts: BTreeSet<Option<&str>> = (0..self.readout_units.len())
+                .map(|i| self.source_host(i))
+                .collect();
+            if hosts.len() > 1 {
+                return Err((
+                    "sources.busy".into(),
+                    format!(
+                        "\"veto\" needs one trigger for every emulated source, and they would run on {} hosts: set sources.host (the host of the trigger and every emulated source), or busy = \"queue\"",
+                        hosts.len()
+                    ),
+                ));
+            }
+        }
         let beyond_loopback = self
             .hosts
             .values()

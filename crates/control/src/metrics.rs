@@ -22,6 +22,8 @@ struct Snapshot {
     run_number: Option<u64>,
     live: Option<Live>,
     rates: Option<Rates>,
+    /// Vetoed triggers of the open run by the bottleneck named when they were vetoed.
+    vetoed_by: std::collections::BTreeMap<String, u64>,
     /// The shipper's, between runs too.
     shipper: Option<tessera_run::live::ShipperStatus>,
 }
@@ -30,7 +32,10 @@ struct Snapshot {
 pub fn render(c: &Controller) -> String {
     let view = c.view();
     let live = c.session().map(|s| s.live());
-    let rates = c.shared.sampler.lock().rates.clone();
+    let (rates, vetoed_by) = {
+        let s = c.shared.sampler.lock();
+        (s.rates.clone(), s.vetoed_by(0))
+    };
     // Every series names the host it comes from (one Prometheus scrapes every host of a run):
     // over hosts, a component's series the host the component runs on.
     let mut reg = Registry::default();
@@ -55,6 +60,7 @@ pub fn render(c: &Controller) -> String {
         state: view.state,
         run_number: view.run_number,
         rates: live.as_ref().and(rates),
+        vetoed_by,
         live,
     }));
     let mut out = String::new();
@@ -129,6 +135,15 @@ impl Collector for Snapshot {
                     "tessera_trigger_dead_time_fraction",
                     "fraction of the triggers offered in the last interval that were vetoed",
                     &[(vec![], rt.dead_time_fraction)],
+                )?;
+                e.counter(
+                    "tessera_trigger_vetoed_by_bottleneck",
+                    "triggers vetoed in the open run, by the bottleneck named when they were (the stage that held the system BUSY)",
+                    &self
+                        .vetoed_by
+                        .iter()
+                        .map(|(k, n)| (l1("bottleneck", k), *n))
+                        .collect::<Vec<_>>(),
                 )?;
             }
             e.gauge(
