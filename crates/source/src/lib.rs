@@ -429,19 +429,7 @@ fn drive_accepted(plan: &SourcePlan, mut links: Vec<Link>, control: &Control, k:
             }
         }
         let next_event = due.last().map_or(0, |d| d.0 + 1);
-        for link in links.iter_mut() {
-            if link.stream.is_none() {
-                continue;
-            }
-            for &(ev, t) in &due {
-                emit(plan, link, ev, t);
-                if link.stream.is_none() {
-                    break;
-                }
-            }
-            flush(link);
-            link.stats.next_event.store(next_event, Ordering::Relaxed);
-        }
+        send_due(plan, &mut links, &due, next_event);
         let mut log = control.log.lock();
         log.sent[k] = next_event;
         log.trim();
@@ -524,21 +512,26 @@ fn drive(plan: &SourcePlan, mut links: Vec<Link>, control: &Control, t0: Instant
             due.retain(|&(ev, _)| ev < allowed);
             next_event = allowed;
         }
-        for link in links.iter_mut() {
-            if link.stream.is_none() {
-                continue;
-            }
-            for &(ev, t) in &due {
-                emit(plan, link, ev, t);
-                if link.stream.is_none() {
-                    break;
-                }
-            }
-            flush(link);
-            link.stats.next_event.store(next_event, Ordering::Relaxed);
-        }
+        send_due(plan, &mut links, &due, next_event);
     }
     finish_links(plan, &mut links);
+}
+
+/// Sends the triggers `due` on every live link, one write per link.
+fn send_due(plan: &SourcePlan, links: &mut [Link], due: &[(u64, u64)], next_event: u64) {
+    for link in links.iter_mut() {
+        if link.stream.is_none() {
+            continue;
+        }
+        for &(ev, t) in due {
+            emit(plan, link, ev, t);
+            if link.stream.is_none() {
+                break;
+            }
+        }
+        flush(link);
+        link.stats.next_event.store(next_event, Ordering::Relaxed);
+    }
 }
 
 /// Ends every link: a held-back event, the end of stream, and a wait for the readout unit's
