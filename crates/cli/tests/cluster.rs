@@ -1218,9 +1218,9 @@ fn cpu_starved_drill(starved: &str, want: &str) {
     let i = names.iter().position(|n| *n == starved).unwrap();
     limit.add(agents[i].id());
     let mut t = format!(
-        "[run]\noutput = \"{}\"\nduration_s = 5\nmax_fragment_size = \"16 KiB\"\n\
+        "[run]\noutput = \"{}\"\nduration_s = 6\nmax_fragment_size = \"16 KiB\"\n\
          [sources]\nhost = \"src\"\ncount = 4\nfragment_size = 4096\ntrigger = \"unlimited\"\n\
-         [control]\nagent_timeout_ms = 10000\nsample_interval_ms = 250\n\
+         [control]\nagent_timeout_ms = 10000\nsample_interval_ms = 1000\n\
          [security]\nallow = [\"10.78.0.0/24\"]\n\
          [[readout]]\nid = 0\nhost = \"fe1\"\nsources = \"0-3\"\n\
          [[builder]]\nid = 0\nhost = \"bu\"\n\

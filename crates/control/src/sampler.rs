@@ -28,6 +28,9 @@ const CPU_WAITED: f64 = 0.5;
 /// A blocked stage is named itself, CPU-starved, when its process waited for a core this much
 /// more of its ready time than the next stage's did.
 const STARVED_MORE: f64 = 0.15;
+/// A process that used more than this fraction of its allowance is compared with the next
+/// stage's by use rather than by waits.
+const NEAR_ALLOWANCE: f64 = 0.6;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Point {
@@ -699,11 +702,14 @@ pub fn named(stages: &[StageView], hold: &Hold) -> (String, String) {
         let (_, a) = at(order[i]);
         let (_, b) = at(order[i + 1]);
         match (a, b) {
-            // At the end of its own allowance while the next is not: a quota or a small host.
-            (Some(a), Some(b)) if a.used > CPU_BOUND => b.used <= CPU_BOUND,
-            (Some(a), Some(b)) => {
-                a.waited > CPU_WAITED && b.used <= CPU_BOUND && a.waited > b.waited + STARVED_MORE
+            // Either near the end of its own allowance (a quota, or a small host): the one
+            // nearer it is the starved one. Measured over a sampling interval, the use of a
+            // quota swings with the quota's periods, hence the margin below CPU_BOUND.
+            (Some(a), Some(b)) if a.used.max(b.used) > NEAR_ALLOWANCE => {
+                a.bound() && a.used > b.used + STARVED_MORE
             }
+            // Neither: the one whose threads waited for a core clearly more.
+            (Some(a), Some(b)) => a.waited > CPU_WAITED && a.waited > b.waited + STARVED_MORE,
             (Some(a), None) => a.bound(),
             _ => false,
         }
@@ -715,8 +721,8 @@ pub fn named(stages: &[StageView], hold: &Hold) -> (String, String) {
         ),
         Some(i) if i + 1 < order.len() && order[i] != "sources" && starved_more(i) => {
             let (name, c) = at(order[i]);
-            let c = c.expect("starved_more saw it");
-            (format!("{name} ({})", c.words()), format!("{name} (cpu)"))
+            let words = c.map(|c| c.words()).unwrap_or_default();
+            (format!("{name} ({words})"), format!("{name} (cpu)"))
         }
         Some(i) if i + 1 < order.len() => match at(order[i + 1]) {
             (name, Some(c)) if c.bound() => {
