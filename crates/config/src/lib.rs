@@ -376,8 +376,8 @@ pub enum TriggerMode {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BusyPolicy {
-    /// `veto` where one process runs every emulated source and triggers are paced, else
-    /// `queue`.
+    /// `veto` in push mode where one process runs every emulated source and triggers are
+    /// paced, else `queue`.
     Auto,
     /// As a trigger system does: a trigger while any front-end is BUSY (more than
     /// `derandomizer` accepted events not yet sent) is not taken, and is counted. Accepted

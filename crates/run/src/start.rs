@@ -401,7 +401,11 @@ impl<'a> Starter<'a> {
         let all_here = emulated.len() as u64 == u64::from(t.sources.count);
         let veto = match t.sources.busy {
             tessera_config::BusyPolicy::Queue => false,
-            tessera_config::BusyPolicy::Auto => all_here,
+            // Request mode keeps queued triggers unless a veto is asked for by name: its
+            // failover and takeover drills were built on them, and a veto there is untested.
+            tessera_config::BusyPolicy::Auto => {
+                all_here && t.run.mode == tessera_config::Mode::Push
+            }
             tessera_config::BusyPolicy::Veto if all_here => true,
             tessera_config::BusyPolicy::Veto => bail!(
                 "sources.busy = \"veto\" needs one trigger for every emulated source, and this process runs {} of {}: set sources.host (one host runs them all), or busy = \"queue\"",

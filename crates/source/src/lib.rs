@@ -365,6 +365,12 @@ fn trigger_unit(plan: &SourcePlan, control: &Control, t0: Instant) {
         let mut accepted_any = false;
         {
             let mut log = control.log.lock();
+            // Triggers are taken under the gate's lock: once a pause or a stop has set the
+            // gate, nothing more is taken, and `claimed` is where every source ends.
+            let mut g = control.gate.lock();
+            if g.stopping || g.paused_since.is_some() {
+                continue;
+            }
             while let Some((_, t)) = pending.filter(|&(_, t)| t <= now) {
                 if log.next >= hard_end {
                     pending = None;
@@ -384,7 +390,6 @@ fn trigger_unit(plan: &SourcePlan, control: &Control, t0: Instant) {
             if log.next >= hard_end {
                 pending = None;
             }
-            let mut g = control.gate.lock();
             g.claimed = g.claimed.max(log.next);
         }
         if accepted_any {
