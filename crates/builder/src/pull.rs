@@ -205,7 +205,7 @@ impl BuilderUnit {
         if let Some(s) = to_recorder {
             let (tx, rx) = bounded::<Vec<Built>>(256);
             *pull.to_recorder.lock() = Some(tx);
-            let sent = Arc::new(Mutex::new(std::collections::VecDeque::new()));
+            let sent = Arc::new(Mutex::new(Unacknowledged::default()));
             let acks = s.try_clone()?;
             let (p, sent2) = (pull.clone(), sent.clone());
             role.spawn(format!("bu{id}-to-rec"), move || {
@@ -672,14 +672,52 @@ fn sweep(p: &Pull, heartbeat: Duration) {
     }
 }
 
-/// Event IDs written to the recorder link and not yet acknowledged by the recorder, in order.
-type Unacknowledged = Mutex<std::collections::VecDeque<u64>>;
+/// Event IDs written to the recorder link and not yet reported done, in order, and how many
+/// records of the link the recorder has acknowledged. The recorder may acknowledge a record
+/// before the sending thread has noted it written (the write returns after the recorder read
+/// it, and a second copy of an event is acknowledged at once): the acknowledgement is kept and
+/// settled when the IDs arrive. Dropped instead, the link's last events were never reported
+/// done, so never cleared, and a run could not drain (seen in CI after a builder host died).
+#[derive(Default)]
+struct Unacknowledged {
+    ids: VecDeque<u64>,
+    /// Records reported done so far.
+    settled: u64,
+    /// Records the recorder says are in its file.
+    acked: u64,
+}
+
+impl Unacknowledged {
+    /// These events are on the link: those the recorder acknowledged already are done.
+    fn written(&mut self, ids: impl IntoIterator<Item = u64>) -> Vec<(u64, Outcome)> {
+        self.ids.extend(ids);
+        self.settle()
+    }
+
+    /// The recorder holds the link's first `records` records: those noted written are done.
+    fn acknowledged(&mut self, records: u64) -> Vec<(u64, Outcome)> {
+        self.acked = self.acked.max(records);
+        self.settle()
+    }
+
+    fn settle(&mut self) -> Vec<(u64, Outcome)> {
+        let mut done = Vec::new();
+        while self.settled < self.acked {
+            let Some(id) = self.ids.pop_front() else {
+                break;
+            };
+            done.push((id, Outcome::Recorded));
+            self.settled += 1;
+        }
+        done
+    }
+}
 
 fn send_to_recorder(
     p: &Pull,
     stream: TcpStream,
     rx: crossbeam_channel::Receiver<Vec<Built>>,
-    sent: &Unacknowledged,
+    sent: &Mutex<Unacknowledged>,
 ) {
     let st = &p.stats;
     let hello = PeerHello {
@@ -694,7 +732,8 @@ fn send_to_recorder(
             // On the link, not yet done: an event is done (and then cleared from the readout
             // units) only once the recorder says it is in its file (`read_acks`), so a recorder
             // killed at any moment loses no event the readout units let go of.
-            sent.lock().extend(batch.iter().map(|b| b.event_id));
+            let done = sent.lock().written(batch.iter().map(|b| b.event_id));
+            p.done(&done);
         } else {
             st.recorder_lost.fetch_add(o.fragments, Ordering::Relaxed);
             p.forget(batch.iter().map(|b| b.event_id));
@@ -710,27 +749,16 @@ fn send_to_recorder(
 
 /// Reads the recorder's acknowledgements and reports the written events done, in the order
 /// they were sent. Ends when the recorder closes the link (after its last acknowledgement).
-fn read_acks(p: &Pull, mut stream: TcpStream, sent: &Unacknowledged) {
+fn read_acks(p: &Pull, mut stream: TcpStream, sent: &Mutex<Unacknowledged>) {
     let mut buf: Vec<u8> = Vec::with_capacity(4096);
     let mut tmp = [0u8; 4096];
-    let mut done_so_far = 0u64;
     loop {
         loop {
             match decode_link(&buf, 0) {
                 Ok((LinkItem::Ack(a), n)) => {
                     buf.drain(..n);
-                    let mut ids = Vec::new();
-                    {
-                        let mut q = sent.lock();
-                        while done_so_far < a.records {
-                            let Some(id) = q.pop_front() else { break };
-                            ids.push((id, Outcome::Recorded));
-                            done_so_far += 1;
-                        }
-                    }
-                    if !ids.is_empty() {
-                        p.done(&ids);
-                    }
+                    let done = sent.lock().acknowledged(a.records);
+                    p.done(&done);
                 }
                 Ok((LinkItem::NeedMore(_), _)) | Ok((LinkItem::Idle, _)) => break,
                 Ok((other, _)) => {
@@ -883,4 +911,27 @@ fn rejoin(p: &Pull, tx: Sender<Message>) -> (usize, usize) {
     }
     m.tx = Some(tx);
     (held.len(), done.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(v: &[(u64, Outcome)]) -> Vec<u64> {
+        v.iter().map(|d| d.0).collect()
+    }
+
+    #[test]
+    fn an_acknowledgement_ahead_of_the_sender_is_kept_until_its_events_are_noted() {
+        let mut u = Unacknowledged::default();
+        assert_eq!(ids(&u.written([7, 8])), Vec::<u64>::new());
+        // The recorder acknowledged four records; the sender has noted two of them so far.
+        assert_eq!(ids(&u.acknowledged(4)), vec![7, 8]);
+        // The link's last events, noted after their acknowledgement, are done at once.
+        assert_eq!(ids(&u.written([9, 10, 11])), vec![9, 10]);
+        assert_eq!(ids(&u.acknowledged(5)), vec![11]);
+        // Acknowledgements are cumulative: an old count settles nothing twice.
+        assert_eq!(ids(&u.acknowledged(3)), Vec::<u64>::new());
+        assert!(u.ids.is_empty());
+    }
 }

@@ -486,6 +486,9 @@ impl Default for SourcesSection {
 /// Most triggers a scenario file may hold (8 bytes each in memory).
 pub const MAX_SCENARIO_TRIGGERS: usize = 50_000_000;
 
+/// The deepest derandomizer `sources.derandomizer` may ask for, in events.
+pub const MAX_DERANDOMIZER: u32 = 1 << 20;
+
 /// Reads a file of trigger times (seconds from the start of the run, one per line, ascending;
 /// blank lines and `#` comments skipped) as nanoseconds.
 pub fn read_scenario(path: &Path) -> Result<Vec<u64>, String> {
@@ -1517,6 +1520,16 @@ impl Topology {
                 "must hold at least 1 event with busy = \"veto\"".into(),
             ));
         }
+        if s.derandomizer > MAX_DERANDOMIZER {
+            // The log of accepted triggers is sized by it: a typo must not size it in gigabytes.
+            return Err(err(
+                "sources.derandomizer",
+                format!(
+                    "must be at most {MAX_DERANDOMIZER} events (a front-end's derandomizer holds a few to a few thousand), got {}",
+                    s.derandomizer
+                ),
+            ));
+        }
         if rated && s.rate_profile.is_empty() && !(s.rate_hz > 0.0 && s.rate_hz.is_finite()) {
             return Err(err(
                 "sources.rate_hz",
@@ -2352,6 +2365,36 @@ mod monitor_tests {
         assert_eq!(m.stations[1].mode, StationMode::Blocking);
         assert_eq!(m.stations[1].restore_policy(), Restore::Station);
         assert_eq!(m.streams["calibration"], vec![2, 3]);
+    }
+
+    #[test]
+    fn bad_trigger_settings_name_their_key() {
+        for (text, key, why) in [
+            (
+                "[sources]\nbusy = \"veto\"\nderandomizer = 0\n",
+                "sources.derandomizer",
+                "at least 1",
+            ),
+            (
+                "[sources]\nderandomizer = 4294967295\n",
+                "sources.derandomizer",
+                "at most 1048576",
+            ),
+            (
+                "[sources]\ntrigger = \"bursts\"\nrate_hz = 10\nburst_size = 0\n",
+                "sources.burst_size",
+                "1 to 1000000",
+            ),
+            (
+                "[sources]\ntrigger = \"scenario\"\n",
+                "sources.scenario",
+                "file of trigger times",
+            ),
+        ] {
+            let e = Topology::parse(text, "t.toml").unwrap_err();
+            assert_eq!(e.key, key, "{text}: {e}");
+            assert!(e.reason.contains(why), "{text}: {e}");
+        }
     }
 
     #[test]
