@@ -200,6 +200,35 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Run a topology over a grid of configuration values and write a report (table, CSV,
+    /// JSON, plot as SVG and PNG, HTML page): a design study as one command. Each point is a
+    /// full run; its report names the bottleneck.
+    Scan {
+        config: PathBuf,
+        /// KEY=V1,V2,...: a configuration key (dotted, `readout[0].host` for an entry of an
+        /// array) and its values; several --vary run every combination, the first on the x
+        /// axis, one line per value of the others.
+        #[arg(long = "vary", required = true)]
+        vary: Vec<tessera_scan::Vary>,
+        /// Where the report goes.
+        #[arg(long, default_value = "scan")]
+        output: PathBuf,
+        /// Length of each point in seconds (overrides run.duration_s).
+        #[arg(long)]
+        duration: Option<f64>,
+        /// Triggers of each point (overrides run.events).
+        #[arg(long)]
+        events: Option<u64>,
+        /// The plot's y axis: events_per_s, accepted_hz, built_mb_per_s or dead_time.
+        #[arg(long, default_value = "events_per_s", value_parser = tessera_scan::report::Metric::parse)]
+        y: tessera_scan::report::Metric,
+        /// The x axis in decades.
+        #[arg(long)]
+        log_x: bool,
+        /// Keep each point's recorded files under OUTPUT/runs (else only its report is kept).
+        #[arg(long)]
+        keep_data: bool,
+    },
     /// The live monitor: list stations and consumers, tail events, change stations.
     Monitor(tessera_monitor::console::MonitorArgs),
     /// Ship finished files to permanent storage and verify every copy; or show the backlog.
@@ -571,6 +600,55 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
         Cmd::Bench(args) => {
             tessera_bench::run(&args)?;
             Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Scan {
+            config,
+            vary,
+            output,
+            duration,
+            events,
+            y,
+            log_x,
+            keep_data,
+        } => {
+            let base = std::fs::read_to_string(&config)
+                .with_context(|| format!("reading {}", config.display()))?;
+            let command = std::env::args().collect::<Vec<_>>().join(" ");
+            let scan = tessera_scan::Scan {
+                base,
+                origin: config.clone(),
+                varies: vary,
+                output: output.clone(),
+                duration_s: duration,
+                events,
+                keep_data,
+                binary: std::env::current_exe().context("finding the tessera binary")?,
+            };
+            let points = scan.run()?;
+            let layout = tessera_scan::report::Layout {
+                title: format!("tessera scan of {}", config.display()),
+                command,
+                x_key: None,
+                x_label: None,
+                x_scale: 1.0,
+                metric: y,
+                log_x,
+                paper: Vec::new(),
+                notes: Vec::new(),
+                predicted: None,
+            };
+            tessera_scan::report::write(&output, &layout, &points)?;
+            let failed = points.iter().filter(|p| !p.ok).count();
+            eprintln!(
+                "tessera scan: {} points, {failed} failed; report in {}",
+                points.len(),
+                output.join("index.html").display()
+            );
+            Ok(if failed == 0 {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
         }
         Cmd::Check { config, json } => {
             let resolved = tessera_config::Topology::load(&config)?;

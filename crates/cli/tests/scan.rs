@@ -1,0 +1,114 @@
+//! Issue 15, sweeps of your own: `tessera scan CONFIG --vary KEY=V1,V2` runs the topology once
+//! per point, as real runs of the binary, and writes the report (table, CSV, JSON, a plot as
+//! SVG and PNG, an HTML page) whose points are the runs' own reports.
+
+mod support;
+
+use std::process::{Command, Stdio};
+
+use support::{Proc, LIMIT};
+
+const TOPOLOGY: &str = "[run]\nevents = 600\n\
+    [sources]\ncount = 4\nfragment_size = 512\ntrigger = \"periodic\"\nrate_hz = 2000\n\
+    [[readout]]\nid = 0\nsources = [0, 1]\n[[readout]]\nid = 1\nsources = [2, 3]\n\
+    [[builder]]\nid = 0\n";
+
+fn scan(dir: &std::path::Path, args: &[&str]) -> std::process::Output {
+    let cfg = dir.join("topology.toml");
+    std::fs::write(&cfg, TOPOLOGY).unwrap();
+    Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .current_dir(dir)
+            .args(["scan", cfg.to_str().unwrap(), "--output", "report"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )
+    .finish(LIMIT)
+}
+
+#[test]
+fn a_two_value_scan_writes_its_report_from_the_runs_own_reports() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = scan(
+        dir.path(),
+        &[
+            "--vary",
+            "sources.rate_hz=1000,3000",
+            "--vary",
+            "sources.fragment_size=256,2KiB",
+            "--y",
+            "built_mb_per_s",
+        ],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    // A line per point as it starts and as it ends.
+    assert!(
+        err.contains("point 4/4: sources.rate_hz=3000, sources.fragment_size=2KiB"),
+        "{err}"
+    );
+    let out = dir.path().join("report");
+    let csv = std::fs::read_to_string(out.join("points.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 5, "{csv}");
+    assert!(csv.starts_with("point,sources.rate_hz,sources.fragment_size,ok,"));
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("points.json")).unwrap()).unwrap();
+    let points = json["points"].as_array().unwrap();
+    assert_eq!(points.len(), 4);
+    for p in points {
+        assert_eq!(p["ok"], true, "{p}");
+        // The point's figures are its run report's.
+        let r: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(out.join(p["report"].as_str().unwrap())).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(r["events_complete"], 600, "{r}");
+        assert_eq!(p["events_complete"], r["events_complete"]);
+        assert_eq!(p["events_per_s"], r["events_per_s"]);
+        assert_eq!(r["balance"]["holds"], true);
+        // The point ran with its values.
+        let size = &p["values"][1][1];
+        let want = if size == "256" { 256 } else { 2048 };
+        // Bytes sent per fragment: the payload and a header of tens of bytes.
+        let per = r["sources"][0]["bytes"].as_u64().unwrap() / 600;
+        assert!(
+            (want..want + 128).contains(&per),
+            "{size}: {per} per fragment"
+        );
+    }
+    let png = std::fs::read(out.join("plot.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    let svg = std::fs::read_to_string(out.join("plot.svg")).unwrap();
+    assert!(svg.starts_with("<svg"), "{svg:.100}");
+    // One line per value of the second key.
+    assert!(svg.contains("sources.fragment_size=2KiB"), "{svg:.2000}");
+    let html = std::fs::read_to_string(out.join("index.html")).unwrap();
+    assert!(html.contains("plot.svg") && html.contains("points.csv"));
+    // Only the reports are kept, not the recorded data.
+    assert!(!out.join("runs").exists());
+}
+
+#[test]
+fn a_bad_value_is_refused_with_its_point_and_key_before_anything_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = scan(dir.path(), &["--vary", "sources.busy=veto,sometimes"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("sources.busy=sometimes") && err.contains("sources.busy"),
+        "{err}"
+    );
+    assert!(!dir.path().join("report").exists(), "nothing ran");
+    let o = scan(dir.path(), &["--vary", "readout[2].host=a,b"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("2 [[readout]] entries"), "{err}");
+    let o = scan(dir.path(), &["--vary", "sources.rate_hz"]);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("expected KEY=V1,V2"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
