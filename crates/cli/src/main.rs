@@ -210,6 +210,9 @@ enum Cmd {
         /// axis, one line per value of the others.
         #[arg(long = "vary", required = true)]
         vary: Vec<tessera_scan::Vary>,
+        /// KEY=VALUE set in every point (not a column of the report).
+        #[arg(long = "set", value_parser = parse_set)]
+        set: Vec<(String, String)>,
         /// Where the report goes.
         #[arg(long, default_value = "scan")]
         output: PathBuf,
@@ -228,6 +231,20 @@ enum Cmd {
         /// Keep each point's recorded files under OUTPUT/runs (else only its report is kept).
         #[arg(long)]
         keep_data: bool,
+    },
+    /// A seed's experiment as a sweep on this machine (comet, cms, nectarcam, atlas): the
+    /// paper's figure redrawn with our points beside the ones its text publishes, the
+    /// bottleneck named at each point, in a report (HTML, SVG, PNG, CSV, JSON).
+    Scenario {
+        /// comet, cms, nectarcam or atlas.
+        #[arg(value_parser = clap::builder::PossibleValuesParser::new(tessera_scan::scenario::NAMES))]
+        name: String,
+        /// Fewer and shorter points: minutes, not tens of minutes.
+        #[arg(long)]
+        quick: bool,
+        /// Where the report goes (default: scenario-NAME).
+        #[arg(long)]
+        output: Option<PathBuf>,
     },
     /// The live monitor: list stations and consumers, tail events, change stations.
     Monitor(tessera_monitor::console::MonitorArgs),
@@ -291,6 +308,13 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+fn parse_set(s: &str) -> Result<(String, String), String> {
+    let (k, v) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: expected KEY=VALUE"))?;
+    Ok((k.trim().to_string(), v.trim().to_string()))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -601,9 +625,46 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             tessera_bench::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Scenario {
+            name,
+            quick,
+            output,
+        } => {
+            let sc = tessera_scan::scenario::get(&name, quick)
+                .with_context(|| format!("no scenario {name}"))?;
+            let output = output.unwrap_or_else(|| PathBuf::from(format!("scenario-{name}")));
+            let command = std::env::args().collect::<Vec<_>>().join(" ");
+            eprintln!("tessera scenario {name}: {}", sc.title);
+            let scan = tessera_scan::Scan {
+                base: sc.base.into(),
+                origin: PathBuf::from(sc.base_name),
+                fixed: sc.fixed.clone(),
+                varies: sc.varies.clone(),
+                output: output.clone(),
+                duration_s: Some(sc.duration_s),
+                events: None,
+                keep_data: false,
+                binary: std::env::current_exe().context("finding the tessera binary")?,
+            };
+            let points = scan.run()?;
+            tessera_scan::report::write(&output, &sc.layout(command, &points), &points)?;
+            eprintln!("{}", sc.found(&points));
+            let failed = points.iter().filter(|p| !p.ok).count();
+            eprintln!(
+                "tessera scenario {name}: {} points, {failed} failed; report in {}",
+                points.len(),
+                output.join("index.html").display()
+            );
+            Ok(if failed == 0 {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            })
+        }
         Cmd::Scan {
             config,
             vary,
+            set,
             output,
             duration,
             events,
@@ -617,6 +678,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             let scan = tessera_scan::Scan {
                 base,
                 origin: config.clone(),
+                fixed: set,
                 varies: vary,
                 output: output.clone(),
                 duration_s: duration,

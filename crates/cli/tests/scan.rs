@@ -112,3 +112,59 @@ fn a_bad_value_is_refused_with_its_point_and_key_before_anything_runs() {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+#[test]
+fn a_quick_scenario_writes_the_papers_figure_with_our_points_beside_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .current_dir(dir.path())
+            .args(["scenario", "cms", "--quick", "--output", "cms"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )
+    .finish(LIMIT);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let out = dir.path().join("cms");
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("points.json")).unwrap()).unwrap();
+    let points = json["points"].as_array().unwrap();
+    assert_eq!(points.len(), 3, "{json}");
+    for p in points {
+        assert_eq!(p["ok"], true, "{p}");
+        let r: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(out.join(p["report"].as_str().unwrap())).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            p["built_mb_per_s"],
+            r["built_bytes_per_s"].as_f64().unwrap() / 1e6
+        );
+        assert_eq!(r["readout_units"].as_array().unwrap().len(), 2);
+        // Each point names its bottleneck from the run control's samples.
+        assert!(p["bottleneck"].is_string(), "{p}");
+    }
+    // The paper's points, with the figure they come from.
+    assert!(json["paper"][0]["source"]
+        .as_str()
+        .unwrap()
+        .contains("Fig. 4"));
+    let notes = json["notes"].as_array().unwrap();
+    assert!(notes.iter().any(|n| n
+        .as_str()
+        .unwrap()
+        .starts_with("Where and why ours differs")));
+    let png = std::fs::read(out.join("plot.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    let svg = std::fs::read_to_string(out.join("plot.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("CMS"), "{svg:.200}");
+    let html = std::fs::read_to_string(out.join("index.html")).unwrap();
+    assert!(html.contains("Fig. 4") && html.contains("plot.svg"));
+    let o = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["scenario", "lhcb"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("comet"));
+}

@@ -467,7 +467,7 @@ fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
         }
     }
     let hold = after_last(live, then, dt, &cpu);
-    let (bottleneck, bottleneck_key) = named(&stages, &hold);
+    let (bottleneck, bottleneck_key) = vetoed_unblocked(named(&stages, &hold), dead_time_fraction);
     Rates {
         interval_s: dt,
         per_source_fragments_per_s,
@@ -740,9 +740,38 @@ pub fn named(stages: &[StageView], hold: &Hold) -> (String, String) {
     }
 }
 
+/// Dead time above this, in an interval where no stage is blocked, is named on the sources.
+const DEAD_UNBLOCKED: f64 = 0.05;
+
+/// Triggers vetoed while no stage is blocked: the front-ends fell behind their triggers with
+/// their links taking all they sent, so what they lacked is their own CPU (emulated front-ends
+/// share the host's cores with the stages). Saying "none" there would hide the dead time.
+fn vetoed_unblocked(named: (String, String), dead_time_fraction: f64) -> (String, String) {
+    if named.1 == "none" && dead_time_fraction > DEAD_UNBLOCKED {
+        (
+            format!(
+                "sources: the front-ends fall behind their triggers with no back-pressure ({:.0}% dead time; their CPU)",
+                dead_time_fraction * 100.0
+            ),
+            "sources (cpu)".into(),
+        )
+    } else {
+        named
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dead_time_with_nothing_blocked_is_named_on_the_sources() {
+        let none = || ("none: x".to_string(), "none".to_string());
+        assert_eq!(vetoed_unblocked(none(), 0.3).1, "sources (cpu)");
+        assert_eq!(vetoed_unblocked(none(), 0.01).1, "none");
+        let b = ("builders".to_string(), "builders".to_string());
+        assert_eq!(vetoed_unblocked(b.clone(), 0.5), b);
+    }
 
     fn s(stage: &'static str, condition: &'static str) -> StageView {
         StageView::new(stage, None, condition, String::new(), 0.0)

@@ -302,6 +302,11 @@ pub struct TriggerReport {
     /// stage that held the system BUSY; filled by the run control from its samples).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub vetoed_by: BTreeMap<String, u64>,
+    /// With a veto: seconds over which triggers were offered (the trigger time of the last
+    /// one), the span that offered and accepted rates are counted over; 0 when not known
+    /// (queued triggers: the run's duration is the span).
+    #[serde(default)]
+    pub offered_s: f64,
 }
 
 impl TriggerReport {
@@ -318,17 +323,20 @@ impl TriggerReport {
             },
             holds: offered == accepted + vetoed,
             vetoed_by: BTreeMap::new(),
+            offered_s: 0.0,
         }
     }
 
     /// Two processes' triggers (sources queued on several hosts), summed.
     fn and(&self, o: &TriggerReport) -> TriggerReport {
-        TriggerReport::new(
+        let mut t = TriggerReport::new(
             &self.policy,
             self.offered.max(o.offered),
             self.accepted.max(o.accepted),
             self.vetoed + o.vetoed,
-        )
+        );
+        t.offered_s = self.offered_s.max(o.offered_s);
+        t
     }
 }
 
@@ -460,12 +468,14 @@ pub(crate) fn readout(u: &tessera_readout::ReadoutUnit, cx: &Cx, p: &mut Parts) 
 /// this process too, [`Report::collect`] keeps the link's side, which carries the same counts.
 pub(crate) fn sources(s: &tessera_source::RunningSources, cx: &Cx, p: &mut Parts) {
     let t = &s.trigger;
-    p.trigger = Some(TriggerReport::new(
+    let mut tr = TriggerReport::new(
         t.policy,
         t.offered.load(Ordering::Relaxed),
         t.accepted.load(Ordering::Relaxed),
         t.vetoed.load(Ordering::Relaxed),
-    ));
+    );
+    tr.offered_s = t.last_offered_ns.load(Ordering::Relaxed) as f64 / 1e9;
+    p.trigger = Some(tr);
     for st in &s.stats {
         let id = st.id;
         p.sources.push(SourceReport {

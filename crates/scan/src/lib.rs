@@ -9,6 +9,7 @@
 
 pub mod plot;
 pub mod report;
+pub mod scenario;
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
@@ -185,6 +186,7 @@ pub struct Point {
     /// The stage the run control named the bottleneck for most of the data-taking time.
     pub bottleneck: Option<String>,
     pub bottleneck_share: Option<f64>,
+    pub readout_units: usize,
     /// Every fragment sent is accounted for.
     pub balance_holds: bool,
     /// The point's run report, relative to the scan's output directory.
@@ -203,10 +205,16 @@ impl Point {
         self.events_complete = r["events_complete"].as_u64().unwrap_or(0);
         self.events_incomplete = r["events_incomplete"].as_u64().unwrap_or(0);
         self.balance_holds = r["balance"]["holds"].as_bool().unwrap_or(false);
+        self.readout_units = r["readout_units"].as_array().map_or(0, |a| a.len());
         let t = &r["trigger"];
-        if t.is_object() && self.duration_s > 0.0 {
-            self.offered_hz = Some(f(&t["offered"]) / self.duration_s);
-            self.accepted_hz = Some(f(&t["accepted"]) / self.duration_s);
+        // Over the time triggers came where the report knows it (a veto), else over the run.
+        let span = match f(&t["offered_s"]) {
+            s if s > 0.0 => s,
+            _ => self.duration_s,
+        };
+        if t.is_object() && span > 0.0 {
+            self.offered_hz = Some(f(&t["offered"]) / span);
+            self.accepted_hz = Some(f(&t["accepted"]) / span);
             self.dead_time_fraction = Some(f(&t["dead_time_fraction"]));
         }
         if let Some(b) = r["bottlenecks"].as_array() {
@@ -228,6 +236,8 @@ pub struct Scan {
     /// against that file's directory).
     pub base: String,
     pub origin: PathBuf,
+    /// Set in every point before the varied keys (`--set KEY=VALUE`), not shown as columns.
+    pub fixed: Vec<(String, String)>,
     pub varies: Vec<Vary>,
     pub output: PathBuf,
     /// Overrides of each point's length (`run.duration_s`, `run.events`).
@@ -254,7 +264,7 @@ impl Scan {
                 .base
                 .parse()
                 .with_context(|| format!("{}: not TOML", self.origin.display()))?;
-            for (k, v) in &values {
+            for (k, v) in self.fixed.iter().chain(&values) {
                 set_key(&mut doc, k, v)?;
             }
             absolute_scenario(&mut doc, &dir);

@@ -16,6 +16,8 @@ pub enum Metric {
     EventsPerS,
     AcceptedHz,
     BuiltMbPerS,
+    /// Built data per readout unit: the CMS paper's "throughput per node".
+    BuiltMbPerSPerReadoutUnit,
     DeadTime,
 }
 
@@ -25,10 +27,11 @@ impl Metric {
             "events_per_s" => Metric::EventsPerS,
             "accepted_hz" => Metric::AcceptedHz,
             "built_mb_per_s" => Metric::BuiltMbPerS,
+            "built_mb_per_s_per_ru" => Metric::BuiltMbPerSPerReadoutUnit,
             "dead_time" => Metric::DeadTime,
             _ => {
                 return Err(format!(
-                    "{s:?}: expected events_per_s, accepted_hz, built_mb_per_s or dead_time"
+                    "{s:?}: expected events_per_s, accepted_hz, built_mb_per_s, built_mb_per_s_per_ru or dead_time"
                 ))
             }
         })
@@ -39,6 +42,7 @@ impl Metric {
             Metric::EventsPerS => "events built per second",
             Metric::AcceptedHz => "accepted trigger rate (Hz)",
             Metric::BuiltMbPerS => "built data (MB/s)",
+            Metric::BuiltMbPerSPerReadoutUnit => "built data per readout unit (MB/s)",
             Metric::DeadTime => "dead-time fraction",
         }
     }
@@ -48,6 +52,9 @@ impl Metric {
             Metric::EventsPerS => Some(p.events_per_s),
             Metric::AcceptedHz => p.accepted_hz,
             Metric::BuiltMbPerS => Some(p.built_mb_per_s),
+            Metric::BuiltMbPerSPerReadoutUnit => {
+                (p.readout_units > 0).then(|| p.built_mb_per_s / p.readout_units as f64)
+            }
             Metric::DeadTime => p.dead_time_fraction,
         }
     }

@@ -70,6 +70,10 @@ pub struct TriggerStats {
     pub accepted: AtomicU64,
     /// Offered while BUSY, not taken.
     pub vetoed: AtomicU64,
+    /// With a veto: the trigger time (since the start, pauses left out) of the last trigger
+    /// offered, so that rates are counted over the time triggers came, not over a run whose
+    /// start and drain take longer.
+    pub last_offered_ns: AtomicU64,
 }
 
 /// CPU time used by every source driver thread that has finished in this process: the emulated
@@ -377,6 +381,7 @@ fn trigger_unit(plan: &SourcePlan, control: &Control, t0: Instant) {
                     break;
                 }
                 st.offered.fetch_add(1, Ordering::Relaxed);
+                st.last_offered_ns.store(t, Ordering::Relaxed);
                 if log.next.saturating_sub(log.slowest()) >= depth {
                     st.vetoed.fetch_add(1, Ordering::Relaxed);
                 } else {
