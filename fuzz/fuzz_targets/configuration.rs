@@ -1,5 +1,6 @@
 //! Topology files: any text through the parser and every check (`tessera check` without
-//! binding ports); and the same text as a scenario file of trigger times.
+//! binding ports); and the same text as a scenario file of trigger times and as a histogram of
+//! fragment sizes.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 
@@ -10,5 +11,11 @@ fuzz_target!(|data: &[u8]| {
     let _ = tessera_config::Topology::parse(text, "fuzz.toml");
     if let Ok(times) = tessera_config::parse_scenario(text) {
         assert!(times.windows(2).all(|w| w[0] <= w[1]));
+    }
+    if let Ok(h) = tessera_config::parse_size_histogram(text) {
+        // Every probability lands on a size of the file.
+        for u in [0.0, 0.5, 1.0] {
+            assert!(h.quantile(u) <= h.max());
+        }
     }
 });

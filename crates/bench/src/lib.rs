@@ -488,6 +488,7 @@ pub fn relay_chain(r: &Resolved, hops: usize) -> Result<f64> {
         start_held: false,
         veto: false,
         scenario: None,
+        size_histogram: None,
     };
     let t0 = Instant::now();
     let src = tessera_source::start(plan)?;

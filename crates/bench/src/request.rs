@@ -279,6 +279,7 @@ pub fn measure(m: &Mix, events: u64) -> Result<RequestPoint> {
                 start_held: false,
                 veto: false,
                 scenario: None,
+                size_histogram: None,
             })
             .context("starting the sources")?,
         )

@@ -216,3 +216,62 @@ fn a_scenario_file_is_replayed_and_a_bad_one_refused() {
         "{text}"
     );
 }
+
+/// Sizes from a histogram file, correlated across sources when asked: with a correlation of 1
+/// an event is big at every source; the sizes are the file's, in its proportions. A size above
+/// what a fragment may carry is refused at configure, naming the key.
+#[test]
+fn sizes_come_from_a_histogram_and_an_event_is_big_everywhere_when_correlated() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("data");
+    std::fs::write(
+        dir.path().join("sizes.txt"),
+        "# zero-suppressed, with big events\n100 3\n3000 1\n",
+    )
+    .unwrap();
+    let cfg = paced(
+        &out,
+        "trigger = \"unlimited\"\nsize_histogram = \"sizes.txt\"\nsize_correlation = 1.0",
+    );
+    run(dir.path(), &cfg, &["--events", "2000"]);
+    let mut events = 0;
+    let mut big = 0;
+    for f in std::fs::read_dir(&out).unwrap().flatten() {
+        if !f.file_name().to_string_lossy().ends_with(".tsr") {
+            continue;
+        }
+        let mut rd = tessera_verify::FileReader::open(&f.path()).unwrap();
+        while let Some((_, raw)) = rd.next_block().unwrap() {
+            for e in tessera_verify::events_in(raw) {
+                let sizes: Vec<u32> = e
+                    .unwrap()
+                    .fragments()
+                    .map(|f| f.unwrap().header.payload_size)
+                    .collect();
+                assert_eq!(sizes.len(), 3);
+                assert!(sizes.iter().all(|&s| s == sizes[0]), "{sizes:?}");
+                assert!(sizes[0] == 100 || sizes[0] == 3000, "{sizes:?}");
+                events += 1;
+                big += (sizes[0] == 3000) as u32;
+            }
+        }
+    }
+    assert_eq!(events, 2000);
+    // A quarter of the weight: 500 expected, binomial spread about 19.
+    assert!((400..600).contains(&big), "{big} big events of 2000");
+    std::fs::write(dir.path().join("sizes.txt"), "100 1\n2000000 1\n").unwrap();
+    let p = dir.path().join("topology.toml");
+    let o = Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args(["check", p.to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )
+    .finish(LIMIT);
+    assert!(!o.status.success());
+    let text = String::from_utf8_lossy(&o.stderr).to_string() + &String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("sources.size_histogram") && text.contains("run.max_fragment_size"),
+        "{text}"
+    );
+}

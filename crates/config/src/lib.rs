@@ -434,6 +434,15 @@ pub struct SourcesSection {
     /// ascending; `#` starts a comment). Relative to the topology file.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub scenario: Option<std::path::PathBuf>,
+    /// Payload sizes drawn from a histogram instead of `fragment_size` and `size_spread`: a
+    /// text file of `SIZE WEIGHT` lines (bytes, relative weight; `#` comments). Relative to
+    /// the topology file.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub size_histogram: Option<std::path::PathBuf>,
+    /// How alike one event's sizes are across its sources: 0 independent, 1 the same draw for
+    /// every source (an event is big everywhere); the correlation of the normal variates the
+    /// sizes come from.
+    pub size_correlation: f64,
     /// What a trigger that comes while the system is BUSY does.
     pub busy: BusyPolicy,
     /// Accepted events the front-ends may hold not yet sent before they raise BUSY (the depth
@@ -471,6 +480,8 @@ impl Default for SourcesSection {
             burst_size: 9,
             burst_window_us: 180.0,
             scenario: None,
+            size_histogram: None,
+            size_correlation: 0.0,
             busy: BusyPolicy::Auto,
             derandomizer: 1024,
             seed: 1,
@@ -530,6 +541,94 @@ pub fn parse_scenario(text: &str) -> Result<Vec<u64>, String> {
         return Err("no trigger times in it".into());
     }
     Ok(out)
+}
+
+/// Most bins a size histogram may have.
+pub const MAX_HISTOGRAM_BINS: usize = 100_000;
+
+/// Payload sizes and their cumulative probabilities, from a histogram file.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SizeHistogram {
+    sizes: Vec<u64>,
+    /// Cumulative weight up to and including each size, the last 1.
+    cumulative: Vec<f64>,
+}
+
+impl SizeHistogram {
+    /// The size at cumulative probability `u` (0..1): the first bin whose cumulative weight
+    /// reaches it.
+    pub fn quantile(&self, u: f64) -> u64 {
+        let i = self.cumulative.partition_point(|&c| c < u);
+        self.sizes[i.min(self.sizes.len() - 1)]
+    }
+
+    pub fn max(&self) -> u64 {
+        self.sizes.iter().copied().max().unwrap_or(0)
+    }
+
+    pub fn mean(&self) -> f64 {
+        let mut prev = 0.0;
+        let mut m = 0.0;
+        for (s, c) in self.sizes.iter().zip(&self.cumulative) {
+            m += *s as f64 * (c - prev);
+            prev = *c;
+        }
+        m
+    }
+}
+
+/// Reads a size histogram: `SIZE WEIGHT` per line (a size in bytes, its relative weight), blank
+/// lines and `#` comments skipped.
+pub fn read_size_histogram(path: &Path) -> Result<SizeHistogram, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    parse_size_histogram(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// [`read_size_histogram`] of text.
+pub fn parse_size_histogram(text: &str) -> Result<SizeHistogram, String> {
+    let mut sizes = Vec::new();
+    let mut weights = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let mut f = line.split_whitespace();
+        let (Some(size), Some(weight), None) = (f.next(), f.next(), f.next()) else {
+            return Err(format!(
+                "line {}: {line:?} is not SIZE WEIGHT (bytes and a relative weight)",
+                i + 1
+            ));
+        };
+        let size: u64 = size
+            .parse()
+            .map_err(|_| format!("line {}: {size:?} is not a size in bytes", i + 1))?;
+        let weight: f64 = weight
+            .parse()
+            .ok()
+            .filter(|w: &f64| w.is_finite() && *w >= 0.0 && *w <= 1e300)
+            .ok_or_else(|| format!("line {}: {weight:?} is not a weight of 0 or more", i + 1))?;
+        if sizes.len() == MAX_HISTOGRAM_BINS {
+            return Err(format!("more than {MAX_HISTOGRAM_BINS} sizes"));
+        }
+        sizes.push(size);
+        weights.push(weight);
+    }
+    let total: f64 = weights.iter().sum();
+    if !(total > 0.0 && total.is_finite()) {
+        return Err("no size with a weight above 0 in it".into());
+    }
+    let mut acc = 0.0;
+    let mut cumulative = Vec::with_capacity(weights.len());
+    for w in weights {
+        acc += w;
+        cumulative.push(acc / total);
+    }
+    if let Some(last) = cumulative.last_mut() {
+        *last = 1.0;
+    }
+    Ok(SizeHistogram { sizes, cumulative })
 }
 
 /// Most sources one topology may have (emulated and external together): every table sized by
@@ -1352,6 +1451,28 @@ impl Topology {
                 })?;
             }
         }
+        // So is a size histogram, and no size in it may exceed what a fragment may carry.
+        let max = r.topology.run.max_fragment_size.0;
+        if let Some(h) = r.topology.sources.size_histogram.as_mut() {
+            if h.is_relative() {
+                if let Some(dir) = path.parent() {
+                    *h = dir.join(&*h);
+                }
+            }
+            let err = |reason| ConfigError {
+                file: file.clone(),
+                key: "sources.size_histogram".into(),
+                reason,
+            };
+            let hist = read_size_histogram(h).map_err(err)?;
+            if hist.max() > max {
+                return Err(err(format!(
+                    "{}: a size of {} bytes is above run.max_fragment_size ({max} bytes)",
+                    h.display(),
+                    hist.max()
+                )));
+            }
+        }
         Ok(r)
     }
 
@@ -1512,6 +1633,12 @@ impl Topology {
             return Err(err(
                 "sources.scenario",
                 "trigger = \"scenario\" needs the file of trigger times".into(),
+            ));
+        }
+        if !(s.size_correlation.is_finite() && (0.0..=1.0).contains(&s.size_correlation)) {
+            return Err(err(
+                "sources.size_correlation",
+                format!("must be from 0 to 1, got {}", s.size_correlation),
             ));
         }
         if s.busy == BusyPolicy::Veto && s.derandomizer == 0 {
@@ -2368,6 +2495,30 @@ mod monitor_tests {
     }
 
     #[test]
+    fn a_size_histogram_reads_as_cumulative_weights_and_names_a_bad_line() {
+        let h = parse_size_histogram("# sizes\n100 1\n200 2 # most\n\n1000 1\n").unwrap();
+        assert_eq!(h.quantile(0.0), 100);
+        assert_eq!(h.quantile(0.25), 100);
+        assert_eq!(h.quantile(0.5), 200);
+        assert_eq!(h.quantile(0.76), 1000);
+        assert_eq!(h.quantile(1.0), 1000);
+        assert_eq!(h.max(), 1000);
+        assert!((h.mean() - 375.0).abs() < 1e-9);
+        for (bad, why) in [
+            ("100\n", "line 1"),
+            ("100 1 2\n", "line 1"),
+            ("1 1\nx 1\n", "line 2"),
+            ("1 -1\n", "weight"),
+            ("1 NaN\n", "weight"),
+            ("1 0\n", "no size"),
+            ("# none\n", "no size"),
+        ] {
+            let e = parse_size_histogram(bad).unwrap_err();
+            assert!(e.contains(why), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
     fn bad_trigger_settings_name_their_key() {
         for (text, key, why) in [
             (
@@ -2389,6 +2540,11 @@ mod monitor_tests {
                 "[sources]\ntrigger = \"scenario\"\n",
                 "sources.scenario",
                 "file of trigger times",
+            ),
+            (
+                "[sources]\nsize_correlation = 1.5\n",
+                "sources.size_correlation",
+                "from 0 to 1",
             ),
         ] {
             let e = Topology::parse(text, "t.toml").unwrap_err();

@@ -128,13 +128,23 @@ pub enum Unit {
     Recorder,
 }
 
+/// The mean size of an emulated fragment on the wire: from the size histogram where one is
+/// given, else `fragment_size`.
+fn mean_fragment_wire(s: &tessera_config::SourcesSection) -> f64 {
+    let mean = s
+        .size_histogram
+        .as_deref()
+        .and_then(|p| tessera_config::read_size_histogram(p).ok())
+        .map_or(s.fragment_size.0 as f64, |h| h.mean());
+    tessera_format::wire::fragment_wire_size(mean.round() as usize) as f64
+}
+
 /// The memory each unit's configuration lets it hold at most (buffers, read chunks, the
 /// recorder's queue and block, the monitor's queues of mean-sized events): what `tessera check`
 /// prints and what a node agent checks against the memory its host has.
 pub fn memory(r: &Resolved) -> Vec<(Unit, u64)> {
     let t = &r.topology;
-    let frag_wire =
-        tessera_format::wire::fragment_wire_size(t.sources.fragment_size.0 as usize) as f64;
+    let frag_wire = mean_fragment_wire(&t.sources);
     let mean_event = 48.0 + r.source_ru.len().max(1) as f64 * (4.0 + frag_wire);
     let mut v = Vec::new();
     for (i, u) in t.readout_units.iter().enumerate() {
@@ -243,7 +253,7 @@ pub fn check(r: &Resolved) -> CheckReport {
                 (span > 0.0).then(|| t.len() as f64 / span)
             }),
     };
-    let frag_wire = tessera_format::wire::fragment_wire_size(s.fragment_size.0 as usize) as f64;
+    let frag_wire = mean_fragment_wire(s);
     let per_link = events_per_s.map(|r| r * frag_wire);
     let n_sources = r.source_ru.len().max(1);
     let mean_event = 48.0 + n_sources as f64 * (4.0 + frag_wire);

@@ -421,6 +421,14 @@ impl<'a> Starter<'a> {
             ),
             _ => None,
         };
+        let size_histogram = match &t.sources.size_histogram {
+            Some(path) => Some(
+                tessera_config::read_size_histogram(path)
+                    .map_err(|e| anyhow!("sources.size_histogram: {e}"))?
+                    .into(),
+            ),
+            None => None,
+        };
         Ok(Some(
             tessera_source::start(SourcePlan {
                 settings: t.sources.clone(),
@@ -432,6 +440,7 @@ impl<'a> Starter<'a> {
                 start_held: held,
                 veto,
                 scenario,
+                size_histogram,
             })
             .context("connecting the emulated sources")?,
         ))

@@ -21,7 +21,7 @@ use tessera_config::{InjectKind, Injection, SourcesSection};
 use tessera_format::pattern::Pattern;
 use tessera_format::wire::{self, encode_fragment_with, FragmentHeader, Hello, StreamEnd};
 
-pub use schedule::{payload_size, trigger_type, TriggerSchedule};
+pub use schedule::{payload_size, trigger_type, Sizes, TriggerSchedule};
 
 /// Live counters of one source.
 #[derive(Debug, Default)]
@@ -59,6 +59,8 @@ pub struct SourcePlan {
     pub veto: bool,
     /// The times of `sources.scenario`, read (for `trigger = "scenario"`).
     pub scenario: Option<Arc<[u64]>>,
+    /// `sources.size_histogram`, read.
+    pub size_histogram: Option<Arc<tessera_config::SizeHistogram>>,
 }
 
 /// The trigger's counts: every offered trigger is accepted or vetoed.
@@ -622,14 +624,15 @@ fn encode(
 ) {
     let s = &plan.settings;
     let id = link.stats.id;
-    let size = payload_size(
-        s.seed,
-        id,
-        ev,
-        s.fragment_size.0,
-        s.size_spread.0,
-        plan.max_payload as u64,
-    );
+    let size = Sizes {
+        seed: s.seed,
+        mean: s.fragment_size.0,
+        spread: s.size_spread.0,
+        max: plan.max_payload as u64,
+        correlation: s.size_correlation,
+        histogram: plan.size_histogram.as_deref(),
+    }
+    .of(id, ev);
     let status = if inject == Some(InjectKind::StatusError) {
         status | wire::status::FRONT_END_ERROR
     } else {

@@ -235,15 +235,75 @@ pub fn trigger_type(seed: u64, event: u64, types: u16) -> u16 {
 /// Payload size of (source, event): `mean` when `spread` is 0, else normal(mean, spread) clamped
 /// to [0, max].
 pub fn payload_size(seed: u64, source: u32, event: u64, mean: u64, spread: u64, max: u64) -> u64 {
-    if spread == 0 {
-        return mean.min(max);
+    Sizes {
+        seed,
+        mean,
+        spread,
+        max,
+        correlation: 0.0,
+        histogram: None,
     }
-    let h = splitmix(seed ^ splitmix(event ^ ((source as u64) << 44)));
+    .of(source, event)
+}
+
+/// How the emulated sources size their fragments: normal(mean, spread) or a histogram, each
+/// source's draw correlated with the event's by `correlation` (a Gaussian copula: an event drawn
+/// big is big at every source when it is 1).
+#[derive(Clone, Copy, Debug)]
+pub struct Sizes<'a> {
+    pub seed: u64,
+    pub mean: u64,
+    pub spread: u64,
+    pub max: u64,
+    pub correlation: f64,
+    pub histogram: Option<&'a tessera_config::SizeHistogram>,
+}
+
+impl Sizes<'_> {
+    pub fn of(&self, source: u32, event: u64) -> u64 {
+        if self.histogram.is_none() && self.spread == 0 {
+            return self.mean.min(self.max);
+        }
+        // The draw of before correlations existed, so that a run without them is unchanged.
+        let z_source = normal(splitmix(
+            self.seed ^ splitmix(event ^ ((source as u64) << 44)),
+        ));
+        let z = if self.correlation > 0.0 {
+            let z_event = normal(splitmix(self.seed.rotate_left(29) ^ splitmix(!event)));
+            self.correlation.sqrt() * z_event + (1.0 - self.correlation).sqrt() * z_source
+        } else {
+            z_source
+        };
+        match self.histogram {
+            Some(h) => h.quantile(normal_cdf(z)).min(self.max),
+            None => (self.mean as f64 + z * self.spread as f64)
+                .round()
+                .clamp(0.0, self.max as f64) as u64,
+        }
+    }
+}
+
+/// A standard normal number from a hash (Box-Muller).
+fn normal(h: u64) -> f64 {
     let (u1, u2) = (unit(h), unit(splitmix(h)));
-    let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
-    (mean as f64 + z * spread as f64)
-        .round()
-        .clamp(0.0, max as f64) as u64
+    (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+}
+
+/// The standard normal distribution function, from erf (Abramowitz and Stegun 7.1.26, error
+/// below 1.5e-7: far finer than any size histogram's bins).
+fn normal_cdf(z: f64) -> f64 {
+    let x = z.abs() / std::f64::consts::SQRT_2;
+    let t = 1.0 / (1.0 + 0.327_591_1 * x);
+    let poly = t
+        * (0.254_829_592
+            + t * (-0.284_496_736
+                + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
+    let erf = 1.0 - poly * (-x * x).exp();
+    if z >= 0.0 {
+        0.5 * (1.0 + erf)
+    } else {
+        0.5 * (1.0 - erf)
+    }
 }
 
 #[cfg(test)]
@@ -285,6 +345,60 @@ mod tests {
         assert!(v.iter().all(|&x| x <= 1500));
         assert!(v.iter().any(|&x| x != 1000));
         assert_eq!(payload_size(1, 3, 5, 1000, 0, 1500), 1000);
+    }
+
+    #[test]
+    fn the_normal_distribution_function_is_close() {
+        assert!((normal_cdf(0.0) - 0.5).abs() < 1e-7);
+        assert!((normal_cdf(1.0) - 0.841_344_746).abs() < 1e-6);
+        assert!((normal_cdf(-1.96) - 0.024_997_895).abs() < 1e-6);
+    }
+
+    fn hist() -> tessera_config::SizeHistogram {
+        tessera_config::parse_size_histogram("100 3\n5000 1\n").unwrap()
+    }
+
+    #[test]
+    fn histogram_sizes_follow_the_weights() {
+        let h = hist();
+        let s = Sizes {
+            seed: 7,
+            mean: 0,
+            spread: 0,
+            max: 1 << 20,
+            correlation: 0.0,
+            histogram: Some(&h),
+        };
+        let big = (0..20_000).filter(|&e| s.of(2, e) == 5000).count() as f64 / 20_000.0;
+        assert!((big - 0.25).abs() < 0.02, "{big}");
+        assert!((0..1000).all(|e| matches!(s.of(2, e), 100 | 5000)));
+    }
+
+    #[test]
+    fn correlated_sizes_make_an_event_big_everywhere() {
+        let h = hist();
+        let sizes = |correlation| Sizes {
+            seed: 7,
+            mean: 0,
+            spread: 0,
+            max: 1 << 20,
+            correlation,
+            histogram: Some(&h),
+        };
+        // How often sources 0 and 1 agree on a big event.
+        let both_big = |s: &Sizes| {
+            (0..20_000)
+                .filter(|&e| s.of(0, e) == 5000 && s.of(1, e) == 5000)
+                .count() as f64
+                / 20_000.0
+        };
+        let independent = both_big(&sizes(0.0));
+        assert!((independent - 0.0625).abs() < 0.01, "{independent}");
+        let fully = sizes(1.0);
+        assert!((0..1000).all(|e| fully.of(0, e) == fully.of(9, e)));
+        assert!((both_big(&fully) - 0.25).abs() < 0.02);
+        let partly = both_big(&sizes(0.6));
+        assert!(partly > independent + 0.05 && partly < 0.25, "{partly}");
     }
 }
 
