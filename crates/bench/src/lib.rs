@@ -489,6 +489,7 @@ pub fn relay_chain(r: &Resolved, hops: usize) -> Result<f64> {
         veto: false,
         scenario: None,
         size_histogram: None,
+        listening: Vec::new(),
     };
     let t0 = Instant::now();
     let src = tessera_source::start(plan)?;

@@ -175,6 +175,7 @@ pub fn measure(m: &Mix, events: u64) -> Result<RequestPoint> {
         event_timeout: Duration::from_secs(5),
         max_open_events: 1 << 16,
         max_payload,
+        dial: Vec::new(),
         quarantine: None,
         request_mode: Some(RequestMode {
             page_size: 4096,
@@ -280,6 +281,7 @@ pub fn measure(m: &Mix, events: u64) -> Result<RequestPoint> {
                 veto: false,
                 scenario: None,
                 size_histogram: None,
+                listening: Vec::new(),
             })
             .context("starting the sources")?,
         )

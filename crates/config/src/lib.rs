@@ -443,6 +443,9 @@ pub struct SourcesSection {
     /// every source (an event is big everywhere); the correlation of the normal variates the
     /// sizes come from.
     pub size_correlation: f64,
+    /// The emulated sources listen and their readout unit connects to each (server mode, as
+    /// SiTCP boards work), instead of connecting to their readout unit.
+    pub listen: bool,
     /// What a trigger that comes while the system is BUSY does.
     pub busy: BusyPolicy,
     /// Accepted events the front-ends may hold not yet sent before they raise BUSY (the depth
@@ -482,6 +485,7 @@ impl Default for SourcesSection {
             scenario: None,
             size_histogram: None,
             size_correlation: 0.0,
+            listen: false,
             busy: BusyPolicy::Auto,
             derandomizer: 1024,
             seed: 1,
@@ -698,6 +702,10 @@ pub struct ReadoutSection {
     pub host: Option<String>,
     /// Address its sources connect to (port 0: any free port, for runs in one process).
     pub listen: String,
+    /// Sources that listen (SiTCP style): the unit connects to each of these addresses,
+    /// retrying until it answers or the run stops; the source's hello then names its link.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub dial: Vec<String>,
     /// Source IDs this unit reads. Absent: the sources are split evenly over the units.
     #[serde(skip_serializing_if = "SourceList::is_auto")]
     pub sources: SourceList,
@@ -725,6 +733,7 @@ impl Default for ReadoutSection {
             id: 0,
             host: None,
             listen: "127.0.0.1:0".into(),
+            dial: Vec::new(),
             sources: SourceList::Auto,
             buffer: ByteSize(64 << 20),
             read_chunk: ByteSize(256 << 10),
@@ -1787,6 +1796,16 @@ impl Topology {
                     format!("readout unit {} reads no source", ru.id),
                 ));
             }
+            if ru.dial.len() > ru_sources[i].len() {
+                return Err(err(
+                    &format!("readout[{i}].dial"),
+                    format!(
+                        "{} addresses to connect to, and the unit reads {} sources",
+                        ru.dial.len(),
+                        ru_sources[i].len()
+                    ),
+                ));
+            }
             ru.read_chunk = ByteSize(ru.read_chunk.0.max(chunk_floor as u64));
             let per_link = ru.buffer.0 / ru_sources[i].len() as u64;
             if per_link < 2 * ru.read_chunk.0 {
@@ -2305,6 +2324,14 @@ impl Topology {
                 Some(_) => {}
             }
         }
+        // A listening source is dialled by its readout unit in the same process: it must run
+        // beside it, as a board sits beside its readout PC.
+        if self.sources.listen && self.sources.host.is_some() {
+            return Err((
+                "sources.listen".into(),
+                "listening sources run beside their readout unit (each on its unit's host): remove sources.host".into(),
+            ));
+        }
         // One trigger decides for every emulated source: with a veto they must all run in one
         // process (sources.host, or every readout unit on one host).
         if self.sources.busy == BusyPolicy::Veto && self.sources.count > 0 {
@@ -2545,6 +2572,11 @@ mod monitor_tests {
                 "[sources]\nsize_correlation = 1.5\n",
                 "sources.size_correlation",
                 "from 0 to 1",
+            ),
+            (
+                "[sources]\ncount = 1\n[[readout]]\nid = 0\ndial = [\"127.0.0.1:1\", \"127.0.0.1:2\"]\n",
+                "readout[0].dial",
+                "reads 1 sources",
             ),
         ] {
             let e = Topology::parse(text, "t.toml").unwrap_err();

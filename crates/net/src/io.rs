@@ -77,6 +77,80 @@ pub fn connect_retry(addr: &str, patience: Duration) -> io::Result<TcpStream> {
     }
 }
 
+/// Connects to each of `addrs` (sources that listen, SiTCP style), retrying those that do not
+/// answer every 50 ms until `stop` is raised, and hands each connection, in blocking mode, to
+/// `take` with a hello under way of `hellos` (begun before the attempt, so that a stop waiting
+/// for the hellos under way also waits for an attempt that may connect). Returns once every
+/// address is connected, or at the stop.
+pub fn dial_until(
+    addrs: &[String],
+    stop: &std::sync::atomic::AtomicBool,
+    hellos: &Hellos,
+    mut take: impl FnMut(TcpStream, SocketAddr, HelloUnderWay),
+) {
+    let mut pending: Vec<&String> = addrs.iter().collect();
+    while !pending.is_empty() && !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let mut left = Vec::new();
+        for addr in pending {
+            let Ok(under_way) = hellos.begin() else {
+                left.push(addr);
+                continue;
+            };
+            let target = match addr.to_socket_addrs().map(|mut a| a.next()) {
+                Ok(Some(a)) => a,
+                _ => {
+                    // Resolved later, perhaps: a host name that is not up yet.
+                    left.push(addr);
+                    continue;
+                }
+            };
+            match TcpStream::connect_timeout(&target, Duration::from_millis(200)) {
+                Ok(s) => {
+                    let _ = s.set_nonblocking(false);
+                    take(s, target, under_way);
+                }
+                Err(_) => left.push(addr),
+            }
+        }
+        pending = left;
+        if !pending.is_empty() {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// Accepts one connection on `listener` (a source that listens, waiting for its readout unit),
+/// from an allowed network, within `patience`.
+pub fn accept_one(listener: &std::net::TcpListener, patience: Duration) -> io::Result<TcpStream> {
+    listener.set_nonblocking(true)?;
+    let t0 = Instant::now();
+    loop {
+        match listener.accept() {
+            Ok((s, peer)) if peer_allowed(&peer) => {
+                s.set_nonblocking(false)?;
+                return Ok(s);
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if t0.elapsed() >= patience {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!(
+                            "no readout unit connected to {} within {} s",
+                            listener
+                                .local_addr()
+                                .map_or_else(|_| "?".into(), |a| a.to_string()),
+                            patience.as_secs()
+                        ),
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Reads exactly `buf.len()` bytes, riding over read timeouts (for handshakes).
 pub fn read_exact_patient(r: &mut TcpStream, buf: &mut [u8], patience: Duration) -> io::Result<()> {
     use std::io::Read;

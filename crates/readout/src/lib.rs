@@ -67,6 +67,8 @@ pub struct ReadoutConfig {
     pub quarantine: Option<(PathBuf, u64)>,
     /// Request mode (`builders` and `assignment` are then unused); `None`: push mode.
     pub request_mode: Option<RequestMode>,
+    /// Addresses of sources that listen (SiTCP style): the unit connects to each.
+    pub dial: Vec<String>,
 }
 
 /// One event's fragments from this unit, on its way to its builder.
@@ -293,7 +295,7 @@ impl ReadoutUnit {
                 max_payload: cfg.max_payload,
                 read_chunk: cfg.read_chunk,
             };
-            serve::start(ctx, cfg.listener, mode, per_link, &mut role)?;
+            serve::start(ctx, cfg.listener, cfg.dial, mode, per_link, &mut role)?;
             return Ok(ReadoutUnit { stats, role });
         }
         let mut to_builders = Vec::new();
@@ -367,9 +369,10 @@ impl ReadoutUnit {
         {
             let sh = shared.clone();
             let listener = cfg.listener;
+            let dial = cfg.dial;
             role.threads
                 .push(spawn(format!("ru{}-accept", cfg.id), move || {
-                    accept(&sh, listener)
+                    accept(&sh, listener, dial)
                 }));
         }
         Ok(ReadoutUnit { stats, role })
@@ -398,11 +401,29 @@ impl ReadoutUnit {
 /// hello; the thread then hands the link to the pollers and ends. A connection for a source that is connected or has
 /// finished, or that never says a valid hello, is refused, counted and logged with its address,
 /// also after every source has connected.
-fn accept<S: LinkSink>(sh: &Arc<S>, listener: TcpListener) {
+fn accept<S: LinkSink>(sh: &Arc<S>, listener: TcpListener, dial: Vec<String>) {
     let c = sh.ctx();
     let readers = Mutex::new(Vec::new());
     let live = Arc::new(tessera_net::reactor::Tally::default());
     let hellos = tessera_net::io::Hellos::default();
+    // Sources that listen are dialled beside the accepting, under the same hellos, so that a
+    // stop waits for their hellos too.
+    let dialer = (!dial.is_empty()).then(|| {
+        let (sh, hellos, live) = (sh.clone(), hellos.clone(), live.clone());
+        spawn(format!("ru{}-dial", c.id), move || {
+            let c = sh.ctx();
+            let mut conns = Vec::new();
+            tessera_net::io::dial_until(&dial, &c.stop, &hellos, |stream, peer, hello| {
+                let (sh, live) = (sh.clone(), live.clone());
+                conns.push(spawn(format!("ru{}-hello", c.id), move || {
+                    take_source(&sh, stream, peer, hello, &live)
+                }));
+            });
+            for t in conns {
+                let _ = t.join();
+            }
+        })
+    });
     let open = || c.stats.links.iter().any(|l| !l.state().ended());
     let end = tessera_net::io::accept_until(&listener, &c.stop, open, |stream, peer| {
         let hello = match hellos.begin() {
@@ -414,22 +435,7 @@ fn accept<S: LinkSink>(sh: &Arc<S>, listener: TcpListener) {
         tessera_net::role::reap(&mut v);
         let live = live.clone();
         v.push(spawn(format!("ru{}-hello", c.id), move || {
-            let c = sh2.ctx();
-            let r = handshake(c, stream);
-            drop(hello);
-            match r {
-                Ok((slot, stream)) => {
-                    match polled::PolledLink::new(sh2.clone(), slot, stream, &live) {
-                        Ok(conn) => tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Readout).register(Box::new(conn)),
-                        Err(e) => {
-                            tracing::warn!(readout_unit = c.id, source = c.sources[slot], error = %e, "link could not be served");
-                            c.stats.links[slot].set_state(LinkState::Disconnected);
-                            sh2.close_link(slot);
-                        }
-                    }
-                }
-                Err(why) => refused(c, peer, why),
-            }
+            take_source(&sh2, stream, peer, hello, &live)
         }));
     });
     if end == tessera_net::io::AcceptEnd::Stopped {
@@ -441,8 +447,37 @@ fn accept<S: LinkSink>(sh: &Arc<S>, listener: TcpListener) {
     for r in readers.into_inner() {
         let _ = r.join();
     }
+    if let Some(d) = dialer {
+        let _ = d.join();
+    }
     // Every link handed to the pollers has closed and been accounted.
     live.wait_zero();
+}
+
+/// A source's connection (accepted, or dialled to a source that listens): its hello, then the
+/// link handed to the pollers.
+fn take_source<S: LinkSink>(
+    sh: &Arc<S>,
+    stream: TcpStream,
+    peer: std::net::SocketAddr,
+    hello: tessera_net::io::HelloUnderWay,
+    live: &Arc<tessera_net::reactor::Tally>,
+) {
+    let c = sh.ctx();
+    let r = handshake(c, stream);
+    drop(hello);
+    match r {
+        Ok((slot, stream)) => match polled::PolledLink::new(sh.clone(), slot, stream, live) {
+            Ok(conn) => tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Readout)
+                .register(Box::new(conn)),
+            Err(e) => {
+                tracing::warn!(readout_unit = c.id, source = c.sources[slot], error = %e, "link could not be served");
+                c.stats.links[slot].set_state(LinkState::Disconnected);
+                sh.close_link(slot);
+            }
+        },
+        Err(why) => refused(c, peer, why),
+    }
 }
 
 pub(crate) fn refused(c: &LinkCtx, peer: std::net::SocketAddr, why: String) {

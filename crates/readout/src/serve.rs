@@ -118,6 +118,7 @@ const MEMORY: usize = 1 << 20;
 pub(crate) fn start(
     ctx: LinkCtx,
     listener: TcpListener,
+    dial: Vec<String>,
     mode: RequestMode,
     per_link: u64,
     role: &mut RoleThreads,
@@ -178,7 +179,9 @@ pub(crate) fn start(
     }
     {
         let u = unit;
-        role.spawn(format!("ru{}-accept", u.id), move || accept(&u, listener));
+        role.spawn(format!("ru{}-accept", u.id), move || {
+            accept(&u, listener, dial)
+        });
     }
     Ok(())
 }
@@ -452,9 +455,25 @@ impl Unit {
 /// Sources come until all are connected; builders may connect any time until the end. Each
 /// connection's hello is read on its own thread with its own deadline (a silent connection holds
 /// nobody else's hello); the thread then serves the connection.
-fn accept(u: &Arc<Unit>, listener: TcpListener) {
+fn accept(u: &Arc<Unit>, listener: TcpListener, dial: Vec<String>) {
     let threads = Mutex::new(Vec::new());
     let hellos = tessera_net::io::Hellos::default();
+    // Sources that listen are dialled beside the accepting, under the same hellos.
+    let dialer = (!dial.is_empty()).then(|| {
+        let (u, hellos) = (u.clone(), hellos.clone());
+        spawn(format!("ru{}-dial", u.id), move || {
+            let mut conns = Vec::new();
+            tessera_net::io::dial_until(&dial, &u.stop, &hellos, |stream, peer, hello| {
+                let u = u.clone();
+                conns.push(spawn(format!("ru{}-conn", u.id), move || {
+                    serve_connection(&u, stream, peer, hello)
+                }));
+            });
+            for t in conns {
+                let _ = t.join();
+            }
+        })
+    });
     let end = tessera_net::io::accept_until(
         &listener,
         &u.stop,
@@ -480,6 +499,9 @@ fn accept(u: &Arc<Unit>, listener: TcpListener) {
     }
     for t in threads.into_inner() {
         let _ = t.join();
+    }
+    if let Some(d) = dialer {
+        let _ = d.join();
     }
 }
 

@@ -70,6 +70,7 @@ fn start_ru(
         event_timeout: Duration::from_secs(1),
         max_open_events: 1 << 16,
         max_payload: 1 << 20,
+        dial: Vec::new(),
         quarantine: None,
         request_mode: Some(RequestMode {
             generator: None,
@@ -368,6 +369,7 @@ fn the_link_generator_fills_every_link_with_every_event_under_back_pressure() {
         event_timeout: Duration::from_secs(1),
         max_open_events: 1 << 16,
         max_payload: 1 << 20,
+        dial: Vec::new(),
         quarantine: None,
         request_mode: Some(RequestMode {
             generator: Some(tessera_readout::LinkGenerator {

@@ -477,11 +477,12 @@ impl Session {
             .or_else(|| st.recording().then(|| t.recorder.listen.clone()));
         let (manager, manager_addr) = st.event_manager()?;
         let (mut builders, builder_addrs) = st.push_builders(&recorder_for_builders)?;
-        let (rus, ru_addrs) = st.readout_units(&builder_addrs, &manager_addr)?;
+        let listening = st.listening_sources()?;
+        let (rus, ru_addrs) = st.readout_units(&builder_addrs, &manager_addr, &listening)?;
         builders.extend(st.pull_builders(&ru_addrs, &manager_addr, &recorder_for_builders)?);
         let wait_for_external =
             !t.sources.external.is_empty() && t.sources.external_wait_s > 0.0 && sel.is_none();
-        let sources = st.sources(&ru_addrs, wait_for_external || opts.start_held)?;
+        let sources = st.sources(&ru_addrs, listening, wait_for_external || opts.start_held)?;
         let request_mode = st.request_mode();
         let runs_readout = |id: u32| st.runs_readout(id);
         let (recorder, _) = match recorder {

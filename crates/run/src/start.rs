@@ -280,6 +280,7 @@ impl<'a> Starter<'a> {
         &self,
         builder_addrs: &[Vec<String>],
         manager_addr: &str,
+        listening: &[(u32, Arc<TcpListener>)],
     ) -> Result<(Vec<ReadoutUnit>, Vec<String>)> {
         let (r, t) = (self.r, &self.r.topology);
         let mut rus = Vec::new();
@@ -296,6 +297,13 @@ impl<'a> Starter<'a> {
             )?;
             addrs.push(l.local_addr()?.to_string());
             let q = &t.request;
+            // The sources that listen: those of the topology, and this process's emulated ones.
+            let mut dial = ru.dial.clone();
+            for (s, sl) in listening {
+                if r.source_ru.get(s) == Some(&i) {
+                    dial.push(sl.local_addr()?.to_string());
+                }
+            }
             rus.push(
                 ReadoutUnit::start(ReadoutConfig {
                     id: ru.id,
@@ -308,6 +316,7 @@ impl<'a> Starter<'a> {
                     event_timeout: Duration::from_millis(ru.event_timeout_ms),
                     max_open_events: ru.max_open_events,
                     max_payload: self.max_payload,
+                    dial,
                     quarantine: ru.quarantine.then(|| {
                         (
                             self.output
@@ -380,25 +389,44 @@ impl<'a> Starter<'a> {
         Ok(builders)
     }
 
-    /// The emulated sources this process runs, connected to their readout units; held if
-    /// `held`.
+    /// With `sources.listen`: a listening socket for each emulated source this process runs,
+    /// bound before the readout units start, so that each unit is told where to connect.
+    pub fn listening_sources(&self) -> Result<Vec<(u32, Arc<TcpListener>)>> {
+        let r = self.r;
+        if !r.topology.sources.listen {
+            return Ok(Vec::new());
+        }
+        r.emulated_sources()
+            .filter(|&s| self.runs_source(s))
+            .map(|s| {
+                let l = TcpListener::bind("127.0.0.1:0")
+                    .with_context(|| format!("source {s}: binding its listening socket"))?;
+                Ok((s, Arc::new(l)))
+            })
+            .collect()
+    }
+
+    /// The emulated sources this process runs, connected to their readout units (or, those
+    /// that listen, once their unit connected); held if `held`.
     pub fn sources(
         &self,
         ru_addrs: &[String],
+        listening: Vec<(u32, Arc<TcpListener>)>,
         held: bool,
     ) -> Result<Option<tessera_source::RunningSources>> {
         let (r, t) = (self.r, &self.r.topology);
         let emulated: Vec<(u32, String)> = r
             .emulated_sources()
-            .filter(|&s| self.runs_source(s))
+            .filter(|&s| self.runs_source(s) && !t.sources.listen)
             .map(|s| (s, ru_addrs[r.source_ru[&s]].clone()))
             .collect();
-        if emulated.is_empty() {
+        let all: usize = emulated.len() + listening.len();
+        if all == 0 {
             return Ok(None);
         }
         // A veto needs one trigger deciding for every source; sources spread over processes
         // each derive their triggers alone, so they can only queue.
-        let all_here = emulated.len() as u64 == u64::from(t.sources.count);
+        let all_here = all as u64 == u64::from(t.sources.count);
         let veto = match t.sources.busy {
             tessera_config::BusyPolicy::Queue => false,
             // Request mode keeps queued triggers unless a veto is asked for by name: its
@@ -409,7 +437,7 @@ impl<'a> Starter<'a> {
             tessera_config::BusyPolicy::Veto if all_here => true,
             tessera_config::BusyPolicy::Veto => bail!(
                 "sources.busy = \"veto\" needs one trigger for every emulated source, and this process runs {} of {}: set sources.host (one host runs them all), or busy = \"queue\"",
-                emulated.len(),
+                all,
                 t.sources.count
             ),
         };
@@ -441,6 +469,7 @@ impl<'a> Starter<'a> {
                 veto,
                 scenario,
                 size_histogram,
+                listening,
             })
             .context("connecting the emulated sources")?,
         ))

@@ -305,6 +305,55 @@ id = 0
     assert!(found);
 }
 
+/// Server mode, as SiTCP boards work: sources that listen and readout units that connect to
+/// them. An external source written from the spec listens on a socket of the test
+/// (`readout.dial`), the emulated ones listen on their own (`sources.listen`); in push and in
+/// request mode every event is built complete from them.
+#[test]
+fn sources_that_listen_are_dialled_by_their_readout_units() {
+    for mode in ["push", "request"] {
+        let dir = tempfile::tempdir().unwrap();
+        let board = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = board.local_addr().unwrap();
+        let t = topology(&format!(
+            r#"
+[run]
+mode = "{mode}"
+events = 1000
+[sources]
+count = 3
+listen = true
+external = [77]
+fragment_size = 256
+trigger_types = 1
+[[readout]]
+id = 0
+sources = "0-2"
+[[readout]]
+id = 1
+sources = [77]
+dial = ["{addr}"]
+[[builder]]
+id = 0
+"#
+        ));
+        let ext = std::thread::spawn(move || spec_source::serve(board, 77, 1000));
+        let rep = run(&t, dir.path());
+        ext.join().unwrap();
+        assert!(rep.ok(), "{mode}: {}", rep.summary());
+        assert_eq!(rep.events_complete, 1000, "{mode}: {}", rep.summary());
+        for s in &rep.sources {
+            assert_eq!(
+                (s.received, s.link_state.as_str()),
+                (1000, "ended"),
+                "{mode}: source {}",
+                s.id
+            );
+        }
+        assert_eq!(verify(dir.path()).fragments, 4000);
+    }
+}
+
 #[test]
 fn files_rotate_by_size_and_compress() {
     let dir = tempfile::tempdir().unwrap();

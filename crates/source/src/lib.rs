@@ -61,6 +61,8 @@ pub struct SourcePlan {
     pub scenario: Option<Arc<[u64]>>,
     /// `sources.size_histogram`, read.
     pub size_histogram: Option<Arc<tessera_config::SizeHistogram>>,
+    /// Sources that listen (server mode): each waits for its readout unit to connect.
+    pub listening: Vec<(u32, Arc<std::net::TcpListener>)>,
 }
 
 /// The trigger's counts: every offered trigger is accepted or vetoed.
@@ -241,7 +243,7 @@ struct Link {
 }
 
 /// Connects every source and starts the driver threads. [`RunningSources::stop`] ends them.
-pub fn start(plan: SourcePlan) -> std::io::Result<RunningSources> {
+pub fn start(mut plan: SourcePlan) -> std::io::Result<RunningSources> {
     let paced = plan.settings.trigger != tessera_config::TriggerMode::Unlimited;
     let veto = plan.veto && paced;
     let control = Arc::new(Control {
@@ -255,8 +257,30 @@ pub fn start(plan: SourcePlan) -> std::io::Result<RunningSources> {
         control.gate.lock().paused_since = Some(Instant::now());
     }
     let mut links = Vec::new();
-    for (id, addr) in &plan.sources {
-        let stream = tessera_net::io::connect_retry(addr, Duration::from_secs(10))?;
+    // A listening source's readout unit dials it as soon as the unit starts (before this).
+    let listening = std::mem::take(&mut plan.listening);
+    let connected = plan
+        .sources
+        .iter()
+        .map(|(id, addr)| -> std::io::Result<(u32, TcpStream)> {
+            Ok((
+                *id,
+                tessera_net::io::connect_retry(addr, Duration::from_secs(10))?,
+            ))
+        })
+        .chain(
+            listening
+                .iter()
+                .map(|(id, l)| -> std::io::Result<(u32, TcpStream)> {
+                    Ok((
+                        *id,
+                        tessera_net::io::accept_one(l, Duration::from_secs(10))?,
+                    ))
+                }),
+        );
+    for c in connected {
+        let (id, stream): (u32, TcpStream) = c?;
+        let id = &id;
         stream.set_nodelay(true)?;
         let mut s = stream;
         s.write_all(&Hello::new(*id).encode())?;

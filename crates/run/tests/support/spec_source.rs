@@ -61,7 +61,17 @@ pub fn end(source: u32, sent: u64) -> Vec<u8> {
 }
 
 pub fn send(addr: &str, source: u32, events: u64) {
-    let mut s = TcpStream::connect(addr).unwrap();
+    stream(TcpStream::connect(addr).unwrap(), source, events)
+}
+
+/// A source that listens (SiTCP style): its readout unit connects, and it sends as [`send`].
+#[allow(dead_code)]
+pub fn serve(listener: std::net::TcpListener, source: u32, events: u64) {
+    let (s, _) = listener.accept().unwrap();
+    stream(s, source, events)
+}
+
+fn stream(mut s: TcpStream, source: u32, events: u64) {
     s.write_all(&hello(source)).unwrap();
     for ev in 0..events {
         let payload: Vec<u8> = (0..(100 + ev % 50))
