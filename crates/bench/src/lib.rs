@@ -490,6 +490,7 @@ pub fn relay_chain(r: &Resolved, hops: usize) -> Result<f64> {
         scenario: None,
         size_histogram: None,
         listening: Vec::new(),
+        replay: None,
     };
     let t0 = Instant::now();
     let src = tessera_source::start(plan)?;

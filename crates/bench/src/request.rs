@@ -282,6 +282,7 @@ pub fn measure(m: &Mix, events: u64) -> Result<RequestPoint> {
                 scenario: None,
                 size_histogram: None,
                 listening: Vec::new(),
+                replay: None,
             })
             .context("starting the sources")?,
         )

@@ -446,6 +446,15 @@ pub struct SourcesSection {
     /// The emulated sources listen and their readout unit connects to each (server mode, as
     /// SiTCP boards work), instead of connecting to their readout unit.
     pub listen: bool,
+    /// A recording (a finished `.tsr` file, or a directory of them) the emulated sources send
+    /// again: each its recorded payloads, in event-ID order, at the recorded trigger times
+    /// scaled by `replay_speed`. Relative to the topology file.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replay: Option<std::path::PathBuf>,
+    /// 1: the recorded pace; 2: twice as fast; 0: as fast as allowed.
+    pub replay_speed: f64,
+    /// Most payload bytes a replay holds in memory.
+    pub replay_memory: ByteSize,
     /// What a trigger that comes while the system is BUSY does.
     pub busy: BusyPolicy,
     /// Accepted events the front-ends may hold not yet sent before they raise BUSY (the depth
@@ -486,6 +495,9 @@ impl Default for SourcesSection {
             size_histogram: None,
             size_correlation: 0.0,
             listen: false,
+            replay: None,
+            replay_speed: 1.0,
+            replay_memory: ByteSize(1 << 30),
             busy: BusyPolicy::Auto,
             derandomizer: 1024,
             seed: 1,
@@ -1460,6 +1472,21 @@ impl Topology {
                 })?;
             }
         }
+        // A recording to replay is found beside the topology file too.
+        if let Some(rp) = r.topology.sources.replay.as_mut() {
+            if rp.is_relative() {
+                if let Some(dir) = path.parent() {
+                    *rp = dir.join(&*rp);
+                }
+            }
+            if let Err(e) = std::fs::metadata(&*rp) {
+                return Err(ConfigError {
+                    file: file.clone(),
+                    key: "sources.replay".into(),
+                    reason: format!("{}: {e}", rp.display()),
+                });
+            }
+        }
         // So is a size histogram, and no size in it may exceed what a fragment may carry.
         let max = r.topology.run.max_fragment_size.0;
         if let Some(h) = r.topology.sources.size_histogram.as_mut() {
@@ -1642,6 +1669,15 @@ impl Topology {
             return Err(err(
                 "sources.scenario",
                 "trigger = \"scenario\" needs the file of trigger times".into(),
+            ));
+        }
+        if !(s.replay_speed.is_finite() && s.replay_speed >= 0.0) {
+            return Err(err(
+                "sources.replay_speed",
+                format!(
+                    "must be 0 (as fast as allowed) or a positive factor, got {}",
+                    s.replay_speed
+                ),
             ));
         }
         if !(s.size_correlation.is_finite() && (0.0..=1.0).contains(&s.size_correlation)) {

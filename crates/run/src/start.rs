@@ -181,7 +181,12 @@ impl<'a> Starter<'a> {
             config_digest: r.digest,
             pattern: r.pattern.name().into(),
             sources: r.all_sources(),
-            pattern_sources: r.emulated_sources().collect(),
+            // Replayed payloads are the recording's, not the pattern's.
+            pattern_sources: if t.sources.replay.is_some() {
+                Vec::new()
+            } else {
+                r.emulated_sources().collect()
+            },
             settings: t.recorder.clone(),
             max_message: self.max_event,
             monitor: monitor.cloned(),
@@ -449,6 +454,47 @@ impl<'a> Starter<'a> {
             ),
             _ => None,
         };
+        let mut settings = t.sources.clone();
+        let mut events = self.events;
+        let (replay, scenario) = match &t.sources.replay {
+            None => (None, scenario),
+            Some(path) => {
+                let rp = tessera_source::Replay::load(path, t.sources.replay_memory.0)
+                    .map_err(|e| anyhow!("sources.replay: {e}"))?;
+                let recorded = rp.sources();
+                let here = emulated
+                    .iter()
+                    .map(|e| e.0)
+                    .chain(listening.iter().map(|l| l.0));
+                for s in here {
+                    if recorded.binary_search(&s).is_err() {
+                        bail!("sources.replay: source {s} is not in the recording (it holds sources {recorded:?}): every event would miss it");
+                    }
+                }
+                if rp.max_payload() > self.max_payload {
+                    bail!(
+                        "sources.replay: a recorded payload of {} bytes is above run.max_fragment_size ({} bytes)",
+                        rp.max_payload(),
+                        self.max_payload
+                    );
+                }
+                // The recording's trigger times make the schedule; at speed 0, as fast as
+                // allowed. The run ends with the recording.
+                let speed = t.sources.replay_speed;
+                let times = (speed > 0.0).then(|| rp.times(speed).into());
+                settings.trigger = if speed > 0.0 {
+                    tessera_config::TriggerMode::Scenario
+                } else {
+                    tessera_config::TriggerMode::Unlimited
+                };
+                settings.rate_profile.clear();
+                events = match events {
+                    0 => rp.events(),
+                    n => n.min(rp.events()),
+                };
+                (Some(Arc::new(rp)), times)
+            }
+        };
         let size_histogram = match &t.sources.size_histogram {
             Some(path) => Some(
                 tessera_config::read_size_histogram(path)
@@ -459,17 +505,18 @@ impl<'a> Starter<'a> {
         };
         Ok(Some(
             tessera_source::start(SourcePlan {
-                settings: t.sources.clone(),
+                settings,
                 pattern: r.pattern,
                 max_payload: self.max_payload,
                 sources: emulated,
                 injections: t.injections.clone(),
-                events: self.events,
+                events,
                 start_held: held,
                 veto,
                 scenario,
                 size_histogram,
                 listening,
+                replay,
             })
             .context("connecting the emulated sources")?,
         ))

@@ -21,6 +21,8 @@ use tessera_config::{InjectKind, Injection, SourcesSection};
 use tessera_format::pattern::Pattern;
 use tessera_format::wire::{self, encode_fragment_with, FragmentHeader, Hello, StreamEnd};
 
+pub mod replay;
+pub use replay::Replay;
 pub use schedule::{payload_size, trigger_type, Sizes, TriggerSchedule};
 
 /// Live counters of one source.
@@ -63,6 +65,9 @@ pub struct SourcePlan {
     pub size_histogram: Option<Arc<tessera_config::SizeHistogram>>,
     /// Sources that listen (server mode): each waits for its readout unit to connect.
     pub listening: Vec<(u32, Arc<std::net::TcpListener>)>,
+    /// Payloads and trigger types from a recording (`sources.replay`), instead of emulated ones;
+    /// the caller sets the schedule from its times.
+    pub replay: Option<Arc<Replay>>,
 }
 
 /// The trigger's counts: every offered trigger is accepted or vetoed.
@@ -648,15 +653,28 @@ fn encode(
 ) {
     let s = &plan.settings;
     let id = link.stats.id;
-    let size = Sizes {
-        seed: s.seed,
-        mean: s.fragment_size.0,
-        spread: s.size_spread.0,
-        max: plan.max_payload as u64,
-        correlation: s.size_correlation,
-        histogram: plan.size_histogram.as_deref(),
-    }
-    .of(id, ev);
+    let replayed = match &plan.replay {
+        // A source with no fragment in the recorded event sends none for it.
+        Some(r) => match r.payload(id, ev) {
+            Some(p) => Some((p, r.trigger_type(ev))),
+            None => return,
+        },
+        None => None,
+    };
+    let size = replayed.map_or_else(
+        || {
+            Sizes {
+                seed: s.seed,
+                mean: s.fragment_size.0,
+                spread: s.size_spread.0,
+                max: plan.max_payload as u64,
+                correlation: s.size_correlation,
+                histogram: plan.size_histogram.as_deref(),
+            }
+            .of(id, ev)
+        },
+        |(p, _)| p.len() as u64,
+    );
     let status = if inject == Some(InjectKind::StatusError) {
         status | wire::status::FRONT_END_ERROR
     } else {
@@ -665,14 +683,17 @@ fn encode(
     let h = FragmentHeader {
         status,
         source_id: id,
-        trigger_type: trigger_type(s.seed, ev, s.trigger_types),
+        trigger_type: replayed.map_or_else(|| trigger_type(s.seed, ev, s.trigger_types), |r| r.1),
         event_id: ev,
         timestamp: t,
         payload_size: size as u32,
     };
     let start = link.buf.len();
     let pattern = plan.pattern;
-    encode_fragment_with(&mut link.buf, &h, |p| pattern.fill(id, ev, p));
+    encode_fragment_with(&mut link.buf, &h, |p| match replayed {
+        Some((r, _)) => p.copy_from_slice(r),
+        None => pattern.fill(id, ev, p),
+    });
     let end = link.buf.len();
     match inject {
         Some(InjectKind::BadCrc) => link.buf[end - 8] ^= 0xFF,
