@@ -22,6 +22,7 @@ use tessera_format::pattern::Pattern;
 use tessera_run::{Options, StatusMode};
 use tessera_source::SourcePlan;
 
+pub mod calibrate;
 pub mod hosts;
 pub mod instructions;
 pub mod lowrate;
@@ -42,7 +43,9 @@ pub struct BenchArgs {
     /// count of instructions per fragment built (1 KiB x 8 by default; valgrind needed).
     /// `lowrate`: CPU per fragment of the COMET SUPPRESS setup at 1 kHz against saturation.
     /// `trapezoid`: building per CPU-second as readout units x builders grow (8x2 to 16x60 at
-    /// 16 KiB), with the process's peak threads and descriptors.
+    /// 16 KiB), with the process's peak threads and descriptors. `calibrate`: this host's CPU
+    /// per fragment and per byte (DAQ, emulated sources, recorder) and disk rate, stored for
+    /// the capacity model of `tessera check` and `tessera scenario`.
     /// Absent: push-mode building against the relay baseline.
     pub what: Option<String>,
     /// A small set of points (building: under a minute; request: under five).
@@ -158,9 +161,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         Some("instructions") => return instructions::run_instructions(a),
         Some("lowrate") => return lowrate::run_lowrate(a),
         Some("trapezoid") => return trapezoid::run_trapezoid(a),
+        Some("calibrate") => return calibrate::run_calibrate(a),
         Some(other) => {
             anyhow::bail!(
-                "unknown benchmark `{other}`: the choices are `request`, `monitor`, `hosts`, `record`, `instructions`, `lowrate`, `trapezoid` or none"
+                "unknown benchmark `{other}`: the choices are `request`, `monitor`, `hosts`, `record`, `instructions`, `lowrate`, `trapezoid`, `calibrate` or none"
             )
         }
     }

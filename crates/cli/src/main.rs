@@ -310,6 +310,29 @@ fn main() -> ExitCode {
     }
 }
 
+/// This host's calibration for the capacity model, if `tessera bench calibrate` stored one;
+/// said on the terminal either way, since the report then has the model's line or not.
+fn calibration() -> Option<tessera_config::capacity::Calibration> {
+    let path = tessera_config::capacity::default_path()?;
+    if !path.exists() {
+        eprintln!(
+            "no calibration at {}: the report has no capacity model (tessera bench calibrate)",
+            path.display()
+        );
+        return None;
+    }
+    match tessera_config::capacity::load(&path) {
+        Ok(c) => {
+            eprintln!("capacity model from the calibration {}", path.display());
+            Some(c)
+        }
+        Err(e) => {
+            eprintln!("calibration not used: {e}");
+            None
+        }
+    }
+}
+
 fn parse_set(s: &str) -> Result<(String, String), String> {
     let (k, v) = s
         .split_once('=')
@@ -645,6 +668,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 events: None,
                 keep_data: false,
                 binary: std::env::current_exe().context("finding the tessera binary")?,
+                model: calibration().map(|c| (c, sc.metric)),
             };
             let points = scan.run()?;
             tessera_scan::report::write(&output, &sc.layout(command, &points), &points)?;
@@ -685,6 +709,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 events,
                 keep_data,
                 binary: std::env::current_exe().context("finding the tessera binary")?,
+                model: calibration().map(|c| (c, y)),
             };
             let points = scan.run()?;
             let layout = tessera_scan::report::Layout {
@@ -697,7 +722,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 log_x,
                 paper: Vec::new(),
                 notes: Vec::new(),
-                predicted: None,
+                predicted: points.iter().any(|p| p.predicted.is_some()),
             };
             tessera_scan::report::write(&output, &layout, &points)?;
             let failed = points.iter().filter(|p| !p.ok).count();

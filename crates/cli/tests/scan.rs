@@ -116,9 +116,39 @@ fn a_bad_value_is_refused_with_its_point_and_key_before_anything_runs() {
 #[test]
 fn a_quick_scenario_writes_the_papers_figure_with_our_points_beside_its_own() {
     let dir = tempfile::tempdir().unwrap();
+    // This host calibrated (quick), as a user would once: check and the scenario then predict.
+    let cal = dir.path().join("calibration.json");
     let o = Proc::spawn(
         Command::new(env!("CARGO_BIN_EXE_tessera"))
             .current_dir(dir.path())
+            .env("TESSERA_CALIBRATION", &cal)
+            .args(["bench", "calibrate", "--quick", "--json"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )
+    .finish(LIMIT);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let c: serde_json::Value = serde_json::from_slice(&std::fs::read(&cal).unwrap()).unwrap();
+    for k in ["daq_ns_per_fragment", "disk_bytes_per_s", "cpus"] {
+        assert!(c[k].as_f64().unwrap() > 0.0, "{k}: {c}");
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .env("TESSERA_CALIBRATION", &cal)
+        .args([
+            "check",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/comet.toml"),
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("saturates first") && text.contains("at the configured rate: CPU"),
+        "{text}"
+    );
+    let o = Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .current_dir(dir.path())
+            .env("TESSERA_CALIBRATION", &cal)
             .args(["scenario", "cms", "--quick", "--output", "cms"])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped()),
@@ -142,8 +172,10 @@ fn a_quick_scenario_writes_the_papers_figure_with_our_points_beside_its_own() {
             r["built_bytes_per_s"].as_f64().unwrap() / 1e6
         );
         assert_eq!(r["readout_units"].as_array().unwrap().len(), 2);
-        // Each point names its bottleneck from the run control's samples.
+        // Each point names its bottleneck from the run control's samples, and has the capacity
+        // model's prediction beside it.
         assert!(p["bottleneck"].is_string(), "{p}");
+        assert!(p["predicted"].as_f64().unwrap() > 0.0, "{p}");
     }
     // The paper's points, with the figure they come from.
     assert!(json["paper"][0]["source"]
@@ -161,6 +193,10 @@ fn a_quick_scenario_writes_the_papers_figure_with_our_points_beside_its_own() {
     assert!(svg.starts_with("<svg") && svg.contains("CMS"), "{svg:.200}");
     let html = std::fs::read_to_string(out.join("index.html")).unwrap();
     assert!(html.contains("Fig. 4") && html.contains("plot.svg"));
+    assert!(html.contains("<th>model</th>") && svg.contains("capacity model"));
+    assert!(notes
+        .iter()
+        .any(|n| n.as_str().unwrap().contains("measured over predicted")));
     let o = Command::new(env!("CARGO_BIN_EXE_tessera"))
         .args(["scenario", "lhcb"])
         .output()

@@ -3,6 +3,7 @@
 //! a doc comment that `docs/configuration.md` repeats. Loading checks the whole topology and names
 //! the file, the key and the reason for anything wrong.
 
+pub mod capacity;
 mod size;
 
 use serde::{Deserialize, Serialize};

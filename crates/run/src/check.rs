@@ -43,6 +43,10 @@ pub struct CheckReport {
     pub events_per_s: Option<f64>,
     pub mean_event_bytes: f64,
     pub units: Vec<UnitExpectation>,
+    /// The capacity model's prediction from this host's calibration, where there is one.
+    pub capacity: Option<tessera_config::capacity::Prediction>,
+    /// Which calibration it used, or why there is none.
+    pub calibration: String,
 }
 
 impl CheckReport {
@@ -100,6 +104,34 @@ impl CheckReport {
         for (h, m) in per_host {
             let _ = writeln!(s, "  host {h}: memory {}", human(m as f64));
         }
+        match &self.capacity {
+            Some(p) => {
+                let _ = writeln!(
+                    s,
+                    "  capacity ({}): saturates first: {} at {:.0} events/s",
+                    self.calibration, p.first, p.max_rate_hz
+                );
+                if let Some(cpu) = p.cpu_load {
+                    let disk = p
+                        .disk_load
+                        .map(|d| format!(", disk {:.0} %", d * 100.0))
+                        .unwrap_or_default();
+                    let over = if p.expected_hz < p.offered_hz.unwrap_or(0.0) {
+                        "; above capacity: expect dead time (a veto) or a backlog (queued triggers)"
+                    } else {
+                        ""
+                    };
+                    let _ = writeln!(
+                        s,
+                        "  at the configured rate: CPU {:.0} % of the cores{disk}{over}",
+                        cpu * 100.0
+                    );
+                }
+            }
+            None => {
+                let _ = writeln!(s, "  capacity: {}", self.calibration);
+            }
+        }
         for f in &self.problems {
             let _ = writeln!(s, "  problem: {}: {}", f.key, f.reason);
         }
@@ -131,12 +163,9 @@ pub enum Unit {
 /// The mean size of an emulated fragment on the wire: from the size histogram where one is
 /// given, else `fragment_size`.
 fn mean_fragment_wire(s: &tessera_config::SourcesSection) -> f64 {
-    let mean = s
-        .size_histogram
-        .as_deref()
-        .and_then(|p| tessera_config::read_size_histogram(p).ok())
-        .map_or(s.fragment_size.0 as f64, |h| h.mean());
-    tessera_format::wire::fragment_wire_size(mean.round() as usize) as f64
+    tessera_format::wire::fragment_wire_size(
+        tessera_config::capacity::mean_fragment(s).round() as usize
+    ) as f64
 }
 
 /// The memory each unit's configuration lets it hold at most (buffers, read chunks, the
@@ -239,11 +268,8 @@ pub fn check(r: &Resolved) -> CheckReport {
 
     // Rates.
     let s = &t.sources;
+    // The highest rate the run will see: the profile's peak where there is one.
     let events_per_s = match s.trigger {
-        TriggerMode::Unlimited => None,
-        // The highest rate the run will see: the profile's peak where there is one.
-        TriggerMode::Periodic | TriggerMode::Poisson => Some(peak_rate(s)),
-        TriggerMode::Bursts => Some(peak_rate(s) * f64::from(s.burst_size.max(1))),
         TriggerMode::Scenario => s
             .scenario
             .as_deref()
@@ -252,6 +278,7 @@ pub fn check(r: &Resolved) -> CheckReport {
                 let span = (*t.last()? as f64 - *t.first()? as f64) / 1e9;
                 (span > 0.0).then(|| t.len() as f64 / span)
             }),
+        _ => tessera_config::capacity::offered_rate(s),
     };
     let frag_wire = mean_fragment_wire(s);
     let per_link = events_per_s.map(|r| r * frag_wire);
@@ -413,7 +440,10 @@ pub fn check(r: &Resolved) -> CheckReport {
         });
     }
 
+    let (capacity, calibration) = capacity(r, events_per_s);
     CheckReport {
+        capacity,
+        calibration,
         config: r.origin.clone(),
         mode: match t.run.mode {
             Mode::Push => "push".into(),
@@ -427,11 +457,41 @@ pub fn check(r: &Resolved) -> CheckReport {
     }
 }
 
-/// The highest trigger rate of `[sources]`: `rate_hz`, or the peak of `rate_profile`.
-fn peak_rate(s: &tessera_config::SourcesSection) -> f64 {
-    if s.rate_profile.is_empty() {
-        s.rate_hz
-    } else {
-        s.rate_profile.iter().map(|p| p[1]).fold(0.0, f64::max)
+/// The capacity model from this host's calibration (`tessera bench calibrate`), where one is.
+fn capacity(
+    r: &Resolved,
+    events_per_s: Option<f64>,
+) -> (Option<tessera_config::capacity::Prediction>, String) {
+    use tessera_config::capacity;
+    let Some(path) = capacity::default_path() else {
+        return (
+            None,
+            "no calibration: no home directory to find it in".into(),
+        );
+    };
+    if !path.exists() {
+        return (
+            None,
+            format!(
+                "no calibration of this host at {} (measure one: tessera bench calibrate)",
+                path.display()
+            ),
+        );
+    }
+    match capacity::load(&path) {
+        Ok(c) => {
+            let mean = capacity::mean_fragment(&r.topology.sources);
+            let p = capacity::predict(r, &c, mean, events_per_s);
+            (
+                Some(p),
+                format!(
+                    "calibration of {} with {} cores, {}",
+                    c.host,
+                    c.cpus,
+                    path.display()
+                ),
+            )
+        }
+        Err(e) => (None, format!("calibration unreadable: {e}")),
     }
 }

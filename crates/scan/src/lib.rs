@@ -193,6 +193,8 @@ pub struct Point {
     pub report: String,
     /// Wall-clock seconds the point took, start to report.
     pub wall_s: f64,
+    /// What the capacity model predicted for the report's metric (with a calibration).
+    pub predicted: Option<f64>,
 }
 
 impl Point {
@@ -247,6 +249,8 @@ pub struct Scan {
     pub keep_data: bool,
     /// The `tessera` binary that runs the points.
     pub binary: PathBuf,
+    /// The capacity model's calibration, and the metric it predicts for each point.
+    pub model: Option<(tessera_config::capacity::Calibration, report::Metric)>,
 }
 
 impl Scan {
@@ -280,6 +284,10 @@ impl Scan {
     /// Runs every point in turn, printing a line per point on stderr.
     pub fn run(&self) -> Result<Vec<Point>> {
         let configs = self.configurations()?;
+        let predicted = match &self.model {
+            Some((c, metric)) => predictions(&configs, *metric, c),
+            None => vec![None; configs.len()],
+        };
         let points_dir = self.output.join("points");
         std::fs::create_dir_all(&points_dir)
             .with_context(|| format!("creating {}", points_dir.display()))?;
@@ -308,6 +316,7 @@ impl Scan {
                 .with_context(|| format!("starting {}", self.binary.display()))?;
             let mut p = Point {
                 index: i + 1,
+                predicted: predicted[i],
                 values,
                 ok: out.status.success(),
                 report: format!("points/{name}.json"),
@@ -344,6 +353,41 @@ impl Scan {
         }
         Ok(points)
     }
+}
+
+/// What the capacity model (`tessera_config::capacity`, from this host's calibration) predicts
+/// for each point's `metric`; `None` for every point without a calibration.
+pub fn predictions(
+    configs: &[(Values, String)],
+    metric: report::Metric,
+    calibration: &tessera_config::capacity::Calibration,
+) -> Vec<Option<f64>> {
+    use tessera_config::capacity;
+    configs
+        .iter()
+        .map(|(values, text)| {
+            let r = tessera_config::Topology::parse(text, &describe(values)).ok()?;
+            let s = &r.topology.sources;
+            let p = capacity::predict(
+                &r,
+                calibration,
+                capacity::mean_fragment(s),
+                capacity::offered_rate(s),
+            );
+            let rus = r.topology.readout_units.len().max(1) as f64;
+            Some(match metric {
+                report::Metric::EventsPerS | report::Metric::AcceptedHz => p.expected_hz,
+                report::Metric::BuiltMbPerS => p.expected_hz * p.event_bytes / 1e6,
+                report::Metric::BuiltMbPerSPerReadoutUnit => {
+                    p.expected_hz * p.event_bytes / 1e6 / rus
+                }
+                report::Metric::DeadTime => {
+                    let o = p.offered_hz?;
+                    (1.0 - p.expected_hz / o).max(0.0)
+                }
+            })
+        })
+        .collect()
 }
 
 /// A scenario file named relative to the topology file stays found from the point's copy.

@@ -25,6 +25,8 @@ pub struct Series {
     pub points: Vec<(f64, f64)>,
     /// Published points: markers, no line.
     pub paper: bool,
+    /// A model's prediction: a dashed line.
+    pub model: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -138,9 +140,28 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, fig: &Figure) -> Resul
         .draw()
         .map_err(e)?;
     for (i, s) in fig.series.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
+        // A model's line takes the colour of the line it predicts.
+        let same = s
+            .name
+            .strip_prefix("capacity model: ")
+            .filter(|_| s.model)
+            .and_then(|n| fig.series.iter().position(|o| o.name == n));
+        let color = Palette99::pick(same.unwrap_or(i)).to_rgba();
         let pts: Vec<(f64, f64)> = s.points.iter().map(|&(x, y)| (fig.x(x), y)).collect();
-        if s.paper {
+        if s.model {
+            chart
+                .draw_series(DashedLineSeries::new(
+                    pts.clone(),
+                    8,
+                    5,
+                    color.stroke_width(2),
+                ))
+                .map_err(e)?
+                .label(s.name.as_str())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(1))
+                });
+        } else if s.paper {
             chart
                 .draw_series(
                     pts.iter()
@@ -203,11 +224,13 @@ mod tests {
                     name: "Tessera".into(),
                     points: vec![(100.0, 100.0), (1000.0, 990.0), (10000.0, 4000.0)],
                     paper: false,
+                    model: false,
                 },
                 Series {
                     name: "paper, Fig. 6".into(),
                     points: vec![(100.0, 100.0), (10000.0, 5000.0)],
                     paper: true,
+                    model: false,
                 },
             ],
         };

@@ -85,8 +85,9 @@ pub struct Layout {
     pub paper: Vec<PaperSeries>,
     /// Paragraphs shown above the figure (how ours differs from the paper, and why).
     pub notes: Vec<String>,
-    /// A model's prediction per point, shown beside the measurement (scenario).
-    pub predicted: Option<Vec<Option<f64>>>,
+    /// The points carry the capacity model's prediction (`Point::predicted`): drawn as
+    /// dashed lines and tabled beside the measurement.
+    pub predicted: bool,
 }
 
 #[derive(Serialize)]
@@ -226,11 +227,9 @@ pub fn figure(layout: &Layout, points: &[Point]) -> Figure {
         }
     };
     let mut series: Vec<Series> = Vec::new();
+    let mut model: Vec<Series> = Vec::new();
     for p in points {
         let x = x_of(p);
-        let Some(y) = layout.metric.of(p).filter(|_| p.ok) else {
-            continue;
-        };
         let name = if others.is_empty() {
             "Tessera, this machine".to_string()
         } else {
@@ -240,34 +239,32 @@ pub fn figure(layout: &Layout, points: &[Point]) -> Figure {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        match series.iter_mut().find(|s| s.name == name) {
+        let add = |to: &mut Vec<Series>, name: String, y: f64, is_model: bool| match to
+            .iter_mut()
+            .find(|s| s.name == name)
+        {
             Some(s) => s.points.push((x, y)),
-            None => series.push(Series {
+            None => to.push(Series {
                 name,
                 points: vec![(x, y)],
                 paper: false,
+                model: is_model,
             }),
+        };
+        if let Some(y) = p.predicted.filter(|_| layout.predicted) {
+            add(&mut model, format!("capacity model: {name}"), y, true);
+        }
+        if let Some(y) = layout.metric.of(p).filter(|_| p.ok) {
+            add(&mut series, name, y, false);
         }
     }
-    if let Some(pred) = &layout.predicted {
-        let pts: Vec<(f64, f64)> = points
-            .iter()
-            .zip(pred)
-            .filter_map(|(p, y)| y.map(|y| (x_of(p), y)))
-            .collect();
-        if !pts.is_empty() {
-            series.push(Series {
-                name: "capacity model (tessera check)".into(),
-                points: pts,
-                paper: false,
-            });
-        }
-    }
+    series.extend(model);
     for s in &layout.paper {
         series.push(Series {
             name: format!("{} ({})", s.name, s.source),
             points: s.points.clone(),
             paper: true,
+            model: false,
         });
     }
     Figure {
@@ -312,12 +309,12 @@ pub fn html(layout: &Layout, points: &[Point]) -> String {
           <a href=\"plot.png\">PNG</a>.</p>\n";
     s += "<table><tr><th>#</th><th class=\"l\">point</th><th>events/s</th><th>MB/s</th>\
           <th>offered Hz</th><th>accepted Hz</th><th>dead time</th>";
-    if layout.predicted.is_some() {
+    if layout.predicted {
         s += "<th>model</th>";
     }
     s += "<th class=\"l\">bottleneck</th><th class=\"l\">result</th></tr>\n";
     let opt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map(f).unwrap_or_else(|| "-".into());
-    for (i, p) in points.iter().enumerate() {
+    for p in points {
         let _ = write!(
             s,
             "<tr><td>{}</td><td class=\"l\">{}</td><td>{:.0}</td><td>{:.1}</td><td>{}</td><td>{}</td><td>{}</td>",
@@ -329,12 +326,8 @@ pub fn html(layout: &Layout, points: &[Point]) -> String {
             opt(p.accepted_hz, &|x| format!("{x:.0}")),
             opt(p.dead_time_fraction, &|x| format!("{:.1} %", x * 100.0)),
         );
-        if let Some(pred) = &layout.predicted {
-            let _ = write!(
-                s,
-                "<td>{}</td>",
-                opt(pred.get(i).copied().flatten(), &|x| format!("{x:.0}"))
-            );
+        if layout.predicted {
+            let _ = write!(s, "<td>{}</td>", opt(p.predicted, &|x| format!("{x:.0}")));
         }
         let _ = writeln!(
             s,
@@ -410,7 +403,7 @@ mod tests {
                 points: vec![(1000.0, 1000.0)],
             }],
             notes: vec!["why <ours> differs".into()],
-            predicted: None,
+            predicted: false,
         };
         let f = figure(&layout, &pts);
         assert_eq!(f.series.len(), 3);

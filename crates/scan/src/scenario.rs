@@ -212,7 +212,7 @@ impl Scenario {
                 format!("Found here. {}", self.found(points)),
                 format!("Where and why ours differs. {}", self.why),
             ],
-            predicted: None,
+            predicted: points.iter().any(|p| p.predicted.is_some()),
         }
     }
 
@@ -283,6 +283,19 @@ impl Scenario {
             }
             out.push(s);
         }
+        // The capacity model against the measurement, where it predicted.
+        let judged: Vec<f64> = points
+            .iter()
+            .filter(|p| p.ok)
+            .filter_map(|p| Some(self.metric.of(p)? / p.predicted.filter(|m| *m > 0.0)?))
+            .collect();
+        if !judged.is_empty() {
+            let lo = judged.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = judged.iter().copied().fold(0.0, f64::max);
+            out.push(format!(
+                "The capacity model (tessera check, from this host's calibration) against the measurement: measured over predicted from {lo:.2} to {hi:.2} over the points"
+            ));
+        }
         // Ours against the paper's at the same x, where a line has a point there.
         for ps in &self.paper {
             for &(px, py) in &ps.points {
@@ -351,6 +364,7 @@ mod tests {
                     events: None,
                     keep_data: false,
                     binary: "unused".into(),
+                    model: None,
                 };
                 let c = scan
                     .configurations()
