@@ -14,9 +14,8 @@ use std::time::Instant;
 
 use tessera_config::capacity::{self, Calibration};
 use tessera_config::Topology;
-use tessera_run::{Options, StatusMode};
 
-use crate::{cpu_seconds, BenchArgs};
+use crate::BenchArgs;
 
 struct Cost {
     /// Fragments and payload bytes sent.
@@ -37,28 +36,13 @@ fn point(name: &str, size: u64, events: u64, record: bool, dir: &Path) -> Result
          [monitor]\nenabled = false\n"
     );
     let r = Topology::parse(&text, name)?;
-    let out = dir.join(name);
-    let opts = Options {
-        output: Some(out.clone()),
-        status: StatusMode::Off,
-        manifest: false,
-        ..Default::default()
-    };
-    let src = || tessera_source::DRIVER_CPU_NS.load(std::sync::atomic::Ordering::Relaxed);
-    let (c0, s0) = (cpu_seconds(), src());
-    let rep = tessera_run::run(&r, &opts).with_context(|| format!("the {name} point"))?;
-    let cpu_s = cpu_seconds() - c0;
-    let sources_s = (src() - s0) as f64 / 1e9;
-    let _ = std::fs::remove_dir_all(&out);
-    if !rep.ok() {
-        anyhow::bail!("the {name} point did not run clean:\n{}", rep.summary());
-    }
-    let fragments = rep.balance.sent as f64;
+    let m = crate::run_measured(&r, &dir.join(name), name)?;
+    let fragments = m.report.balance.sent as f64;
     Ok(Cost {
         fragments,
         bytes: fragments * size as f64,
-        daq_s: (cpu_s - sources_s).max(0.0),
-        sources_s,
+        daq_s: (m.cpu_s - m.sources_cpu_s).max(0.0),
+        sources_s: m.sources_cpu_s,
     })
 }
 
@@ -130,18 +114,9 @@ pub fn run_calibrate(a: &BenchArgs) -> Result<()> {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".into());
-    let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".into());
     let c = Calibration {
         host,
-        cpu_model,
+        cpu_model: capacity::cpu_model(),
         cpus: tessera_net::role::cpu_allowance(),
         measured_unix_s: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

@@ -151,6 +151,45 @@ pub(crate) fn cpu_seconds() -> f64 {
     t(u.ru_utime) + t(u.ru_stime)
 }
 
+/// What [`run_measured`] saw.
+pub(crate) struct Measured {
+    pub report: tessera_run::Report,
+    /// The process's CPU seconds (every thread), and the emulated sources' driver threads' share.
+    pub cpu_s: f64,
+    pub sources_cpu_s: f64,
+    pub wall_s: f64,
+}
+
+/// Runs `r` in this process into `out` (deleted after), with the process's CPU time over the run
+/// and the emulated sources' share of it; a run that does not end clean is an error.
+pub(crate) fn run_measured(
+    r: &tessera_config::Resolved,
+    out: &std::path::Path,
+    name: &str,
+) -> Result<Measured> {
+    let opts = tessera_run::Options {
+        output: Some(out.to_path_buf()),
+        status: tessera_run::StatusMode::Off,
+        manifest: false,
+        ..Default::default()
+    };
+    let src = || tessera_source::DRIVER_CPU_NS.load(std::sync::atomic::Ordering::Relaxed);
+    let (c0, s0, t0) = (cpu_seconds(), src(), std::time::Instant::now());
+    let report = tessera_run::run(r, &opts).with_context(|| format!("the {name} point"))?;
+    let (cpu_s, wall_s) = (cpu_seconds() - c0, t0.elapsed().as_secs_f64());
+    let sources_cpu_s = (src() - s0) as f64 / 1e9;
+    let _ = std::fs::remove_dir_all(out);
+    if !report.ok() {
+        anyhow::bail!("the {name} point did not run clean:\n{}", report.summary());
+    }
+    Ok(Measured {
+        report,
+        cpu_s,
+        sources_cpu_s,
+        wall_s,
+    })
+}
+
 pub fn run(a: &BenchArgs) -> Result<()> {
     match a.what.as_deref() {
         None => {}

@@ -5,14 +5,12 @@
 //! figure (issue 14's target: at most 1.5). A DAQ that costs far more per fragment when little
 //! flows spends its CPU on wake-ups, not on data.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde::Serialize;
-use std::time::Instant;
 
 use tessera_config::Topology;
-use tessera_run::{Options, StatusMode};
 
-use crate::{cpu_seconds, BenchArgs};
+use crate::BenchArgs;
 
 #[derive(Debug, Serialize)]
 pub struct LowRatePoint {
@@ -61,22 +59,12 @@ fn topology(run: &str, trigger: &str) -> String {
 
 fn point(name: &str, run: &str, trigger: &str, dir: &std::path::Path) -> Result<LowRatePoint> {
     let r = Topology::parse(&topology(run, trigger), name)?;
-    let out = dir.join(name);
-    let opts = Options {
-        output: Some(out.clone()),
-        status: StatusMode::Off,
-        manifest: false,
-        ..Default::default()
-    };
-    let src = || tessera_source::DRIVER_CPU_NS.load(std::sync::atomic::Ordering::Relaxed);
-    let (c0, s0, t0) = (cpu_seconds(), src(), Instant::now());
-    let rep = tessera_run::run(&r, &opts).with_context(|| format!("the {name} point"))?;
-    let (cpu_s, wall_s) = (cpu_seconds() - c0, t0.elapsed().as_secs_f64());
-    let sources_cpu_s = (src() - s0) as f64 / 1e9;
-    let _ = std::fs::remove_dir_all(&out);
-    if !rep.ok() {
-        anyhow::bail!("the {name} point did not run clean:\n{}", rep.summary());
-    }
+    let crate::Measured {
+        report: rep,
+        cpu_s,
+        sources_cpu_s,
+        wall_s,
+    } = crate::run_measured(&r, &dir.join(name), name)?;
     let events = rep.events_complete + rep.events_incomplete;
     let fragments = rep.balance.sent;
     Ok(LowRatePoint {

@@ -310,6 +310,22 @@ fn main() -> ExitCode {
     }
 }
 
+/// The last line of a scan or scenario, and its exit code: 1 when a point failed (the report
+/// lists it).
+fn sweep_done(what: &str, points: &[tessera_scan::Point], output: &std::path::Path) -> ExitCode {
+    let failed = points.iter().filter(|p| !p.ok).count();
+    eprintln!(
+        "{what}: {} points, {failed} failed; report in {}",
+        points.len(),
+        output.join("index.html").display()
+    );
+    if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
 /// This host's calibration for the capacity model, if `tessera bench calibrate` stored one;
 /// said on the terminal either way, since the report then has the model's line or not.
 fn calibration() -> Option<tessera_config::capacity::Calibration> {
@@ -673,17 +689,11 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             let points = scan.run()?;
             tessera_scan::report::write(&output, &sc.layout(command, &points), &points)?;
             eprintln!("{}", sc.found(&points));
-            let failed = points.iter().filter(|p| !p.ok).count();
-            eprintln!(
-                "tessera scenario {name}: {} points, {failed} failed; report in {}",
-                points.len(),
-                output.join("index.html").display()
-            );
-            Ok(if failed == 0 {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(1)
-            })
+            Ok(sweep_done(
+                &format!("tessera scenario {name}"),
+                &points,
+                &output,
+            ))
         }
         Cmd::Scan {
             config,
@@ -725,17 +735,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 predicted: points.iter().any(|p| p.predicted.is_some()),
             };
             tessera_scan::report::write(&output, &layout, &points)?;
-            let failed = points.iter().filter(|p| !p.ok).count();
-            eprintln!(
-                "tessera scan: {} points, {failed} failed; report in {}",
-                points.len(),
-                output.join("index.html").display()
-            );
-            Ok(if failed == 0 {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(1)
-            })
+            Ok(sweep_done("tessera scan", &points, &output))
         }
         Cmd::Check { config, json } => {
             let resolved = tessera_config::Topology::load(&config)?;

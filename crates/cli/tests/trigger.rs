@@ -201,16 +201,7 @@ fn a_scenario_file_is_replayed_and_a_bad_one_refused() {
         vec![1_000_000, 1_500_000, 100_000_000, 100_000_200, 500_000_000]
     );
     std::fs::write(dir.path().join("times.txt"), "0.2\n0.1\n").unwrap();
-    let p = dir.path().join("topology.toml");
-    let o = Proc::spawn(
-        Command::new(env!("CARGO_BIN_EXE_tessera"))
-            .args(["check", p.to_str().unwrap()])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped()),
-    )
-    .finish(LIMIT);
-    assert!(!o.status.success());
-    let text = String::from_utf8_lossy(&o.stderr).to_string() + &String::from_utf8_lossy(&o.stdout);
+    let text = check_refuses(dir.path());
     assert!(
         text.contains("sources.scenario") && text.contains("line 2"),
         "{text}"
@@ -260,16 +251,7 @@ fn sizes_come_from_a_histogram_and_an_event_is_big_everywhere_when_correlated() 
     // A quarter of the weight: 500 expected, binomial spread about 19.
     assert!((400..600).contains(&big), "{big} big events of 2000");
     std::fs::write(dir.path().join("sizes.txt"), "100 1\n2000000 1\n").unwrap();
-    let p = dir.path().join("topology.toml");
-    let o = Proc::spawn(
-        Command::new(env!("CARGO_BIN_EXE_tessera"))
-            .args(["check", p.to_str().unwrap()])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped()),
-    )
-    .finish(LIMIT);
-    assert!(!o.status.success());
-    let text = String::from_utf8_lossy(&o.stderr).to_string() + &String::from_utf8_lossy(&o.stdout);
+    let text = check_refuses(dir.path());
     assert!(
         text.contains("sources.size_histogram") && text.contains("run.max_fragment_size"),
         "{text}"
@@ -355,4 +337,18 @@ fn a_replayed_run_records_the_original_payloads_at_the_recorded_times() {
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("source 3 is not in the recording"), "{err}");
+}
+
+/// `tessera check` of the topology in `dir`, which must refuse it: what it said.
+fn check_refuses(dir: &Path) -> String {
+    let p = dir.join("topology.toml");
+    let o = Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .args(["check", p.to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )
+    .finish(LIMIT);
+    assert!(!o.status.success());
+    String::from_utf8_lossy(&o.stderr).to_string() + &String::from_utf8_lossy(&o.stdout)
 }

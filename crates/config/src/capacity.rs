@@ -46,6 +46,19 @@ pub fn default_path() -> Option<PathBuf> {
     Some(base.join("tessera").join("calibration.json"))
 }
 
+/// This host's processor, as `/proc/cpuinfo` names it.
+pub fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
 /// Reads a calibration file.
 pub fn load(path: &Path) -> Result<Calibration, String> {
     let text = std::fs::read_to_string(path)

@@ -108,15 +108,7 @@ struct Machine {
 }
 
 fn machine() -> Machine {
-    let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".into());
+    let cpu_model = tessera_config::capacity::cpu_model();
     Machine {
         cpus: std::thread::available_parallelism()
             .map(|n| n.get())

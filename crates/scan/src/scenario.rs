@@ -222,13 +222,7 @@ impl Scenario {
         let x_key = &self.varies[0].key;
         let mut lines: Vec<(String, Vec<&Point>)> = Vec::new();
         for p in points {
-            let name = p
-                .values
-                .iter()
-                .filter(|v| &v.0 != x_key)
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect::<Vec<_>>()
-                .join(", ");
+            let name = line_of(p, x_key);
             match lines.iter_mut().find(|l| l.0 == name) {
                 Some(l) => l.1.push(p),
                 None => lines.push((name, vec![p])),
@@ -311,13 +305,7 @@ impl Scenario {
                     })
                     .filter_map(|p| {
                         let y = self.metric.of(p)?;
-                        let line = p
-                            .values
-                            .iter()
-                            .filter(|v| &v.0 != x_key)
-                            .map(|(k, v)| format!("{k}={v}"))
-                            .collect::<Vec<_>>()
-                            .join(", ");
+                        let line = line_of(p, x_key);
                         let at = if line.is_empty() {
                             String::new()
                         } else {
@@ -343,6 +331,16 @@ impl Scenario {
         }
         out.join(". ") + "."
     }
+}
+
+/// The line of the figure a point is on: its values but the x axis's.
+fn line_of(p: &Point, x_key: &str) -> String {
+    p.values
+        .iter()
+        .filter(|v| v.0 != x_key)
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 #[cfg(test)]
