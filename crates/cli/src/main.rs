@@ -245,6 +245,10 @@ enum Cmd {
         /// Where the report goes (default: scenario-NAME).
         #[arg(long)]
         output: Option<PathBuf>,
+        /// Draw the report in OUTPUT again from the points it holds (after a change of the
+        /// words or the figure), without running anything.
+        #[arg(long)]
+        replot: bool,
     },
     /// The live monitor: list stations and consumers, tail events, change stations.
     Monitor(tessera_monitor::console::MonitorArgs),
@@ -668,6 +672,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             name,
             quick,
             output,
+            replot,
         } => {
             let sc = tessera_scan::scenario::get(&name, quick)
                 .with_context(|| format!("no scenario {name}"))?;
@@ -686,7 +691,11 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 binary: std::env::current_exe().context("finding the tessera binary")?,
                 model: calibration().map(|c| (c, sc.metric)),
             };
-            let points = scan.run()?;
+            let (points, command) = if replot {
+                tessera_scan::read_points(&output)?
+            } else {
+                (scan.run()?, command)
+            };
             tessera_scan::report::write(&output, &sc.layout(command, &points), &points)?;
             eprintln!("{}", sc.found(&points));
             Ok(sweep_done(

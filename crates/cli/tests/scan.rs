@@ -193,7 +193,7 @@ fn a_quick_scenario_writes_the_papers_figure_with_our_points_beside_its_own() {
     assert!(svg.starts_with("<svg") && svg.contains("CMS"), "{svg:.200}");
     let html = std::fs::read_to_string(out.join("index.html")).unwrap();
     assert!(html.contains("Fig. 4") && html.contains("plot.svg"));
-    assert!(html.contains("<th>model</th>") && svg.contains("capacity model"));
+    assert!(html.contains("<th>model: ") && svg.contains("capacity model"));
     assert!(notes
         .iter()
         .any(|n| n.as_str().unwrap().contains("measured over predicted")));

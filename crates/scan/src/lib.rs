@@ -165,7 +165,7 @@ pub fn numeric(value: &str) -> Option<f64> {
 }
 
 /// What one point measured, from its run report.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
 pub struct Point {
     pub index: usize,
     /// (key, value) of each varied key, in the order of the scan.
@@ -230,6 +230,22 @@ impl Point {
             }
         }
     }
+}
+
+/// The points of a report written before (`points.json` in `dir`), to draw it again, and the
+/// command that measured them.
+pub fn read_points(dir: &Path) -> Result<(Vec<Point>, String)> {
+    let path = dir.join("points.json");
+    let v: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?,
+    )
+    .with_context(|| format!("{}: not JSON", path.display()))?;
+    let points = serde_json::from_value(v["points"].clone())
+        .with_context(|| format!("{}: no points in it", path.display()))?;
+    Ok((
+        points,
+        v["command"].as_str().unwrap_or_default().to_string(),
+    ))
 }
 
 /// What a scan runs and where it writes.

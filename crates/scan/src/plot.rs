@@ -104,10 +104,39 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, fig: &Figure) -> Resul
     if !x0.is_finite() {
         (x0, x1) = (0.0, 1.0);
     }
-    let pad = ((x1 - x0) * 0.05).max(if fig.log_x { 0.1 } else { 0.5 });
+    let span = x1 - x0;
+    let pad = if span > 0.0 {
+        span * 0.06
+    } else if fig.log_x {
+        0.1
+    } else {
+        (x0.abs() * 0.1).max(0.5)
+    };
     let (x0, x1) = (x0 - pad, x1 + pad);
     let y1 = ys.iter().copied().fold(0.0f64, f64::max);
-    let y1 = if y1 > 0.0 { y1 * 1.12 } else { 1.0 };
+    // Room above the highest point for the legend.
+    let y1 = if y1 > 0.0 { y1 * 1.25 } else { 1.0 };
+    // The legend goes in the corner with the fewest points under it.
+    let corner = {
+        let (mx, my) = ((x0 + x1) / 2.0, y1 / 2.0);
+        let count = |left: bool, up: bool| {
+            fig.series
+                .iter()
+                .flat_map(|s| s.points.iter())
+                .filter(|p| ((fig.x(p.0) < mx) == left) && ((p.1 > my) == up))
+                .count()
+        };
+        [
+            (SeriesLabelPosition::UpperLeft, count(true, true)),
+            (SeriesLabelPosition::UpperRight, count(false, true)),
+            (SeriesLabelPosition::LowerRight, count(false, false)),
+            (SeriesLabelPosition::LowerLeft, count(true, false)),
+        ]
+        .into_iter()
+        .min_by_key(|c| c.1)
+        .map(|c| c.0)
+        .unwrap_or(SeriesLabelPosition::UpperLeft)
+    };
     let mut chart = ChartBuilder::on(&root)
         .caption(&fig.title, ("sans-serif", 22))
         .margin(18)
@@ -189,7 +218,7 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, fig: &Figure) -> Resul
             .label_font(("sans-serif", 15))
             .background_style(WHITE.mix(0.85))
             .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperLeft)
+            .position(corner)
             .draw()
             .map_err(e)?;
     }

@@ -253,7 +253,8 @@ pub fn figure(layout: &Layout, points: &[Point]) -> Figure {
     series.extend(model);
     for s in &layout.paper {
         series.push(Series {
-            name: format!("{} ({})", s.name, s.source),
+            // The source is on the page, under the table: the legend stays short.
+            name: format!("{} (paper)", s.name),
             points: s.points.clone(),
             paper: true,
             model: false,
@@ -302,7 +303,7 @@ pub fn html(layout: &Layout, points: &[Point]) -> String {
     s += "<table><tr><th>#</th><th class=\"l\">point</th><th>events/s</th><th>MB/s</th>\
           <th>offered Hz</th><th>accepted Hz</th><th>dead time</th>";
     if layout.predicted {
-        s += "<th>model</th>";
+        let _ = write!(s, "<th>model: {}</th>", esc(layout.metric.label()));
     }
     s += "<th class=\"l\">bottleneck</th><th class=\"l\">result</th></tr>\n";
     let opt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map(f).unwrap_or_else(|| "-".into());
