@@ -326,17 +326,19 @@ fn a_replayed_run_records_the_original_payloads_at_the_recorded_times() {
         paced(&dir.path().join("x"), "replay = \"original\"").replace("count = 3", "count = 4");
     let p = dir.path().join("topology.toml");
     std::fs::write(&p, cfg).unwrap();
-    let o = Proc::spawn(
-        Command::new(env!("CARGO_BIN_EXE_tessera"))
-            .env("TESSERA_HTTP", "127.0.0.1:0")
-            .args(["run", p.to_str().unwrap(), "--quiet", "--json"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped()),
-    )
-    .finish(LIMIT);
-    assert!(!o.status.success());
-    let err = String::from_utf8_lossy(&o.stderr);
+    let err = run_refused(&p);
     assert!(err.contains("source 3 is not in the recording"), "{err}");
+    // Its memory is bounded: payloads and index alike.
+    std::fs::write(
+        &p,
+        paced(
+            &dir.path().join("y"),
+            "replay = \"original\"\nreplay_memory = \"16 KiB\"",
+        ),
+    )
+    .unwrap();
+    let err = run_refused(&p);
+    assert!(err.contains("sources.replay_memory"), "{err}");
 }
 
 /// `tessera check` of the topology in `dir`, which must refuse it: what it said.
@@ -351,4 +353,18 @@ fn check_refuses(dir: &Path) -> String {
     .finish(LIMIT);
     assert!(!o.status.success());
     String::from_utf8_lossy(&o.stderr).to_string() + &String::from_utf8_lossy(&o.stdout)
+}
+
+/// `tessera run` of the topology at `p`, which must refuse it: what it said.
+fn run_refused(p: &Path) -> String {
+    let o = Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .env("TESSERA_HTTP", "127.0.0.1:0")
+            .args(["run", p.to_str().unwrap(), "--quiet", "--json"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )
+    .finish(LIMIT);
+    assert!(!o.status.success());
+    String::from_utf8_lossy(&o.stderr).into_owned()
 }

@@ -10,6 +10,9 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+/// Bytes of index a recorded fragment or event takes (counted against `replay_memory`).
+const INDEX_BYTES: u64 = 24;
+
 /// A recording, read for replay.
 #[derive(Debug, Default)]
 pub struct Replay {
@@ -33,6 +36,7 @@ impl Replay {
         type Recorded = (u64, u64, u16, Vec<(u32, (usize, usize))>);
         let mut events: Vec<Recorded> = Vec::new();
         let mut data = Vec::new();
+        let mut index_bytes = 0u64;
         for f in &files {
             let mut rd = tessera_archive::FileReader::open(f)
                 .map_err(|e| format!("{}: {e}", f.display()))?;
@@ -50,7 +54,10 @@ impl Replay {
                             format!("{}: event {}: {e}", f.display(), ev.header.event_id)
                         })?;
                         let p = &body[fr.payload_range()];
-                        if (data.len() + p.len()) as u64 > limit {
+                        // Payloads and the index of them share the bound: a recording of
+                        // many empty fragments must not size the index past it either.
+                        index_bytes += INDEX_BYTES;
+                        if (data.len() + p.len()) as u64 + index_bytes > limit {
                             return Err(format!(
                                 "the recording holds more than sources.replay_memory ({limit} bytes) of payload: raise it, or replay fewer files"
                             ));
@@ -62,6 +69,7 @@ impl Replay {
                         data.extend_from_slice(p);
                         frags.push((fr.header.source_id, (start, p.len())));
                     }
+                    index_bytes += INDEX_BYTES;
                     events.push((ev.header.event_id, ev.header.timestamp, trigger_type, frags));
                 }
             }
@@ -78,6 +86,18 @@ impl Replay {
         let mut max_payload = 0;
         let mut payloads: HashMap<u32, Vec<Option<(usize, usize)>>> = HashMap::new();
         let n = events.len();
+        // The index holds a slot per (source, event): bounded with the payloads.
+        let sources: std::collections::HashSet<u32> = events
+            .iter()
+            .flat_map(|e| e.3.iter().map(|f| f.0))
+            .collect();
+        let slots = (sources.len() as u64).saturating_mul(n as u64);
+        if data.len() as u64 + slots.saturating_mul(INDEX_BYTES) > limit {
+            return Err(format!(
+                "{} sources x {n} events of index with the payloads exceed sources.replay_memory ({limit} bytes): raise it, or replay fewer files",
+                sources.len()
+            ));
+        }
         for (i, (_, t, ty, frags)) in events.into_iter().enumerate() {
             let t = t
                 .saturating_sub(first)
