@@ -13,12 +13,12 @@ use serde::Serialize;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::BenchArgs;
+use tessera_scan::network::{self, Host, Link, TOKEN};
 
-const TOKEN: &str = "tessera-bench-hosts";
 /// Front-end link rate (1 GbE) and the builder's (10 GbE), bits per second.
 const FE_RATE: f64 = 1e9;
 const BE_RATE: f64 = 10e9;
@@ -43,95 +43,13 @@ pub struct HostsPoint {
     pub clean: bool,
 }
 
-/// Namespaces made for the bench, removed when it ends.
-struct Net {
-    names: Vec<String>,
-}
-
-impl Drop for Net {
-    fn drop(&mut self) {
-        for n in &self.names {
-            let _ = Command::new("ip").args(["netns", "del", n]).status();
-        }
-    }
-}
-
-fn run_cmd(args: &[&str]) -> Result<()> {
-    let o = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .with_context(|| format!("running {}", args[0]))?;
-    if !o.status.success() {
-        bail!(
-            "`{}` failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&o.stderr).trim()
-        );
-    }
-    Ok(())
-}
-
-struct Host {
-    name: String,
-    ns: String,
-    ip: String,
-}
-
-/// A bridge in a switch namespace and one namespace per host, host i at 10.79.0.(10+i)/24;
-/// each front end's egress shaped to 1 Gb/s, the switch's egress to `be` to 10 Gb/s.
-fn make_net(front_ends: usize) -> Result<(Net, Vec<Host>)> {
-    let tag = format!("tb{}", std::process::id() % 100_000);
-    let mut net = Net { names: Vec::new() };
-    let sw = format!("{tag}sw");
-    run_cmd(&["ip", "netns", "add", &sw]).context(
-        "tessera bench hosts makes network namespaces: run it as root with iproute2 installed",
-    )?;
-    net.names.push(sw.clone());
-    run_cmd(&["ip", "-n", &sw, "link", "add", "sw0", "type", "bridge"])?;
-    run_cmd(&["ip", "-n", &sw, "link", "set", "sw0", "up"])?;
-    let mut hosts = Vec::new();
-    let names: Vec<String> = (1..=front_ends)
-        .map(|i| format!("fe{i}"))
-        .chain(["be".to_string()])
+/// The hosts `fe1..feN` (each sending at most 1 Gb/s) and `be` (receiving at most 10 Gb/s).
+fn hosts_plan(front_ends: usize) -> Result<Vec<Host>> {
+    let mut hosts: Vec<(String, Link)> = (1..=front_ends)
+        .map(|i| (format!("fe{i}"), Link::up(FE_RATE)))
         .collect();
-    for (i, name) in names.iter().enumerate() {
-        let ns = format!("{tag}{name}");
-        run_cmd(&["ip", "netns", "add", &ns])?;
-        net.names.push(ns.clone());
-        let (h, s) = (format!("{tag}h{i}"), format!("{tag}s{i}"));
-        let addr = format!("10.79.0.{}", 10 + i);
-        for st in [
-            vec!["ip", "-n", &ns, "link", "set", "lo", "up"],
-            vec!["ip", "link", "add", &h, "type", "veth", "peer", "name", &s],
-            vec!["ip", "link", "set", &h, "netns", &ns],
-            vec!["ip", "link", "set", &s, "netns", &sw],
-            vec!["ip", "-n", &sw, "link", "set", &s, "master", "sw0", "up"],
-        ] {
-            run_cmd(&st)?;
-        }
-        let cidr = format!("{addr}/24");
-        run_cmd(&["ip", "-n", &ns, "addr", "add", &cidr, "dev", &h])?;
-        run_cmd(&["ip", "-n", &ns, "link", "set", &h, "up"])?;
-        // Token bucket: the front end sends at most 1 Gb/s; the switch sends the builder host
-        // at most 10 Gb/s. Bursts of a few ms at the rate, as a NIC's queue would allow.
-        if name == "be" {
-            run_cmd(&[
-                "ip", "netns", "exec", &sw, "tc", "qdisc", "add", "dev", &s, "root", "tbf", "rate",
-                "10gbit", "burst", "4mb", "latency", "20ms",
-            ])?;
-        } else {
-            run_cmd(&[
-                "ip", "netns", "exec", &ns, "tc", "qdisc", "add", "dev", &h, "root", "tbf", "rate",
-                "1gbit", "burst", "512kb", "latency", "20ms",
-            ])?;
-        }
-        hosts.push(Host {
-            name: name.clone(),
-            ns,
-            ip: addr,
-        });
-    }
-    Ok((net, hosts))
+    hosts.push(("be".into(), Link::down(BE_RATE)));
+    network::plan(&hosts)
 }
 
 /// Runs `f` on a thread inside network namespace `ns` (its sockets are that host's).
@@ -215,54 +133,9 @@ fn raw_tcp(hosts: &[Host], per_link: u64) -> Result<f64> {
     Ok(total as f64 / (end - t0).as_secs_f64().max(1e-9))
 }
 
-/// A child process, killed if still there when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// This `tessera` binary, run in namespace `ns` (`ip netns exec`) or here.
+/// This `tessera` binary, run in namespace `ns` or here.
 fn tessera_on(ns: Option<&str>) -> Result<Command> {
-    let exe = std::env::current_exe()?;
-    Ok(match ns {
-        Some(ns) => {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", ns]).arg(&exe);
-            c
-        }
-        None => Command::new(&exe),
-    })
-}
-
-fn agent(ns: Option<&str>, listen: &str, out: &Path) -> Result<(Proc, String)> {
-    let mut c = tessera_on(ns)?;
-    c.args(["node", "--listen", listen, "--output"])
-        .arg(out)
-        .env("TESSERA_TOKEN", TOKEN)
-        .env_remove("TESSERA_LOG")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    let mut child = c.spawn().context("starting a node agent")?;
-    // It says where it listens on its first line.
-    let mut err = child.stderr.take().expect("piped");
-    let mut line = Vec::new();
-    let mut b = [0u8; 1];
-    while err.read(&mut b)? == 1 && b[0] != b'\n' {
-        line.push(b[0]);
-    }
-    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
-    let line = String::from_utf8_lossy(&line).to_string();
-    let addr = line
-        .rsplit(' ')
-        .next()
-        .filter(|a| a.contains(':'))
-        .with_context(|| format!("the agent said {line:?}"))?
-        .to_string();
-    Ok((Proc(child), addr))
+    Ok(network::command_on(ns, &std::env::current_exe()?))
 }
 
 struct Plan {
@@ -371,18 +244,16 @@ pub fn run_hosts(a: &BenchArgs) -> Result<()> {
             "clean"
         );
     }
-    let (net, hosts) = make_net(front_ends)?;
-    let mut procs = Vec::new();
-    let mut entries = Vec::new();
-    for h in &hosts {
-        let (p, addr) = agent(
-            Some(&h.ns),
-            &format!("{}:7300", h.ip),
-            &dir.path().join(&h.name),
-        )?;
-        procs.push(p);
-        entries.push((h.name.clone(), addr));
-    }
+    let exe = std::env::current_exe()?;
+    let running = network::Running::start(
+        hosts_plan(front_ends)?,
+        &exe,
+        dir.path(),
+        "tessera bench hosts",
+    )?;
+    let hosts = running.hosts.clone();
+    let entries: Vec<(String, String)> =
+        hosts.iter().map(|h| (h.name.clone(), h.agent())).collect();
     for &size in &sizes {
         let wire = tessera_format::wire::fragment_wire_size(size as usize) as u64;
         let events =
@@ -419,13 +290,17 @@ pub fn run_hosts(a: &BenchArgs) -> Result<()> {
             },
         )?;
     }
-    drop(procs);
-    drop(net);
+    drop(running);
     // One host, no shaping: the same topology over agents on loopback against one process.
     let mut procs = Vec::new();
     let mut entries = Vec::new();
     for h in hosts.iter().map(|h| &h.name) {
-        let (p, addr) = agent(None, "127.0.0.1:0", &dir.path().join(format!("local-{h}")))?;
+        let (p, addr) = network::agent(
+            &exe,
+            None,
+            "127.0.0.1:0",
+            &dir.path().join(format!("local-{h}")),
+        )?;
         procs.push(p);
         entries.push((h.clone(), addr));
     }

@@ -373,6 +373,10 @@ fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener) {
                         eof: false,
                         silence: Default::default(),
                         held: Default::default(),
+                        unread: sh2
+                            .stats
+                            .receive_queues
+                            .gauge(tessera_net::queued::Side::Unread),
                         _live: live.enter(),
                     };
                     tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Builder)
@@ -451,6 +455,7 @@ struct PolledRail {
     eof: bool,
     silence: tessera_net::reactor::Silence,
     held: tessera_net::reactor::Held,
+    unread: tessera_net::queued::QueueGauge,
     _live: tessera_net::reactor::TallyGuard,
 }
 
@@ -565,6 +570,8 @@ impl tessera_net::reactor::Conn for PolledRail {
             self.count_held(Instant::now(), false);
             return self.finish();
         }
+        self.unread
+            .sample(std::os::fd::AsRawFd::as_raw_fd(&self.stream));
         let mut reads = 0;
         let mut drained = false;
         loop {

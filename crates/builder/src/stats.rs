@@ -63,6 +63,8 @@ pub struct BuilderStats {
     /// The most recent incomplete events and their missing sources, for "why is event N
     /// incomplete"; bounded.
     pub recent_incomplete: Mutex<RecentIncomplete>,
+    /// What waits unread in the kernel's receive queues of its readout-unit links (push mode).
+    pub receive_queues: tessera_net::queued::QueueGauges,
 }
 
 /// Incomplete events remembered, oldest first, at most [`RecentIncomplete::CAPACITY`].
@@ -198,6 +200,7 @@ impl BuilderStats {
             manager_error: Mutex::new(None),
             manager_losses: AtomicU64::new(0),
             latency: Histogram::default(),
+            receive_queues: Default::default(),
             recent_incomplete: Mutex::new(RecentIncomplete::default()),
         }
     }

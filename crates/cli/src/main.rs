@@ -231,6 +231,18 @@ enum Cmd {
         /// Keep each point's recorded files under OUTPUT/runs (else only its report is kept).
         #[arg(long)]
         keep_data: bool,
+        /// Run every point over emulated hosts (network namespaces made here, root and
+        /// iproute2): each readout unit on a host of its own, its sources beside it, sending
+        /// at most --front-end-link; each builder on a host of its own receiving at most
+        /// --back-end-link; the run control, event manager and recorder on another.
+        #[arg(long)]
+        network: bool,
+        /// With --network: what each readout unit's host sends, in Gb/s.
+        #[arg(long, default_value_t = 1.0, requires = "network")]
+        front_end_link: f64,
+        /// With --network: what each builder's host receives, in Gb/s.
+        #[arg(long, default_value_t = 10.0, requires = "network")]
+        back_end_link: f64,
     },
     /// A seed's experiment as a sweep on this machine (comet, cms, nectarcam, atlas): the
     /// paper's figure redrawn with our points beside the ones its text publishes, the
@@ -249,6 +261,10 @@ enum Cmd {
         /// words or the figure), without running anything.
         #[arg(long)]
         replot: bool,
+        /// Run over the paper's network: its hosts as network namespaces made here (root and
+        /// iproute2), its links shaped to their rates with tc; the report says which.
+        #[arg(long)]
+        network: bool,
     },
     /// The live monitor: list stations and consumers, tail events, change stations.
     Monitor(tessera_monitor::console::MonitorArgs),
@@ -673,10 +689,17 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             quick,
             output,
             replot,
+            network,
         } => {
             let sc = tessera_scan::scenario::get(&name, quick)
                 .with_context(|| format!("no scenario {name}"))?;
-            let output = output.unwrap_or_else(|| PathBuf::from(format!("scenario-{name}")));
+            let output = output.unwrap_or_else(|| {
+                PathBuf::from(if network {
+                    format!("scenario-{name}-network")
+                } else {
+                    format!("scenario-{name}")
+                })
+            });
             let command = std::env::args().collect::<Vec<_>>().join(" ");
             eprintln!("tessera scenario {name}: {}", sc.title);
             let scan = tessera_scan::Scan {
@@ -690,13 +713,14 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 keep_data: false,
                 binary: std::env::current_exe().context("finding the tessera binary")?,
                 model: calibration().map(|c| (c, sc.metric)),
+                network: network.then(|| sc.network.clone()),
             };
             let (points, command) = if replot {
                 tessera_scan::read_points(&output)?
             } else {
                 (scan.run()?, command)
             };
-            tessera_scan::report::write(&output, &sc.layout(command, &points), &points)?;
+            tessera_scan::report::write(&output, &sc.layout(command, &points, network), &points)?;
             eprintln!("{}", sc.found(&points));
             Ok(sweep_done(
                 &format!("tessera scenario {name}"),
@@ -714,6 +738,9 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             y,
             log_x,
             keep_data,
+            network,
+            front_end_link,
+            back_end_link,
         } => {
             let base = std::fs::read_to_string(&config)
                 .with_context(|| format!("reading {}", config.display()))?;
@@ -729,10 +756,22 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                 keep_data,
                 binary: std::env::current_exe().context("finding the tessera binary")?,
                 model: calibration().map(|c| (c, y)),
+                network: network
+                    .then(|| {
+                        tessera_scan::network::Network::front_and_back(
+                            front_end_link,
+                            back_end_link,
+                        )
+                    })
+                    .transpose()?,
             };
             let points = scan.run()?;
             let layout = tessera_scan::report::Layout {
-                title: format!("tessera scan of {}", config.display()),
+                title: format!(
+                    "tessera scan of {}{}",
+                    config.display(),
+                    if network { ", over emulated hosts" } else { "" }
+                ),
                 command,
                 x_key: None,
                 x_label: None,

@@ -376,6 +376,8 @@ mod tests {
             why: "buffers 99% full".into(),
             load: 0.99,
             cpu: None,
+            unsent: None,
+            unread: None,
         }
     }
 

@@ -62,6 +62,14 @@ pub struct StageView {
     /// interval, where it was measured.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu: Option<Cpu>,
+    /// Bytes its links to the next stage had written and the network had not yet taken (the
+    /// kernel's send queues), as last sampled; where measured (readout units in push mode).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unsent: Option<u64>,
+    /// Bytes arrived on its links from the stage before and not yet read (the kernel's
+    /// receive queues), as last sampled; where measured (builders in push mode).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unread: Option<u64>,
 }
 
 /// CPU a process used over an interval.
@@ -418,7 +426,18 @@ fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
             per_s(u.bytes_forwarded, o.map_or(0, |o| o.bytes_forwarded), dt),
         );
     }
-    stages.extend(ru.into_iter().map(|(h, l)| l.view("readout", h)));
+    let mut unsent: BTreeMap<Option<String>, u64> = BTreeMap::new();
+    for u in &live.readout_units {
+        *unsent.entry(u.host.clone()).or_default() += u.send_queued;
+    }
+    stages.extend(ru.into_iter().map(|(h, l)| {
+        let mut v = l.view("readout", h);
+        // Request mode answers on links of another kind, not sampled.
+        if live.mode != "request" {
+            v.unsent = unsent.get(&v.host).copied();
+        }
+        v
+    }));
     let mut bu: BTreeMap<Option<String>, Load> = BTreeMap::new();
     for b in &live.builders {
         let o = find_bu(b.id);
@@ -428,7 +447,17 @@ fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
             per_s(b.bytes_built, o.map_or(0, |o| o.bytes_built), dt),
         );
     }
-    stages.extend(bu.into_iter().map(|(h, l)| l.view("builders", h)));
+    let mut unread: BTreeMap<Option<String>, u64> = BTreeMap::new();
+    for b in &live.builders {
+        *unread.entry(b.host.clone()).or_default() += b.receive_queued;
+    }
+    stages.extend(bu.into_iter().map(|(h, l)| {
+        let mut v = l.view("builders", h);
+        if live.mode != "request" {
+            v.unread = unread.get(&v.host).copied();
+        }
+        v
+    }));
     if let Some(rec) = &live.recorder {
         let mut l = Load::default();
         l.add(
@@ -468,6 +497,13 @@ fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
     }
     let hold = after_last(live, then, dt, &cpu);
     let (bottleneck, bottleneck_key) = vetoed_unblocked(named(&stages, &hold), dead_time_fraction);
+    // What the bottleneck was read from, for whoever asks why it was named (TESSERA_LOG=debug).
+    tracing::debug!(
+        target: "tessera::stages",
+        bottleneck = %bottleneck,
+        stages = %serde_json::to_string(&stages).unwrap_or_default(),
+        "stage conditions"
+    );
     Rates {
         interval_s: dt,
         per_source_fragments_per_s,
@@ -646,6 +682,8 @@ impl StageView {
             why,
             load,
             cpu: None,
+            unsent: None,
+            unread: None,
         }
     }
 }
@@ -714,11 +752,42 @@ pub fn named(stages: &[StageView], hold: &Hold) -> (String, String) {
             _ => false,
         }
     };
+    // Between a blocked stage and the next: bytes the blocked one has written wait in its send
+    // queues while the next one's receive queues hold little: neither end is what is slow, the
+    // network between them is (a link narrower than both ends' CPUs).
+    let network = |i: usize| -> Option<(u64, u64)> {
+        let sent: u64 = stages
+            .iter()
+            .filter(|s| s.stage == order[i] && s.condition == "blocked")
+            .filter_map(|s| s.unsent)
+            .sum();
+        let mut unread = 0u64;
+        for s in stages.iter().filter(|s| s.stage == order[i + 1]) {
+            unread += s.unread?;
+        }
+        (sent >= NETWORK_QUEUED && unread.saturating_mul(NETWORK_RATIO) < sent)
+            .then_some((sent, unread))
+    };
     match order.iter().rposition(|s| blocked(s)) {
         None => (
             "none: the sources' trigger rate sets the pace".into(),
             "none".into(),
         ),
+        Some(i) if i + 1 < order.len() && network(i).is_some() => {
+            let (sent, unread) = network(i).unwrap_or_default();
+            let (from, _) = at(order[i]);
+            let key = format!("network from {from} to {}", order[i + 1]);
+            (
+                format!(
+                    "{key} ({} waits in the send queues of the {} blocked, {} in the receive queues of the {}: the link carries less than both ends can move)",
+                    bytes(sent),
+                    order[i],
+                    bytes(unread),
+                    order[i + 1]
+                ),
+                key,
+            )
+        }
         Some(i) if i + 1 < order.len() && order[i] != "sources" && starved_more(i) => {
             let (name, c) = at(order[i]);
             let words = c.map(|c| c.words()).unwrap_or_default();
@@ -737,6 +806,20 @@ pub fn named(stages: &[StageView], hold: &Hold) -> (String, String) {
                 format!("{name} ({})", hold.cause),
             )
         }
+    }
+}
+
+/// Bytes waiting in a blocked stage's send queues below which no network is blamed (a few TCP
+/// windows' worth is normal on any link), and how many times what waits unread on the other
+/// side they must be: a slow reader has its receive queues full as well.
+const NETWORK_QUEUED: u64 = 256 << 10;
+const NETWORK_RATIO: u64 = 4;
+
+fn bytes(n: u64) -> String {
+    if n >= 1 << 20 {
+        format!("{:.1} MiB", n as f64 / (1u64 << 20) as f64)
+    } else {
+        format!("{:.0} KiB", n as f64 / 1024.0)
     }
 }
 
@@ -798,6 +881,43 @@ mod tests {
         assert!(bottleneck(&v).starts_with("none"));
         let v = [s("sources", "blocked"), s("recorder", "blocked")];
         assert!(bottleneck(&v).starts_with("recorder"));
+    }
+
+    #[test]
+    fn a_full_send_queue_before_empty_receive_queues_names_the_network() {
+        let with = |unsent: u64, unread: u64, cpu_bound: bool| {
+            let mut ru = on("readout", "ru1", "blocked", 0.99);
+            ru.unsent = Some(unsent);
+            let mut bu = on("builders", "bu1", "busy", 0.02);
+            bu.unread = Some(unread);
+            // Hosts sharing a machine's cores: the builder's threads wait for one.
+            bu.cpu = cpu_bound.then_some(Cpu {
+                used: 0.05,
+                allowance: 2.0,
+                waited: 0.8,
+            });
+            named(
+                &[on("sources", "ru1", "blocked", 0.9), ru, bu],
+                &Hold {
+                    cause: "unknown",
+                    words: String::new(),
+                },
+            )
+        };
+        // 4 MiB waiting to go out, 40 KiB waiting to be read: the link.
+        let (words, key) = with(4 << 20, 40 << 10, true);
+        assert_eq!(key, "network from readout on ru1 to builders");
+        assert!(words.contains("4.0 MiB"), "{words}");
+        // The builder's receive queues as full as the sends: the builder is slow to read.
+        assert_eq!(with(4 << 20, 3 << 20, true).1, "builders on bu1 (cpu)");
+        assert_eq!(with(4 << 20, 3 << 20, false).1, "builders on bu1");
+        // A few windows' worth in flight is any link's normal state.
+        assert_eq!(with(100 << 10, 0, false).1, "builders on bu1");
+        // No receive queues measured (request mode): no judgement of the network.
+        let mut ru = on("readout", "ru1", "blocked", 0.99);
+        ru.unsent = Some(4 << 20);
+        let v = [ru, on("builders", "bu1", "busy", 0.02)];
+        assert_eq!(bottleneck(&v), "builders on bu1");
     }
 
     #[test]

@@ -7,6 +7,7 @@ pub mod chunk;
 pub mod control;
 pub mod io;
 pub mod peer;
+pub mod queued;
 pub mod reactor;
 pub mod reader;
 pub mod role;

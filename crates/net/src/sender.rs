@@ -338,6 +338,8 @@ pub struct PolledSender<T, B, E> {
     last_beat: Instant,
     wait_close: bool,
     closing: Closing,
+    /// Samples the socket's send queue, where the stage asked (`with_queue_gauge`).
+    unsent: Option<crate::queued::QueueGauge>,
     _live: crate::reactor::TallyGuard,
 }
 
@@ -387,8 +389,16 @@ where
             last_beat: Instant::now(),
             wait_close,
             closing: Closing::Open,
+            unsent: None,
             _live: live.enter(),
         })
+    }
+
+    /// Keeps `gauges` told what waits in this link's send queue (a slow network against a slow
+    /// peer: see [`crate::queued`]).
+    pub fn with_queue_gauge(mut self, gauges: &crate::queued::QueueGauges) -> Self {
+        self.unsent = Some(gauges.gauge(crate::queued::Side::Unsent));
+        self
     }
 
     fn fail(&mut self, e: &io::Error) {
@@ -540,6 +550,9 @@ where
 
     fn turn(&mut self) -> Next {
         self.bell.answer();
+        if let Some(g) = &mut self.unsent {
+            g.sample(std::os::fd::AsRawFd::as_raw_fd(&self.stream));
+        }
         if let Closing::Waiting(until) = self.closing {
             return self.await_close(until);
         }

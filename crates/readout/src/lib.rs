@@ -805,6 +805,7 @@ fn sender_to_builder(
         flags: 0,
     };
     let st2 = st.clone();
+    let st3 = st.clone();
     let on_batch = move |o: tessera_net::sender::BatchOutcome, _: &[SuperFragment]| {
         let st = &st2;
         if o.written {
@@ -844,6 +845,7 @@ fn sender_to_builder(
         };
         Some(p.encode().to_vec())
     };
+    let gauges = st3.clone();
     tessera_net::sender::PolledSender::new(
         stream,
         rx,
@@ -858,4 +860,5 @@ fn sender_to_builder(
         true,
         live,
     )
+    .map(|s| s.with_queue_gauge(&gauges.send_queues))
 }

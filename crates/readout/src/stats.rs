@@ -207,6 +207,8 @@ pub struct ReadoutStats {
     pub last_refusal: Mutex<Option<String>>,
     /// Request mode only (zero in push mode).
     pub requests: RequestStats,
+    /// What waits in the kernel's send queues of its links to builders (push mode).
+    pub send_queues: tessera_net::queued::QueueGauges,
 }
 
 /// A request-mode readout unit's counters.
@@ -279,6 +281,7 @@ impl ReadoutStats {
             refused_connections: AtomicU64::new(0),
             last_refusal: Mutex::new(None),
             requests: RequestStats::default(),
+            send_queues: Default::default(),
         }
     }
 

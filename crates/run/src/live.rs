@@ -49,6 +49,10 @@ pub struct LiveReadout {
     /// BUSY asserted now (a link out of buffer, or throttled by the event manager).
     pub busy: bool,
     pub pending_events: u64,
+    /// Bytes written to builders and not yet taken by the network: the kernel's send queues of
+    /// its links, as last sampled (push mode).
+    #[serde(default)]
+    pub send_queued: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -77,6 +81,10 @@ pub struct LiveBuilder {
     pub queued_fragments: u64,
     /// From an event's first part at the builder to its build.
     pub latency: LiveHistogram,
+    /// Bytes arrived from readout units and not yet read: the kernel's receive queues of its
+    /// links, as last sampled (push mode).
+    #[serde(default)]
+    pub receive_queued: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

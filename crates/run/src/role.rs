@@ -283,6 +283,7 @@ impl RunRole for tessera_readout::ReadoutUnit {
             links: s.links.len(),
             busy: s.busy(),
             pending_events: s.pending_events.load(Relaxed),
+            send_queued: s.send_queues.total(),
         });
     }
 }
@@ -360,6 +361,7 @@ impl RunRole for tessera_builder::BuilderUnit {
             pending_events: s.pending_events.load(Relaxed),
             queued_fragments: s.queued_fragments.load(Relaxed),
             latency: crate::live::histogram(&s.latency),
+            receive_queued: s.receive_queues.total(),
         });
     }
     fn note(&self, run: &Running) -> Option<String> {

@@ -7,6 +7,7 @@
 //! Each point runs as its own process: a point that fails (a bad value, a run in error) is
 //! reported as failed and the sweep goes on, and no point inherits another's memory or threads.
 
+pub mod network;
 pub mod plot;
 pub mod report;
 pub mod scenario;
@@ -14,7 +15,6 @@ pub mod scenario;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::str::FromStr;
 use std::time::Instant;
 
@@ -267,6 +267,9 @@ pub struct Scan {
     pub binary: PathBuf,
     /// The capacity model's calibration, and the metric it predicts for each point.
     pub model: Option<(tessera_config::capacity::Calibration, report::Metric)>,
+    /// Run every point over emulated hosts (network namespaces with shaped links), each role
+    /// where the network places it; `None`: in one process.
+    pub network: Option<network::Network>,
 }
 
 impl Scan {
@@ -288,6 +291,10 @@ impl Scan {
                 set_key(&mut doc, k, v)?;
             }
             absolute_scenario(&mut doc, &dir);
+            if let Some(n) = &self.network {
+                let hosts = network::plan(&n.hosts(&doc))?;
+                n.place(&mut doc, &hosts)?;
+            }
             let text = doc.to_string();
             let label = describe(&values);
             tessera_config::Topology::parse(&text, &label)
@@ -308,6 +315,43 @@ impl Scan {
         std::fs::create_dir_all(&points_dir)
             .with_context(|| format!("creating {}", points_dir.display()))?;
         let n = configs.len();
+        // The hosts are those of the first point; a point that needs others is refused before
+        // anything runs.
+        let running = match &self.network {
+            None => None,
+            Some(net) => {
+                let hosts_of = |text: &str| -> Result<Vec<(String, network::Link)>> {
+                    Ok(net.hosts(&text.parse::<toml_edit::DocumentMut>()?))
+                };
+                let first = hosts_of(&configs[0].1)?;
+                for (values, text) in &configs {
+                    if hosts_of(text)? != first {
+                        bail!(
+                            "point {}: needs other hosts than the first point (the emulated hosts are made once per scan)",
+                            describe(values)
+                        );
+                    }
+                }
+                eprintln!(
+                    "emulated hosts: {}",
+                    first
+                        .iter()
+                        .map(|(h, l)| format!("{h}{}", network::describe_link(l)))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                Some(network::Running::start(
+                    network::plan(&first)?,
+                    &self.binary,
+                    &self.output.join("hosts"),
+                    "a scan over emulated hosts",
+                )?)
+            }
+        };
+        let control_ns = match (&running, &self.network) {
+            (Some(r), Some(n)) => r.ns(&n.control_host()).map(str::to_string),
+            _ => None,
+        };
         let mut points = Vec::with_capacity(n);
         for (i, (values, text)) in configs.into_iter().enumerate() {
             let name = format!("{:04}", i + 1);
@@ -316,7 +360,10 @@ impl Scan {
             let data = self.output.join("runs").join(&name);
             eprintln!("point {}/{n}: {} ...", i + 1, describe(&values));
             let started = Instant::now();
-            let mut cmd = Command::new(&self.binary);
+            let mut cmd = network::command_on(control_ns.as_deref(), &self.binary);
+            if control_ns.is_some() {
+                cmd.env("TESSERA_TOKEN", network::TOKEN);
+            }
             cmd.arg("run")
                 .arg(&cfg)
                 .args(["--json", "--quiet", "--http", "off", "--output"])
@@ -358,14 +405,20 @@ impl Scan {
                     );
                 }
             }
+            // What the run said on its way, kept for the point that needs explaining.
+            if !out.stderr.is_empty() {
+                std::fs::write(points_dir.join(format!("{name}.log")), &out.stderr)?;
+            }
             eprintln!("point {}/{n}: {}", i + 1, summary(&p));
             if !self.keep_data {
                 let _ = std::fs::remove_dir_all(&data);
             }
             points.push(p);
         }
+        drop(running);
         if !self.keep_data {
             let _ = std::fs::remove_dir(self.output.join("runs"));
+            let _ = std::fs::remove_dir_all(self.output.join("hosts"));
         }
         Ok(points)
     }

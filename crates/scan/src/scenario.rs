@@ -5,6 +5,7 @@
 //! Only the numbers a paper's text states are used as its points: the figures themselves are
 //! not in the seeds as data, and a point read off a picture by eye would be a guess.
 
+use crate::network::{Group, Link, Network};
 use crate::report::{Layout, Metric, PaperSeries};
 use crate::{Point, Vary};
 
@@ -29,7 +30,12 @@ pub struct Scenario {
     pub setup: &'static str,
     /// Why this machine's curve differs from the paper's, as far as the setup explains it.
     pub why: &'static str,
+    /// The paper's network, for `--network`: its hosts as network namespaces, its links'
+    /// rates shaped.
+    pub network: Network,
 }
+
+const GBIT: f64 = 1e9;
 
 fn vary(key: &str, values: &[&str]) -> Vary {
     Vary {
@@ -97,6 +103,13 @@ pub fn get(name: &str, quick: bool) -> Option<Scenario> {
             ],
             setup: "The paper reads 105 RECBE boards (104 on the chamber, one for the trigger counters) through five switches into one PC (Xeon E5-1650v2) and raises the input trigger rate from a function generator; BUSY was not handled, so past saturation building failed. Here, examples/comet.toml: 105 emulated sources in 5 readout units of 21 (one per front-end PC) and one builder, all in one process on this machine's cores, with BUSY vetoing triggers (sources.busy = veto) so that past saturation the accepted rate flattens instead of building failing, and the recorder off (the figures measure building).",
             why: "Ours runs the 105 emulated front-ends, the readout units and the builder on the same two cores, over loopback instead of 1 GbE links through switches: the sources' own CPU is taken from the building, and no link limits a source to 125 MB/s. The paper's curve ends where its PC could no longer build (800 Hz RAW, 1800 Hz SUPPRESS); ours flattens where the stage named as the bottleneck saturates, and the dead time then rises instead of the building failing. With SUPPRESS-size fragments our accepted rate still creeps up past the knee: at higher input rates the trigger hands each emulated front-end several triggers per tick and it writes them in one call, so the cost per fragment falls (batching that front-end hardware has no need of). The capacity model, calibrated with 8 connections, overestimates these 105: the cost per connection grows with their number (issue 14's finding).",
+            network: Network {
+                about: "the paper's front-end network: the 105 boards on one host (the switches' side), their data into the building PC over at most 10 Gb/s (the switches' 10 Gb/s uplinks); the PC runs the 5 readout units, the builder and the run control. Each board's own 1 Gb/s port is not shaped (one link carries all 105), and at 6144 B and a few kHz a board sends far below it",
+                sources: Some(Group::one("boards", Link::default())),
+                readout: Group::one("pc", Link::down(10.0 * GBIT)),
+                builder: Group::one("pc", Link::default()),
+                control: Group::one("pc", Link::default()),
+            },
         },
         "cms" => Scenario {
             name: "cms",
@@ -128,6 +141,13 @@ pub fn get(name: &str, quick: bool) -> Option<Scenario> {
             }],
             setup: "The paper's prototype is 16 readout units and 60 builder/filter units (a quarter of one readout builder), PCs with two Gigabit Ethernet rails each, measured as throughput per node against the fragment size. Here, examples/cms-trapezoid.toml: 16 emulated sources into 2 readout units and 6 builders (the trapezoid: more builders than readout units), sources as fast as allowed (trigger unlimited), fixed fragment sizes, recorder off, all in one process.",
             why: "The paper's nodes were limited by their two 1 GbE rails (about 240 MB/s per node), so its curve rises with the fragment size until the links are full at 8 KB and stays flat. Ours has no link limit (loopback) and shares two cores between sources, readout units and builders: the per-unit throughput is set by CPU per fragment at small sizes and by memory copies at large ones, so it is higher than the paper's at large fragments and its shape (rising with size, then flattening) comes from CPU, not from the network.",
+            network: Network {
+                about: "the paper's two-rail Gigabit Ethernet: each readout unit on a host of its own (its sources beside it) sending at most 2 Gb/s, each builder on a host of its own receiving at most 2 Gb/s, the run control on a host of its own. The two rails are one link of their summed rate here",
+                sources: None,
+                readout: Group::each("ru", Link::up(2.0 * GBIT)),
+                builder: Group::each("bu", Link::down(2.0 * GBIT)),
+                control: Group::one("evm", Link::default()),
+            },
         },
         "nectarcam" => Scenario {
             name: "nectarcam",
@@ -154,6 +174,13 @@ pub fn get(name: &str, quick: bool) -> Option<Scenario> {
             }],
             setup: "The slides' event builder receives 288 front-end boards (2016 photomultipliers) through two 10 Gb/s uplinks on a 12-core PC, fed by a 300-node stimulator, and reaches 2.4 GB/s with 8192-byte jumbo frames and 1 GB/s with 1024-byte frames, without loss. Here, examples/nectarcam.toml: 288 emulated boards (4 sender threads) into 4 readout units and 2 builders, as fast as allowed, recorder off, all on this machine's two cores.",
             why: "The paper's receiver had 12 cores (1.6-1.7 of them in use) and a separate 300-node stimulator; here the 288 emulated boards share this machine's two cores with the readout units and the builders. Both curves rise with the packet size, the cost of each fragment spread over more bytes; how far ours stays below the paper's at each size is in the ratios above, and the stage named is where the shared cores ran out.",
+            network: Network {
+                about: "the slides' camera network: the 288 boards on one host (the camera's switches), their data into the camera server over at most 20 Gb/s (its two 10 Gb/s uplinks); the server runs the 4 readout units, the 2 builders and the run control. Each board's own 1 Gb/s port is not shaped (one link carries all 288)",
+                sources: Some(Group::one("boards", Link::default())),
+                readout: Group::one("server", Link::down(20.0 * GBIT)),
+                builder: Group::one("server", Link::default()),
+                control: Group::one("server", Link::default()),
+            },
         },
         "atlas" => Scenario {
             name: "atlas",
@@ -190,6 +217,17 @@ pub fn get(name: &str, quick: bool) -> Option<Scenario> {
             ],
             setup: "The paper drives one ROS PC with its RobinNP cards' on-board data generator (no input network) and the ROSTester's requests: RoI requests for 4 links, full event-building requests for a fraction of events, deletes in groups of 100, and plots the inverse delete rate against the readout fraction (Fig. 9). Here, examples/atlas-ros.toml: one request-mode readout unit with 24 links of 400 words (1600 bytes) fed over TCP by emulated sources as fast as allowed, four builders that fetch a 4-link RoI first and the rest of the event for the fraction the filter accepts, clears in groups of 100; the y axis is the event rate, which is the delete rate.",
             why: "The paper's input came from an FPGA generator on the card at no CPU cost to the server, whose 12+ cores served the requests; here the 24 links are fed over loopback TCP by emulated sources on the same two cores, and the builders run beside the readout unit, so every event costs the input TCP, the requests and the answers on the same CPU. Ours changes little with the built fraction, where the paper's delete rate falls with it: every fragment arrives over loopback TCP from the emulated sources whatever fraction is then built, and that input, not the requests, takes most of the CPU, so the rate stays far below 100 kHz and the request mix moves it less than this machine's noise (tessera bench request measures the readout unit with an in-process generator, as the paper did). The capacity model knows no filter and counts every byte as built, so it overestimates the rate.",
+            network: Network {
+                about: "the paper's test stand: the ROS on a host of its own (its 24 links emulated beside it, as the RobinNP's generator sits in the server) serving over at most 40 Gb/s (four 10 GbE links), the four builders (the ROSTester instances) on two hosts each receiving at most 20 Gb/s (two point-to-point 10 GbE links), the event manager (the HLT supervisor) and the run control on a host of their own",
+                sources: None,
+                readout: Group::one("ros", Link::up(40.0 * GBIT)),
+                builder: Group {
+                    host: "tester",
+                    spread: 2,
+                    link: Link::down(20.0 * GBIT),
+                },
+                control: Group::one("hltsv", Link::default()),
+            },
         },
         _ => return None,
     })
@@ -197,9 +235,23 @@ pub fn get(name: &str, quick: bool) -> Option<Scenario> {
 
 impl Scenario {
     /// The report's layout, with a paragraph on what this run found.
-    pub fn layout(&self, command: String, points: &[Point]) -> Layout {
+    /// `network`: the points ran over the paper's network (`--network`).
+    pub fn layout(&self, command: String, points: &[Point], network: bool) -> Layout {
+        let mut notes = vec![format!("Setup. {}", self.setup)];
+        if network {
+            notes.push(format!(
+                "Network. Every point ran over emulated hosts, network namespaces on this machine with shaped links: {}. The hosts share this machine's two cores; only the links are the paper's.",
+                self.network.about
+            ));
+        }
+        notes.push(format!("Found here: {}", self.found(points)));
+        notes.push(format!("Where and why ours differs. {}", self.why));
         Layout {
-            title: self.title.into(),
+            title: if network {
+                format!("{}, over the paper's network", self.title)
+            } else {
+                self.title.into()
+            },
             command,
             x_key: Some(self.varies[0].key.clone()),
             x_label: Some(self.x_label.into()),
@@ -207,11 +259,7 @@ impl Scenario {
             metric: self.metric,
             log_x: self.log_x,
             paper: self.paper.clone(),
-            notes: vec![
-                format!("Setup. {}", self.setup),
-                format!("Found here: {}", self.found(points)),
-                format!("Where and why ours differs. {}", self.why),
-            ],
+            notes,
             predicted: points.iter().any(|p| p.predicted.is_some()),
         }
     }
@@ -350,7 +398,7 @@ mod tests {
     #[test]
     fn every_scenario_is_a_valid_topology_at_every_point() {
         for name in NAMES {
-            for quick in [true, false] {
+            for (quick, network) in [(true, false), (false, false), (true, true)] {
                 let s = get(name, quick).unwrap();
                 let scan = crate::Scan {
                     base: s.base.into(),
@@ -363,6 +411,7 @@ mod tests {
                     keep_data: false,
                     binary: "unused".into(),
                     model: None,
+                    network: network.then(|| s.network.clone()),
                 };
                 let c = scan
                     .configurations()
