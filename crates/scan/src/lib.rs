@@ -308,7 +308,7 @@ impl Scan {
     pub fn run(&self) -> Result<Vec<Point>> {
         let configs = self.configurations()?;
         let predicted = match &self.model {
-            Some((c, metric)) => predictions(&configs, *metric, c),
+            Some((c, metric)) => predictions(&configs, *metric, c, self.network.as_ref()),
             None => vec![None; configs.len()],
         };
         let points_dir = self.output.join("points");
@@ -430,6 +430,7 @@ pub fn predictions(
     configs: &[(Values, String)],
     metric: report::Metric,
     calibration: &tessera_config::capacity::Calibration,
+    network: Option<&network::Network>,
 ) -> Vec<Option<f64>> {
     use tessera_config::capacity;
     configs
@@ -437,12 +438,19 @@ pub fn predictions(
         .map(|(values, text)| {
             let r = tessera_config::Topology::parse(text, &describe(values)).ok()?;
             let s = &r.topology.sources;
-            let p = capacity::predict(
+            let mut p = capacity::predict(
                 &r,
                 calibration,
                 capacity::mean_fragment(s),
                 capacity::offered_rate(s),
             );
+            // Over emulated hosts, a shaped link may fill before the cores do.
+            if let Some(n) = network {
+                let doc = text.parse::<toml_edit::DocumentMut>().ok()?;
+                if let Some(l) = n.limit_hz(&doc, p.event_bytes) {
+                    p.expected_hz = p.expected_hz.min(l);
+                }
+            }
             let rus = r.topology.readout_units.len().max(1) as f64;
             Some(match metric {
                 report::Metric::EventsPerS | report::Metric::AcceptedHz => p.expected_hz,

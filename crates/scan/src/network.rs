@@ -370,6 +370,41 @@ impl Network {
         out
     }
 
+    /// The event rate at which the first shaped link is full, for events of `event_bytes`
+    /// spread evenly over the readout units' and the builders' hosts (`None`: no shaped link
+    /// between two hosts carries the data). Headers are left out: the links carry a little more.
+    pub fn limit_hz(&self, doc: &toml_edit::DocumentMut, event_bytes: f64) -> Option<f64> {
+        if event_bytes <= 0.0 {
+            return None;
+        }
+        let hosts = |g: &Group, n: usize| -> Vec<String> {
+            let mut v: Vec<String> = (0..n).map(|i| g.host_of(i)).collect();
+            v.sort();
+            v.dedup();
+            v
+        };
+        let rus = hosts(&self.readout, count(doc, "readout"));
+        let bus = hosts(&self.builder, count(doc, "builder"));
+        let mut limits = Vec::new();
+        // A link carries its hosts' share: bits per second over 8, times the hosts, per event.
+        let mut cap = |bps: Option<f64>, n: usize| {
+            if let Some(b) = bps {
+                limits.push(b / 8.0 * n as f64 / event_bytes);
+            }
+        };
+        if let Some(s) = &self.sources {
+            if !rus.contains(&s.host_of(0)) {
+                cap(s.link.up_bps, 1);
+                cap(self.readout.link.down_bps, rus.len());
+            }
+        }
+        if rus.iter().all(|h| !bus.contains(h)) {
+            cap(self.readout.link.up_bps, rus.len());
+            cap(self.builder.link.down_bps, bus.len());
+        }
+        limits.into_iter().reduce(f64::min)
+    }
+
     /// The host the run control runs on.
     pub fn control_host(&self) -> String {
         self.control.host_of(0)
@@ -488,6 +523,19 @@ mod tests {
         assert_eq!(v["readout"][1]["host"].as_str(), Some("ru2"));
         assert_eq!(v["hosts"]["bu2"].as_str(), Some("10.79.0.14:7300"));
         assert_eq!(v["recorder"]["host"].as_str(), Some("evm"));
+        // 2 hosts sending at most 2 Gb/s each: 500 MB/s of events; the builders' 2 x 20 Gb/s
+        // are wider.
+        let hz = n.limit_hz(&doc, 1e6).unwrap();
+        assert!((hz - 500.0).abs() < 1e-9, "{hz}");
+        // Everything on one host: no link between hosts carries the data.
+        let one = Network {
+            about: "",
+            sources: None,
+            readout: Group::one("pc", Link::down(1e9)),
+            builder: Group::one("pc", Link::default()),
+            control: Group::one("pc", Link::default()),
+        };
+        assert_eq!(one.limit_hz(&doc, 1e6), None);
         let many: Vec<(String, Link)> = (0..=MAX_HOSTS)
             .map(|i| (format!("h{i}"), Link::default()))
             .collect();

@@ -137,8 +137,12 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, fig: &Figure) -> Resul
         .map(|c| c.0)
         .unwrap_or(SeriesLabelPosition::UpperLeft)
     };
+    // A long title is set smaller rather than cut at the edges (a character of the font is
+    // about half its size wide).
+    let width = root.dim_in_pixel().0 as f64;
+    let title_size = (width * 1.9 / fig.title.chars().count().max(1) as f64).clamp(11.0, 22.0);
     let mut chart = ChartBuilder::on(&root)
-        .caption(&fig.title, ("sans-serif", 22))
+        .caption(&fig.title, ("sans-serif", title_size))
         .margin(18)
         .x_label_area_size(50)
         .y_label_area_size(72)
@@ -155,11 +159,26 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, fig: &Figure) -> Resul
                 String::new()
             }
         }
-        None if log => short(10f64.powf(*v)),
+        // Decades and their 2 and 5 only: 316 and 3.16k say nothing to a reader.
+        None if log => {
+            let frac = v - v.floor();
+            [1.0f64, 2.0, 5.0, 10.0]
+                .iter()
+                .find(|m| (frac - m.log10()).abs() < 0.012)
+                .map(|m| short(m * 10f64.powf(v.floor())))
+                .unwrap_or_default()
+        }
         None => short(*v),
+    };
+    // On a log axis, ticks every tenth of a decade, so that 2 and 5 of each decade have one.
+    let x_ticks = if log && fig.x_categories.is_none() {
+        ((x1 - x0) * 10.0).ceil() as usize + 1
+    } else {
+        10
     };
     chart
         .configure_mesh()
+        .x_labels(x_ticks)
         .x_desc(fig.x_label.as_str())
         .y_desc(fig.y_label.as_str())
         .x_label_formatter(&x_fmt)
