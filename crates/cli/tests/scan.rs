@@ -226,7 +226,19 @@ fn a_scan_over_emulated_hosts_is_held_to_its_links_and_names_the_network() {
         eprintln!("SKIPPED: cannot make network namespaces (needs root and iproute2)");
         return;
     }
+    // And a token bucket in one (the kernel's sch_tbf).
+    let shaped = Command::new("ip")
+        .args([
+            "netns", "exec", &probe, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+        ])
+        .args(["rate", "1gbit", "burst", "64kb", "latency", "20ms"])
+        .status()
+        .is_ok_and(|s| s.success());
     support::ip(&["netns", "del", &probe]);
+    if !shaped {
+        eprintln!("SKIPPED: tc cannot shape a link here (iproute2's tc, the kernel's sch_tbf)");
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("topology.toml");
     std::fs::write(
