@@ -136,6 +136,10 @@ pub struct Assembler<T> {
     pending: HashMap<u64, Pending<T>, EventIdHasher>,
     /// (event ID, first seen) in arrival order; entries for events that left are skipped lazily.
     order: VecDeque<(u64, u64)>,
+    /// The open events' IDs, lowest on top, for the floor (asked at every progress message):
+    /// entries of events that left are dropped when they reach the top, and the heap is rebuilt
+    /// when they outnumber the open events, so it stays proportional to them.
+    lowest: std::collections::BinaryHeap<std::cmp::Reverse<u64>>,
     closed: Vec<bool>,
     open: usize,
     /// Events that left, with who delivered them; bounded by `memory`.
@@ -160,6 +164,7 @@ impl<T> Assembler<T> {
             contributors,
             timeout_ns,
             pending: HashMap::default(),
+            lowest: Default::default(),
             order: VecDeque::new(),
             closed: vec![false; contributors],
             open: contributors,
@@ -243,10 +248,15 @@ impl<T> Assembler<T> {
             }
             f = f.min(p.floor?);
         }
-        if let Some(&m) = self.pending.keys().min() {
+        if let Some(m) = self.lowest_open() {
             f = f.min(m);
         }
         Some(f)
+    }
+
+    /// The lowest event ID still open (held, waiting for parts).
+    pub fn lowest_open(&self) -> Option<u64> {
+        self.lowest.peek().map(|r| r.0)
     }
 
     pub fn contributors(&self) -> usize {
@@ -298,6 +308,7 @@ impl<T> Assembler<T> {
         }
         let p = self.pending.entry(event_id).or_insert_with(|| {
             self.order.push_back((event_id, now_ns));
+            self.lowest.push(std::cmp::Reverse(event_id));
             Pending {
                 parts: (0..n).map(|_| None).collect(),
                 have: 0,
@@ -333,6 +344,15 @@ impl<T> Assembler<T> {
             .remove(&event_id)
             .expect("departing event is pending");
         self.held_items -= p.have;
+        while let Some(&std::cmp::Reverse(top)) = self.lowest.peek() {
+            if self.pending.contains_key(&top) {
+                break;
+            }
+            self.lowest.pop();
+        }
+        if self.lowest.len() > 2 * self.pending.len() + 1024 {
+            self.lowest = self.pending.keys().map(|&e| std::cmp::Reverse(e)).collect();
+        }
         let mut bits = Bits::new(self.contributors);
         let mut missing = Vec::new();
         for (i, x) in p.parts.iter().enumerate() {

@@ -51,14 +51,19 @@ proptest! {
         let mut offered = 0usize;
         let mut out_in_events = 0usize;
         let mut returned = 0usize;
+        // The events the model knows to be open, to check the assembler's lowest one.
+        let mut open = std::collections::BTreeSet::new();
         for o in ops {
             match o {
                 Op::Offer { c, ev } => {
                     let c = c % n;
                     offered += 1;
                     match a.offer(c, ev, (c, ev), now) {
-                        Offer::Held => {}
+                        Offer::Held => {
+                            open.insert(ev);
+                        }
                         Offer::Ready(e) => {
+                            open.remove(&e.event_id);
                             for (i, p) in e.parts.iter().enumerate() {
                                 if let Some((pc, pev)) = p { prop_assert_eq!((*pc, *pev), (i, ev)); }
                             }
@@ -73,12 +78,16 @@ proptest! {
                 Op::Tick(dt) => {
                     now += dt;
                     for e in a.expire(now) {
+                        open.remove(&e.event_id);
                         prop_assert!(!e.missing.is_empty());
                         out_in_events += e.parts.iter().flatten().count();
                     }
                 }
                 Op::Close(c) => {
-                    for e in a.close(c % n) { out_in_events += e.parts.iter().flatten().count(); }
+                    for e in a.close(c % n) {
+                        open.remove(&e.event_id);
+                        out_in_events += e.parts.iter().flatten().count();
+                    }
                 }
                 Op::Quiet(c, d) => {
                     a.quiet(c % n, now, now + d);
@@ -88,6 +97,7 @@ proptest! {
                 Op::Promise(c, f) => a.promise_floor(c % n, f),
             }
             prop_assert_eq!(offered, out_in_events + returned + a.held_items());
+            prop_assert_eq!(a.lowest_open(), open.first().copied());
         }
         for e in a.flush() { out_in_events += e.parts.iter().flatten().count(); }
         prop_assert_eq!(a.held_items(), 0);

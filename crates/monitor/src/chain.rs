@@ -582,18 +582,6 @@ impl Monitor {
         }
     }
 
-    /// Ends a consumer's wait in `get` (its `woken` flag must be set first).
-    pub(crate) fn wake(&self, consumer: u64) {
-        let g = self.inner.state.lock();
-        if let Some(i) = g
-            .consumers
-            .get(&consumer)
-            .and_then(|c| g.index_of(c.station))
-        {
-            g.stations[i].data.notify_all();
-        }
-    }
-
     /// Puts events back: at a blocking station each moves on to the next position (with a new
     /// record if `replacement` is given); at a sampling station a put only says the consumer is
     /// done with its copy. Every entry is checked before any moves.

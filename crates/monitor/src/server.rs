@@ -1,14 +1,12 @@
 //! The monitor's TCP service (`docs/monitor-protocol.md`): one connection per consumer (or per
-//! control client), two threads per connection.
+//! control client), one thread per connection.
 //!
-//! The reader thread only reads: it sees a consumer's death at once (a killed process's socket
-//! closes) or after `consumer_timeout_ms` of silence, wakes the worker out of any wait and
-//! detaches the consumer, so its events are restored without waiting for anything else. The
-//! worker answers commands, waits for events (beating to the consumer while it waits) and
-//! writes them out.
+//! The thread reads a request and answers it itself: one wake-up per request. Between requests
+//! it waits in its read, where a consumer's death shows at once (a killed process's socket
+//! closes) or after `consumer_timeout_ms` of silence; while a `Get` waits for events, it looks
+//! at the socket every 50 ms for the same. Either way the consumer is detached and its events
+//! restored.
 
-use bytes::Bytes;
-use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 use serde::Deserialize;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -25,7 +23,7 @@ use crate::wire::{read_message, split_records, write_events, write_message};
 
 /// Largest message a consumer may send (commands and put-back records).
 pub const MAX_CLIENT_MESSAGE: usize = 256 << 20;
-/// Most connections at once; more are refused (each costs two threads).
+/// Most connections at once; more are refused (each costs a thread).
 pub const MAX_CONNECTIONS: usize = 256;
 /// Most events one `Get` returns, whatever the consumer asks.
 pub const MAX_GET: usize = 10_000;
@@ -167,12 +165,6 @@ fn accept(listener: TcpListener, monitor: Monitor, opts: ServerOptions, stop: &A
     }
 }
 
-enum Incoming {
-    Message(Message, Bytes),
-    /// The peer closed, broke the protocol (then `true`: it is told why) or fell silent.
-    Gone(String, bool),
-}
-
 /// A JSON command of the protocol.
 #[derive(Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
@@ -200,19 +192,15 @@ enum Command {
 }
 
 fn serve(
-    stream: TcpStream,
+    mut stream: TcpStream,
     peer: SocketAddr,
     monitor: Monitor,
     opts: ServerOptions,
     woken: Arc<AtomicBool>,
 ) {
-    let mut out = match stream.try_clone() {
-        Ok(s) => s,
-        Err(_) => return,
-    };
     let _ = stream.set_read_timeout(Some(opts.consumer_timeout));
     if write_message(
-        &mut out,
+        &mut stream,
         &Message::Welcome {
             instance: monitor.instance(),
             heartbeat_ms: opts.heartbeat.as_millis().min(u32::MAX as u128) as u32,
@@ -222,60 +210,31 @@ fn serve(
     {
         return;
     }
-    let consumer: Arc<Mutex<Option<u64>>> = Arc::new(Mutex::new(None));
-    let (tx, rx) = bounded::<Incoming>(64);
-    let reader = {
-        let (m, c, w) = (monitor.clone(), consumer.clone(), woken.clone());
-        std::thread::Builder::new()
-            .name(format!("monitor-rd-{peer}"))
-            .spawn(move || read_loop(stream, tx, &m, &c, &w))
-    };
-    let Ok(reader) = reader else { return };
-    work(&mut out, peer, &monitor, opts, &rx, &consumer, &woken);
+    let consumer: Mutex<Option<u64>> = Mutex::new(None);
+    let why = work(&mut stream, peer, &monitor, &opts, &consumer, &woken);
     woken.store(true, Ordering::Release);
-    let _ = out.shutdown(std::net::Shutdown::Both);
-    if let Some(id) = consumer.lock().take() {
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    let attached = consumer.lock().take();
+    if let Some(id) = attached {
         monitor.detach(id);
-    }
-    let _ = reader.join();
-}
-
-fn read_loop(
-    mut stream: TcpStream,
-    tx: Sender<Incoming>,
-    monitor: &Monitor,
-    consumer: &Mutex<Option<u64>>,
-    woken: &AtomicBool,
-) {
-    loop {
-        match read_message(&mut stream, MAX_CLIENT_MESSAGE) {
-            Ok(r) => {
-                let bye = r.message == Message::Bye;
-                if tx.send(Incoming::Message(r.message, r.data)).is_err() || bye {
-                    return;
-                }
-            }
-            Err(e) => {
-                let broke_protocol = e.kind() == std::io::ErrorKind::InvalidData;
-                let why = match e.kind() {
-                    std::io::ErrorKind::UnexpectedEof => "closed".to_string(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-                        "silent for longer than the consumer timeout".to_string()
-                    }
-                    _ => e.to_string(),
-                };
-                // Restore the dead consumer's events now, whatever the worker is doing: a
-                // blocking station must not wait for the worker to notice.
-                woken.store(true, Ordering::Release);
-                if let Some(id) = consumer.lock().take() {
-                    monitor.wake(id);
-                    monitor.detach(id);
-                }
-                let _ = tx.send(Incoming::Gone(why, broke_protocol));
-                return;
-            }
+        if let Some(why) = why {
+            tracing::info!(%peer, %why, "monitor consumer gone");
         }
     }
+}
+
+/// Why a connection ended, from what reading it said: closed, broke the protocol (then `true`:
+/// it is told why) or fell silent.
+fn gone(e: &std::io::Error) -> (String, bool) {
+    let broke_protocol = e.kind() == std::io::ErrorKind::InvalidData;
+    let why = match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => "closed".to_string(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            "silent for longer than the consumer timeout".to_string()
+        }
+        _ => e.to_string(),
+    };
+    (why, broke_protocol)
 }
 
 fn error_message(e: &MonitorError) -> Message {
@@ -285,30 +244,23 @@ fn error_message(e: &MonitorError) -> Message {
     }
 }
 
+/// Reads and answers the connection's messages in turn, on the connection's one thread: a
+/// request is answered by the thread that read it (one wake-up per request, not a hand-off
+/// between a reader and a worker). Returns why the peer went, when it did.
 fn work(
     out: &mut TcpStream,
     peer: SocketAddr,
     monitor: &Monitor,
-    opts: ServerOptions,
-    rx: &Receiver<Incoming>,
+    opts: &ServerOptions,
     consumer: &Mutex<Option<u64>>,
     woken: &AtomicBool,
-) {
+) -> Option<String> {
     let mut name = String::new();
     loop {
-        let incoming = match rx.recv_timeout(Duration::from_millis(200)) {
-            Ok(i) => i,
-            Err(RecvTimeoutError::Timeout) => {
-                if woken.load(Ordering::Acquire) && rx.is_empty() {
-                    return;
-                }
-                continue;
-            }
-            Err(RecvTimeoutError::Disconnected) => return,
-        };
-        let (message, data) = match incoming {
-            Incoming::Message(m, d) => (m, d),
-            Incoming::Gone(why, broke_protocol) => {
+        let (message, data) = match read_message(out, MAX_CLIENT_MESSAGE) {
+            Ok(r) => (r.message, r.data),
+            Err(e) => {
+                let (why, broke_protocol) = gone(&e);
                 // A consumer that broke the protocol (a bad value, a size that disagrees) hears
                 // why before the connection closes: an error, code 1 (bad request).
                 if broke_protocol {
@@ -320,12 +272,12 @@ fn work(
                         },
                     );
                 }
-                if !name.is_empty() {
-                    tracing::info!(%peer, consumer = %name, %why, "monitor consumer gone");
-                }
-                return;
+                return (!name.is_empty()).then_some(why);
             }
         };
+        if woken.load(Ordering::Acquire) {
+            return None;
+        }
         let reply = match message {
             Message::Command { json } => {
                 let reply = command(
@@ -346,18 +298,23 @@ fn work(
             }
             Message::Get { max, wait } => {
                 let Some(id) = *consumer.lock() else {
-                    let _ = write_message(out, &not_attached());
+                    if write_message(out, &not_attached()).is_err() {
+                        return None;
+                    }
                     continue;
                 };
-                match get(out, monitor, id, max as usize, wait, &opts, woken) {
+                match get(out, monitor, id, max as usize, wait, opts, woken) {
                     Ok(()) => continue,
-                    Err(Some(e)) => error_message(&e),
-                    Err(None) => return,
+                    Err(Gone::Refused(e)) => error_message(&e),
+                    Err(Gone::Peer(why)) => return (!name.is_empty()).then_some(why),
+                    Err(Gone::Woken) => return None,
                 }
             }
             Message::Put { entries } => {
                 let Some(id) = *consumer.lock() else {
-                    let _ = write_message(out, &not_attached());
+                    if write_message(out, &not_attached()).is_err() {
+                        return None;
+                    }
                     continue;
                 };
                 let records = split_records(&entries, &data);
@@ -378,7 +335,7 @@ fn work(
                 if let Some(id) = consumer.lock().take() {
                     monitor.detach(id);
                 }
-                return;
+                return None;
             }
             other => Message::Error {
                 code: ErrorCode::BadRequest,
@@ -386,7 +343,7 @@ fn work(
             },
         };
         if write_message(out, &reply).is_err() {
-            return;
+            return None;
         }
     }
 }
@@ -412,9 +369,25 @@ fn kind_name(m: &Message) -> &'static str {
     }
 }
 
-/// Answers a `Get`: waits in slices of one heartbeat, beating between them, so a consumer
-/// waiting for rare events can tell a quiet monitor from a dead one. `Err(None)`: the
-/// connection is finished.
+/// How a `Get` ended other than with its answer written.
+enum Gone {
+    /// The monitor refused it: the consumer is told.
+    Refused(MonitorError),
+    /// The consumer went while it waited (closed, or silent past the timeout).
+    Peer(String),
+    /// The service is stopping, or the connection could not be written.
+    Woken,
+}
+
+/// While a `Get` waits, how often its thread looks at the consumer's socket: a consumer that
+/// dies while it waits has its events restored this soon, not at the end of the wait.
+const PEER_CHECK: Duration = Duration::from_millis(50);
+
+/// Answers a `Get`. While it waits for events it beats to the consumer every heartbeat, so a
+/// consumer waiting for rare events can tell a quiet monitor from a dead one, and it looks at
+/// the consumer's socket every [`PEER_CHECK`]: closed is gone; nothing arriving (not even the
+/// consumer's heartbeats) for the consumer timeout is silent. What arrives meanwhile is left
+/// in the socket, read after the answer.
 fn get(
     out: &mut TcpStream,
     monitor: &Monitor,
@@ -423,41 +396,72 @@ fn get(
     wait: Wait,
     opts: &ServerOptions,
     woken: &AtomicBool,
-) -> Result<(), Option<MonitorError>> {
+) -> Result<(), Gone> {
     let max = max.clamp(1, MAX_GET);
-    let beat = opts.heartbeat.as_millis().clamp(1, u32::MAX as u128) as u32;
+    let beat = opts.heartbeat.max(Duration::from_millis(1));
     let deadline = match wait {
         Wait::Timed(ms) => Some(Instant::now() + Duration::from_millis(ms as u64)),
         _ => None,
     };
+    let mut last_beat = Instant::now();
+    let mut heard = (Instant::now(), 0u64);
     loop {
         let slice = match (wait, deadline) {
             (Wait::Poll, _) => Wait::Poll,
             (_, Some(d)) => {
-                let left = d.saturating_duration_since(Instant::now()).as_millis() as u32;
-                Wait::Timed(left.min(beat))
+                let left = d.saturating_duration_since(Instant::now());
+                Wait::Timed(left.min(PEER_CHECK).as_millis() as u32)
             }
-            _ => Wait::Timed(beat),
+            _ => Wait::Timed(PEER_CHECK.as_millis() as u32),
         };
         let events = match monitor.get(id, max, slice, woken) {
             Ok(ev) => ev,
-            Err(MonitorError::Woken) => return Err(None),
-            Err(e) => return Err(Some(e)),
+            Err(MonitorError::Woken) => return Err(Gone::Woken),
+            Err(e) => return Err(Gone::Refused(e)),
         };
         let finished = !events.is_empty()
             || wait == Wait::Poll
             || deadline.is_some_and(|d| Instant::now() >= d);
         if finished {
-            return write_events(out, &events).map_err(|_| None);
+            return write_events(out, &events).map_err(|_| Gone::Woken);
         }
-        write_message(
-            out,
-            &Message::Heartbeat {
-                instance: monitor.instance(),
-            },
-        )
-        .map_err(|_| None)?;
+        if let Some(why) = peer_gone(out, &mut heard, opts.consumer_timeout) {
+            return Err(Gone::Peer(why));
+        }
+        if last_beat.elapsed() >= beat {
+            last_beat = Instant::now();
+            write_message(
+                out,
+                &Message::Heartbeat {
+                    instance: monitor.instance(),
+                },
+            )
+            .map_err(|_| Gone::Woken)?;
+        }
     }
+}
+
+/// Whether the consumer at the other end of `s` is gone: its socket closed, or nothing new
+/// arrived from it (`heard`: when the bytes waiting unread last changed, and how many) for
+/// `timeout`.
+fn peer_gone(s: &TcpStream, heard: &mut (Instant, u64), timeout: Duration) -> Option<String> {
+    use tessera_net::queued::{queued, Side};
+    let _ = s.set_nonblocking(true);
+    let mut b = [0u8; 1];
+    let peeked = s.peek(&mut b);
+    let _ = s.set_nonblocking(false);
+    match peeked {
+        Ok(0) => return Some("closed".into()),
+        Err(e) if e.kind() != std::io::ErrorKind::WouldBlock => return Some(e.to_string()),
+        _ => {}
+    }
+    let unread = queued(std::os::fd::AsRawFd::as_raw_fd(s), Side::Unread).unwrap_or(0);
+    if unread != heard.1 {
+        *heard = (Instant::now(), unread);
+    } else if heard.0.elapsed() >= timeout {
+        return Some("silent for longer than the consumer timeout".into());
+    }
+    None
 }
 
 fn command(

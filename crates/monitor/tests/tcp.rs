@@ -179,6 +179,68 @@ fn a_consumer_whose_connection_drops_gives_its_events_back() {
     assert_eq!(m.status().stations[0].counters.restored, 4);
 }
 
+/// Asks for events on an empty station and returns once the monitor beats to it: its
+/// connection is then waiting inside the `Get`.
+fn raw_wait_in_get(s: &mut TcpStream) {
+    write_message(
+        s,
+        &Message::Get {
+            max: 1,
+            wait: Wait::Sleep,
+        },
+    )
+    .unwrap();
+    match read_message(s, 1 << 20).unwrap().message {
+        Message::Heartbeat { .. } => {}
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A consumer that dies while its `Get` waits (the service answers a request on the thread
+/// that read it, and looks at the socket while it waits) gives its events back all the same.
+#[test]
+fn a_consumer_that_dies_while_waiting_for_events_gives_its_events_back() {
+    let (m, server) = start(vec![blocking("b")], 60_000);
+    let addr = server.addr.to_string();
+    let mut other = Consumer::attach(ClientOptions::new(&addr, "b")).unwrap();
+    let mut dying = raw_attach(&addr, "b");
+    for id in 1..=4u64 {
+        m.insert(&record(id, 100));
+    }
+    assert_eq!(raw_get(&mut dying, 4), vec![1, 2, 3, 4]);
+    raw_wait_in_get(&mut dying);
+    drop(dying);
+    let back = other.get(100, Wait::Timed(10_000)).unwrap();
+    let ids: Vec<u64> = back.iter().map(|e| event_id(&e.record)).collect();
+    assert_eq!(ids, vec![1, 2, 3, 4]);
+    other.put(&back).unwrap();
+    assert_eq!(m.status().stations[0].counters.restored, 4);
+}
+
+/// The same for a consumer that falls silent (no heartbeats) while its `Get` waits: declared
+/// dead after the consumer timeout, its events come back.
+#[test]
+fn a_consumer_silent_while_waiting_for_events_is_declared_dead() {
+    let (m, server) = start(vec![blocking("b")], 300);
+    let addr = server.addr.to_string();
+    let mut silent = raw_attach(&addr, "b");
+    for id in 1..=2u64 {
+        m.insert(&record(id, 10));
+    }
+    assert_eq!(raw_get(&mut silent, 2), vec![1, 2]);
+    raw_wait_in_get(&mut silent);
+    let mut heir = Consumer::attach(ClientOptions::new(&addr, "b")).unwrap();
+    let mut ids = Vec::new();
+    while ids.len() < 2 {
+        let got = heir.get(10, Wait::Sleep).unwrap();
+        ids.extend(got.iter().map(|e| event_id(&e.record)));
+        heir.put(&got).unwrap();
+    }
+    assert_eq!(ids, vec![1, 2]);
+    assert_eq!(m.status().stations[0].counters.restored, 2);
+    drop(silent);
+}
+
 #[test]
 fn a_silent_consumer_is_declared_dead_after_the_timeout() {
     // No heartbeat from the raw consumer: after 300 ms of silence its events come back.
