@@ -435,6 +435,9 @@ fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
         // Request mode answers on links of another kind, not sampled.
         if live.mode != "request" {
             v.unsent = unsent.get(&v.host).copied();
+            if let Some(n) = v.unsent.filter(|&n| n >= NETWORK_QUEUED) {
+                v.why += &format!("; {} in its send queues", bytes(n));
+            }
         }
         v
     }));
@@ -455,6 +458,9 @@ fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
         let mut v = l.view("builders", h);
         if live.mode != "request" {
             v.unread = unread.get(&v.host).copied();
+            if let Some(n) = v.unread.filter(|&n| n >= NETWORK_QUEUED) {
+                v.why += &format!("; {} unread in its receive queues", bytes(n));
+            }
         }
         v
     }));
