@@ -330,8 +330,16 @@ fn main() -> ExitCode {
     }
 }
 
+/// Ctrl-C ends a scan or scenario after the point that is running, with its report written
+/// and its emulated hosts taken down (a second Ctrl-C is the same request).
+fn interruptible() {
+    let _ = ctrlc::set_handler(|| {
+        tessera_scan::INTERRUPTED.store(true, Ordering::Relaxed);
+    });
+}
+
 /// The last line of a scan or scenario, and its exit code: 1 when a point failed (the report
-/// lists it).
+/// lists it), 130 when it was interrupted.
 fn sweep_done(what: &str, points: &[tessera_scan::Point], output: &std::path::Path) -> ExitCode {
     let failed = points.iter().filter(|p| !p.ok).count();
     eprintln!(
@@ -339,7 +347,9 @@ fn sweep_done(what: &str, points: &[tessera_scan::Point], output: &std::path::Pa
         points.len(),
         output.join("index.html").display()
     );
-    if failed == 0 {
+    if tessera_scan::INTERRUPTED.load(Ordering::Relaxed) {
+        ExitCode::from(130)
+    } else if failed == 0 {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
@@ -718,6 +728,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             let (points, command) = if replot {
                 tessera_scan::read_points(&output)?
             } else {
+                interruptible();
                 (scan.run()?, command)
             };
             tessera_scan::report::write(&output, &sc.layout(command, &points, network), &points)?;
@@ -765,6 +776,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                     })
                     .transpose()?,
             };
+            interruptible();
             let points = scan.run()?;
             let layout = tessera_scan::report::Layout {
                 title: format!(

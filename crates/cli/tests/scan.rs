@@ -297,3 +297,43 @@ fn a_scan_over_emulated_hosts_is_held_to_its_links_and_names_the_network() {
     // The hosts and their agents are gone with the scan.
     assert!(!out.join("hosts").exists());
 }
+
+/// Ctrl-C (SIGINT) ends a scan after the point that is running: exit 130, and the report holds
+/// the points that ran.
+#[test]
+fn an_interrupted_scan_writes_the_points_that_ran_and_exits_130() {
+    use std::io::{BufRead, Read};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("topology.toml");
+    std::fs::write(&cfg, TOPOLOGY).unwrap();
+    let mut scan = Proc::spawn(
+        Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .current_dir(dir.path())
+            .args(["scan", cfg.to_str().unwrap(), "--output", "report"])
+            .args(["--vary", "sources.rate_hz=1000,1500,2000,2500,3000"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    );
+    let mut err = std::io::BufReader::new(scan.take_stderr().unwrap());
+    let mut said = String::new();
+    // Once the first point has ended, interrupt.
+    loop {
+        let mut line = String::new();
+        assert!(err.read_line(&mut line).unwrap() > 0, "{said}");
+        said += &line;
+        if line.starts_with("point 1/5:") && !line.trim_end().ends_with("...") {
+            break;
+        }
+    }
+    scan.signal("INT");
+    err.read_to_string(&mut said).unwrap();
+    let status = scan.finish(LIMIT).status;
+    assert_eq!(status.code(), Some(130), "{said}");
+    assert!(said.contains("interrupted:"), "{said}");
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("report/points.json")).unwrap())
+            .unwrap();
+    let n = json["points"].as_array().unwrap().len();
+    assert!((1..5).contains(&n), "{n} points: {said}");
+    assert!(dir.path().join("report/index.html").exists());
+}

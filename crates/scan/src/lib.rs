@@ -248,6 +248,10 @@ pub fn read_points(dir: &Path) -> Result<(Vec<Point>, String)> {
     ))
 }
 
+/// Set (by the command's Ctrl-C handler) to end a scan after the point that is running: the
+/// report then holds the points that ran, and emulated hosts are taken down.
+pub static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// What a scan runs and where it writes.
 pub struct Scan {
     /// The topology's text, and the file it came from (relative paths in it are resolved
@@ -354,6 +358,13 @@ impl Scan {
         };
         let mut points = Vec::with_capacity(n);
         for (i, (values, text)) in configs.into_iter().enumerate() {
+            if INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed) {
+                eprintln!(
+                    "interrupted: {} of {n} points ran; the report holds them",
+                    points.len()
+                );
+                break;
+            }
             let name = format!("{:04}", i + 1);
             let cfg = points_dir.join(format!("{name}.toml"));
             std::fs::write(&cfg, &text).with_context(|| format!("writing {}", cfg.display()))?;

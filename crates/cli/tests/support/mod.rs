@@ -43,6 +43,10 @@ impl Proc {
         self.child.as_mut().and_then(|c| c.stdout.take())
     }
 
+    pub fn take_stderr(&mut self) -> Option<std::process::ChildStderr> {
+        self.child.as_mut().and_then(|c| c.stderr.take())
+    }
+
     /// Sends `signal` (a name `kill` understands: TERM, STOP, ...).
     pub fn signal(&self, signal: &str) {
         let ok = Command::new("kill")
