@@ -337,6 +337,12 @@ abort_grace_ms = 1000
         m.contains(r#"tessera_alarms_raised_total{alarm="stage_blocked""#),
         "{m}"
     );
+    // What waits in the kernel's queues between the readout unit and the builder.
+    assert!(
+        m.contains("tessera_readout_send_queued_bytes{")
+            && m.contains("tessera_builder_receive_queued_bytes{"),
+        "{m}"
+    );
     // The consumer reads: events move again and the alarms clear.
     let ev = stuck.get(64, tessera_monitor::Wait::Poll).unwrap();
     stuck.put(ev).unwrap();

@@ -311,6 +311,13 @@ pub fn live_series(e: &mut Enc<'_, '_>, live: &Live) -> std::fmt::Result {
             })
             .collect::<Vec<_>>(),
     )?;
+    e.gauge(
+        "tessera_readout_send_queued_bytes",
+        "bytes each readout unit's links to builders had written and the network had not yet taken (the kernel's send queues), as last sampled; push mode",
+        &rus.iter()
+            .map(|u| (ru(u.id), u.send_queued as f64))
+            .collect::<Vec<_>>(),
+    )?;
     e.counter(
         "tessera_readout_busy_seconds",
         "time links of each readout unit could not read for lack of buffer, summed over links",
@@ -372,6 +379,13 @@ pub fn live_series(e: &mut Enc<'_, '_>, live: &Live) -> std::fmt::Result {
                     b.buffer_used as f64 / b.buffer_limit.max(1) as f64,
                 )
             })
+            .collect::<Vec<_>>(),
+    )?;
+    e.gauge(
+        "tessera_builder_receive_queued_bytes",
+        "bytes arrived on each builder's links from readout units and not yet read (the kernel's receive queues), as last sampled; push mode",
+        &bus.iter()
+            .map(|b| (bu(b.id), b.receive_queued as f64))
             .collect::<Vec<_>>(),
     )?;
     e.counter(
