@@ -92,6 +92,12 @@ struct TcpPoint {
     bytes_per_s: f64,
     baseline_events_per_s: f64,
     ratio: f64,
+    /// At one event per call, each call is a round trip: raw TCP's own request-and-answer rate
+    /// between two threads (a 48-byte request, the record as the answer), and the ratio to it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    round_trips_per_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    round_trip_ratio: Option<f64>,
     checksum: u64,
 }
 
@@ -171,6 +177,41 @@ fn raw_tcp(per_call: u32, secs: f64) -> Result<(f64, u64)> {
     stop.store(true, Ordering::Relaxed);
     drop(s);
     let _ = writer.join();
+    Ok((rate, sum))
+}
+
+/// Request-and-answer round trips per second over raw TCP between two threads: a 48-byte
+/// request (a consumer's put and get together), the 5 KiB record as the answer, read and
+/// summed. What one event per call can reach at most, whatever the monitor does.
+fn raw_round_trips(secs: f64) -> Result<(f64, u64)> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let answerer = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = l.accept()?;
+        s.set_nodelay(true)?;
+        let rec = record(1, EVENT_SIZE);
+        let mut request = [0u8; 48];
+        while s.read_exact(&mut request).is_ok() {
+            s.write_all(&rec)?;
+        }
+        Ok(())
+    });
+    let mut s = TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let request = [1u8; 48];
+    let mut buf = vec![0u8; EVENT_SIZE];
+    let mut sum = 0u64;
+    let mut n = 0u64;
+    let t0 = Instant::now();
+    while t0.elapsed().as_secs_f64() < secs {
+        s.write_all(&request)?;
+        s.read_exact(&mut buf)?;
+        sum = sum.wrapping_add(touch(&buf));
+        n += 1;
+    }
+    let rate = n as f64 / t0.elapsed().as_secs_f64();
+    drop(s);
+    let _ = answerer.join();
     Ok((rate, sum))
 }
 
@@ -375,7 +416,7 @@ pub fn run_monitor(a: &BenchArgs) -> Result<()> {
         );
     }
     for per_call in [100u32, 1] {
-        let (mut mon, mut raw) = (Vec::new(), Vec::new());
+        let (mut mon, mut raw, mut trips) = (Vec::new(), Vec::new(), Vec::new());
         let mut checksum = 0u64;
         for _ in 0..repeat {
             let (b, s1) = raw_tcp(per_call, secs)?;
@@ -383,8 +424,14 @@ pub fn run_monitor(a: &BenchArgs) -> Result<()> {
             raw.push(b);
             mon.push(r);
             checksum = checksum.wrapping_add(s1).wrapping_add(s2);
+            if per_call == 1 {
+                let (t, s3) = raw_round_trips(secs)?;
+                trips.push(t);
+                checksum = checksum.wrapping_add(s3);
+            }
         }
         let (r, b) = (median(&mut mon), median(&mut raw));
+        let round_trips = (!trips.is_empty()).then(|| median(&mut trips));
         let p = TcpPoint {
             test: "tcp_consumer",
             event_bytes: EVENT_SIZE,
@@ -393,15 +440,23 @@ pub fn run_monitor(a: &BenchArgs) -> Result<()> {
             bytes_per_s: r * EVENT_SIZE as f64,
             baseline_events_per_s: b,
             ratio: r / b,
+            round_trips_per_s: round_trips,
+            round_trip_ratio: round_trips.map(|t| r / t),
             checksum,
         };
-        let text = format!(
+        let mut text = format!(
             "  one TCP consumer reading every byte, {per_call:>3} per call: {:>9.0} events/s ({:.2} GB/s); raw TCP {:>9.0} events/s; ratio {:.2}",
             p.events_per_s,
             p.bytes_per_s / 1e9,
             p.baseline_events_per_s,
             p.ratio
         );
+        if let Some(t) = round_trips {
+            text += &format!(
+                "; raw TCP request and answer {t:>7.0}/s, ratio {:.2}",
+                r / t
+            );
+        }
         emit(&p, text);
     }
 

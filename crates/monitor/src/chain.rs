@@ -171,6 +171,9 @@ struct Station {
     config: StationSection,
     selection: Selection,
     queue: VecDeque<Event>,
+    /// Bytes of the records in `queue`, kept as they come and go: `full` is asked at every
+    /// insert, under the monitor's lock, and must not walk a queue of thousands.
+    queued_bytes: usize,
     held: usize,
     consumers: Vec<u64>,
     counters: StationCounters,
@@ -190,8 +193,19 @@ impl Station {
         if self.occupancy() >= self.config.queue {
             return true;
         }
-        let queued: usize = self.queue.iter().map(|e| e.bytes.len()).sum();
-        !self.queue.is_empty() && queued + next > self.config.queue_bytes.0 as usize
+        !self.queue.is_empty() && self.queued_bytes + next > self.config.queue_bytes.0 as usize
+    }
+
+    /// Whether a producer waiting for room here is worth waking: a quarter of the station's
+    /// queue is free, in events and in bytes. Once the producer waits, nothing comes in, so
+    /// the puts that follow always reach this. Waking it at every put back would cost a wake-up
+    /// and a lock round per event when a consumer takes one event per call; in a batch it
+    /// costs one.
+    fn room_for_a_batch(&self) -> bool {
+        let slack = (self.config.queue / 4).max(1);
+        self.occupancy() + slack <= self.config.queue
+            && (self.queue.is_empty()
+                || self.queued_bytes <= self.config.queue_bytes.0 as usize / 4 * 3)
     }
 
     fn blocking(&self) -> bool {
@@ -200,10 +214,12 @@ impl Station {
 
     /// Queues the event (copying the record if nobody has yet) and wakes a consumer.
     fn enqueue(&mut self, seq: u64, header: &Arc<EventRecordHeader>, pending: &mut Pending<'_>) {
+        let bytes = pending.materialize();
+        self.queued_bytes += bytes.len();
         self.queue.push_back(Event {
             seq,
             header: header.clone(),
-            bytes: pending.materialize(),
+            bytes,
         });
         self.counters.queued += 1;
         self.data.notify_one();
@@ -314,6 +330,7 @@ impl Monitor {
                 selection: Selection::new(&c, &section.streams),
                 config: c,
                 queue: VecDeque::new(),
+                queued_bytes: 0,
                 held: 0,
                 consumers: Vec::new(),
                 counters: StationCounters::default(),
@@ -544,6 +561,7 @@ impl Monitor {
             if !st.queue.is_empty() && max > 0 {
                 let n = max.min(st.queue.len());
                 let events: Vec<Event> = st.queue.drain(..n).collect();
+                st.queued_bytes -= events.iter().map(|e| e.bytes.len()).sum::<usize>();
                 st.counters.delivered += n as u64;
                 let blocking = st.blocking();
                 // A sampled event is the consumer's copy from now on: its room is free, and
@@ -639,7 +657,9 @@ impl Monitor {
         let st = &mut g.stations[index];
         st.held -= moving.len();
         st.counters.put += moving.len() as u64;
-        self.inner.space.notify_all();
+        if st.room_for_a_batch() {
+            self.inner.space.notify_all();
+        }
         let next = g.position_of(index) + 1;
         for e in moving {
             let mut pending = Pending::Owned(e.bytes);
@@ -676,6 +696,7 @@ impl Monitor {
             if st.config.restore_policy() == Restore::Station && !alone {
                 st.counters.restored += held.len() as u64;
                 for e in held.into_iter().rev() {
+                    st.queued_bytes += e.bytes.len();
                     st.queue.push_front(e);
                 }
                 st.data.notify_all();
@@ -684,11 +705,13 @@ impl Monitor {
             }
             if alone {
                 onward.extend(st.queue.drain(..));
+                st.queued_bytes = 0;
             }
             st.counters.passed_on += onward.len() as u64;
         } else if alone {
             st.counters.released += st.queue.len() as u64;
             st.queue.clear();
+            st.queued_bytes = 0;
         }
         self.inner.space.notify_all();
         onward.sort_by_key(|e| e.seq);
@@ -732,6 +755,7 @@ impl Monitor {
             selection: Selection::new(&config, &self.inner.streams),
             config,
             queue: VecDeque::new(),
+            queued_bytes: 0,
             held: 0,
             consumers: Vec::new(),
             counters: StationCounters::default(),

@@ -9,6 +9,7 @@
 
 use bytes::Bytes;
 use parking_lot::Mutex;
+use std::io::BufReader;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -89,9 +90,40 @@ pub struct ReceivedEvent {
     pub connection: u64,
 }
 
-struct Conn {
+/// The consumer's side of the socket for writing, with the puts not sent yet.
+struct Outgoing {
     stream: TcpStream,
-    writer: Arc<Mutex<TcpStream>>,
+    /// Puts wait here for the consumer's next request and go in the same write, so the monitor
+    /// reads both at once and wakes once (one event per call is a round trip, not two
+    /// messages chasing each other). The heartbeat thread sends what waits longer than
+    /// [`PUT_DELAY`].
+    puts: Vec<u8>,
+}
+
+/// Longest a put waits for the consumer's next request before it is sent alone.
+pub const PUT_DELAY: Duration = Duration::from_millis(20);
+
+/// Puts waiting beyond this many bytes (replaced records) are sent at once.
+const PUTS_HELD: usize = 64 << 10;
+
+impl Outgoing {
+    /// Sends the waiting puts followed by `then` (encoded), in one write.
+    fn send(&mut self, then: &[u8]) -> std::io::Result<()> {
+        use std::io::Write;
+        if self.puts.is_empty() {
+            return self.stream.write_all(then);
+        }
+        self.puts.extend_from_slice(then);
+        let r = self.stream.write_all(&self.puts);
+        self.puts.clear();
+        r
+    }
+}
+
+struct Conn {
+    /// Buffered: an answer's header and a small batch come in one read, not two.
+    reader: BufReader<TcpStream>,
+    writer: Arc<Mutex<Outgoing>>,
     beat_stop: Arc<AtomicBool>,
     beat: Option<JoinHandle<()>>,
 }
@@ -99,7 +131,7 @@ struct Conn {
 impl Drop for Conn {
     fn drop(&mut self) {
         self.beat_stop.store(true, Ordering::Release);
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        let _ = self.reader.get_ref().shutdown(std::net::Shutdown::Both);
         if let Some(b) = self.beat.take() {
             let _ = b.join();
         }
@@ -163,7 +195,7 @@ fn connect(addr: &str, timeout: Duration) -> Result<(TcpStream, u64, Duration), 
 }
 
 /// Reads the answer to a request, skipping heartbeats.
-fn answer(s: &mut TcpStream) -> Result<(Message, Bytes), ClientError> {
+fn answer(s: &mut impl std::io::Read) -> Result<(Message, Bytes), ClientError> {
     loop {
         let r = read_message(s, MAX_EVENTS_MESSAGE)?;
         if !matches!(r.message, Message::Heartbeat { .. }) {
@@ -255,7 +287,10 @@ impl Consumer {
         }
         // Silence for three beats while we wait for an answer means the monitor is gone.
         s.set_read_timeout(Some(heartbeat * 3))?;
-        let writer = Arc::new(Mutex::new(s.try_clone()?));
+        let writer = Arc::new(Mutex::new(Outgoing {
+            stream: s.try_clone()?,
+            puts: Vec::new(),
+        }));
         let beat_stop = Arc::new(AtomicBool::new(false));
         let beat = {
             let (w, stop) = (writer.clone(), beat_stop.clone());
@@ -263,14 +298,18 @@ impl Consumer {
                 .name("monitor-heartbeat".into())
                 .spawn(move || {
                     let msg = Message::Heartbeat { instance: 0 }.encode();
-                    let step = Duration::from_millis(20).min(heartbeat);
+                    let step = PUT_DELAY.min(heartbeat);
                     let mut last = Instant::now();
                     while !stop.load(Ordering::Acquire) {
                         std::thread::sleep(step);
                         if last.elapsed() >= heartbeat {
                             last = Instant::now();
-                            use std::io::Write;
-                            if w.lock().write_all(&msg).is_err() {
+                            if w.lock().send(&msg).is_err() {
+                                return;
+                            }
+                        } else {
+                            let mut w = w.lock();
+                            if !w.puts.is_empty() && w.send(&[]).is_err() {
                                 return;
                             }
                         }
@@ -287,7 +326,8 @@ impl Consumer {
         self.heartbeat = heartbeat;
         self.connection += 1;
         self.conn = Some(Conn {
-            stream: s,
+            // Nothing can be waiting unread: every message so far was read to its end.
+            reader: BufReader::with_capacity(64 << 10, s),
             writer,
             beat_stop,
             beat: Some(beat),
@@ -362,9 +402,11 @@ impl Consumer {
         };
         let connection = self.connection;
         let conn = self.conn.as_mut().expect("connected");
-        write_message(&mut *conn.writer.lock(), &Message::Get { max, wait })?;
+        conn.writer
+            .lock()
+            .send(&Message::Get { max, wait }.encode())?;
         loop {
-            let (m, data) = answer(&mut conn.stream)?;
+            let (m, data) = answer(&mut conn.reader)?;
             match m {
                 Message::Events { entries } => {
                     let records = split_records(&entries, &data);
@@ -395,7 +437,8 @@ impl Consumer {
     }
 
     /// Puts events back (needed at a blocking station, where an event moves on only once put;
-    /// at a sampling station there is nothing to put and this sends nothing).
+    /// at a sampling station there is nothing to put and this sends nothing). The put travels
+    /// with the consumer's next request (get or close), or alone [`PUT_DELAY`] later at most.
     pub fn put(&mut self, events: &[ReceivedEvent]) -> Result<(), ClientError> {
         self.put_with(events.iter().map(|e| (e, None)))
     }
@@ -434,11 +477,17 @@ impl Consumer {
             self.stale_puts += entries.len() as u64;
             return Ok(());
         };
-        let mut head = Vec::new();
-        encode_put_header(&mut head, &entries);
-        let mut slices: Vec<std::io::IoSlice<'_>> = vec![std::io::IoSlice::new(&head)];
-        slices.extend(data.iter().map(|d| std::io::IoSlice::new(d)));
-        let r = tessera_net::io::write_all_vectored(&mut *conn.writer.lock(), &mut slices);
+        let mut w = conn.writer.lock();
+        encode_put_header(&mut w.puts, &entries);
+        for d in data {
+            w.puts.extend_from_slice(d);
+        }
+        let r = if w.puts.len() > PUTS_HELD {
+            w.send(&[])
+        } else {
+            Ok(())
+        };
+        drop(w);
         if let Err(e) = r {
             self.conn = None;
             if !self.opts.reattach {
@@ -451,7 +500,7 @@ impl Consumer {
     /// Detaches cleanly.
     pub fn close(&mut self) {
         if let Some(c) = self.conn.take() {
-            let _ = write_message(&mut *c.writer.lock(), &Message::Bye);
+            let _ = c.writer.lock().send(&Message::Bye.encode());
         }
     }
 }

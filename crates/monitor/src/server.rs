@@ -211,7 +211,7 @@ fn serve(
         return;
     }
     let consumer: Mutex<Option<u64>> = Mutex::new(None);
-    let why = work(&mut stream, peer, &monitor, &opts, &consumer, &woken);
+    let why = work(&stream, peer, &monitor, &opts, &consumer, &woken);
     woken.store(true, Ordering::Release);
     let _ = stream.shutdown(std::net::Shutdown::Both);
     let attached = consumer.lock().take();
@@ -248,7 +248,7 @@ fn error_message(e: &MonitorError) -> Message {
 /// request is answered by the thread that read it (one wake-up per request, not a hand-off
 /// between a reader and a worker). Returns why the peer went, when it did.
 fn work(
-    out: &mut TcpStream,
+    out: &TcpStream,
     peer: SocketAddr,
     monitor: &Monitor,
     opts: &ServerOptions,
@@ -256,8 +256,12 @@ fn work(
     woken: &AtomicBool,
 ) -> Option<String> {
     let mut name = String::new();
+    // Buffered: a consumer's put and its next get usually arrive together and are taken in
+    // one read, and a small message is not two reads (header, then the rest).
+    let mut reader = std::io::BufReader::with_capacity(READ_BUFFER, out);
+    let mut out = out;
     loop {
-        let (message, data) = match read_message(out, MAX_CLIENT_MESSAGE) {
+        let (message, data) = match read_message(&mut reader, MAX_CLIENT_MESSAGE) {
             Ok(r) => (r.message, r.data),
             Err(e) => {
                 let (why, broke_protocol) = gone(&e);
@@ -265,7 +269,7 @@ fn work(
                 // why before the connection closes: an error, code 1 (bad request).
                 if broke_protocol {
                     let _ = write_message(
-                        out,
+                        &mut out,
                         &Message::Error {
                             code: ErrorCode::BadRequest,
                             message: format!("protocol error, closing: {why}"),
@@ -298,7 +302,7 @@ fn work(
             }
             Message::Get { max, wait } => {
                 let Some(id) = *consumer.lock() else {
-                    if write_message(out, &not_attached()).is_err() {
+                    if write_message(&mut out, &not_attached()).is_err() {
                         return None;
                     }
                     continue;
@@ -312,7 +316,7 @@ fn work(
             }
             Message::Put { entries } => {
                 let Some(id) = *consumer.lock() else {
-                    if write_message(out, &not_attached()).is_err() {
+                    if write_message(&mut out, &not_attached()).is_err() {
                         return None;
                     }
                     continue;
@@ -342,7 +346,7 @@ fn work(
                 message: format!("a consumer does not send {}", kind_name(&other)),
             },
         };
-        if write_message(out, &reply).is_err() {
+        if write_message(&mut out, &reply).is_err() {
             return None;
         }
     }
@@ -379,6 +383,10 @@ enum Gone {
     Woken,
 }
 
+/// Read buffer per connection: requests are small; a put of replaced records larger than this
+/// is read past the buffer, straight into its message.
+const READ_BUFFER: usize = 64 << 10;
+
 /// While a `Get` waits, how often its thread looks at the consumer's socket: a consumer that
 /// dies while it waits has its events restored this soon, not at the end of the wait.
 const PEER_CHECK: Duration = Duration::from_millis(50);
@@ -389,7 +397,7 @@ const PEER_CHECK: Duration = Duration::from_millis(50);
 /// consumer's heartbeats) for the consumer timeout is silent. What arrives meanwhile is left
 /// in the socket, read after the answer.
 fn get(
-    out: &mut TcpStream,
+    mut out: &TcpStream,
     monitor: &Monitor,
     id: u64,
     max: usize,
@@ -423,7 +431,7 @@ fn get(
             || wait == Wait::Poll
             || deadline.is_some_and(|d| Instant::now() >= d);
         if finished {
-            return write_events(out, &events).map_err(|_| Gone::Woken);
+            return write_events(&mut out, &events).map_err(|_| Gone::Woken);
         }
         if let Some(why) = peer_gone(out, &mut heard, opts.consumer_timeout) {
             return Err(Gone::Peer(why));
@@ -431,7 +439,7 @@ fn get(
         if last_beat.elapsed() >= beat {
             last_beat = Instant::now();
             write_message(
-                out,
+                &mut out,
                 &Message::Heartbeat {
                     instance: monitor.instance(),
                 },

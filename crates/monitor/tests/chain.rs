@@ -82,6 +82,49 @@ fn a_blocking_station_gets_every_event_in_order_of_arrival() {
     assert_eq!(m.status().events_out, 5000);
 }
 
+/// Issue 14: a producer waiting at a full blocking station is woken once a quarter of the
+/// queue is free, not at every put back (with one event per call, that is one wake-up per
+/// batch of inserts rather than per event). Whatever the station is full by, count or bytes,
+/// the puts of a consumer taking one event per call reach that point: the producer is never
+/// left waiting, and every event arrives in order.
+#[test]
+fn a_producer_waiting_at_a_full_station_goes_on_when_events_are_put_one_by_one() {
+    // (queue in events, queue in bytes, events in the station when it is full)
+    for (queue, queue_bytes, full) in [(8usize, 64 << 20, 8usize), (100, 1000, 2)] {
+        let events = 400u64;
+        let m = monitor(vec![StationSection {
+            queue,
+            queue_bytes: tessera_config::ByteSize(queue_bytes),
+            ..station("all", StationMode::Blocking)
+        }]);
+        let c = m.attach("all", "one at a time").unwrap();
+        let producer = {
+            let m = m.clone();
+            std::thread::spawn(move || {
+                for id in 1..=events {
+                    m.insert(&record(id, 1, 400 - 48));
+                }
+            })
+        };
+        // The station fills before anything is taken: the producer must wait, then be woken.
+        while m.status().stations[0].queue_depth < full {
+            std::thread::yield_now();
+        }
+        let mut seen = Vec::new();
+        while seen.len() < events as usize {
+            let got = c.get(1, Wait::Sleep).unwrap();
+            seen.extend(ids(&got));
+            c.put(got).unwrap();
+        }
+        producer.join().unwrap();
+        assert_eq!(seen, (1..=events).collect::<Vec<_>>(), "queue {queue}");
+        let st = &m.status().stations[0];
+        assert!(st.counters.waits > 0, "{st:?}");
+        assert_eq!(st.counters.put, events, "{st:?}");
+        assert_eq!((st.queue_depth, st.held), (0, 0), "{st:?}");
+    }
+}
+
 #[test]
 fn a_sampling_consumer_that_never_reads_holds_nothing_up() {
     let m = monitor(vec![
