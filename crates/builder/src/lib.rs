@@ -664,7 +664,9 @@ fn offer(sh: &Shared, slot: usize, got: &mut Vec<(u64, Part)>) {
         left.extend(items);
         sh.publish_held(&a);
     }
-    *got = left;
+    // Kept in `got` itself, its capacity kept for the rail's next read (see the readout
+    // unit's `offer`).
+    got.append(&mut left);
     sh.finish(ready);
 }
 

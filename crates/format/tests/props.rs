@@ -61,6 +61,27 @@ fn decode_in_pieces(stream: &[u8], cuts: &[usize], max: usize) -> Vec<(Decoded, 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
+    /// Every format's CRC-32C, whichever implementation a size goes to (the short loop below
+    /// 256 B, the crates above), equals the reference crate's, fresh and appended.
+    #[test]
+    fn crc32c_agrees_with_the_reference_at_every_size(
+        data in proptest::collection::vec(any::<u8>(), 0..1200),
+        cut in 0usize..1200,
+        start in any::<u32>(),
+    ) {
+        let cut = cut.min(data.len());
+        prop_assert_eq!(tessera_format::crc::crc32c(&data), crc32c::crc32c(&data));
+        prop_assert_eq!(
+            tessera_format::crc::crc32c_append(start, &data[cut..]),
+            crc32c::crc32c_append(start, &data[cut..])
+        );
+        let head = tessera_format::crc::crc32c(&data[..cut]);
+        prop_assert_eq!(
+            tessera_format::crc::crc32c_append(head, &data[cut..]),
+            crc32c::crc32c(&data)
+        );
+    }
+
     #[test]
     fn fragments_round_trip(hs in proptest::collection::vec((header(), proptest::collection::vec(any::<u8>(), 0..300)), 1..8),
                             cuts in proptest::collection::vec(1usize..97, 1..5)) {

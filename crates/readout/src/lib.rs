@@ -747,7 +747,9 @@ fn offer(sh: &Shared, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
         sh.publish_held(&a);
         sh.leaving(&ready);
     }
-    *good = left;
+    // Kept in `good` itself (drained, so empty, its capacity kept for the link's next read:
+    // replacing it would make every read grow a new vector from nothing).
+    good.append(&mut left);
     link.fragments.fetch_add(n, Ordering::Relaxed);
     for (why, f) in rejected {
         if let Some(q) = &sh.quarantine {
