@@ -61,7 +61,8 @@ class Consumer:
         return [Event.from_record(rec, seq) for seq, rec in self._c.get(max, timeout)]
 
     def put(self, events: List[Event]) -> None:
-        """Gives events back to the station (a blocking station passes them on only then)."""
+        """Gives events back to the station (a blocking station passes them on only then).
+        The put goes with the next ``get`` or ``close``, or alone 20 ms later at most."""
         self._c.put([e.seq for e in events if e.seq is not None])
 
     def events(self, timeout: Optional[float] = 1.0, max: int = 100) -> Iterator[Event]:  # noqa: A002
