@@ -103,7 +103,7 @@ struct Outgoing {
 /// Longest a put waits for the consumer's next request before it is sent alone.
 pub const PUT_DELAY: Duration = Duration::from_millis(20);
 
-/// Puts waiting beyond this many bytes (replaced records) are sent at once.
+/// Puts that would wait with more than this many bytes (replaced records) are sent at once.
 const PUTS_HELD: usize = 64 << 10;
 
 impl Outgoing {
@@ -479,13 +479,21 @@ impl Consumer {
         };
         let mut w = conn.writer.lock();
         encode_put_header(&mut w.puts, &entries);
-        for d in data {
-            w.puts.extend_from_slice(d);
-        }
-        let r = if w.puts.len() > PUTS_HELD {
-            w.send(&[])
-        } else {
+        let replaced: usize = data.iter().map(|d| d.len()).sum();
+        let r = if w.puts.len() + replaced <= PUTS_HELD {
+            for d in data {
+                w.puts.extend_from_slice(d);
+            }
             Ok(())
+        } else {
+            // Large replaced records go out now from the caller's buffers, not copied into
+            // the waiting puts first.
+            let Outgoing { stream, puts } = &mut *w;
+            let mut slices: Vec<std::io::IoSlice<'_>> = vec![std::io::IoSlice::new(puts)];
+            slices.extend(data.iter().map(|d| std::io::IoSlice::new(d)));
+            let r = tessera_net::io::write_all_vectored(stream, &mut slices);
+            puts.clear();
+            r
         };
         drop(w);
         if let Err(e) = r {

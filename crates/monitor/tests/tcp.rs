@@ -519,3 +519,42 @@ fn beyond_loopback_commands_need_the_token() {
     m.insert(&record(1, 0));
     assert_eq!(c.get(1, Wait::Sleep).unwrap().len(), 1);
 }
+
+/// A processing consumer over TCP replaces records as it puts them back: small replacements
+/// wait for its next request (one write), large ones (beyond the client's 64 KiB of waiting
+/// puts) go out at once from its own buffers. Either way the next station gets exactly the
+/// new records, in order, and the put leaves nothing held.
+#[test]
+fn records_replaced_over_tcp_reach_the_next_station_small_or_large() {
+    let (m, server) = start(vec![blocking("process"), blocking("after")], 5000);
+    let after = m.attach("after", "downstream").unwrap();
+    let mut c = Consumer::attach(ClientOptions::new(&server.addr.to_string(), "process")).unwrap();
+    // (event, size of its replacement): small ones that wait, and one past 64 KiB.
+    let plan = [(1u64, 100usize), (2, 3000), (3, 200_000), (4, 10)];
+    for (id, _) in plan {
+        m.insert(&record(id, 64));
+    }
+    let mut got = Vec::new();
+    while got.len() < plan.len() {
+        got.extend(c.get(10, Wait::Sleep).unwrap());
+    }
+    let replacements: Vec<Vec<u8>> = plan.iter().map(|&(id, n)| record(id + 100, n)).collect();
+    for (e, r) in got.iter().zip(&replacements) {
+        c.put_with([(e, Some(&r[..]))]).unwrap();
+    }
+    c.close();
+    let mut seen = Vec::new();
+    while seen.len() < plan.len() {
+        let ev = after.get(10, Wait::Timed(5000)).unwrap();
+        assert!(
+            !ev.is_empty(),
+            "the replaced records never arrived: {seen:?}"
+        );
+        seen.extend(ev.iter().map(|e| e.bytes.to_vec()));
+        after.put(ev).unwrap();
+    }
+    assert_eq!(seen, replacements);
+    assert_eq!(c.refused_puts, 0);
+    let st = &m.status().stations[0];
+    assert_eq!((st.counters.put, st.counters.restored), (4, 0), "{st:?}");
+}
