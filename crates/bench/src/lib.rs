@@ -78,8 +78,9 @@ pub struct BenchArgs {
     /// Source counts (default: 8 and 32).
     #[arg(long, value_delimiter = ',')]
     pub sources: Option<Vec<u32>>,
-    /// Bytes each point moves (default 2 GB, 0.6 GB with --quick).
-    #[arg(long)]
+    /// Bytes each point moves (default 2 GB, 0.6 GB with --quick): a number (2e9) or a size
+    /// with its unit (4GB, 600 MiB).
+    #[arg(long, value_parser = parse_bytes)]
     pub bytes: Option<f64>,
     /// Directory for recorded files (default: a temporary directory, deleted after each point).
     #[arg(long)]
@@ -140,6 +141,22 @@ pub struct Point {
     /// just before it), to show how noisy the machine was.
     pub ratio_min: f64,
     pub ratio_max: f64,
+    /// CPU seconds of the whole process (every thread, sources included) per GB moved: the
+    /// relay's and building's medians. Their ratio says how much of the gap in rate is work
+    /// and how much is waiting (a stage idle while another is busy).
+    pub baseline_cpu_s_per_gb: f64,
+    pub cpu_s_per_gb: f64,
+}
+
+fn parse_bytes(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        Ok(_) => Err(format!("`{s}` is not a positive number of bytes")),
+        Err(_) => ByteSize::parse(s).and_then(|b| match b.0 {
+            0 => Err(format!("`{s}` is not a positive number of bytes")),
+            n => Ok(n as f64),
+        }),
+    }
 }
 
 /// CPU seconds (user and system) every thread of this process has used so far.
@@ -240,7 +257,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             std::thread::available_parallelism().map_or(0, |n| n.get())
         );
         println!(
-            "{:<18} {:>9} {:>7} {:>10} {:>12} {:>11} {:>11} {:>7} {:>11} {:>5}",
+            "{:<18} {:>9} {:>7} {:>10} {:>12} {:>11} {:>11} {:>7} {:>11} {:>12} {:>5}",
             "mode",
             "fragment",
             "sources",
@@ -250,6 +267,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "relay MB/s",
             "ratio",
             "min-max",
+            "CPU s/GB r:b",
             "clean"
         );
     }
@@ -260,7 +278,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             println!("{}", serde_json::to_string(&p)?);
         } else {
             println!(
-                "{:<18} {:>9} {:>7} {:>10.0} {:>12.0} {:>11.1} {:>11.1} {:>7.2} {:>11} {:>5}",
+                "{:<18} {:>9} {:>7} {:>10.0} {:>12.0} {:>11.1} {:>11.1} {:>7.2} {:>11} {:>12} {:>5}",
                 mode.name(),
                 size,
                 n,
@@ -270,6 +288,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 p.baseline_bytes_per_s / 1e6,
                 p.ratio,
                 format!("{:.2}-{:.2}", p.ratio_min, p.ratio_max),
+                format!("{:.2}:{:.2}", p.baseline_cpu_s_per_gb, p.cpu_s_per_gb),
                 if p.clean { "yes" } else { "NO" }
             );
         }
@@ -332,11 +351,14 @@ fn point(
     let hops = if mode == Mode::Build { 2 } else { 3 };
     let (mut base, mut built, mut ev_rate, mut fr_rate, mut ratios) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut base_cpu, mut built_cpu) = (Vec::new(), Vec::new());
     let mut clean = true;
     let mut total_events = 0;
     for _ in 0..repeat {
         // Baseline, then building, on the same topology, back to back.
-        let baseline = relay_chain(&r, hops)?;
+        let c0 = cpu_seconds();
+        let (baseline, moved) = relay_chain_measured(&r, hops)?;
+        base_cpu.push((cpu_seconds() - c0) / (moved as f64 / 1e9).max(1e-9));
         let tmp = tempfile::tempdir()?;
         let dir = out
             .map(|p| p.to_path_buf())
@@ -348,7 +370,9 @@ fn point(
             manifest: false,
             ..Default::default()
         };
+        let c0 = cpu_seconds();
         let rep = tessera_run::run(&r, &opts).context("bench run")?;
+        built_cpu.push((cpu_seconds() - c0) / (rep.bytes_built as f64 / 1e9).max(1e-9));
         if out.is_some() {
             for f in rep.recorder.iter().flat_map(|r| r.files.iter()) {
                 let _ = std::fs::remove_file(dir.join(&f.file));
@@ -389,6 +413,8 @@ fn point(
         repeat,
         ratio_min: ratios.iter().copied().fold(f64::INFINITY, f64::min),
         ratio_max: ratios.iter().copied().fold(0.0, f64::max),
+        baseline_cpu_s_per_gb: median(&mut base_cpu),
+        cpu_s_per_gb: median(&mut built_cpu),
     })
 }
 
@@ -468,6 +494,11 @@ fn start_stage(
 /// Runs the relay chain for the topology's sources and events; returns bytes/s at the last stage.
 /// `hops`: 2 = sources → readout relays → builder relays (last); 3 adds a recorder relay.
 pub fn relay_chain(r: &Resolved, hops: usize) -> Result<f64> {
+    Ok(relay_chain_measured(r, hops)?.0)
+}
+
+/// [`relay_chain`], with the bytes that reached the last stage.
+fn relay_chain_measured(r: &Resolved, hops: usize) -> Result<(f64, u64)> {
     let t = &r.topology;
     let counter = Arc::new(AtomicU64::new(0));
     let n_ru = t.readout_units.len();
@@ -547,7 +578,8 @@ pub fn relay_chain(r: &Resolved, hops: usize) -> Result<f64> {
             let _ = th.join();
         }
     }
-    Ok(counter.load(Ordering::Relaxed) as f64 / secs)
+    let moved = counter.load(Ordering::Relaxed);
+    Ok((moved as f64 / secs, moved))
 }
 
 fn run_request(a: &BenchArgs) -> Result<()> {
@@ -672,4 +704,17 @@ fn run_request(a: &BenchArgs) -> Result<()> {
         println!("(fewer than 4 points: no fit)");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn bytes_are_a_number_or_a_size_with_its_unit() {
+        assert_eq!(super::parse_bytes("2e9"), Ok(2e9));
+        assert_eq!(super::parse_bytes("4GB"), Ok(4e9));
+        assert_eq!(super::parse_bytes("600 MiB"), Ok(600.0 * 1048576.0));
+        assert!(super::parse_bytes("0").is_err());
+        assert!(super::parse_bytes("-5").is_err());
+        assert!(super::parse_bytes("lots").is_err());
+    }
 }
