@@ -21,9 +21,11 @@
 //! ([`Offer::Full`]) and its contributor waits, which holds its link (back-pressure).
 
 mod recent;
+mod table;
 pub use recent::RecentSet;
+pub use table::RING_SLOTS;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 /// The hasher of tables keyed by event ID. Std's SipHash was 9 % of the instructions per
 /// fragment built (callgrind, 1 KiB x 8); foldhash is a few multiplies, seeded at random per
@@ -156,7 +158,7 @@ pub struct AssemblyStats {
 pub struct Assembler<T> {
     contributors: usize,
     timeout_ns: u64,
-    pending: HashMap<u64, Pending<T>, EventIdHasher>,
+    pending: table::Table<Pending<T>>,
     /// (event ID, first seen) in arrival order; entries for events that left are skipped lazily.
     order: VecDeque<(u64, u64)>,
     /// The open events' IDs, lowest on top, for the floor (asked at every progress message):
@@ -185,7 +187,7 @@ impl<T> Assembler<T> {
         Assembler {
             contributors,
             timeout_ns,
-            pending: HashMap::default(),
+            pending: table::Table::new(RING_SLOTS),
             lowest: Default::default(),
             order: VecDeque::new(),
             closed: vec![false; contributors],
@@ -322,11 +324,11 @@ impl<T> Assembler<T> {
             };
         }
         let n = self.contributors;
-        if self.pending.len() >= self.max_open && !self.pending.contains_key(&event_id) {
+        if self.pending.len() >= self.max_open && !self.pending.contains_key(event_id) {
             self.stats.full += 1;
             return Offer::Full(item);
         }
-        let p = self.pending.entry(event_id).or_insert_with(|| {
+        let p = self.pending.get_or_insert_with(event_id, || {
             self.order.push_back((event_id, now_ns));
             self.lowest.push(std::cmp::Reverse(event_id));
             Pending {
@@ -350,7 +352,9 @@ impl<T> Assembler<T> {
     }
 
     fn ready(&self, event_id: u64) -> bool {
-        let p = &self.pending[&event_id];
+        let Some(p) = self.pending.get(event_id) else {
+            return false;
+        };
         p.have == self.contributors
             || p.parts
                 .iter()
@@ -361,17 +365,17 @@ impl<T> Assembler<T> {
     fn depart(&mut self, event_id: u64, timed_out: bool) -> Assembled<T> {
         let p = self
             .pending
-            .remove(&event_id)
+            .remove(event_id)
             .expect("departing event is pending");
         self.held_items -= p.have;
         while let Some(&std::cmp::Reverse(top)) = self.lowest.peek() {
-            if self.pending.contains_key(&top) {
+            if self.pending.contains_key(top) {
                 break;
             }
             self.lowest.pop();
         }
         if self.lowest.len() > 2 * self.pending.len() + 1024 {
-            self.lowest = self.pending.keys().map(|&e| std::cmp::Reverse(e)).collect();
+            self.lowest = self.pending.keys().map(std::cmp::Reverse).collect();
         }
         let bits = self.done.insert(event_id);
         let mut missing = Vec::new();
@@ -407,7 +411,7 @@ impl<T> Assembler<T> {
         let mut i = 0;
         while i < self.order.len() {
             let (ev, t) = self.order[i];
-            let live = self.pending.get(&ev).is_some_and(|p| p.first_seen_ns == t);
+            let live = self.pending.get(ev).is_some_and(|p| p.first_seen_ns == t);
             if !live {
                 if i == 0 {
                     self.order.pop_front();
@@ -435,14 +439,16 @@ impl<T> Assembler<T> {
         if self.order.len() > 2 * self.pending.len() + 1024 {
             let pending = &self.pending;
             self.order
-                .retain(|(ev, t)| pending.get(ev).is_some_and(|p| p.first_seen_ns == *t));
+                .retain(|(ev, t)| pending.get(*ev).is_some_and(|p| p.first_seen_ns == *t));
         }
         out
     }
 
     /// Whether every contributor that event `ev` lacks is excused.
     fn may_leave(&mut self, ev: u64, first_seen: u64) -> bool {
-        let p = &self.pending[&ev];
+        let Some(p) = self.pending.get(ev) else {
+            return false;
+        };
         let hint = self.last_blocker;
         if hint < self.contributors
             && p.parts[hint].is_none()
@@ -484,19 +490,14 @@ impl<T> Assembler<T> {
         }
         self.closed[c] = true;
         self.open -= 1;
-        let mut ids: Vec<u64> = self
-            .pending
-            .keys()
-            .copied()
-            .filter(|ev| self.ready(*ev))
-            .collect();
+        let mut ids: Vec<u64> = self.pending.keys().filter(|ev| self.ready(*ev)).collect();
         ids.sort_unstable();
         ids.into_iter().map(|ev| self.depart(ev, false)).collect()
     }
 
     /// Sends every pending event out as it is (at the end of a run, or an abort).
     pub fn flush(&mut self) -> Vec<Assembled<T>> {
-        let mut ids: Vec<u64> = self.pending.keys().copied().collect();
+        let mut ids: Vec<u64> = self.pending.keys().collect();
         ids.sort_unstable();
         ids.into_iter().map(|ev| self.depart(ev, false)).collect()
     }
