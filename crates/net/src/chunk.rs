@@ -85,42 +85,46 @@ impl Drop for Chunk {
 }
 
 /// A shared, immutable view of bytes inside a chunk. Cloning it is a reference-count increment.
+///
+/// It keeps the address of its first byte, so reading it never touches the chunk's shared
+/// header: that cache line holds the reference count, which the reading thread writes for every
+/// fragment it slices and the sending thread for every one it drops, so a read of it from the
+/// sending thread waited for the line to come from the other core. Before, `deref` was 4 % of
+/// all CPU time at 1 KiB x 8 (`perf`), nearly all of it in the sending threads.
 #[derive(Clone)]
 pub struct ChunkSlice {
     chunk: Arc<Chunk>,
-    start: usize,
+    /// `chunk`'s first byte plus the slice's offset into it.
+    ptr: *const u8,
     len: usize,
 }
+
+// SAFETY: the bytes a slice points at are filled and never written again (see `Chunk`), and the
+// `Arc` the slice holds keeps them allocated: sharing and sending the pointer is sharing and
+// sending read-only access to memory that outlives the slice, as `Arc<Chunk>` itself is.
+unsafe impl Send for ChunkSlice {}
+unsafe impl Sync for ChunkSlice {}
 
 impl ChunkSlice {
     /// # Safety
     /// `[start, start+len)` must be filled and frozen (see [`Chunk`]).
     pub(crate) unsafe fn new(chunk: Arc<Chunk>, start: usize, len: usize) -> ChunkSlice {
-        assert!(
-            start <= chunk.capacity() && len <= chunk.capacity() - start,
-            "slice outside the chunk"
-        );
-        ChunkSlice { chunk, start, len }
+        let ptr = chunk.bytes(start, len).as_ptr();
+        ChunkSlice { chunk, ptr, len }
     }
 
     /// A slice owning a copy of `bytes`, outside any budget.
     pub fn copy_from(bytes: &[u8]) -> ChunkSlice {
-        let len = bytes.len();
-        ChunkSlice {
-            chunk: Chunk::from_vec(bytes.to_vec()),
-            start: 0,
-            len,
-        }
+        Self::from_vec(bytes.to_vec())
     }
 
     /// A slice owning `bytes` (no copy), outside any budget.
     pub fn from_vec(bytes: Vec<u8>) -> ChunkSlice {
         let len = bytes.len();
-        ChunkSlice {
-            chunk: Chunk::from_vec(bytes),
-            start: 0,
-            len,
-        }
+        let chunk = Chunk::from_vec(bytes);
+        // SAFETY: the whole of a chunk made from a vector is filled and never written.
+        let ptr = unsafe { chunk.bytes(0, len) }.as_ptr();
+        ChunkSlice { chunk, ptr, len }
     }
 
     /// A sub-slice `[off, off+len)` of this slice. Panics when the range is not inside it (the
@@ -133,7 +137,8 @@ impl ChunkSlice {
         );
         ChunkSlice {
             chunk: self.chunk.clone(),
-            start: self.start + off,
+            // SAFETY: `off <= self.len`, so the address stays within (or one past) this slice.
+            ptr: unsafe { self.ptr.add(off) },
             len,
         }
     }
@@ -142,8 +147,9 @@ impl ChunkSlice {
 impl Deref for ChunkSlice {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: constructed only over filled, frozen bytes.
-        unsafe { self.chunk.bytes(self.start, self.len) }
+        // SAFETY: `ptr..ptr+len` was checked to lie in the chunk's filled, frozen bytes when the
+        // slice was made, and `self.chunk` keeps them allocated.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
 
