@@ -15,8 +15,9 @@
 //! only the kernel's word that nothing arrived counts as silence.
 //!
 //! After an event leaves, the assembler remembers which contributors delivered it while its ID
-//! is among the last `memory` (a bounded ring indexed by event ID), so a late item or a repeated one (a duplicated event ID) is reported as
-//! such instead of opening a new event that could only time out. The table of open events is
+//! is among the last `memory` (a bounded ring indexed by event ID), so a late item or a
+//! repeated one (a duplicated event ID) is reported as such instead of opening a new event
+//! that could only time out. The table of open events is
 //! capped ([`Assembler::with_max_open`]): an item that would open one more is handed back
 //! ([`Offer::Full`]) and its contributor waits, which holds its link (back-pressure).
 
@@ -81,9 +82,10 @@ struct Pending<T> {
 /// `e mod capacity` (a power of two) until a later event with the same slot departs, so the
 /// memory holds the departed events of the last `capacity` IDs. Event IDs are dense and
 /// rising, so consecutive events use consecutive slots and the lookup at every item and the
-/// store at every departure touch memory that is already in the cache. (The hash map and queue of departures it
-/// replaced kept 65 536 events in scattered buckets: at 1 KiB x 8 under `perf`, `depart` fell
-/// from 6.1 % to 4.1 % of all samples with the ring, and CPU per GB built by 6-9 %.)
+/// store at every departure touch memory that is already in the cache. (The hash map and
+/// queue of departures it replaced kept 65 536 events in scattered buckets: at 1 KiB x 8
+/// under `perf`, `depart` fell from 6.1 % to 4.1 % of all samples with the ring, and CPU per
+/// GB built by 6-9 %.)
 struct Departed {
     /// The event ID in each slot plus one; 0 in a slot never used, so the ring starts as
     /// zeroed pages the system hands out untouched (a builder of a 60-builder system would

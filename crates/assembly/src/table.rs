@@ -9,6 +9,7 @@
 //! of the assembler under `perf annotate`. IDs further apart than the ring (an event held back
 //! while the others run ahead) still work, through the map.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 use crate::EventIdHasher;
@@ -63,14 +64,15 @@ impl<V> Table<V> {
     pub fn get_or_insert_with(&mut self, id: u64, open: impl FnOnce() -> V) -> &mut V {
         let s = self.slot(id);
         if !self.in_ring(id) {
-            let free = self.ring[s].is_none()
-                && (self.overflow.is_empty() || !self.overflow.contains_key(&id));
-            if !free {
+            if self.ring[s].is_some()
+                || (!self.overflow.is_empty() && self.overflow.contains_key(&id))
+            {
                 // The slot holds another event, or it was taken when `id` opened.
-                if !self.overflow.contains_key(&id) {
+                let e = self.overflow.entry(id);
+                if matches!(e, Entry::Vacant(_)) {
                     self.len += 1;
                 }
-                return self.overflow.entry(id).or_insert_with(open);
+                return e.or_insert_with(open);
             }
             self.len += 1;
         }
