@@ -189,8 +189,14 @@ pub struct Assembler<T> {
     /// The contributor that kept the last aged event waiting: checked first by the next sweep,
     /// so a long backlog behind one lagging link costs one look per event.
     last_blocker: usize,
+    /// Emptied part lists handed back by the consumer ([`Assembler::recycle`]), reused by the
+    /// next events opened instead of allocating: at most [`SPARE_LISTS`] of them.
+    spare: Vec<Vec<Option<T>>>,
     pub stats: AssemblyStats,
 }
+
+/// Part lists kept for reuse: enough for a batch of departed events, and a bound.
+pub const SPARE_LISTS: usize = 64;
 
 impl<T> Assembler<T> {
     /// `memory`: how many event IDs back departed events are remembered for late and duplicate
@@ -210,6 +216,7 @@ impl<T> Assembler<T> {
             ordered: false,
             max_open: usize::MAX,
             last_blocker: 0,
+            spare: Vec::new(),
             stats: AssemblyStats::default(),
         }
     }
@@ -315,6 +322,16 @@ impl<T> Assembler<T> {
         self.closed[c]
     }
 
+    /// Takes back a departed event's part list once the consumer has emptied it, to hold the
+    /// parts of an event opened later: a consumer on the assembler's thread spares an
+    /// allocation and a free per event. Lists beyond [`SPARE_LISTS`] are dropped.
+    pub fn recycle(&mut self, mut parts: Vec<Option<T>>) {
+        if self.spare.len() < SPARE_LISTS && parts.capacity() >= self.contributors {
+            parts.clear();
+            self.spare.push(parts);
+        }
+    }
+
     /// Offers contributor `c`'s item for `event_id`, at time `now_ns`.
     pub fn offer(&mut self, c: usize, event_id: u64, item: T, now_ns: u64) -> Offer<T> {
         if self.closed[c] {
@@ -343,8 +360,15 @@ impl<T> Assembler<T> {
         let p = self.pending.get_or_insert_with(event_id, || {
             self.order.push_back((event_id, now_ns));
             self.lowest.push(std::cmp::Reverse(event_id));
+            let parts = match self.spare.pop() {
+                Some(mut v) => {
+                    v.resize_with(n, || None);
+                    v
+                }
+                None => (0..n).map(|_| None).collect(),
+            };
             Pending {
-                parts: (0..n).map(|_| None).collect(),
+                parts,
                 have: 0,
                 first_seen_ns: now_ns,
             }
@@ -533,6 +557,38 @@ mod tests {
         }
         assert!(matches!(a.offer(1, 5, 'x', 3), Offer::Duplicate('x')));
         assert_eq!(a.held_items(), 0);
+    }
+
+    /// A part list handed back holds the next event's parts from empty (nothing of the old
+    /// event's left in it), and no more than `SPARE_LISTS` lists are kept.
+    #[test]
+    fn recycled_part_lists_start_empty_and_are_bounded() {
+        let mut a = Assembler::new(3, 1000, 100);
+        a.offer(0, 1, 10, 0);
+        a.offer(1, 1, 11, 0);
+        let Offer::Ready(e) = a.offer(2, 1, 12, 0) else {
+            panic!("event 1 complete")
+        };
+        let ptr = e.parts.as_ptr();
+        // Handed back as it came (full): the list is emptied here.
+        a.recycle(e.parts);
+        a.offer(1, 2, 21, 0);
+        a.offer(2, 2, 22, 0);
+        // Contributor 0 closes: event 2, waiting only for it, leaves.
+        let mut out = a.close(0);
+        assert_eq!(out.len(), 1);
+        let e = out.remove(0);
+        assert_eq!(e.event_id, 2);
+        assert_eq!(e.parts, vec![None, Some(21), Some(22)]);
+        assert_eq!(e.parts.as_ptr(), ptr, "the handed-back list was reused");
+        for _ in 0..SPARE_LISTS + 10 {
+            a.recycle(Vec::with_capacity(3));
+        }
+        assert_eq!(a.spare.len(), SPARE_LISTS);
+        // Too short for this assembler's contributors: not kept.
+        let mut b = Assembler::<u8>::new(3, 1000, 100);
+        b.recycle(Vec::with_capacity(2));
+        assert!(b.spare.is_empty());
     }
 
     #[test]

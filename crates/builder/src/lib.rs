@@ -278,25 +278,39 @@ impl Shared {
 
     /// Checks and encodes departed events, and passes them on.
     fn finish(&self, ready: Vec<Assembled<Part>>) {
+        self.finish_keeping(ready, 0);
+    }
+
+    /// [`Self::finish`], returning up to `keep` of the events' emptied part lists, for the
+    /// assembler to reuse ([`Assembler::recycle`]).
+    fn finish_keeping(&self, ready: Vec<Assembled<Part>>, keep: usize) -> Vec<Vec<Option<Part>>> {
         if ready.is_empty() {
-            return;
+            return Vec::new();
         }
         let mut out = Vec::with_capacity(ready.len());
+        let mut lists = Vec::with_capacity(keep.min(ready.len()));
         for ev in ready {
-            out.push(self.build(ev));
+            let (built, parts) = self.build(ev);
+            out.push(built);
+            if lists.len() < keep {
+                lists.push(parts);
+            }
         }
         if let Some(tx) = &self.to_recorder {
             let _ = tx.send(out);
         }
+        lists
     }
 
-    fn build(&self, ev: Assembled<Part>) -> Built {
+    /// Builds an event's record; returns it and the event's part list, emptied.
+    fn build(&self, ev: Assembled<Part>) -> (Built, Vec<Option<Part>>) {
         let st = &self.stats;
         st.latency
             .observe_ns(self.now_ns().saturating_sub(ev.first_seen_ns));
         let mut rec = record::Record::with_capacity(self.sources);
         let mut missing: Vec<u32> = Vec::new();
-        for (slot, part) in ev.parts.into_iter().enumerate() {
+        let mut parts = ev.parts;
+        for (slot, part) in parts.drain(..).enumerate() {
             let Some((h, sf)) = part else {
                 missing.extend_from_slice(&self.rus[slot].1);
                 continue;
@@ -314,11 +328,12 @@ impl Shared {
             st.queued_fragments
                 .fetch_add(fragments.len() as u64, Ordering::Relaxed);
         }
-        Built {
+        let built = Built {
             header,
             fragments,
             event_id: ev.event_id,
-        }
+        };
+        (built, parts)
     }
 }
 
@@ -667,7 +682,13 @@ fn offer(sh: &Shared, slot: usize, got: &mut Vec<(u64, Part)>) {
     // Kept in `got` itself, its capacity kept for the rail's next read (see the readout
     // unit's `offer`).
     got.append(&mut left);
-    sh.finish(ready);
+    let lists = sh.finish_keeping(ready, tessera_assembly::SPARE_LISTS);
+    if !lists.is_empty() {
+        let mut a = sh.assembler.lock();
+        for parts in lists {
+            a.recycle(parts);
+        }
+    }
 }
 
 fn sweep(sh: &Shared) {

@@ -28,6 +28,7 @@ use tessera_format::link::{decode_link, Fragments, LinkItem, PeerHello, PeerRole
 use tessera_format::request::{
     self, AnswerHeader, Channel, Message, Outcome, Role, ASSIGN_REBUILD,
 };
+use tessera_format::wire::FragmentHeader;
 use tessera_net::control::{open, write_loop, MessageReader, ReadEnd};
 use tessera_net::reader::Fill;
 use tessera_net::role::RoleThreads;
@@ -522,12 +523,13 @@ impl Pull {
             rec.add_part(e, body, h.fragment_count, st);
         }
         // Parts come from several requests in any order: fragments go in source order.
-        rec.fragments.sort_by_key(|f| f.0);
+        let source = |f: &ChunkSlice| FragmentHeader::source_id(f);
+        rec.fragments.sort_by_key(source);
         let missing: Vec<u32> = self
             .expected
             .iter()
             .copied()
-            .filter(|s| rec.fragments.binary_search_by_key(s, |f| f.0).is_err())
+            .filter(|s| rec.fragments.binary_search_by_key(s, source).is_err())
             .collect();
         let (header, fragments) = rec.finish(e, self.id, missing, st);
         let nf = fragments.len() as u64;

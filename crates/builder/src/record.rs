@@ -16,8 +16,10 @@ pub(crate) struct Record {
     pub flags: u32,
     trigger: Option<u16>,
     timestamp: u64,
-    /// (source ID, fragment), in the order the parts were added.
-    pub fragments: Vec<(u32, ChunkSlice)>,
+    /// Validated fragments, in the order the parts were added (their source IDs are in their
+    /// headers: `FragmentHeader::source_id`). Moved out as the record's fragment list as is,
+    /// so sealing a record allocates only its header.
+    pub fragments: Vec<ChunkSlice>,
 }
 
 impl Record {
@@ -49,8 +51,7 @@ impl Record {
                         _ => {}
                     }
                     status |= f.header.status != 0;
-                    self.fragments
-                        .push((f.header.source_id, body.slice(f.start, f.len)));
+                    self.fragments.push(body.slice(f.start, f.len));
                 }
                 _ => {
                     self.fragments.truncate(start);
@@ -115,7 +116,7 @@ impl Record {
             drop(m);
             st.recent_incomplete.lock().push(event_id, &missing);
         }
-        let fragments: Vec<ChunkSlice> = self.fragments.into_iter().map(|f| f.1).collect();
+        let fragments = self.fragments;
         let body: usize = fragments.iter().map(|f| f.len()).sum();
         let mut h = EventRecordHeader {
             flags: EventFlags(flags),
@@ -190,7 +191,10 @@ mod tests {
         assert!(r.add_part(5, &part(5, &[0, 1, 2], 1, None), 3, &st));
         assert!(!r.add_part(5, &part(5, &[3, 4, 5], 2, Some((2, 6))), 3, &st));
         assert_eq!(
-            r.fragments.iter().map(|f| f.0).collect::<Vec<_>>(),
+            r.fragments
+                .iter()
+                .map(|f| FragmentHeader::source_id(f))
+                .collect::<Vec<_>>(),
             vec![0, 1, 2]
         );
         assert_eq!(st.malformed_fragments.load(Ordering::Relaxed), 3);

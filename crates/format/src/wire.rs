@@ -138,6 +138,11 @@ impl FragmentHeader {
             payload_size: u32_at(b, 32),
         }
     }
+
+    /// The source ID of a fragment already validated (see [`FragmentHeader::read`]).
+    pub fn source_id(b: &[u8]) -> u32 {
+        u32_at(b, 8)
+    }
 }
 
 /// Bytes a fragment with `payload` bytes occupies on the wire (v1, 40-byte header).
@@ -147,10 +152,26 @@ pub const fn fragment_wire_size(payload: usize) -> usize {
 
 /// Appends one fragment to `out`, letting `fill` write the payload in place (no staging copy).
 pub fn encode_fragment_with(out: &mut Vec<u8>, h: &FragmentHeader, fill: impl FnOnce(&mut [u8])) {
-    let start = out.len();
+    encode_fragment_at(out, out.len(), h, fill);
+}
+
+/// Writes one fragment into `out` from offset `at` (`at` ≤ `out.len()`), over whatever bytes
+/// are there, growing `out` only where it is too short; returns the offset after the fragment.
+/// A sender that keeps its buffer's length between batches writes fragments without zeroing
+/// their bytes first. Every byte of the fragment is written (`fill` must write all of the
+/// payload it is given; the padding is zeroed here).
+pub fn encode_fragment_at(
+    out: &mut Vec<u8>,
+    at: usize,
+    h: &FragmentHeader,
+    fill: impl FnOnce(&mut [u8]),
+) -> usize {
+    let start = at;
     let psize = h.payload_size as usize;
     let total = fragment_wire_size(psize);
-    out.resize(start + total, 0);
+    if out.len() < start + total {
+        out.resize(start + total, 0);
+    }
     let f = &mut out[start..start + total];
     put_u32(f, 0, START_MARKER);
     f[4] = WIRE_VERSION as u8;
@@ -166,9 +187,12 @@ pub fn encode_fragment_with(out: &mut Vec<u8>, h: &FragmentHeader, fill: impl Fn
     put_u32(f, 36, hcrc);
     fill(&mut f[FRAGMENT_HEADER_SIZE..FRAGMENT_HEADER_SIZE + psize]);
     let body = FRAGMENT_HEADER_SIZE + pad4(psize);
-    let crc = crate::crc::crc32c(&f[..body]);
+    f[FRAGMENT_HEADER_SIZE + psize..body].fill(0);
+    // The fragment's CRC covers the header again: it continues from the header's.
+    let crc = crate::crc::crc32c_append(hcrc, &f[36..body]);
     put_u32(f, body, crc);
     put_u32(f, body + 4, END_MARKER);
+    start + total
 }
 
 /// Appends one fragment with the given payload.
@@ -193,13 +217,13 @@ impl<'a> FragmentView<'a> {
         b: &'a [u8],
         max_payload: usize,
     ) -> Result<(FragmentView<'a>, usize), RejectReason> {
-        let hs = check_header(b, max_payload, None)?;
+        let (hs, hcrc) = check_header(b, max_payload, None)?;
         let h = FragmentHeader::read(b);
         let total = hs + pad4(h.payload_size as usize) + TRAILER_SIZE;
         if b.len() < total {
             return Err(RejectReason::Truncated);
         }
-        check_body(&b[..total])?;
+        check_body(&b[..total], hcrc)?;
         Ok((
             FragmentView {
                 header: h,
@@ -315,7 +339,13 @@ impl RejectReason {
 }
 
 /// Checks a fragment header at the start of `b` (needs 40 bytes). Returns its header size.
-fn check_header(b: &[u8], max_payload: usize, source: Option<u32>) -> Result<usize, RejectReason> {
+/// Checks a fragment header; returns its size and the CRC of its first 36 bytes (checked against
+/// the header CRC, and where the fragment's CRC continues from).
+fn check_header(
+    b: &[u8],
+    max_payload: usize,
+    source: Option<u32>,
+) -> Result<(usize, u32), RejectReason> {
     if b.len() < FRAGMENT_HEADER_SIZE {
         return Err(RejectReason::Truncated);
     }
@@ -329,7 +359,8 @@ fn check_header(b: &[u8], max_payload: usize, source: Option<u32>) -> Result<usi
     if !(FRAGMENT_HEADER_SIZE..=MAX_HEADER_SIZE).contains(&hs) || !hs.is_multiple_of(4) {
         return Err(RejectReason::BadHeaderSize);
     }
-    if crate::crc::crc32c(&b[..36]) != u32_at(b, 36) {
+    let hcrc = crate::crc::crc32c(&b[..36]);
+    if hcrc != u32_at(b, 36) {
         return Err(RejectReason::BadHeaderCrc);
     }
     if let Some(s) = source {
@@ -340,16 +371,18 @@ fn check_header(b: &[u8], max_payload: usize, source: Option<u32>) -> Result<usi
     if u32_at(b, 32) as usize > max_payload {
         return Err(RejectReason::Oversize);
     }
-    Ok(hs)
+    Ok((hs, hcrc))
 }
 
-/// Checks trailer marker and CRC of a complete fragment `f` whose header was checked.
-fn check_body(f: &[u8]) -> Result<(), RejectReason> {
+/// Checks trailer marker and CRC of a complete fragment `f` whose header was checked and whose
+/// first 36 bytes have the CRC `head_crc`.
+fn check_body(f: &[u8], head_crc: u32) -> Result<(), RejectReason> {
     let n = f.len();
     if u32_at(f, n - 4) != END_MARKER {
         return Err(RejectReason::BadEndMarker);
     }
-    if crate::crc::crc32c(&f[..n - TRAILER_SIZE]) != u32_at(f, n - TRAILER_SIZE) {
+    if crate::crc::crc32c_append(head_crc, &f[36..n - TRAILER_SIZE]) != u32_at(f, n - TRAILER_SIZE)
+    {
         return Err(RejectReason::BadCrc);
     }
     Ok(())
@@ -540,8 +573,8 @@ impl StreamDecoder {
             }
             // Marker, version, header size and header CRC decide whether this is a real fragment
             // boundary; until they check, the bytes are garbage and the sizes cannot be used.
-            let hs = match check_header(b, usize::MAX, None) {
-                Ok(hs) => hs,
+            let (hs, hcrc) = match check_header(b, usize::MAX, None) {
+                Ok(h) => h,
                 Err(reason) => {
                     return self.reject_or_skip(reason, 1, b.len().min(FRAGMENT_HEADER_SIZE))
                 }
@@ -559,7 +592,7 @@ impl StreamDecoder {
                 }
                 return self.reject_or_skip(RejectReason::Truncated, 1, b.len());
             }
-            match check_body(&b[..total]) {
+            match check_body(&b[..total], hcrc) {
                 Ok(()) if Some(h.source_id) != self.source => Step {
                     item: Decoded::Rejected {
                         reason: RejectReason::WrongSource,
@@ -715,6 +748,35 @@ mod tests {
             b = &b[s.consumed..];
         }
         out
+    }
+
+    /// Encoding over old bytes (a sender's kept buffer) gives the same fragment as encoding into
+    /// fresh memory, for every padding length, and the fragment checks.
+    #[test]
+    fn encoding_over_old_bytes_writes_every_byte() {
+        for n in 0..12 {
+            let payload: Vec<u8> = (0..n as u8).collect();
+            let fresh = frag(3, 9, &payload);
+            let mut dirty = vec![0xA5u8; 7 + fresh.len() + 5];
+            let h = FragmentHeader {
+                source_id: 3,
+                event_id: 9,
+                trigger_type: 1,
+                payload_size: n as u32,
+                ..Default::default()
+            };
+            let end = encode_fragment_at(&mut dirty, 7, &h, |p| p.copy_from_slice(&payload));
+            assert_eq!(end, 7 + fresh.len());
+            assert_eq!(&dirty[7..end], &fresh[..], "payload of {n} bytes");
+            assert!(FragmentView::parse(&dirty[7..end], 64).is_ok());
+            // Past the end of the vector: it grows.
+            let mut short = vec![0xA5u8; 3];
+            assert_eq!(
+                encode_fragment_at(&mut short, 3, &h, |p| p.copy_from_slice(&payload)),
+                3 + fresh.len()
+            );
+            assert_eq!(&short[3..], &fresh[..]);
+        }
     }
 
     #[test]

@@ -196,6 +196,7 @@ impl Shared {
 
     fn dispatch_batch(&self, ready: Vec<Assembled<ChunkSlice>>) {
         let n = self.to_builders.len();
+        let count = ready.len();
         let mut per_rail: Vec<Vec<Vec<SuperFragment>>> = self
             .to_builders
             .iter()
@@ -208,7 +209,10 @@ impl Shared {
                     .incomplete_super_fragments
                     .fetch_add(1, Ordering::Relaxed);
             }
-            let fragments: Vec<ChunkSlice> = ev.parts.into_iter().flatten().collect();
+            // In place: the super-fragment's list is the assembler's part list, reused (`std`
+            // collects a `filter_map` into its source's allocation, not a `flatten`).
+            #[allow(clippy::filter_map_identity)]
+            let fragments: Vec<ChunkSlice> = ev.parts.into_iter().filter_map(|p| p).collect();
             self.stats
                 .queued_fragments
                 .fetch_add(fragments.len() as u64, Ordering::Relaxed);
@@ -219,6 +223,11 @@ impl Shared {
             } else {
                 0
             };
+            if rails[rail].capacity() == 0 {
+                // Events are spread evenly over builders and rails: about this many each.
+                let each = count.div_ceil(n * rails.len());
+                rails[rail].reserve(each);
+            }
             rails[rail].push(SuperFragment {
                 event_id: ev.event_id,
                 fragments,
@@ -723,6 +732,8 @@ fn offer(sh: &Shared, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
     let mut rejected = Vec::new();
     let mut n = 0u64;
     let mut left = Vec::new();
+    // At most one event leaves per fragment offered: sized once, not grown by doubling.
+    let most = good.len();
     {
         let mut a = sh.assembler.lock();
         let mut items = good.drain(..);
@@ -730,7 +741,12 @@ fn offer(sh: &Shared, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
             n += 1;
             match a.offer(slot, ev, frag, now) {
                 Offer::Held => {}
-                Offer::Ready(e) => ready.push(e),
+                Offer::Ready(e) => {
+                    if ready.capacity() == 0 {
+                        ready.reserve_exact(most);
+                    }
+                    ready.push(e)
+                }
                 Offer::Duplicate(f) => rejected.push((Rejection::Duplicate, f)),
                 Offer::Late(f) => rejected.push((Rejection::Late, f)),
                 // A link offers only until it closes itself, so this cannot happen; counted

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use tessera_config::{InjectKind, Injection, SourcesSection};
 use tessera_format::pattern::Pattern;
-use tessera_format::wire::{self, encode_fragment_with, FragmentHeader, Hello, StreamEnd};
+use tessera_format::wire::{self, encode_fragment_at, FragmentHeader, Hello, StreamEnd};
 
 pub mod replay;
 pub use replay::Replay;
@@ -241,7 +241,11 @@ impl RunningSources {
 struct Link {
     stats: Arc<SourceStats>,
     stream: Option<TcpStream>,
+    /// Bytes to write, `buf[..used]`. The vector is not shortened after a write: the next
+    /// batch's fragments are encoded over the old bytes, which spares zeroing every fragment's
+    /// bytes before writing them (2-3 % of a 1 KiB build's instructions, sources included).
     buf: Vec<u8>,
+    used: usize,
     injections: Vec<Injection>,
     /// An event held back by a `swap` injection, sent after the next one.
     swapped: Option<u64>,
@@ -306,6 +310,7 @@ pub fn start(mut plan: SourcePlan) -> std::io::Result<RunningSources> {
             stats,
             stream: Some(s),
             buf: Vec::new(),
+            used: 0,
             injections,
             swapped: None,
         });
@@ -584,6 +589,7 @@ fn finish_links(plan: &SourcePlan, links: &mut [Link]) {
         }
         if link.stream.is_some() {
             let n = link.stats.fragments.load(Ordering::Relaxed);
+            link.buf.truncate(link.used);
             link.buf.extend_from_slice(
                 &StreamEnd {
                     source_id: link.stats.id,
@@ -591,6 +597,7 @@ fn finish_links(plan: &SourcePlan, links: &mut [Link]) {
                 }
                 .encode(),
             );
+            link.used = link.buf.len();
             flush(link);
             if let Some(st) = link.stream.take() {
                 let _ = st.shutdown(std::net::Shutdown::Write);
@@ -688,17 +695,17 @@ fn encode(
         timestamp: t,
         payload_size: size as u32,
     };
-    let start = link.buf.len();
+    let start = link.used;
     let pattern = plan.pattern;
-    encode_fragment_with(&mut link.buf, &h, |p| match replayed {
+    let end = encode_fragment_at(&mut link.buf, start, &h, |p| match replayed {
         Some((r, _)) => p.copy_from_slice(r),
         None => pattern.fill(id, ev, p),
     });
-    let end = link.buf.len();
+    link.used = end;
     match inject {
         Some(InjectKind::BadCrc) => link.buf[end - 8] ^= 0xFF,
         Some(InjectKind::BadMarker) => link.buf[start] = 0x00,
-        Some(InjectKind::Truncate) => link.buf.truncate(start + (end - start) / 2),
+        Some(InjectKind::Truncate) => link.used = start + (end - start) / 2,
         _ => {}
     }
     link.stats.fragments.fetch_add(1, Ordering::Relaxed);
@@ -734,16 +741,16 @@ fn write_counting_held(st: &mut TcpStream, buf: &[u8], held_ns: &AtomicU64) -> s
 }
 
 fn flush(link: &mut Link) {
-    if link.buf.is_empty() {
+    if link.used == 0 {
         return;
     }
     if let Some(st) = link.stream.as_mut() {
-        let r = write_counting_held(st, &link.buf, &link.stats.held_ns);
+        let r = write_counting_held(st, &link.buf[..link.used], &link.stats.held_ns);
         match r {
             Ok(()) => {
                 link.stats
                     .bytes
-                    .fetch_add(link.buf.len() as u64, Ordering::Relaxed);
+                    .fetch_add(link.used as u64, Ordering::Relaxed);
             }
             Err(e) => {
                 tracing::warn!(source = link.stats.id, error = %e, "source connection failed");
@@ -753,5 +760,5 @@ fn flush(link: &mut Link) {
             }
         }
     }
-    link.buf.clear();
+    link.used = 0;
 }
