@@ -78,6 +78,18 @@ struct Pending<T> {
     first_seen_ns: u64,
 }
 
+impl<T> Pending<T> {
+    /// Every contributor delivered, or those that did not are closed.
+    fn ready(&self, closed: &[bool]) -> bool {
+        self.have == self.parts.len()
+            || self
+                .parts
+                .iter()
+                .zip(closed)
+                .all(|(x, &closed)| x.is_some() || closed)
+    }
+}
+
 /// Who delivered each departed event, in a ring indexed by event ID: event `e` lives in slot
 /// `e mod capacity` (a power of two) until a later event with the same slot departs, so the
 /// memory holds the departed events of the last `capacity` IDs. Event IDs are dense and
@@ -380,7 +392,7 @@ impl<T> Assembler<T> {
         p.parts[c] = Some(item);
         p.have += 1;
         self.held_items += 1;
-        if self.ready(event_id) {
+        if p.ready(&self.closed) {
             Offer::Ready(self.depart(event_id, false))
         } else {
             Offer::Held
@@ -388,14 +400,9 @@ impl<T> Assembler<T> {
     }
 
     fn ready(&self, event_id: u64) -> bool {
-        let Some(p) = self.pending.get(event_id) else {
-            return false;
-        };
-        p.have == self.contributors
-            || p.parts
-                .iter()
-                .zip(&self.closed)
-                .all(|(x, &closed)| x.is_some() || closed)
+        self.pending
+            .get(event_id)
+            .is_some_and(|p| p.ready(&self.closed))
     }
 
     fn depart(&mut self, event_id: u64, timed_out: bool) -> Assembled<T> {

@@ -100,7 +100,6 @@ fn fill_words(w: u64, words: &mut [[u8; 8]]) -> u64 {
     w
 }
 
-#[cfg_attr(target_arch = "x86_64", allow(dead_code))]
 fn fill_words_scalar(mut w: u64, words: &mut [[u8; 8]]) -> u64 {
     for c in words {
         *c = w.to_le_bytes();
