@@ -392,6 +392,7 @@ fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener) {
                             .stats
                             .receive_queues
                             .gauge(tessera_net::queued::Side::Unread),
+                        bell: tessera_net::reactor::Doorbell::default(),
                         _live: live.enter(),
                     };
                     tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Builder)
@@ -471,13 +472,18 @@ struct PolledRail {
     silence: tessera_net::reactor::Silence,
     held: tessera_net::reactor::Held,
     unread: tessera_net::queued::QueueGauge,
+    /// Rung by the link's budget when memory comes back after a read found none.
+    bell: tessera_net::reactor::Doorbell,
     _live: tessera_net::reactor::TallyGuard,
 }
 
 /// Reads per turn before the poller's other ready links get theirs.
 const READS_PER_TURN: usize = 8;
-/// How soon a held link looks again.
+/// How soon a link held by a full table of open events looks again.
 const HELD_RETRY: Duration = Duration::from_millis(1);
+/// How soon a link held for memory looks again if its bell has not rung (it rings as soon as
+/// memory is given back): the time to notice an abort, not a poll for memory.
+const MEMORY_RECHECK: Duration = Duration::from_millis(20);
 use tessera_net::reactor::SILENCE_PROOF;
 
 impl PolledRail {
@@ -579,8 +585,13 @@ impl tessera_net::reactor::Conn for PolledRail {
         self.reader.bytes_read
     }
 
+    fn doorbell(&self) -> Option<&tessera_net::reactor::Doorbell> {
+        Some(&self.bell)
+    }
+
     fn turn(&mut self) -> tessera_net::reactor::Next {
         use tessera_net::reactor::Next;
+        self.bell.answer();
         if self.sh.abort.load(Ordering::Relaxed) {
             self.count_held(Instant::now(), false);
             return self.finish();
@@ -613,7 +624,10 @@ impl tessera_net::reactor::Conn for PolledRail {
                 return Next::Again;
             }
             reads += 1;
-            match self.reader.try_fill(&mut self.stream, self.want) {
+            match self
+                .reader
+                .try_fill(&mut self.stream, self.want, &self.bell)
+            {
                 Ok(Fill::Data(0)) => {
                     // Nothing, not even a progress message, since `since`: silence.
                     let now = Instant::now();
@@ -635,7 +649,7 @@ impl tessera_net::reactor::Conn for PolledRail {
                     self.silence.not_read();
                     let now = Instant::now();
                     self.count_held(now, true);
-                    return Next::At(now + HELD_RETRY);
+                    return Next::At(now + MEMORY_RECHECK);
                 }
                 Ok(Fill::Stopped) => unreachable!("try_fill never waits"),
                 Err(e) => {

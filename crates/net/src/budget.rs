@@ -11,11 +11,17 @@ use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::reactor::Doorbell;
+
 #[derive(Debug, Default)]
 struct State {
     used: u64,
     pooled: u64,
     pool: Vec<Box<[u8]>>,
+    /// Poller-served readers that found the budget exhausted (several when the links of one
+    /// peer's rails share it): rung when memory comes back, so a held link reads again at once
+    /// instead of at its next timed look.
+    waiters: Vec<Doorbell>,
 }
 
 enum Taken {
@@ -82,15 +88,23 @@ impl Budget {
         }
     }
 
-    /// [`Self::take_buffer`] without waiting: `None` when the budget is exhausted (for a
-    /// poller, which must not block; it asks again later).
-    pub fn try_take_buffer(&self, min: usize, n: usize) -> Option<Box<[u8]>> {
+    /// [`Self::take_buffer`] without waiting (for a poller, which must not block): `None` when
+    /// the budget is exhausted, and then `bell` is rung by the next [`Self::give_buffer`].
+    /// Decided under the lock that frees memory, so no release between the refusal and the
+    /// wait can be missed.
+    pub fn try_take_buffer(&self, min: usize, n: usize, bell: &Doorbell) -> Option<Box<[u8]>> {
         let mut s = self.state.lock();
-        match self.take_locked(&mut s, min, n)? {
-            Taken::Kept(b) => Some(b),
-            Taken::Fresh => {
+        match self.take_locked(&mut s, min, n) {
+            Some(Taken::Kept(b)) => Some(b),
+            Some(Taken::Fresh) => {
                 drop(s);
                 Some(vec![0u8; n].into_boxed_slice())
+            }
+            None => {
+                if !s.waiters.iter().any(|w| w.same(bell)) {
+                    s.waiters.push(bell.clone());
+                }
+                None
             }
         }
     }
@@ -138,8 +152,12 @@ impl Budget {
             s.pooled += n;
             s.pool.push(b);
         }
+        let waiters = std::mem::take(&mut s.waiters);
         drop(s);
         self.freed.notify_all();
+        for bell in waiters {
+            bell.ring();
+        }
     }
 }
 
@@ -222,5 +240,73 @@ mod tests {
         );
         b.give_buffer(all);
         assert!(waiter.join().unwrap());
+    }
+
+    /// A poller-served link refused memory is turned again as soon as memory is given back,
+    /// although it said it is blocked for an hour: the budget rings its bell, and the poller
+    /// answers a bell even for a blocked connection. Without either, this waits the hour.
+    #[test]
+    fn a_link_refused_memory_is_turned_when_memory_comes_back() {
+        use crate::reactor::{Conn, Next, Reactor};
+        use std::net::{TcpListener, TcpStream};
+        use std::os::fd::{AsRawFd, RawFd};
+        use std::sync::mpsc;
+
+        struct Held {
+            s: TcpStream,
+            budget: Arc<Budget>,
+            bell: Doorbell,
+            turns: u32,
+            told: mpsc::Sender<u32>,
+        }
+        impl Conn for Held {
+            fn fd(&self) -> RawFd {
+                self.s.as_raw_fd()
+            }
+            fn bytes_read(&self) -> u64 {
+                0
+            }
+            fn doorbell(&self) -> Option<&Doorbell> {
+                Some(&self.bell)
+            }
+            fn turn(&mut self) -> Next {
+                self.bell.answer();
+                self.turns += 1;
+                match self.budget.try_take_buffer(60, 60, &self.bell) {
+                    Some(b) => {
+                        self.budget.give_buffer(b);
+                        let _ = self.told.send(self.turns);
+                        Next::Done
+                    }
+                    None => {
+                        let _ = self.told.send(0);
+                        Next::At(Instant::now() + Duration::from_secs(3600))
+                    }
+                }
+            }
+        }
+
+        let budget = Arc::new(Budget::new(100));
+        let stop = AtomicBool::new(false);
+        let all = budget.take_buffer(100, 100, &stop).unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let _peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        let (told, heard) = mpsc::channel();
+        let r = Reactor::new(1, "test").unwrap();
+        r.register(Box::new(Held {
+            s,
+            budget: budget.clone(),
+            bell: Doorbell::default(),
+            turns: 0,
+            told,
+        }));
+        let wait = Duration::from_secs(60);
+        assert_eq!(heard.recv_timeout(wait).unwrap(), 0, "refused at first");
+        budget.give_buffer(all);
+        let turns = heard
+            .recv_timeout(wait)
+            .expect("not turned when memory came back");
+        assert_eq!(turns, 2, "it read on the turn the bell gave it");
     }
 }

@@ -80,6 +80,11 @@ impl Doorbell {
         }
     }
 
+    /// Whether both are the one bell of one connection.
+    pub fn same(&self, other: &Doorbell) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
     /// Called by the connection at the start of its turn, before it looks for work: a ring
     /// after this gives it another turn.
     pub fn answer(&self) {
@@ -391,6 +396,7 @@ fn run(poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>, waker: A
             p.round = Round::default();
         }
         let mut ready: Vec<usize> = Vec::with_capacity(events.iter().count());
+        let mut rung = Vec::new();
         for ev in events.iter() {
             if ev.token() == WAKE {
                 for conn in rx.try_iter() {
@@ -398,7 +404,7 @@ fn run(poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>, waker: A
                 }
                 // A bell of a connection that has ended may name a slot taken since by
                 // another: that one gets a turn it did not need, which is harmless.
-                ready.append(&mut p.rung.lock());
+                rung.append(&mut p.rung.lock());
             } else {
                 ready.push(ev.token().0);
             }
@@ -408,6 +414,18 @@ fn run(poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>, waker: A
                 .get(i)
                 .and_then(|s| s.as_ref())
                 .is_some_and(|e| !e.blocked && !e.in_again)
+            {
+                p.turn(i);
+            }
+        }
+        // A bell is rung when what a connection waits for has come (work queued, memory
+        // given back), so it is answered even by a connection that said it is blocked: that
+        // is how a held link reads again at once rather than at its next timed look.
+        for i in rung {
+            if p.slots
+                .get(i)
+                .and_then(|s| s.as_ref())
+                .is_some_and(|e| !e.in_again)
             {
                 p.turn(i);
             }

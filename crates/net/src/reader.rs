@@ -110,11 +110,18 @@ impl ChunkReader {
     }
 
     /// [`Self::fill`] for a non-blocking socket served by a poller: never waits. `NoMemory` when
-    /// the budget has no chunk to give (nothing was read: the peer is held by TCP), `Data(0)`
-    /// when the socket had nothing. [`Self::drained`] says whether the socket was read dry.
-    pub fn try_fill(&mut self, r: &mut impl Read, want: usize) -> io::Result<Fill> {
+    /// the budget has no chunk to give (nothing was read: the peer is held by TCP; `bell` rings
+    /// as soon as memory is given back, so the link reads again then, not at a guess),
+    /// `Data(0)` when the socket had nothing. [`Self::drained`] says whether the socket was
+    /// read dry.
+    pub fn try_fill(
+        &mut self,
+        r: &mut impl Read,
+        want: usize,
+        bell: &crate::reactor::Doorbell,
+    ) -> io::Result<Fill> {
         let budget = self.budget.clone();
-        if !self.ensure_room(want, |min, n| budget.try_take_buffer(min, n)) {
+        if !self.ensure_room(want, |min, n| budget.try_take_buffer(min, n, bell)) {
             return Ok(Fill::NoMemory);
         }
         self.read_into(r)

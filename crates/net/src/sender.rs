@@ -444,12 +444,45 @@ where
                         "peer stopped accepting data",
                     ))
                 }
-                Ok(n) => self.at += n,
+                Ok(n) => {
+                    self.at += n;
+                    self.release_written();
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Counts and drops the units at the front of the batch that are out whole. Dropping them
+    /// gives their chunks back to the links' budgets now, not when the whole batch is out (a
+    /// coalesced batch can hold half a unit's buffer at 16 KiB fragments): the links read again
+    /// sooner, into chunks the kernel's copy has just left warm in cache.
+    fn release_written(&mut self) {
+        let mut whole = 0;
+        let mut bytes = 0;
+        for (u, &(s, e)) in self.batch.iter().zip(&self.st.offsets) {
+            let size = (e - s) + u.fragments().iter().map(|f| f.len()).sum::<usize>();
+            if bytes + size > self.at {
+                break;
+            }
+            bytes += size;
+            whole += 1;
+        }
+        if whole == 0 {
+            return;
+        }
+        report(
+            &self.batch[..whole],
+            &mut self.st,
+            whole,
+            true,
+            &mut self.on_batch,
+        );
+        self.batch.drain(..whole);
+        self.st.offsets.drain(..whole);
+        self.at -= bytes;
     }
 
     /// Writes what it can of the small messages: `Ok(true)` when they are all out.
@@ -582,10 +615,8 @@ where
             if !self.batch.is_empty() {
                 match self.write_batch() {
                     Ok(true) => {
-                        let batch = std::mem::take(&mut self.batch);
-                        let n = batch.len();
-                        report(&batch, &mut self.st, n, true, &mut self.on_batch);
-                        self.at = 0;
+                        // Every unit was counted and dropped as it went out.
+                        debug_assert!(self.batch.is_empty() && self.at == 0);
                         // After the batch: a beat never overtakes a unit taken from the queue.
                         self.beat_if_due();
                         continue;
@@ -752,6 +783,99 @@ mod tests {
         assert_eq!(std::io::Read::read(&mut peer, &mut buf).unwrap(), 0);
         drop(peer);
         live.wait_zero();
+    }
+
+    /// Units are counted and their chunks given back to their budget as each goes out whole,
+    /// not when the whole batch has: with a peer that reads nothing, the part of one large batch
+    /// the sockets could take is already reported and its memory free for the links.
+    #[test]
+    fn a_polled_sender_gives_back_each_unit_as_it_goes_out() {
+        use crate::budget::Budget;
+        use crate::chunk::Chunk;
+        const N: u64 = 2048;
+        const SIZE: usize = 16 << 10;
+        let budget = Arc::new(Budget::new(N * SIZE as u64));
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let batch: Vec<Unit> = (0..N)
+            .map(|i| {
+                let buf = budget.take_buffer(SIZE, SIZE, &stop).unwrap();
+                // SAFETY: the whole chunk, which nothing writes after this.
+                let f = unsafe { ChunkSlice::new(Chunk::new(buf, budget.clone()), 0, SIZE) };
+                Unit(i, vec![f])
+            })
+            .collect();
+        assert_eq!(budget.used(), N * SIZE as u64);
+        let r = Reactor::new(1, "test").unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut peer, _) = l.accept().unwrap();
+        let (q, rx, bell) = queue::<Unit>(4);
+        let sent = Arc::new(AtomicU64::new(0));
+        let live = Arc::new(Tally::default());
+        let s2 = sent.clone();
+        let conn = PolledSender::new(
+            s,
+            rx,
+            bell,
+            PeerHello {
+                role: PeerRole::ReadoutUnit,
+                id: 3,
+                flags: 0,
+            },
+            move |o: BatchOutcome, _: &[Unit]| {
+                assert!(o.written);
+                s2.fetch_add(o.units, Ordering::SeqCst);
+            },
+            |e: &io::Error| panic!("{e}"),
+            None,
+            true,
+            &live,
+        )
+        .unwrap();
+        r.register(Box::new(conn));
+        q.send(batch).unwrap();
+        // The peer reads nothing yet: the sockets take what they can (far less than 32 MiB).
+        let t = Instant::now();
+        while sent.load(Ordering::SeqCst) == 0 {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "nothing reported before the whole batch was out"
+            );
+            std::thread::yield_now();
+        }
+        // Each unit's memory goes back right after it is counted (the same turn): it is seen
+        // here while the batch is still far from out.
+        loop {
+            let reported = sent.load(Ordering::SeqCst);
+            assert!(reported < N, "the whole batch cannot be in the sockets");
+            if budget.used() <= (N - reported) * SIZE as u64 && reported > 0 {
+                break;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "{reported} units reported but {} bytes still charged",
+                budget.used()
+            );
+            std::thread::yield_now();
+        }
+        drop(q);
+        let mut got = 0usize;
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = std::io::Read::read(&mut peer, &mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        assert_eq!(
+            got,
+            PEER_HELLO_SIZE + N as usize * (8 + SIZE) + PEER_END_SIZE
+        );
+        assert_eq!(sent.load(Ordering::SeqCst), N);
+        drop(peer);
+        live.wait_zero();
+        assert_eq!(budget.used(), 0);
     }
 
     /// A peer that goes away: the units it cannot have had are reported as not written (to be

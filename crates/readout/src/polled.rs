@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tessera_format::StreamDecoder;
-use tessera_net::reactor::{Conn, Held, Next, Silence, Tally, TallyGuard, SILENCE_PROOF};
+use tessera_net::reactor::{Conn, Doorbell, Held, Next, Silence, Tally, TallyGuard, SILENCE_PROOF};
 use tessera_net::reader::Fill;
 use tessera_net::{ChunkReader, ChunkSlice};
 
@@ -17,8 +17,11 @@ use crate::{count_after_end, parse, LinkSink, LinkState, Parsed, LOOK_AFTER_END}
 
 /// Reads per turn before the other ready links of the poller get theirs.
 const READS_PER_TURN: usize = 8;
-/// How soon a held link (no memory, or a full table of open events) looks again.
+/// How soon a link held by a full table of open events looks again.
 const HELD_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
+/// How soon a link held for memory looks again if its bell has not rung (it rings as soon as
+/// memory is given back): the time to notice an abort, not a poll for memory.
+const MEMORY_RECHECK: std::time::Duration = std::time::Duration::from_millis(20);
 
 enum Phase {
     Reading,
@@ -44,6 +47,8 @@ pub(crate) struct PolledLink<S: LinkSink> {
     /// The end of stream was parsed (acted on once every fragment before it was taken).
     ended: bool,
     phase: Phase,
+    /// Rung by the link's budget when memory comes back after a read found none.
+    bell: Doorbell,
     _live: TallyGuard,
 }
 
@@ -72,6 +77,7 @@ impl<S: LinkSink> PolledLink<S> {
             eof: false,
             ended: false,
             phase: Phase::Reading,
+            bell: Doorbell::default(),
             _live: live.enter(),
         })
     }
@@ -145,7 +151,12 @@ impl<S: LinkSink> Conn for PolledLink<S> {
         self.reader.bytes_read
     }
 
+    fn doorbell(&self) -> Option<&Doorbell> {
+        Some(&self.bell)
+    }
+
     fn turn(&mut self) -> Next {
+        self.bell.answer();
         let now = Instant::now();
         if let Phase::AfterEnd { .. } = self.phase {
             return self.after_end(now);
@@ -199,7 +210,10 @@ impl<S: LinkSink> Conn for PolledLink<S> {
             }
             sink.before_read();
             reads += 1;
-            match self.reader.try_fill(&mut self.stream, self.want) {
+            match self
+                .reader
+                .try_fill(&mut self.stream, self.want, &self.bell)
+            {
                 Ok(Fill::Data(0)) => {
                     let now = Instant::now();
                     if let Some(since) = self.silence.empty_read(self.reader.read_started, now) {
@@ -223,7 +237,7 @@ impl<S: LinkSink> Conn for PolledLink<S> {
                     self.silence.not_read();
                     let now = Instant::now();
                     self.count_held(now, true);
-                    return Next::At(now + HELD_RETRY);
+                    return Next::At(now + MEMORY_RECHECK);
                 }
                 Ok(Fill::Stopped) => unreachable!("try_fill never waits, so is never stopped"),
                 Err(e) => {
