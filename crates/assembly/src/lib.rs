@@ -24,7 +24,7 @@
 mod recent;
 mod table;
 pub use recent::RecentSet;
-pub use table::RING_SLOTS;
+pub use table::{MAX_RING_SLOTS, RING_SLOTS};
 
 use std::collections::VecDeque;
 
@@ -214,10 +214,12 @@ impl<T> Assembler<T> {
     /// `memory`: how many event IDs back departed events are remembered for late and duplicate
     /// detection (rounded up to a power of two).
     pub fn new(contributors: usize, timeout_ns: u64, memory: usize) -> Self {
+        let mut pending = table::Table::new(RING_SLOTS);
+        pending.grow_up_to(MAX_RING_SLOTS);
         Assembler {
             contributors,
             timeout_ns,
-            pending: table::Table::new(RING_SLOTS),
+            pending,
             lowest: Default::default(),
             order: VecDeque::new(),
             closed: vec![false; contributors],
@@ -236,6 +238,8 @@ impl<T> Assembler<T> {
     /// Caps the table of open (pending) events.
     pub fn with_max_open(mut self, max_open: usize) -> Self {
         self.max_open = max_open.max(1);
+        // No more slots than events that may be open (the ring still starts small).
+        self.pending.grow_up_to(self.max_open);
         self
     }
 

@@ -6,20 +6,28 @@
 //! previous fragments touched. A hash map spreads consecutive IDs over all its buckets, and it
 //! is as large as the most events ever open at once (hundreds: a source writes hundreds of
 //! events per write), so at 1 KiB x 8 the lookup of the open event was the largest single stall
-//! of the assembler under `perf annotate`. IDs further apart than the ring (an event held back
-//! while the others run ahead) still work, through the map.
+//! of the assembler under `perf annotate`. The ring grows while open IDs spread further than
+//! it (a unit's links run apart within its buffer); IDs further apart than its bound (an event
+//! held back while the others run ahead) still work, through the map.
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 use crate::EventIdHasher;
 
-/// Slots of the ring: events spread over more IDs than this share slots and go to the map.
+/// Slots of the ring at first: events spread over more IDs than this share slots.
 pub const RING_SLOTS: usize = 4096;
+/// Most slots the ring grows to (3 MiB of slots at 48 bytes each); past it, IDs that share a slot
+/// go to the map.
+pub const MAX_RING_SLOTS: usize = 1 << 16;
 
 pub(crate) struct Table<V> {
     ring: Vec<Option<(u64, V)>>,
     mask: u64,
+    /// The ring doubles, up to this, when two open events need one slot: at 1 KiB x 8 the open
+    /// events of a unit spread over 12 000-15 000 IDs (its links run that far apart within
+    /// its buffer), so a ring of 4 096 sent most of them to the map.
+    max_slots: usize,
     /// Open events whose slot was taken when they opened.
     overflow: HashMap<u64, V, EventIdHasher>,
     len: usize,
@@ -31,8 +39,34 @@ impl<V> Table<V> {
         Table {
             ring: (0..slots).map(|_| None).collect(),
             mask: slots as u64 - 1,
+            max_slots: slots,
             overflow: HashMap::default(),
             len: 0,
+        }
+    }
+
+    /// Lets the ring grow up to `max` slots (rounded to a power of two, never below its size
+    /// now nor above [`MAX_RING_SLOTS`]).
+    pub fn grow_up_to(&mut self, max: usize) {
+        self.max_slots = max
+            .checked_next_power_of_two()
+            .unwrap_or(MAX_RING_SLOTS)
+            .clamp(self.ring.len(), MAX_RING_SLOTS.max(self.ring.len()));
+    }
+
+    /// Doubles the ring and places every open event again: in its slot if free, else the map.
+    fn grow(&mut self) {
+        let slots = self.ring.len() * 2;
+        let old = std::mem::replace(&mut self.ring, (0..slots).map(|_| None).collect());
+        self.mask = slots as u64 - 1;
+        let mut overflow = std::mem::take(&mut self.overflow);
+        for (id, v) in old.into_iter().flatten().chain(overflow.drain()) {
+            let s = self.slot(id);
+            if self.ring[s].is_none() {
+                self.ring[s] = Some((id, v));
+            } else {
+                self.overflow.insert(id, v);
+            }
         }
     }
 
@@ -62,6 +96,12 @@ impl<V> Table<V> {
 
     /// The event `id`, opened with `open` if it is not open.
     pub fn get_or_insert_with(&mut self, id: u64, open: impl FnOnce() -> V) -> &mut V {
+        while self.ring.len() < self.max_slots
+            && matches!(&self.ring[self.slot(id)], Some((k, _)) if *k != id)
+            && (self.overflow.is_empty() || !self.overflow.contains_key(&id))
+        {
+            self.grow();
+        }
         let s = self.slot(id);
         if !self.in_ring(id) {
             if self.ring[s].is_some()
@@ -111,14 +151,45 @@ mod tests {
     fn behaves_as_a_map_whether_ids_share_slots_or_not() {
         // A ring of 8 slots against a reference map, with IDs that collide in every way: the
         // same slot taken, freed and taken again while an event of that slot waits in the map.
+        behaves_as_a_map(Table::new(8), 40);
+        // The same while the ring grows (to 16, then 32) under the open events.
+        let mut t = Table::new(8);
+        t.grow_up_to(32);
+        behaves_as_a_map(t, 100);
+    }
+
+    /// The ring doubles, up to its bound, rather than send events to the map; past the bound,
+    /// IDs that share a slot still work, through the map.
+    #[test]
+    fn the_ring_grows_to_hold_the_spread_of_open_events() {
         let mut t: Table<u64> = Table::new(8);
+        t.grow_up_to(100);
+        for id in 1000..1100 {
+            *t.get_or_insert_with(id, || id) += 1;
+        }
+        assert_eq!(t.ring.len(), 128, "rounded up to a power of two");
+        assert!(t.overflow.is_empty(), "100 consecutive IDs fit 128 slots");
+        *t.get_or_insert_with(1000 + 128, || 7) += 1;
+        assert_eq!(t.ring.len(), 128, "never past its bound");
+        assert_eq!(t.overflow.len(), 1);
+        for id in 1000..1100 {
+            assert_eq!(t.get(id), Some(&(id + 1)));
+        }
+        assert_eq!(t.remove(1000 + 128), Some(8));
+        assert_eq!(t.len(), 100);
+        let mut small: Table<u64> = Table::new(8);
+        small.grow_up_to(3);
+        assert_eq!(small.max_slots, 8, "never below its size");
+    }
+
+    fn behaves_as_a_map(mut t: Table<u64>, ids: u64) {
         let mut r: BTreeMap<u64, u64> = BTreeMap::new();
         let mut x = 12345u64;
         for step in 0..20_000u64 {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            let id = x % 40;
+            let id = x % ids;
             match x % 3 {
                 0 => {
                     let v = *t.get_or_insert_with(id, || step);
