@@ -721,20 +721,19 @@ mod tests {
     /// Every unit reaches a slow peer whole and in order (writes are cut by a full socket and
     /// resumed on the next turn), then the peer end with the counts; the link waits for the
     /// peer's close before it is done.
-    #[test]
-    fn a_polled_sender_delivers_every_unit_in_order_then_the_end() {
+    /// A polled sender on a new link, serving a reactor of its own, that must never fail:
+    /// returns the reactor (keep it), the peer's end, the queue, the units counted out and the
+    /// tally to wait on.
+    fn counting_sender(
+        hello: PeerHello,
+    ) -> (Reactor, TcpStream, Queue<Unit>, Arc<AtomicU64>, Arc<Tally>) {
         let r = Reactor::new(1, "test").unwrap();
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (mut peer, _) = l.accept().unwrap();
+        let (peer, _) = l.accept().unwrap();
         let (q, rx, bell) = queue::<Unit>(4);
         let sent = Arc::new(AtomicU64::new(0));
         let live = Arc::new(Tally::default());
-        let hello = PeerHello {
-            role: PeerRole::ReadoutUnit,
-            id: 7,
-            flags: 0,
-        };
         let s2 = sent.clone();
         let conn = PolledSender::new(
             s,
@@ -743,7 +742,7 @@ mod tests {
             hello,
             move |o: BatchOutcome, _: &[Unit]| {
                 assert!(o.written);
-                s2.fetch_add(o.units, Ordering::Relaxed);
+                s2.fetch_add(o.units, Ordering::SeqCst);
             },
             |e: &io::Error| panic!("{e}"),
             None,
@@ -752,6 +751,17 @@ mod tests {
         )
         .unwrap();
         r.register(Box::new(conn));
+        (r, peer, q, sent, live)
+    }
+
+    #[test]
+    fn a_polled_sender_delivers_every_unit_in_order_then_the_end() {
+        let hello = PeerHello {
+            role: PeerRole::ReadoutUnit,
+            id: 7,
+            flags: 0,
+        };
+        let (_r, mut peer, q, sent, live) = counting_sender(hello);
         const N: u64 = 2000;
         let producer = std::thread::spawn(move || {
             for i in 0..N {
@@ -805,34 +815,11 @@ mod tests {
             })
             .collect();
         assert_eq!(budget.used(), N * SIZE as u64);
-        let r = Reactor::new(1, "test").unwrap();
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (mut peer, _) = l.accept().unwrap();
-        let (q, rx, bell) = queue::<Unit>(4);
-        let sent = Arc::new(AtomicU64::new(0));
-        let live = Arc::new(Tally::default());
-        let s2 = sent.clone();
-        let conn = PolledSender::new(
-            s,
-            rx,
-            bell,
-            PeerHello {
-                role: PeerRole::ReadoutUnit,
-                id: 3,
-                flags: 0,
-            },
-            move |o: BatchOutcome, _: &[Unit]| {
-                assert!(o.written);
-                s2.fetch_add(o.units, Ordering::SeqCst);
-            },
-            |e: &io::Error| panic!("{e}"),
-            None,
-            true,
-            &live,
-        )
-        .unwrap();
-        r.register(Box::new(conn));
+        let (_r, mut peer, q, sent, live) = counting_sender(PeerHello {
+            role: PeerRole::ReadoutUnit,
+            id: 3,
+            flags: 0,
+        });
         q.send(batch).unwrap();
         // The peer reads nothing yet: the sockets take what they can (far less than 32 MiB).
         let t = Instant::now();
