@@ -163,23 +163,19 @@ fn send_batch<T: Outgoing>(
             }
             io.push(IoSlice::new(&st.headers[s..e]));
             io.extend(u.fragments().iter().map(|f| IoSlice::new(f)));
-            bytes += (e - s) + u.fragments().iter().map(|f| f.len()).sum::<usize>();
+            bytes += wire_size(u, (s, e));
             units += 1;
         }
         let (written, r) = crate::io::write_all_vectored_counted(stream, &mut io);
         match r {
-            Ok(()) => {
-                report(&batch[..units], st, units, true, on_batch);
-                batch.drain(..units);
-                st.offsets.drain(..units);
-            }
+            Ok(()) => release(&mut batch, st, units, on_batch),
             Err(e) => {
                 on_error(&e);
                 st.ok = false;
                 // Units that lie whole within what went out may still be read by the peer; a
                 // unit cut in the middle is not whole there (it drops a partial record), so it
                 // is counted lost with the rest.
-                let whole = whole_units(&batch, st, written);
+                let (whole, _) = whole_units(&batch, st, written);
                 report(&batch, st, whole, true, on_batch);
                 return;
             }
@@ -227,19 +223,42 @@ fn report<T: Outgoing>(
     }
 }
 
-/// How many units of `batch` lie whole within its first `written` bytes on the wire.
-fn whole_units<T: Outgoing>(batch: &[T], st: &LinkState, written: usize) -> usize {
-    let mut left = written as u64;
+/// How many units of `batch` lie whole within its first `written` bytes on the wire, and their
+/// bytes.
+fn whole_units<T: Outgoing>(batch: &[T], st: &LinkState, written: usize) -> (usize, usize) {
+    let mut bytes = 0;
     let mut whole = 0;
-    for (u, &(s, e)) in batch.iter().zip(&st.offsets) {
-        let size = (e - s) as u64 + u.fragments().iter().map(|f| f.len() as u64).sum::<u64>();
-        if size > left {
+    for (u, &offsets) in batch.iter().zip(&st.offsets) {
+        let size = wire_size(u, offsets);
+        if bytes + size > written {
             break;
         }
-        left -= size;
+        bytes += size;
         whole += 1;
     }
-    whole
+    (whole, bytes)
+}
+
+/// A unit's bytes on the wire: its encoded header (at `offsets` in the link's headers) and its
+/// fragments.
+fn wire_size<T: Outgoing>(u: &T, (s, e): (usize, usize)) -> usize {
+    (e - s) + u.fragments().iter().map(|f| f.len()).sum::<usize>()
+}
+
+/// Counts the first `whole` units of `batch` as written and drops them (and their headers'
+/// offsets): their chunks go back to their budgets now.
+fn release<T: Outgoing>(
+    batch: &mut Vec<T>,
+    st: &mut LinkState,
+    whole: usize,
+    on_batch: &mut impl FnMut(BatchOutcome, &[T]),
+) {
+    if whole == 0 {
+        return;
+    }
+    report(&batch[..whole], st, whole, true, on_batch);
+    batch.drain(..whole);
+    st.offsets.drain(..whole);
 }
 
 /// Encodes the headers of `batch` into `st` (their offsets index `st.headers`).
@@ -429,7 +448,7 @@ where
         self.out_at = 0;
         let batch = std::mem::take(&mut self.batch);
         if !batch.is_empty() {
-            let whole = whole_units(&batch, &self.st, self.at);
+            let (whole, _) = whole_units(&batch, &self.st, self.at);
             report(&batch, &mut self.st, whole, true, &mut self.on_batch);
         }
         self.at = 0;
@@ -481,28 +500,8 @@ where
     /// coalesced batch can hold half a unit's buffer at 16 KiB fragments): the links read again
     /// sooner, into chunks the kernel's copy has just left warm in cache.
     fn release_written(&mut self) {
-        let mut whole = 0;
-        let mut bytes = 0;
-        for (u, &(s, e)) in self.batch.iter().zip(&self.st.offsets) {
-            let size = (e - s) + u.fragments().iter().map(|f| f.len()).sum::<usize>();
-            if bytes + size > self.at {
-                break;
-            }
-            bytes += size;
-            whole += 1;
-        }
-        if whole == 0 {
-            return;
-        }
-        report(
-            &self.batch[..whole],
-            &mut self.st,
-            whole,
-            true,
-            &mut self.on_batch,
-        );
-        self.batch.drain(..whole);
-        self.st.offsets.drain(..whole);
+        let (whole, bytes) = whole_units(&self.batch, &self.st, self.at);
+        release(&mut self.batch, &mut self.st, whole, &mut self.on_batch);
         self.at -= bytes;
     }
 
