@@ -666,6 +666,8 @@ fn offer(sh: &Shared, slot: usize, got: &mut Vec<(u64, Part)>) {
     let mut ready = Vec::new();
     let st = &sh.stats;
     let mut left = Vec::new();
+    // How many emptied part lists the assembler takes back after the events are built.
+    let room;
     {
         let mut a = sh.assembler.lock();
         let mut items = got.drain(..);
@@ -692,11 +694,12 @@ fn offer(sh: &Shared, slot: usize, got: &mut Vec<(u64, Part)>) {
         }
         left.extend(items);
         sh.publish_held(&a);
+        room = a.spare_room();
     }
     // Kept in `got` itself, its capacity kept for the rail's next read (see the readout
     // unit's `offer`).
     got.append(&mut left);
-    let lists = sh.finish_keeping(ready, tessera_assembly::SPARE_LISTS);
+    let lists = sh.finish_keeping(ready, room);
     if !lists.is_empty() {
         let mut a = sh.assembler.lock();
         for parts in lists {
