@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use tessera_assembly::{Assembled, Assembler, Offer};
 use tessera_format::link::{decode_link, LinkItem, PeerHello, PeerRole, SuperFragmentHeader};
+use tessera_net::reactor::{HELD_RETRY, MEMORY_RECHECK, READS_PER_TURN, SILENCE_PROOF};
 use tessera_net::reader::Fill;
 use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::{ChunkReader, ChunkSlice};
@@ -476,15 +477,6 @@ struct PolledRail {
     bell: tessera_net::reactor::Doorbell,
     _live: tessera_net::reactor::TallyGuard,
 }
-
-/// Reads per turn before the poller's other ready links get theirs.
-const READS_PER_TURN: usize = 8;
-/// How soon a link held by a full table of open events looks again.
-const HELD_RETRY: Duration = Duration::from_millis(1);
-/// How soon a link held for memory looks again if its bell has not rung (it rings as soon as
-/// memory is given back): the time to notice an abort, not a poll for memory.
-const MEMORY_RECHECK: Duration = Duration::from_millis(20);
-use tessera_net::reactor::SILENCE_PROOF;
 
 impl PolledRail {
     fn fail(&self, e: String) {

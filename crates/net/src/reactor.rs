@@ -156,6 +156,16 @@ impl Held {
 /// socket timeout did).
 pub const SILENCE_PROOF: Duration = Duration::from_millis(100);
 
+/// Reads a polled link makes per turn before the poller's other ready links get theirs.
+pub const READS_PER_TURN: usize = 8;
+
+/// How soon a link held by a full table of open events looks again.
+pub const HELD_RETRY: Duration = Duration::from_millis(1);
+
+/// How soon a link held for memory looks again if its bell has not rung (it rings as soon as
+/// memory is given back): the time to notice an abort, not a poll for memory.
+pub const MEMORY_RECHECK: Duration = Duration::from_millis(20);
+
 /// What a polled link's reads prove about its peer's silence. Only reads prove it: a link not
 /// read (held for memory) proves nothing.
 #[derive(Debug, Default)]
@@ -395,37 +405,28 @@ fn run(poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>, waker: A
             last_round = Some(Instant::now());
             p.round = Round::default();
         }
-        let mut ready: Vec<usize> = Vec::with_capacity(events.iter().count());
-        let mut rung = Vec::new();
+        // Each with whether its bell rang. A bell is rung when what a connection waits for has
+        // come (work queued, memory given back), so it is answered even by a connection that
+        // said it is blocked: that is how a held link reads again at once rather than at its
+        // next timed look.
+        let mut ready: Vec<(usize, bool)> = Vec::with_capacity(events.iter().count());
         for ev in events.iter() {
             if ev.token() == WAKE {
                 for conn in rx.try_iter() {
-                    ready.push(p.add(conn));
+                    ready.push((p.add(conn), false));
                 }
                 // A bell of a connection that has ended may name a slot taken since by
                 // another: that one gets a turn it did not need, which is harmless.
-                rung.append(&mut p.rung.lock());
+                ready.extend(p.rung.lock().drain(..).map(|i| (i, true)));
             } else {
-                ready.push(ev.token().0);
+                ready.push((ev.token().0, false));
             }
         }
-        for i in ready {
+        for (i, rung) in ready {
             if p.slots
                 .get(i)
                 .and_then(|s| s.as_ref())
-                .is_some_and(|e| !e.blocked && !e.in_again)
-            {
-                p.turn(i);
-            }
-        }
-        // A bell is rung when what a connection waits for has come (work queued, memory
-        // given back), so it is answered even by a connection that said it is blocked: that
-        // is how a held link reads again at once rather than at its next timed look.
-        for i in rung {
-            if p.slots
-                .get(i)
-                .and_then(|s| s.as_ref())
-                .is_some_and(|e| !e.in_again)
+                .is_some_and(|e| !e.in_again && (rung || !e.blocked))
             {
                 p.turn(i);
             }

@@ -9,19 +9,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tessera_format::StreamDecoder;
-use tessera_net::reactor::{Conn, Doorbell, Held, Next, Silence, Tally, TallyGuard, SILENCE_PROOF};
+use tessera_net::reactor::{
+    Conn, Doorbell, Held, Next, Silence, Tally, TallyGuard, HELD_RETRY, MEMORY_RECHECK,
+    READS_PER_TURN, SILENCE_PROOF,
+};
 use tessera_net::reader::Fill;
 use tessera_net::{ChunkReader, ChunkSlice};
 
 use crate::{count_after_end, parse, LinkSink, LinkState, Parsed, LOOK_AFTER_END};
-
-/// Reads per turn before the other ready links of the poller get theirs.
-const READS_PER_TURN: usize = 8;
-/// How soon a link held by a full table of open events looks again.
-const HELD_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
-/// How soon a link held for memory looks again if its bell has not rung (it rings as soon as
-/// memory is given back): the time to notice an abort, not a poll for memory.
-const MEMORY_RECHECK: std::time::Duration = std::time::Duration::from_millis(20);
 
 enum Phase {
     Reading,
