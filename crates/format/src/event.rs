@@ -112,18 +112,27 @@ impl EventRecordHeader {
     /// 4-byte trailer CRC of every fragment in order. Each fragment's own CRC covers its bytes,
     /// so this covers the whole record without reading the payloads a second time.
     pub fn checksum_over<'a>(header: &[u8], fragments: impl IntoIterator<Item = &'a [u8]>) -> u32 {
-        let mut h = [0u8; 256];
+        let mut h = [0u8; EVENT_HEADER_SIZE];
         let n = header.len().min(EVENT_HEADER_SIZE);
         h[..n].copy_from_slice(&header[..n]);
         h[44..48].fill(0);
         let mut crc = crate::crc::crc32c(&h[..n]);
         crc = crate::crc::crc32c_append(crc, &header[n..]);
+        // The fragments' CRCs gathered 16 at a time, one CRC call for each 64 bytes: a call per
+        // 4-byte CRC cost more than the CRC itself (`tessera bench instructions`).
+        let mut words = [0u8; 64];
+        let mut used = 0;
         for f in fragments {
             if f.len() >= TRAILER_SIZE {
-                crc = crate::crc::crc32c_append(crc, &f[f.len() - TRAILER_SIZE..f.len() - 4]);
+                words[used..used + 4].copy_from_slice(&f[f.len() - TRAILER_SIZE..f.len() - 4]);
+                used += 4;
+                if used == words.len() {
+                    crc = crate::crc::crc32c_append(crc, &words);
+                    used = 0;
+                }
             }
         }
-        crc
+        crate::crc::crc32c_append(crc, &words[..used])
     }
 
     /// Stores `checksum` into an encoded header.
@@ -179,5 +188,49 @@ impl EventRecordHeader {
             checksum: u32_at(b, 44),
         };
         Ok(Some((h, rs)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The event checksum is its definition, the CRC-32C of the header (checksum field zero)
+    /// and then every fragment's 4-byte trailer CRC, for any number of fragments: around the
+    /// 16 CRCs the checksum gathers per call, and with a fragment too short to have a trailer.
+    #[test]
+    fn the_checksum_is_its_definition_for_any_number_of_fragments() {
+        let h = EventRecordHeader {
+            flags: EventFlags(0),
+            event_id: 42,
+            timestamp: 7,
+            trigger_type: 3,
+            builder_id: 1,
+            fragment_count: 0,
+            record_size: 0,
+            missing: vec![5, 9],
+            checksum: 0xDEAD_BEEF,
+        };
+        let mut header = Vec::new();
+        h.encode_into(&mut header);
+        let frags: Vec<Vec<u8>> = (0..200u32)
+            .map(|i| {
+                let len = if i == 70 {
+                    3
+                } else {
+                    TRAILER_SIZE + (i as usize * 13) % 50
+                };
+                (0..len).map(|j| (i as usize * 31 + j * 7) as u8).collect()
+            })
+            .collect();
+        for n in [0, 1, 15, 16, 17, 63, 64, 65, 71, 129, 200] {
+            let mut def = header.clone();
+            def[44..48].fill(0);
+            for f in frags[..n].iter().filter(|f| f.len() >= TRAILER_SIZE) {
+                def.extend_from_slice(&f[f.len() - TRAILER_SIZE..f.len() - 4]);
+            }
+            let got = EventRecordHeader::checksum_over(&header, frags[..n].iter().map(|f| &f[..]));
+            assert_eq!(got, crc32c::crc32c(&def), "{n} fragments");
+        }
     }
 }
