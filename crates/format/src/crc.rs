@@ -65,6 +65,25 @@ mod short {
             None
         }
     }
+
+    /// [`update`] over a length known when compiling: no loop is left, only the `crc32`
+    /// instructions.
+    #[target_feature(enable = "sse4.2")]
+    fn update_fixed<const N: usize>(reg: u32, data: &[u8; N]) -> u32 {
+        update(reg, data)
+    }
+
+    /// The CRC-32C of `data`, whose length is known when compiling, if this processor has the
+    /// instruction.
+    #[inline]
+    pub fn of_array<const N: usize>(data: &[u8; N]) -> Option<u32> {
+        if std::arch::is_x86_feature_detected!("sse4.2") {
+            // SAFETY: `update_fixed` needs SSE 4.2 only, and the processor was just asked.
+            Some(!unsafe { update_fixed(!0, data) })
+        } else {
+            None
+        }
+    }
 }
 
 /// Fragments (256 B to 64 KiB): the `crc32` instruction over three streams at once, because
@@ -182,6 +201,11 @@ mod short {
     pub fn append(_crc: u32, _data: &[u8]) -> Option<u32> {
         None
     }
+
+    #[inline]
+    pub fn of_array<const N: usize>(_data: &[u8; N]) -> Option<u32> {
+        None
+    }
 }
 
 /// CRC-32C of `data`.
@@ -202,6 +226,20 @@ pub fn crc32c(data: &[u8]) -> u32 {
     } else {
         crc32c::crc32c(data)
     }
+}
+
+/// CRC-32C of `data`, of a length known when compiling (a fragment header's 36 bytes): the
+/// same value as [`crc32c`], without the loop and the choice by size. Each fragment's header CRC
+/// is computed at its source and checked at its readout unit, and the general call spent 62
+/// instructions on 36 bytes (callgrind).
+#[inline]
+pub fn crc32c_array<const N: usize>(data: &[u8; N]) -> u32 {
+    if N < SHORT {
+        if let Some(c) = short::of_array(data) {
+            return c;
+        }
+    }
+    crc32c(data)
 }
 
 /// The CRC-32C of the concatenation of the bytes that gave `crc` and `data`.
@@ -226,6 +264,24 @@ pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_fixed_length_agrees_with_the_general_call() {
+        let data: Vec<u8> = (0..300u32).map(|i| (i * 11 % 251) as u8).collect();
+        fn check<const N: usize>(d: &[u8]) {
+            let a: &[u8; N] = d[..N].try_into().unwrap();
+            assert_eq!(super::crc32c_array(a), crc32c::crc32c(a), "{N}");
+        }
+        check::<0>(&data);
+        check::<1>(&data);
+        check::<4>(&data);
+        check::<7>(&data);
+        check::<36>(&data);
+        check::<37>(&data);
+        check::<255>(&data);
+        check::<256>(&data);
+        check::<300>(&data);
+    }
+
     #[test]
     fn agrees_with_the_reference() {
         assert_eq!(super::crc32c(b"123456789"), 0xE306_9283);

@@ -183,7 +183,8 @@ pub fn encode_fragment_at(
     put_u64(f, 16, h.event_id);
     put_u64(f, 24, h.timestamp);
     put_u32(f, 32, h.payload_size);
-    let hcrc = crate::crc::crc32c(&f[..36]);
+    // `f` was sized above to hold the whole fragment.
+    let hcrc = crate::crc::crc32c_array(f.first_chunk::<36>().expect("a whole fragment"));
     put_u32(f, 36, hcrc);
     fill(&mut f[FRAGMENT_HEADER_SIZE..FRAGMENT_HEADER_SIZE + psize]);
     let body = FRAGMENT_HEADER_SIZE + pad4(psize);
@@ -359,7 +360,10 @@ fn check_header(
     if !(FRAGMENT_HEADER_SIZE..=MAX_HEADER_SIZE).contains(&hs) || !hs.is_multiple_of(4) {
         return Err(RejectReason::BadHeaderSize);
     }
-    let hcrc = crate::crc::crc32c(&b[..36]);
+    let Some(head) = b.first_chunk::<36>() else {
+        return Err(RejectReason::Truncated);
+    };
+    let hcrc = crate::crc::crc32c_array(head);
     if hcrc != u32_at(b, 36) {
         return Err(RejectReason::BadHeaderCrc);
     }

@@ -260,10 +260,16 @@ pub struct Sizes<'a> {
 }
 
 impl Sizes<'_> {
+    /// Inlined for the fixed size (every fragment of a run asks), the draw is not.
+    #[inline]
     pub fn of(&self, source: u32, event: u64) -> u64 {
         if self.histogram.is_none() && self.spread == 0 {
             return self.mean.min(self.max);
         }
+        self.drawn(source, event)
+    }
+
+    fn drawn(&self, source: u32, event: u64) -> u64 {
         // The draw of before correlations existed, so that a run without them is unchanged.
         let z_source = normal(splitmix(
             self.seed ^ splitmix(event ^ ((source as u64) << 44)),
