@@ -146,7 +146,11 @@ impl Departed {
         let s = self.slot(event_id);
         self.ids[s] = event_id + 1;
         let w = &mut self.bits[s * self.words..(s + 1) * self.words];
-        w.fill(0);
+        // Up to 64 contributors the record is one word: a store, not a call to `memset`.
+        match w {
+            [one] => *one = 0,
+            _ => w.fill(0),
+        }
         w
     }
 }

@@ -656,6 +656,7 @@ impl tessera_net::reactor::Conn for PolledRail {
 fn offer(sh: &Shared, slot: usize, got: &mut Vec<(u64, Part)>) {
     let now = sh.now_ns();
     let mut ready = Vec::new();
+    let most = got.len();
     let st = &sh.stats;
     let mut left = Vec::new();
     // How many emptied part lists the assembler takes back after the events are built.
@@ -673,7 +674,14 @@ fn offer(sh: &Shared, slot: usize, got: &mut Vec<(u64, Part)>) {
                     break;
                 }
                 Offer::Held => {}
-                Offer::Ready(e) => ready.push(e),
+                Offer::Ready(e) => {
+                    // At most one event leaves per part offered: sized once, not grown by
+                    // doubling.
+                    if ready.capacity() == 0 {
+                        ready.reserve(most);
+                    }
+                    ready.push(e)
+                }
                 Offer::Duplicate(_) => {
                     st.held_fragments.fetch_sub(nf, Ordering::Relaxed);
                     st.duplicate_fragments.fetch_add(nf, Ordering::Relaxed);

@@ -87,7 +87,9 @@ fn fill_counter_from(s: u64, first_word: usize, out: &mut [u8]) {
     let (words, tail) = out.as_chunks_mut::<8>();
     let w = fill_words(w, words);
     let n = tail.len();
-    tail.copy_from_slice(&w.to_le_bytes()[..n]);
+    if n > 0 {
+        tail.copy_from_slice(&w.to_le_bytes()[..n]);
+    }
 }
 
 /// Writes counter words `w, w + φ, ...` into `words`; returns the next word.
