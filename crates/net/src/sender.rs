@@ -741,6 +741,16 @@ mod tests {
     /// Every unit reaches a slow peer whole and in order (writes are cut by a full socket and
     /// resumed on the next turn), then the peer end with the counts; the link waits for the
     /// peer's close before it is done.
+    /// A sender's batch report for a link that must never fail: adds the units written to
+    /// `sent`.
+    fn count_units(sent: &Arc<AtomicU64>) -> impl FnMut(BatchOutcome, &[Unit]) + Send + 'static {
+        let sent = sent.clone();
+        move |o: BatchOutcome, _: &[Unit]| {
+            assert!(o.written);
+            sent.fetch_add(o.units, Ordering::SeqCst);
+        }
+    }
+
     /// A polled sender on a new link, serving a reactor of its own, that must never fail:
     /// returns the reactor (keep it), the peer's end, the queue, the units counted out and the
     /// tally to wait on.
@@ -754,16 +764,12 @@ mod tests {
         let (q, rx, bell) = queue::<Unit>(4);
         let sent = Arc::new(AtomicU64::new(0));
         let live = Arc::new(Tally::default());
-        let s2 = sent.clone();
         let conn = PolledSender::new(
             s,
             rx,
             bell,
             hello,
-            move |o: BatchOutcome, _: &[Unit]| {
-                assert!(o.written);
-                s2.fetch_add(o.units, Ordering::SeqCst);
-            },
+            count_units(&sent),
             |e: &io::Error| panic!("{e}"),
             None,
             true,
@@ -873,18 +879,9 @@ mod tests {
             let peer = l.accept().unwrap().0;
             let (tx, rx) = crossbeam_channel::bounded::<Vec<Unit>>(4);
             let sent = Arc::new(AtomicU64::new(0));
-            let s2 = sent.clone();
+            let count = count_units(&sent);
             let t = std::thread::spawn(move || {
-                send_loop(
-                    s,
-                    rx,
-                    hello,
-                    move |o: BatchOutcome, _: &[Unit]| {
-                        assert!(o.written);
-                        s2.fetch_add(o.units, Ordering::SeqCst);
-                    },
-                    |e: &io::Error| panic!("{e}"),
-                )
+                send_loop(s, rx, hello, count, |e: &io::Error| panic!("{e}"))
             });
             tx.send(batch).unwrap();
             (peer, sent, Sender::Blocking(tx, t))
