@@ -459,32 +459,44 @@ fn tester(
     ok
 }
 
+/// The testers' and the event manager's message reader. It plays machines that are not this
+/// one (the ATLAS ROSTester ran on two other servers), so it must take as little of the two
+/// cores as it can: one buffer, zeroed once, read into where the last read ended, its unread
+/// bytes moved to the front only when the room behind them is short. (It zeroed 256 KiB and
+/// moved its unread bytes before every read: 38 % of the instructions of a generator-fed point
+/// under callgrind went to that zeroing.)
 #[derive(Default)]
 struct Reader {
     buf: Vec<u8>,
     start: usize,
+    end: usize,
 }
 
 impl Reader {
+    const READ: usize = 256 << 10;
+
     fn next(&mut self, s: &mut TcpStream) -> Option<Message> {
         loop {
-            match request::decode(&self.buf[self.start..], 1 << 28) {
+            let need = match request::decode(&self.buf[self.start..self.end], 1 << 28) {
                 Ok(Decoded::Message(m, n)) => {
                     self.start += n;
                     return Some(m);
                 }
-                Ok(Decoded::NeedMore(_)) => {}
+                Ok(Decoded::NeedMore(n)) => n,
                 Err(_) => return None,
-            }
-            if self.start > 0 {
-                self.buf.drain(..self.start);
+            };
+            let room = Self::READ.max(need);
+            if self.buf.len() - self.start < room || self.buf.len() - self.end < Self::READ / 4 {
+                self.buf.copy_within(self.start..self.end, 0);
+                self.end -= self.start;
                 self.start = 0;
+                if self.buf.len() < room + Self::READ {
+                    self.buf.resize(room + Self::READ, 0);
+                }
             }
-            let at = self.buf.len();
-            self.buf.resize(at + (256 << 10), 0);
-            match s.read(&mut self.buf[at..]) {
+            match s.read(&mut self.buf[self.end..]) {
                 Ok(0) | Err(_) => return None,
-                Ok(n) => self.buf.truncate(at + n),
+                Ok(n) => self.end += n,
             }
         }
     }

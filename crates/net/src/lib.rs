@@ -1,10 +1,12 @@
 //! Plumbing every role's data path shares: memory that is bounded by a budget and released when
 //! the last slice of it is dropped ([`budget`], [`chunk`]), a reader that fills such chunks from a
-//! socket and hands out zero-copy slices of whole messages ([`reader`]), vectored writes ([`io`]).
+//! socket and hands out zero-copy slices of whole messages ([`reader`]), vectored writes ([`io`]),
+//! fixed buffers on huge pages ([`huge`]).
 
 pub mod budget;
 pub mod chunk;
 pub mod control;
+pub mod huge;
 pub mod io;
 pub mod peer;
 pub mod queued;
@@ -15,4 +17,5 @@ pub mod sender;
 
 pub use budget::Budget;
 pub use chunk::{Chunk, ChunkSlice};
+pub use huge::HugeBuffer;
 pub use reader::ChunkReader;

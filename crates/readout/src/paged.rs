@@ -23,6 +23,8 @@ pub enum StoreError {
     Duplicate,
 }
 
+use tessera_net::HugeBuffer;
+
 const NONE: u32 = u32::MAX;
 
 #[derive(Clone, Copy, Debug)]
@@ -39,7 +41,9 @@ struct Entry {
 /// One link's paged buffer.
 pub struct PagedBuffer {
     page_size: usize,
-    memory: Box<[u8]>,
+    /// On huge pages: a fragment is read for an answer long after it was stored, in no order
+    /// the cache or a 4 KiB TLB can follow.
+    memory: HugeBuffer,
     /// Free pages, used as a stack (most recently freed first: warm in cache).
     free_pages: Vec<u32>,
     /// Per page: the next page of the same fragment, or NONE.
@@ -61,7 +65,7 @@ impl PagedBuffer {
         let buckets = 1usize << index_bits.min(24);
         PagedBuffer {
             page_size,
-            memory: vec![0u8; page_size * pages].into_boxed_slice(),
+            memory: HugeBuffer::zeroed(page_size * pages),
             free_pages: (0..pages as u32).rev().collect(),
             page_next: vec![NONE; pages].into_boxed_slice(),
             buckets: vec![NONE; buckets].into_boxed_slice(),
