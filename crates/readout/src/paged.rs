@@ -262,14 +262,21 @@ impl PagedBuffer {
                 } else {
                     self.entries[prev as usize].next = entry.next;
                 }
-                // Free in reverse so the fragment's first page is reused first.
-                let mut pages = Vec::new();
+                // Pushed last page first, so the fragment's first page is reused first.
+                let mut n = 0;
                 let mut p = entry.first_page;
                 while p != NONE {
-                    pages.push(p);
+                    n += 1;
                     p = self.page_next[p as usize];
                 }
-                self.free_pages.extend(pages.into_iter().rev());
+                let mut at = self.free_pages.len() + n;
+                self.free_pages.resize(at, NONE);
+                let mut p = entry.first_page;
+                while p != NONE {
+                    at -= 1;
+                    self.free_pages[at] = p;
+                    p = self.page_next[p as usize];
+                }
                 self.free_entries.push(e);
                 self.stored -= 1;
                 return Some(entry.sent);
@@ -320,6 +327,19 @@ mod tests {
                 total: 8
             })
         );
+    }
+
+    #[test]
+    fn a_cleared_fragments_first_page_is_the_next_one_used() {
+        let mut b = PagedBuffer::new(64, 8, 4);
+        b.store(1, &[5; 64 * 3]).unwrap();
+        let first = b.pieces(1).unwrap().next().unwrap().as_ptr();
+        let rest: Vec<*const u8> = b.pieces(1).unwrap().skip(1).map(|p| p.as_ptr()).collect();
+        assert!(b.clear(1));
+        for (ev, want) in [(2, first), (3, rest[0]), (4, rest[1])] {
+            b.store(ev, &[6; 10]).unwrap();
+            assert_eq!(b.pieces(ev).unwrap().next().unwrap().as_ptr(), want);
+        }
     }
 
     #[test]
