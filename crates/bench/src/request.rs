@@ -8,7 +8,7 @@
 //!
 //! Over a set of mixes, the utilisation model of the paper (eq. 7.2) is fitted by least squares:
 //! `1 = f_ext·t_ext + f_int·t_int + f_clear·t_clear + S·t_kB` at saturation, with `f_ext` the
-//! external request rate, `f_int` the internal transfers (fragments copied out of the pages) per
+//! external request rate, `f_int` the internal transfers (fragments sent from the pages) per
 //! second, `f_clear` the clear rate and `S` the kB moved per second.
 
 use anyhow::{bail, Context, Result};

@@ -102,6 +102,13 @@ impl HugeBuffer {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// The first byte, for owners that hand out parts of the buffer to other threads and write
+    /// other parts meanwhile (without a `&mut` over the whole, which would alias the parts
+    /// lent). Reads and writes through it are the caller's to keep apart.
+    pub fn base(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
 }
 
 impl Deref for HugeBuffer {

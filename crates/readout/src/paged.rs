@@ -27,6 +27,22 @@ use tessera_net::HugeBuffer;
 
 const NONE: u32 = u32::MAX;
 
+/// A fragment lent by [`PagedBuffer::hold`], to give back with [`PagedBuffer::release`].
+#[derive(Debug)]
+#[must_use = "a hold keeps the fragment's pages until it is released"]
+pub struct Hold(u32);
+
+/// One page's part of a lent fragment: valid, and unchanged, until its hold is released.
+#[derive(Clone, Copy, Debug)]
+pub struct Lent {
+    pub ptr: *const u8,
+    pub len: usize,
+}
+
+// SAFETY: a lent piece is read-only memory that stays allocated and unwritten until its hold is
+// released (see `PagedBuffer::hold`); sending the address is sending that read access.
+unsafe impl Send for Lent {}
+
 #[derive(Clone, Copy, Debug)]
 struct Entry {
     event_id: u64,
@@ -34,8 +50,12 @@ struct Entry {
     len: u32,
     /// Next entry in the same bucket.
     next: u32,
-    /// Copied out for a request at least once (a clear of a fragment never sent is counted).
+    /// Lent to an answer at least once (a clear of a fragment never sent is counted).
     sent: bool,
+    /// Answers being written straight from this fragment's pages ([`PagedBuffer::hold`]).
+    holds: u32,
+    /// Cleared while held: out of the index, its pages freed by the last release.
+    cleared: bool,
 }
 
 /// One link's paged buffer.
@@ -165,8 +185,8 @@ impl PagedBuffer {
             let p = self.free_pages.pop().expect("counted above");
             let start = chunk_index * self.page_size;
             let piece = &bytes[start.min(bytes.len())..(start + self.page_size).min(bytes.len())];
-            let off = p as usize * self.page_size;
-            self.memory[off..off + piece.len()].copy_from_slice(piece);
+            // SAFETY: page `p` was free, so no answer holds it, and it lies inside `memory`.
+            unsafe { self.write_page(p, piece) };
             self.page_next[p as usize] = NONE;
             if prev == NONE {
                 first = p;
@@ -182,6 +202,8 @@ impl PagedBuffer {
             len: bytes.len() as u32,
             next: self.buckets[b],
             sent: false,
+            holds: 0,
+            cleared: false,
         };
         let slot = match self.free_entries.pop() {
             Some(i) => {
@@ -210,8 +232,7 @@ impl PagedBuffer {
             }
             first = false;
             let n = left.min(self.page_size);
-            let off = page as usize * self.page_size;
-            let piece = &self.memory[off..off + n];
+            let piece = self.page(page, n);
             left -= n;
             page = self.page_next[page as usize];
             Some(piece)
@@ -224,23 +245,79 @@ impl PagedBuffer {
             .map(|e| self.entries[e as usize].len as usize)
     }
 
-    /// Appends the fragment's bytes to `out` and marks it sent; false if it is not stored.
-    pub fn copy_out(&mut self, event_id: u64, out: &mut Vec<u8>) -> bool {
-        let Some(e) = self.find(event_id) else {
-            return false;
-        };
-        self.entries[e as usize].sent = true;
-        let entry = self.entries[e as usize];
+    /// Lends a fragment's pages to an answer written straight from them: appends where each
+    /// piece is to `out`, marks the fragment sent, and keeps its pages from reuse (a clear
+    /// meanwhile takes it out of the index; the pages come free at [`Self::release`]). `None`
+    /// if it is not stored.
+    pub fn hold(&mut self, event_id: u64, out: &mut Vec<Lent>) -> Option<Hold> {
+        let e = self.find(event_id)?;
+        let entry = &mut self.entries[e as usize];
+        entry.sent = true;
+        entry.holds += 1;
+        let entry = *entry;
         let mut page = entry.first_page;
         let mut left = entry.len as usize;
         while left > 0 && page != NONE {
             let n = left.min(self.page_size);
-            let off = page as usize * self.page_size;
-            out.extend_from_slice(&self.memory[off..off + n]);
+            out.push(Lent {
+                ptr: self.page(page, n).as_ptr(),
+                len: n,
+            });
             left -= n;
             page = self.page_next[page as usize];
         }
-        true
+        Some(Hold(e))
+    }
+
+    /// Gives back what [`Self::hold`] lent: every [`Lent`] piece of it must be out of use.
+    /// True when that freed pages (the fragment was cleared while held).
+    pub fn release(&mut self, hold: Hold) -> bool {
+        let entry = &mut self.entries[hold.0 as usize];
+        debug_assert!(entry.holds > 0, "release without a hold");
+        entry.holds = entry.holds.saturating_sub(1);
+        if entry.holds == 0 && entry.cleared {
+            let first = entry.first_page;
+            self.free_fragment(hold.0, first);
+            return true;
+        }
+        false
+    }
+
+    /// Bytes `[0, n)` of page `p`.
+    fn page(&self, p: u32, n: usize) -> &[u8] {
+        let off = p as usize * self.page_size;
+        assert!(n <= self.page_size && off + n <= self.memory.len());
+        // SAFETY: inside `memory` (checked); only free pages are ever written, and the page of
+        // a stored fragment is not free.
+        unsafe { std::slice::from_raw_parts(self.memory.base().add(off), n) }
+    }
+
+    /// # Safety
+    /// Page `p` must be free (not part of a stored or held fragment).
+    unsafe fn write_page(&mut self, p: u32, piece: &[u8]) {
+        let off = p as usize * self.page_size;
+        assert!(piece.len() <= self.page_size && off + piece.len() <= self.memory.len());
+        std::ptr::copy_nonoverlapping(piece.as_ptr(), self.memory.base().add(off), piece.len());
+    }
+
+    /// Returns a fragment's pages, last first (so its first page is reused first), and its
+    /// entry.
+    fn free_fragment(&mut self, e: u32, first_page: u32) {
+        let mut n = 0;
+        let mut p = first_page;
+        while p != NONE {
+            n += 1;
+            p = self.page_next[p as usize];
+        }
+        let mut at = self.free_pages.len() + n;
+        self.free_pages.resize(at, NONE);
+        let mut p = first_page;
+        while p != NONE {
+            at -= 1;
+            self.free_pages[at] = p;
+            p = self.page_next[p as usize];
+        }
+        self.free_entries.push(e);
     }
 
     /// Frees a fragment's pages (a clear). Returns false if the event ID is not stored.
@@ -248,8 +325,8 @@ impl PagedBuffer {
         self.remove(event_id).is_some()
     }
 
-    /// Frees a fragment's pages; `Some(sent)` says whether it was ever copied out, `None` that
-    /// the event ID is not stored.
+    /// Frees a fragment's pages (or, while an answer holds them, at its release); `Some(sent)`
+    /// says whether it was ever lent to an answer, `None` that the event ID is not stored.
     pub fn remove(&mut self, event_id: u64) -> Option<bool> {
         let b = self.bucket(event_id);
         let mut prev = NONE;
@@ -262,22 +339,11 @@ impl PagedBuffer {
                 } else {
                     self.entries[prev as usize].next = entry.next;
                 }
-                // Pushed last page first, so the fragment's first page is reused first.
-                let mut n = 0;
-                let mut p = entry.first_page;
-                while p != NONE {
-                    n += 1;
-                    p = self.page_next[p as usize];
+                if entry.holds > 0 {
+                    self.entries[e as usize].cleared = true;
+                } else {
+                    self.free_fragment(e, entry.first_page);
                 }
-                let mut at = self.free_pages.len() + n;
-                self.free_pages.resize(at, NONE);
-                let mut p = entry.first_page;
-                while p != NONE {
-                    at -= 1;
-                    self.free_pages[at] = p;
-                    p = self.page_next[p as usize];
-                }
-                self.free_entries.push(e);
                 self.stored -= 1;
                 return Some(entry.sent);
             }
@@ -343,6 +409,33 @@ mod tests {
     }
 
     #[test]
+    fn a_fragment_cleared_while_lent_keeps_its_pages_until_given_back() {
+        let mut b = PagedBuffer::new(64, 4, 2);
+        let data: Vec<u8> = (0..100u8).collect();
+        b.store(1, &data).unwrap();
+        let mut lent = Vec::new();
+        let hold = b.hold(1, &mut lent).unwrap();
+        assert_eq!(lent.len(), 2);
+        assert!(b.clear(1));
+        assert!(!b.contains(1) && b.is_empty());
+        // Its two pages are not free: the other two are all a store may take.
+        assert_eq!(b.free_pages(), 2);
+        assert_eq!(
+            b.store(2, &[9; 65 * 2]),
+            Err(StoreError::Full { needed: 3, free: 2 })
+        );
+        b.store(2, &[9; 128]).unwrap();
+        assert_eq!(lent_bytes(&lent), data);
+        assert!(b.release(hold));
+        assert_eq!(b.free_pages(), 2);
+        // A hold given back before any clear frees nothing; the clear then frees at once.
+        let hold = b.hold(2, &mut Vec::new()).unwrap();
+        assert!(!b.release(hold));
+        assert!(b.clear(2));
+        assert_eq!(b.free_pages(), 4);
+    }
+
+    #[test]
     fn full_pool_refuses_until_a_clear() {
         let mut b = PagedBuffer::new(100, 4, 2);
         for ev in 0..4 {
@@ -387,30 +480,75 @@ mod tests {
     enum Op {
         Store(u64, usize),
         Clear(u64),
+        /// Lend a stored fragment to an answer.
+        Hold(u64),
+        /// Give back the oldest lent fragment.
+        Release,
+    }
+
+    /// A fragment lent by `hold`, with the bytes it must still read.
+    struct Held {
+        ev: u64,
+        /// Cleared since it was lent.
+        cleared: bool,
+        hold: Hold,
+        pieces: Vec<Lent>,
+        bytes: Vec<u8>,
+    }
+
+    fn lent_bytes(pieces: &[Lent]) -> Vec<u8> {
+        pieces
+            .iter()
+            // SAFETY: the tests read pieces only while their hold lasts.
+            .flat_map(|p| {
+                unsafe { std::slice::from_raw_parts(p.ptr, p.len) }
+                    .iter()
+                    .copied()
+            })
+            .collect()
     }
 
     proptest! {
         /// The buffer behaves like a map from event ID to bytes with a page budget: every stored
         /// fragment reads back intact, a store fails exactly when the model says it must, and
-        /// clears return every page.
+        /// clears return every page. A fragment lent to an answer reads back intact until it is
+        /// given back, whatever is cleared and stored meanwhile, and its pages stay used until
+        /// then even if it was cleared.
         #[test]
         fn matches_a_map_model(ops in proptest::collection::vec(prop_oneof![
             3 => (0u64..40, 0usize..700).prop_map(|(e, n)| Op::Store(e.wrapping_sub(20), n)),
             2 => (0u64..40).prop_map(|e| Op::Clear(e.wrapping_sub(20))),
+            1 => (0u64..40).prop_map(|e| Op::Hold(e.wrapping_sub(20))),
+            1 => Just(Op::Release),
         ], 0..300)) {
             let (page, pages) = (128usize, 24usize);
             let mut b = PagedBuffer::new(page, pages, 3);
             let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
-            let used = |m: &HashMap<u64, Vec<u8>>| m.values().map(|v| v.len().div_ceil(page).max(1)).sum::<usize>();
+            let mut held: std::collections::VecDeque<Held> = Default::default();
+            let pages_of = |v: &Vec<u8>| v.len().div_ceil(page).max(1);
+            // Pages in use: every stored fragment's, and those of cleared fragments still lent
+            // (one lent twice counted once: the same first page).
+            let used = |m: &HashMap<u64, Vec<u8>>, h: &std::collections::VecDeque<Held>| {
+                let mut cleared: Vec<(*const u8, usize)> = h
+                    .iter()
+                    .filter(|x| x.cleared)
+                    .map(|x| (x.pieces[0].ptr, pages_of(&x.bytes)))
+                    .collect();
+                cleared.sort();
+                cleared.dedup();
+                m.values().map(pages_of).sum::<usize>()
+                    + cleared.iter().map(|&(_, n)| n).sum::<usize>()
+            };
             for op in ops {
                 match op {
                     Op::Store(ev, n) => {
                         let data: Vec<u8> = (0..n).map(|i| (i as u64 ^ ev) as u8).collect();
                         let need = n.div_ceil(page).max(1);
+                        let free = pages - used(&model, &held);
                         let expect = if need > pages {
                             Err(StoreError::TooLarge { needed: need, total: pages })
-                        } else if need > pages - used(&model) {
-                            Err(StoreError::Full { needed: need, free: pages - used(&model) })
+                        } else if need > free {
+                            Err(StoreError::Full { needed: need, free })
                         } else if model.contains_key(&ev) {
                             Err(StoreError::Duplicate)
                         } else {
@@ -421,13 +559,40 @@ mod tests {
                             model.insert(ev, data);
                         }
                     }
-                    Op::Clear(ev) => prop_assert_eq!(b.clear(ev), model.remove(&ev).is_some()),
+                    Op::Clear(ev) => {
+                        prop_assert_eq!(b.clear(ev), model.remove(&ev).is_some());
+                        for x in held.iter_mut().filter(|x| x.ev == ev) {
+                            x.cleared = true;
+                        }
+                    }
+                    Op::Hold(ev) => {
+                        let mut pieces = Vec::new();
+                        let h = b.hold(ev, &mut pieces);
+                        prop_assert_eq!(h.is_some(), model.contains_key(&ev));
+                        if let Some(hold) = h {
+                            let bytes = model[&ev].clone();
+                            prop_assert_eq!(&lent_bytes(&pieces), &bytes);
+                            held.push_back(Held { ev, cleared: false, hold, pieces, bytes });
+                        }
+                    }
+                    Op::Release => {
+                        if let Some(x) = held.pop_front() {
+                            prop_assert_eq!(&lent_bytes(&x.pieces), &x.bytes);
+                            b.release(x.hold);
+                        }
+                    }
                 }
-                prop_assert_eq!(b.free_pages(), pages - used(&model));
+                for x in &held {
+                    prop_assert_eq!(&lent_bytes(&x.pieces), &x.bytes);
+                }
+                prop_assert_eq!(b.free_pages(), pages - used(&model, &held));
                 prop_assert_eq!(b.len(), model.len());
             }
             for (ev, data) in &model {
                 prop_assert_eq!(&read(&b, *ev).unwrap(), data);
+            }
+            for x in held.drain(..) {
+                b.release(x.hold);
             }
             let ids: Vec<u64> = model.keys().copied().collect();
             for ev in ids {

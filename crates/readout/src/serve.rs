@@ -8,8 +8,9 @@
 //!   pages; a link whose pages are all used waits for a clear (TCP then holds its source);
 //! - per builder a control reader that takes its requests (at most its share of the
 //!   descriptors at a time: past that it stops reading, which holds only that builder) and an
-//!   answer sender that copies the fragments out of the pages and writes them on the data
-//!   connection. A stuck builder fills only its own share: the others' answers keep flowing;
+//!   answer sender that writes the fragments on the data connection straight from the pages
+//!   (held against clears until written). A stuck builder fills only its own share: the
+//!   others' answers keep flowing;
 //! - an event-manager link: announcements of new events out, clears and BUSY in. Lost before
 //!   the end of the run, it is opened again for up to `takeover` (a manager restarted at the
 //!   same address takes the run over), every event held is announced again, and the unit's end
@@ -32,7 +33,7 @@ use tessera_net::control::{MessageReader, ReadEnd};
 use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::ChunkSlice;
 
-use crate::paged::{PagedBuffer, StoreError};
+use crate::paged::{Hold, Lent, PagedBuffer, StoreError};
 use crate::requests::{Answer, Request, RequestTable, Submit};
 use crate::{LinkCtx, LinkSink, LinkState, Rejection};
 use tessera_assembly::RecentSet;
@@ -674,14 +675,19 @@ fn take_requests(u: &Arc<Unit>, builder: u32, mut stream: TcpStream) {
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }
 
-/// A builder's data connection: answers, fragments copied out of the pages.
+/// A builder's data connection: answers written straight from the pages (one vectored write
+/// per batch, the answer headers between the fragments' pages), which are held against clears
+/// until the write returns. Before, every fragment was copied out of its pages into the answer
+/// first: the model's "internal transfer", which the ROS leaves to the RobinNP's DMA.
 fn send_answers(u: &Arc<Unit>, builder: u32, mut stream: TcpStream) {
     let port = u.port(builder);
     let rs = &u.stats.requests;
     let mut ok = true;
     let mut headers: Vec<u8> = Vec::new();
-    let mut data: Vec<u8> = Vec::new();
+    // Per answer: its header's span, then its pieces' span in `lent`.
     let mut spans: Vec<(usize, usize, usize, usize)> = Vec::new();
+    let mut lent: Vec<Lent> = Vec::new();
+    let mut holds: Vec<(usize, Hold)> = Vec::new();
     let (mut units, mut items) = (0u64, 0u64);
     loop {
         let first = match port.answers_rx.recv_timeout(Duration::from_millis(20)) {
@@ -703,18 +709,20 @@ fn send_answers(u: &Arc<Unit>, builder: u32, mut stream: TcpStream) {
             }
         }
         headers.clear();
-        data.clear();
         spans.clear();
+        lent.clear();
         for a in &batch {
-            let (hs, ds) = (headers.len(), data.len());
+            let (hs, ls) = (headers.len(), lent.len());
             let ev = a.request.event_id;
             let mut missing = Vec::new();
             let mut count = 0u32;
             for &l in &a.request.links {
-                if u.links[l].lock().copy_out(ev, &mut data) {
-                    count += 1;
-                } else {
-                    missing.push(u.sources[l]);
+                match u.links[l].lock().hold(ev, &mut lent) {
+                    Some(h) => {
+                        holds.push((l, h));
+                        count += 1;
+                    }
+                    None => missing.push(u.sources[l]),
                 }
             }
             missing.sort_unstable();
@@ -726,7 +734,7 @@ fn send_answers(u: &Arc<Unit>, builder: u32, mut stream: TcpStream) {
                 total_size: 0,
                 missing,
             };
-            let dlen = data.len() - ds;
+            let dlen: usize = lent[ls..].iter().map(|p| p.len).sum();
             h.total_size = (h.header_size() + dlen) as u32;
             if !h.missing.is_empty() {
                 rs.partial_answers.fetch_add(1, Ordering::Relaxed);
@@ -735,13 +743,18 @@ fn send_answers(u: &Arc<Unit>, builder: u32, mut stream: TcpStream) {
             rs.bytes_sent.fetch_add(dlen as u64, Ordering::Relaxed);
             items += count as u64;
             h.encode_into(&mut headers, dlen);
-            spans.push((hs, headers.len(), ds, data.len()));
+            spans.push((hs, headers.len(), ls, lent.len()));
         }
         if ok {
-            let mut io: Vec<IoSlice> = Vec::with_capacity(2 * spans.len());
-            for &(hs, he, ds, de) in &spans {
+            let mut io: Vec<IoSlice> = Vec::with_capacity(spans.len() + lent.len());
+            for &(hs, he, ls, le) in &spans {
                 io.push(IoSlice::new(&headers[hs..he]));
-                io.push(IoSlice::new(&data[ds..de]));
+                for p in &lent[ls..le] {
+                    // SAFETY: held above and released only after `io` is gone (below).
+                    io.push(IoSlice::new(unsafe {
+                        std::slice::from_raw_parts(p.ptr, p.len)
+                    }));
+                }
             }
             if let Err(e) = tessera_net::io::write_all_vectored(&mut stream, &mut io) {
                 // The builder is gone: its remaining answers are drained without writing, so
@@ -749,6 +762,24 @@ fn send_answers(u: &Arc<Unit>, builder: u32, mut stream: TcpStream) {
                 tracing::warn!(readout_unit = u.id, builder, error = %e, "builder data connection failed");
                 ok = false;
             }
+        }
+        lent.clear();
+        // Each link's holds given back under one lock.
+        holds.sort_unstable_by_key(|&(l, _)| l);
+        let mut rest = holds.drain(..).peekable();
+        let mut freed = false;
+        while let Some((l, h)) = rest.next() {
+            let mut b = u.links[l].lock();
+            freed |= b.release(h);
+            while let Some((_, h)) = rest.next_if(|&(m, _)| m == l) {
+                freed |= b.release(h);
+            }
+        }
+        if freed {
+            // Fragments cleared while this write held them: their pages are free only now.
+            u.publish_pages();
+            let _g = u.space_lock.lock();
+            u.space.notify_all();
         }
         units += batch.len() as u64;
         rs.answers.fetch_add(batch.len() as u64, Ordering::Relaxed);

@@ -224,7 +224,7 @@ pub struct RequestStats {
     pub answers: AtomicU64,
     /// Answers sent after the timeout, with missing sources.
     pub partial_answers: AtomicU64,
-    /// Fragments copied out of the paged buffers into answers (internal transfers).
+    /// Fragments sent from the paged buffers in answers (internal transfers).
     pub fragments_sent: AtomicU64,
     pub bytes_sent: AtomicU64,
     pub descriptors_in_use: AtomicU64,
