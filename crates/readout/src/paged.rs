@@ -39,10 +39,6 @@ pub struct Lent {
     pub len: usize,
 }
 
-// SAFETY: a lent piece is read-only memory that stays allocated and unwritten until its hold is
-// released (see `PagedBuffer::hold`); sending the address is sending that read access.
-unsafe impl Send for Lent {}
-
 #[derive(Clone, Copy, Debug)]
 struct Entry {
     event_id: u64,
