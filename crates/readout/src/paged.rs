@@ -485,6 +485,9 @@ mod tests {
     /// A fragment lent by `hold`, with the bytes it must still read.
     struct Held {
         ev: u64,
+        /// Which store of `ev` was lent: a fragment lent twice holds its pages once, and an
+        /// empty fragment lends no piece to tell it by.
+        stored: u64,
         /// Cleared since it was lent.
         cleared: bool,
         hold: Hold,
@@ -520,15 +523,18 @@ mod tests {
             let (page, pages) = (128usize, 24usize);
             let mut b = PagedBuffer::new(page, pages, 3);
             let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
+            // The store that put each fragment in: numbers every successful store.
+            let mut stored: HashMap<u64, u64> = HashMap::new();
+            let mut stores = 0u64;
             let mut held: std::collections::VecDeque<Held> = Default::default();
             let pages_of = |v: &Vec<u8>| v.len().div_ceil(page).max(1);
             // Pages in use: every stored fragment's, and those of cleared fragments still lent
-            // (one lent twice counted once: the same first page).
+            // (one lent twice counted once).
             let used = |m: &HashMap<u64, Vec<u8>>, h: &std::collections::VecDeque<Held>| {
-                let mut cleared: Vec<(*const u8, usize)> = h
+                let mut cleared: Vec<(u64, usize)> = h
                     .iter()
                     .filter(|x| x.cleared)
-                    .map(|x| (x.pieces[0].ptr, pages_of(&x.bytes)))
+                    .map(|x| (x.stored, pages_of(&x.bytes)))
                     .collect();
                 cleared.sort();
                 cleared.dedup();
@@ -553,6 +559,8 @@ mod tests {
                         prop_assert_eq!(b.store(ev, &data), expect);
                         if expect.is_ok() {
                             model.insert(ev, data);
+                            stores += 1;
+                            stored.insert(ev, stores);
                         }
                     }
                     Op::Clear(ev) => {
@@ -568,7 +576,7 @@ mod tests {
                         if let Some(hold) = h {
                             let bytes = model[&ev].clone();
                             prop_assert_eq!(&lent_bytes(&pieces), &bytes);
-                            held.push_back(Held { ev, cleared: false, hold, pieces, bytes });
+                            held.push_back(Held { ev, stored: stored[&ev], cleared: false, hold, pieces, bytes });
                         }
                     }
                     Op::Release => {
