@@ -172,6 +172,7 @@ pub fn measure(m: &Mix, events: u64) -> Result<RequestPoint> {
         assignment: AssignmentSection::default(),
         buffer: per_link * m.links as u64,
         read_chunk: 256 << 10,
+        reserve: true,
         event_timeout: Duration::from_secs(5),
         max_open_events: 1 << 16,
         max_payload,

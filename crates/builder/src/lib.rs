@@ -41,6 +41,8 @@ pub struct BuilderConfig {
     pub recorder: Option<String>,
     pub buffer: u64,
     pub read_chunk: usize,
+    /// Fill every link's budget with touched read chunks before any readout unit sends.
+    pub reserve: bool,
     pub event_timeout: Duration,
     /// Cap on the events open at once.
     pub max_open_events: usize,
@@ -114,6 +116,9 @@ impl BuilderUnit {
             per_link,
             rails,
         ));
+        if cfg.reserve {
+            stats.reserve(cfg.read_chunk);
+        }
         let mut role = RoleThreads::default();
         let stop = role.stop.clone();
         let abort = role.abort.clone();

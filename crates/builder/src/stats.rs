@@ -37,6 +37,8 @@ pub struct BuilderStats {
     pub malformed_fragments: AtomicU64,
     /// Fragments held in events being assembled.
     pub held_fragments: AtomicU64,
+    /// Bytes of its buffer taken and touched before data taking (`reserve`).
+    pub reserved_bytes: AtomicU64,
     pub pending_events: AtomicU64,
     /// Fragments of built events not yet written to the recorder.
     pub queued_fragments: AtomicU64,
@@ -155,6 +157,22 @@ impl Histogram {
 }
 
 impl BuilderStats {
+    /// Fills every readout-unit link's budget with touched read chunks of `chunk` bytes
+    /// (`builder.reserve`); returns the bytes reserved.
+    pub fn reserve(&self, chunk: usize) -> u64 {
+        let t = std::time::Instant::now();
+        let bytes = tessera_net::budget::reserve_all(self.links.iter().map(|l| &*l.budget), chunk);
+        self.reserved_bytes
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+        tracing::info!(
+            builder = self.id,
+            bytes,
+            ms = t.elapsed().as_millis() as u64,
+            "builder buffers reserved"
+        );
+        bytes
+    }
+
     pub fn new(
         id: u16,
         rus: impl Iterator<Item = u32>,
@@ -185,6 +203,7 @@ impl BuilderStats {
             duplicate_fragments: AtomicU64::new(0),
             malformed_fragments: AtomicU64::new(0),
             held_fragments: AtomicU64::new(0),
+            reserved_bytes: AtomicU64::new(0),
             pending_events: AtomicU64::new(0),
             queued_fragments: AtomicU64::new(0),
             recorder_lost: AtomicU64::new(0),

@@ -89,6 +89,7 @@ fn builder(event_timeout: Duration) -> (BuilderUnit, Vec<std::net::SocketAddr>) 
         recorder: None,
         buffer: 16 << 20,
         read_chunk: 1 << 16,
+        reserve: true,
         event_timeout,
         max_open_events: 1024,
         max_message: 1 << 12,

@@ -727,6 +727,10 @@ pub struct ReadoutSection {
     pub buffer: ByteSize,
     /// Size of the blocks a link reads into; raised to hold two maximum-size fragments.
     pub read_chunk: ByteSize,
+    /// Take and touch the whole `buffer` when the unit starts, before its sources send, instead
+    /// of as data first fills it: the run starts later and the memory is resident from then,
+    /// but no read waits for the kernel to find and zero a page.
+    pub reserve: bool,
     /// How long an event may wait for a link that could deliver and does not, in ms: a link
     /// that stays silent while it is read, or that has moved past the event. A link the unit
     /// itself stops reading (its buffer full: back-pressure) never times an event out.
@@ -750,6 +754,7 @@ impl Default for ReadoutSection {
             sources: SourceList::Auto,
             buffer: ByteSize(64 << 20),
             read_chunk: ByteSize(256 << 10),
+            reserve: false,
             event_timeout_ms: 2000,
             max_open_events: 65536,
             quarantine: true,
@@ -778,6 +783,8 @@ pub struct BuilderSection {
     pub buffer: ByteSize,
     /// Size of the blocks a link reads into; raised to hold two maximum-size super-fragments.
     pub read_chunk: ByteSize,
+    /// Take and touch the whole `buffer` when the builder starts (see `readout.reserve`).
+    pub reserve: bool,
     /// How long an event may wait for a readout unit that has gone silent (no super-fragment
     /// and no progress message, which a live unit sends every 100 ms), in ms. A unit that is
     /// alive but held never times an event out; an event one says it moved past is built
@@ -797,6 +804,7 @@ impl Default for BuilderSection {
             rails: Vec::new(),
             buffer: ByteSize(128 << 20),
             read_chunk: ByteSize(1 << 20),
+            reserve: false,
             event_timeout_ms: 5000,
             max_open_events: 65536,
         }

@@ -59,6 +59,8 @@ pub struct ReadoutConfig {
     /// Total buffer memory, split evenly over the links.
     pub buffer: u64,
     pub read_chunk: usize,
+    /// Fill every link's budget with touched read chunks before the sources connect.
+    pub reserve: bool,
     pub event_timeout: Duration,
     /// Cap on the events open at once in push mode.
     pub max_open_events: usize,
@@ -287,12 +289,16 @@ impl ReadoutUnit {
             .as_ref()
             .map(|(p, limit)| quarantine::Quarantine::new(p.clone(), *limit));
         if let Some(mode) = cfg.request_mode {
-            // The link budgets hold only the read chunks; fragments live in the pages.
+            // The link budgets hold only the read chunks; fragments live in the pages (taken
+            // and touched at configure whatever `reserve` says).
             let stats = Arc::new(ReadoutStats::new(
                 cfg.id,
                 &cfg.sources,
                 4 * cfg.read_chunk as u64,
             ));
+            if cfg.reserve {
+                stats.reserve(cfg.read_chunk);
+            }
             let ctx = LinkCtx {
                 id: cfg.id,
                 sources: cfg.sources.clone(),
@@ -306,6 +312,9 @@ impl ReadoutUnit {
             };
             serve::start(ctx, cfg.listener, cfg.dial, mode, per_link, &mut role)?;
             return Ok(ReadoutUnit { stats, role });
+        }
+        if cfg.reserve {
+            stats.reserve(cfg.read_chunk);
         }
         let mut to_builders = Vec::new();
         // (builder, rail, connection, queue)

@@ -197,6 +197,8 @@ pub struct ReadoutStats {
     pub bytes_forwarded: AtomicU64,
     /// Fragments in events the assembler still holds.
     pub held_fragments: AtomicU64,
+    /// Bytes of its buffer taken and touched before data taking (`reserve`).
+    pub reserved_bytes: AtomicU64,
     pub pending_events: AtomicU64,
     /// Fragments of departed events not yet written to their builder.
     pub queued_fragments: AtomicU64,
@@ -252,6 +254,21 @@ pub struct RequestStats {
 }
 
 impl ReadoutStats {
+    /// Fills every link's budget with touched read chunks of `chunk` bytes (`readout.reserve`);
+    /// returns the bytes reserved.
+    pub fn reserve(&self, chunk: usize) -> u64 {
+        let t = std::time::Instant::now();
+        let bytes = tessera_net::budget::reserve_all(self.links.iter().map(|l| &*l.budget), chunk);
+        self.reserved_bytes.fetch_add(bytes, Ordering::Relaxed);
+        tracing::info!(
+            unit = self.id,
+            bytes,
+            ms = t.elapsed().as_millis() as u64,
+            "readout unit buffers reserved"
+        );
+        bytes
+    }
+
     pub fn new(id: u32, sources: &[u32], per_link_budget: u64) -> ReadoutStats {
         ReadoutStats {
             id,
@@ -274,6 +291,7 @@ impl ReadoutStats {
             fragments_forwarded: AtomicU64::new(0),
             bytes_forwarded: AtomicU64::new(0),
             held_fragments: AtomicU64::new(0),
+            reserved_bytes: AtomicU64::new(0),
             pending_events: AtomicU64::new(0),
             queued_fragments: AtomicU64::new(0),
             builder_lost: AtomicU64::new(0),

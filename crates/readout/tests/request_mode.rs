@@ -67,6 +67,7 @@ fn start_ru(
         assignment: AssignmentSection::default(),
         buffer,
         read_chunk: 256 << 10,
+        reserve: false,
         event_timeout: Duration::from_secs(1),
         max_open_events: 1 << 16,
         max_payload: 1 << 20,
@@ -366,6 +367,7 @@ fn the_link_generator_fills_every_link_with_every_event_under_back_pressure() {
         // 64 KiB of pages per link: room for about a hundred of the 2000 events.
         buffer: 3 * (64 << 10),
         read_chunk: 16 << 10,
+        reserve: false,
         event_timeout: Duration::from_secs(1),
         max_open_events: 1 << 16,
         max_payload: 1 << 20,

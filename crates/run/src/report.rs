@@ -90,6 +90,9 @@ pub struct ReadoutReport {
     /// Fragments it still holds (assembling, queued, or stored awaiting a clear).
     #[serde(default)]
     pub buffered_fragments: u64,
+    /// Bytes of its buffer taken and touched before its sources sent (`readout.reserve`).
+    #[serde(default)]
+    pub reserved_bytes: u64,
     /// Request mode only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub requests: Option<ReadoutRequestReport>,
@@ -176,6 +179,9 @@ pub struct BuilderReport {
     /// Push mode with `rails`: super-fragments received on each rail, from every readout unit.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub super_fragments_by_rail: Vec<u64>,
+    /// Bytes of its buffer taken and touched before any readout unit sent (`builder.reserve`).
+    #[serde(default)]
+    pub reserved_bytes: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -430,6 +436,7 @@ pub(crate) fn readout(u: &tessera_readout::ReadoutUnit, cx: &Cx, p: &mut Parts) 
         refused_connections: st.refused_connections.load(Ordering::Relaxed),
         error: st.builder_error.lock().clone(),
         builder_link_lost: st.builder_lost.load(Ordering::Relaxed),
+        reserved_bytes: st.reserved_bytes.load(Ordering::Relaxed),
         buffered_fragments: st.held_fragments.load(Ordering::Relaxed)
             + st.queued_fragments.load(Ordering::Relaxed)
             + if cx.request_mode {
@@ -531,6 +538,7 @@ pub(crate) fn builder(b: &tessera_builder::BuilderUnit, cx: &Cx, p: &mut Parts) 
         buffered_fragments: st.held_fragments.load(Ordering::Relaxed)
             + st.queued_fragments.load(Ordering::Relaxed),
         queued_fragments: st.queued_fragments.load(Ordering::Relaxed),
+        reserved_bytes: st.reserved_bytes.load(Ordering::Relaxed),
         super_fragments_by_rail: match st.links.first() {
             Some(l) if l.rail_super_fragments.len() > 1 => (0..l.rail_super_fragments.len())
                 .map(|r| {

@@ -237,6 +237,56 @@ at = [500]
     verify(dir.path());
 }
 
+/// Buffers reserved at start (`reserve = true`): every link's share is taken as read chunks
+/// before the sources send, reported, and the run builds every event as without it; units
+/// that do not ask reserve nothing.
+#[test]
+fn reserved_buffers_are_taken_before_data_and_lose_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = topology(
+        r#"
+[run]
+events = 3000
+max_fragment_size = "32 KiB"
+[sources]
+count = 8
+fragment_size = 2048
+trigger = "unlimited"
+[[readout]]
+id = 0
+buffer = "4 MiB"
+read_chunk = "256 KiB"
+reserve = true
+[[readout]]
+id = 1
+buffer = "4 MiB"
+[[builder]]
+id = 0
+buffer = "8 MiB"
+read_chunk = "1 MiB"
+reserve = true
+[[builder]]
+id = 1
+buffer = "8 MiB"
+read_chunk = "1 MiB"
+reserve = true
+"#,
+    );
+    let rep = run(&t, dir.path());
+    assert!(rep.ok(), "{}", rep.summary());
+    assert_eq!(rep.events_complete, 3000);
+    assert_eq!(rep.events_incomplete, 0);
+    // Four links of 1 MiB each, four read chunks of 256 KiB in each.
+    let ru: Vec<u64> = rep.readout_units.iter().map(|u| u.reserved_bytes).collect();
+    assert_eq!(ru, vec![4 << 20, 0]);
+    // Two readout-unit links of 4 MiB each, four chunks of 1 MiB in each.
+    let bu: Vec<u64> = rep.builders.iter().map(|b| b.reserved_bytes).collect();
+    assert_eq!(bu, vec![8 << 20, 8 << 20]);
+    let v = verify(dir.path());
+    assert_eq!(v.events, 3000);
+    assert_eq!(v.fragments, 24_000);
+}
+
 /// Writes the wire format by hand from docs/wire-format.md, without the project's encoder.
 #[path = "support/spec_source.rs"]
 mod spec_source;
