@@ -617,8 +617,8 @@ fn writable(dir: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
-/// The buffers this host's roles take at most, by configuration.
-/// What this host's roles may hold at most, as `tessera check` counts it.
+/// What this host's roles may hold at most, as `tessera check` counts it (all of it resident
+/// from the start where they reserve their buffers).
 fn memory_needed(r: &Resolved, roles: &RoleSet) -> u64 {
     use tessera_run::check::Unit;
     tessera_run::check::memory(r)
