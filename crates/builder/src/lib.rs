@@ -159,8 +159,13 @@ impl BuilderUnit {
         });
         {
             let sh = shared.clone();
-            role.threads
-                .push(spawn(format!("bu{}-sweep", cfg.id), move || sweep(&sh)));
+            let live = Arc::new(tessera_net::reactor::Tally::default());
+            tessera_net::sweeper::Sweeper::stage(tessera_net::reactor::Stage::Builder).add(
+                format!("bu{}", cfg.id),
+                &live,
+                move || sweep(&sh),
+            );
+            role.polled.push(live);
         }
         for (rail, l) in cfg.listeners.into_iter().enumerate() {
             let sh = shared.clone();
@@ -713,27 +718,24 @@ fn offer(sh: &Shared, slot: usize, got: &mut Vec<(u64, Part)>) {
     }
 }
 
-fn sweep(sh: &Shared) {
-    loop {
-        let (ready, all_closed) = {
-            let mut a = sh.assembler.lock();
-            let now = sh.now_ns();
-            // A rail that has not connected is listened for and says nothing: silence.
-            for (slot, rails) in sh.rails.iter().enumerate() {
-                if rails.lock().iter().any(|r| !r.connected) {
-                    a.quiet(slot, 0, now);
-                }
+/// One sweep of the builder's open events, run by the builder stage's sweeper; false once every
+/// readout unit's link has closed.
+fn sweep(sh: &Shared) -> bool {
+    let (ready, all_closed) = {
+        let mut a = sh.assembler.lock();
+        let now = sh.now_ns();
+        // A rail that has not connected is listened for and says nothing: silence.
+        for (slot, rails) in sh.rails.iter().enumerate() {
+            if rails.lock().iter().any(|r| !r.connected) {
+                a.quiet(slot, 0, now);
             }
-            let r = a.sweep(now);
-            sh.publish_held(&a);
-            r
-        };
-        sh.finish(ready);
-        if all_closed {
-            break;
         }
-        std::thread::sleep(Duration::from_millis(5));
-    }
+        let r = a.sweep(now);
+        sh.publish_held(&a);
+        r
+    };
+    sh.finish(ready);
+    !all_closed
 }
 
 /// The link to the recorder, served by the pollers of the sending stage.

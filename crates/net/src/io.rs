@@ -220,14 +220,33 @@ pub fn accept_until(
                 on_connection(stream, peer);
             }
             Err(_) if stopping => return AcceptEnd::Stopped,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(20))
-            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => wait_for_peer(listener),
             Err(e) => {
                 tracing::warn!(error = %e, "accept failed");
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
+    }
+}
+
+/// How long an accept loop waits for a connection before it looks at its stop flag again: the
+/// most a stop waits for it. A connection is taken as soon as it comes.
+const ACCEPT_RECHECK: Duration = Duration::from_millis(50);
+
+/// Waits until `listener` has a connection to accept, or [`ACCEPT_RECHECK`] has passed. Where a
+/// loop slept 20 ms between tries instead, the 76 accept threads of a 16 x 60 trapezoid woke
+/// 3 800 times a second for the whole run.
+fn wait_for_peer(listener: &std::net::TcpListener) {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: listener.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd for the listener's open descriptor; poll only writes `revents`.
+    let rc = unsafe { libc::poll(&mut p, 1, ACCEPT_RECHECK.as_millis() as libc::c_int) };
+    if rc < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+        std::thread::sleep(ACCEPT_RECHECK);
     }
 }
 

@@ -14,6 +14,7 @@ pub mod reactor;
 pub mod reader;
 pub mod role;
 pub mod sender;
+pub mod sweeper;
 
 pub use budget::Budget;
 pub use chunk::{Chunk, ChunkSlice};

@@ -235,7 +235,7 @@ pub enum Stage {
 }
 
 impl Stage {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Stage::Readout => "ru",
             Stage::Builder => "bu",

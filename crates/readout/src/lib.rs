@@ -381,8 +381,13 @@ impl ReadoutUnit {
         role.polled.push(senders);
         {
             let sh = shared.clone();
-            role.threads
-                .push(spawn(format!("ru{}-sweep", cfg.id), move || sweep(&sh)));
+            let live = Arc::new(tessera_net::reactor::Tally::default());
+            tessera_net::sweeper::Sweeper::stage(tessera_net::reactor::Stage::Readout).add(
+                format!("ru{}", cfg.id),
+                &live,
+                move || sweep(&sh),
+            );
+            role.polled.push(live);
         }
         {
             let sh = shared.clone();
@@ -785,30 +790,27 @@ fn offer(sh: &Shared, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
     sh.dispatch(ready);
 }
 
-fn sweep(sh: &Shared) {
-    loop {
-        let (ready, all_closed) = {
-            let mut a = sh.assembler.lock();
-            let now = sh.now_ns();
-            // A source that has not connected is listened for and says nothing: silence.
-            for (slot, l) in sh.stats.links.iter().enumerate() {
-                if l.state() == LinkState::Waiting {
-                    a.quiet(slot, 0, now);
-                }
+/// One sweep of the unit's open events (timeouts, silence of links that never connected), run
+/// by the readout stage's sweeper; false once every link has closed. The sweeper then drops its
+/// `Arc<Shared>`, which with the last readers drops the builder senders: the sending links then
+/// finish their queues and close.
+fn sweep(sh: &Shared) -> bool {
+    let (ready, all_closed) = {
+        let mut a = sh.assembler.lock();
+        let now = sh.now_ns();
+        // A source that has not connected is listened for and says nothing: silence.
+        for (slot, l) in sh.stats.links.iter().enumerate() {
+            if l.state() == LinkState::Waiting {
+                a.quiet(slot, 0, now);
             }
-            let r = a.sweep(now);
-            sh.publish_held(&a);
-            sh.leaving(&r.0);
-            r
-        };
-        sh.dispatch(ready);
-        if all_closed {
-            break;
         }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    // Dropping `sh` (with the last readers) drops the builder senders: the sender threads then
-    // finish their queues and close their links.
+        let r = a.sweep(now);
+        sh.publish_held(&a);
+        sh.leaving(&r.0);
+        r
+    };
+    sh.dispatch(ready);
+    !all_closed
 }
 
 /// How often a readout unit tells each builder where it is (docs/wire-format.md, 2.3).
