@@ -168,11 +168,7 @@ impl BuilderUnit {
             role.polled.push(live);
         }
         for (rail, l) in cfg.listeners.into_iter().enumerate() {
-            let sh = shared.clone();
-            role.threads
-                .push(spawn(format!("bu{}-accept{rail}", cfg.id), move || {
-                    accept(&sh, rail, l)
-                }));
+            accept(&shared, rail, l, &mut role);
         }
         Ok(BuilderUnit { stats, role })
     }
@@ -348,89 +344,122 @@ impl Shared {
     }
 }
 
-/// Accepts readout units on rail `rail` until every link has ended (or the stop). Each hello
+/// Accepts readout units on rail `rail` until every link has ended (or the stop), on the
+/// builder stage's acceptor (one thread for every builder and rail of the process). Each hello
 /// is read on its own thread with its own deadline, so a silent connection holds nobody else's;
 /// a second connection for a unit already connected on this rail, an unknown unit, or a bad
 /// hello is refused, counted and logged with its address, also after every unit has connected.
-fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener) {
-    let readers = Mutex::new(Vec::new());
-    let live = Arc::new(tessera_net::reactor::Tally::default());
+/// The role has finished once the accepting, the hellos and every rail handed to the pollers
+/// have.
+fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener, role: &mut RoleThreads) {
+    use tessera_net::reactor::Tally;
+    let readers = Arc::new(Mutex::new(Vec::new()));
+    // Every rail handed to the pollers, until it has closed.
+    let live = Arc::new(Tally::default());
+    role.polled.push(live.clone());
+    let accepting = Arc::new(Tally::default());
+    role.polled.push(accepting.clone());
     let hellos = tessera_net::io::Hellos::default();
-    let open = || {
-        sh.stats
-            .links
-            .iter()
-            .any(|l| !l.closed.load(Ordering::Acquire))
-    };
-    let end = tessera_net::io::accept_until(&listener, &sh.stop, open, |mut stream, peer| {
-        let hello = match hellos.begin() {
-            Ok(h) => h,
-            Err(why) => return refused(sh, peer, &why),
-        };
-        let sh2 = sh.clone();
-        let live = live.clone();
-        let mut v = readers.lock();
-        tessera_net::role::reap(&mut v);
-        v.push(spawn(format!("bu{}-hello", sh.id), move || {
-            let r = handshake(&sh2, rail, &mut stream);
-            drop(hello);
-            match r {
-                Ok(slot) => {
-                    let link = &sh2.stats.links[slot];
-                    let reader = ChunkReader::new(
-                        link.budget.clone(),
-                        sh2.read_chunk.max(2 * sh2.max_message),
-                    );
-                    if let Err(e) = stream.set_nonblocking(true) {
-                        *link.error.lock() = Some(e.to_string());
-                        sh2.close_rail(slot, rail);
-                        return;
-                    }
-                    let conn = PolledRail {
-                        sh: sh2.clone(),
-                        slot,
-                        rail,
-                        stream,
-                        reader,
-                        want: 0,
-                        got: Vec::new(),
-                        progress: Vec::new(),
-                        done: false,
-                        eof: false,
-                        silence: Default::default(),
-                        held: Default::default(),
-                        unread: sh2
-                            .stats
-                            .receive_queues
-                            .gauge(tessera_net::queued::Side::Unread),
-                        bell: tessera_net::reactor::Doorbell::default(),
-                        _live: live.enter(),
-                    };
-                    tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Builder)
-                        .register(Box::new(conn));
-                }
-                Err(why) => refused(&sh2, peer, &why),
-            }
-        }));
-    });
-    if end == tessera_net::io::AcceptEnd::Stopped {
-        // Connections taken before the stop are still saying hello (each within its deadline).
-        hellos.wait_done();
-        for slot in 0..sh.rus.len() {
-            let never = {
-                let mut rs = sh.rails[slot].lock();
-                !std::mem::replace(&mut rs[rail].connected, true)
+    let on_connection = {
+        let (sh, readers, hellos) = (sh.clone(), readers.clone(), hellos.clone());
+        move |mut stream: TcpStream, peer: std::net::SocketAddr| {
+            let hello = match hellos.begin() {
+                Ok(h) => h,
+                Err(why) => return refused(&sh, peer, &why),
             };
-            if never {
-                sh.close_rail(slot, rail);
-            }
+            let sh2 = sh.clone();
+            let live = live.clone();
+            let mut v = readers.lock();
+            tessera_net::role::reap(&mut v);
+            v.push(spawn(format!("bu{}-hello", sh.id), move || {
+                let r = handshake(&sh2, rail, &mut stream);
+                drop(hello);
+                match r {
+                    Ok(slot) => {
+                        let link = &sh2.stats.links[slot];
+                        let reader = ChunkReader::new(
+                            link.budget.clone(),
+                            sh2.read_chunk.max(2 * sh2.max_message),
+                        );
+                        if let Err(e) = stream.set_nonblocking(true) {
+                            *link.error.lock() = Some(e.to_string());
+                            sh2.close_rail(slot, rail);
+                            return;
+                        }
+                        let conn = PolledRail {
+                            sh: sh2.clone(),
+                            slot,
+                            rail,
+                            stream,
+                            reader,
+                            want: 0,
+                            got: Vec::new(),
+                            progress: Vec::new(),
+                            done: false,
+                            eof: false,
+                            silence: Default::default(),
+                            held: Default::default(),
+                            unread: sh2
+                                .stats
+                                .receive_queues
+                                .gauge(tessera_net::queued::Side::Unread),
+                            bell: tessera_net::reactor::Doorbell::default(),
+                            _live: live.enter(),
+                        };
+                        tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Builder)
+                            .register(Box::new(conn));
+                    }
+                    Err(why) => refused(&sh2, peer, &why),
+                }
+            }));
         }
-    }
-    for r in readers.into_inner() {
-        let _ = r.join();
-    }
-    // Every rail handed to the pollers has closed.
-    live.wait_zero();
+    };
+    let missing = {
+        let sh = sh.clone();
+        move || {
+            sh.stats
+                .links
+                .iter()
+                .any(|l| !l.closed.load(Ordering::Acquire))
+        }
+    };
+    let on_end = {
+        let (sh, accepting2) = (sh.clone(), accepting.clone());
+        move |end: tessera_net::io::AcceptEnd| {
+            let guard = accepting2.enter();
+            spawn(format!("bu{}-accept-end", sh.id), move || {
+                if end == tessera_net::io::AcceptEnd::Stopped {
+                    // Connections taken before the stop are still saying hello (each within
+                    // its deadline).
+                    hellos.wait_done();
+                    for slot in 0..sh.rus.len() {
+                        let never = {
+                            let mut rs = sh.rails[slot].lock();
+                            !std::mem::replace(&mut rs[rail].connected, true)
+                        };
+                        if never {
+                            sh.close_rail(slot, rail);
+                        }
+                    }
+                }
+                for r in std::mem::take(&mut *readers.lock()) {
+                    let _ = r.join();
+                }
+                drop(guard);
+            });
+        }
+    };
+    tessera_net::acceptor::Acceptor::stage(tessera_net::reactor::Stage::Builder).add(
+        tessera_net::acceptor::Accepting {
+            name: format!("bu{}", sh.id),
+            listener,
+            stop: sh.stop.clone(),
+            missing: Box::new(missing),
+            on_connection: Box::new(on_connection),
+            on_end: Box::new(on_end),
+        },
+        &accepting,
+    );
 }
 
 fn refused(sh: &Shared, peer: std::net::SocketAddr, why: &str) {

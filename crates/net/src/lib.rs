@@ -3,6 +3,7 @@
 //! socket and hands out zero-copy slices of whole messages ([`reader`]), vectored writes ([`io`]),
 //! fixed buffers on huge pages ([`huge`]).
 
+pub mod acceptor;
 pub mod budget;
 pub mod chunk;
 pub mod control;

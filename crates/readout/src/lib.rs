@@ -389,15 +389,7 @@ impl ReadoutUnit {
             );
             role.polled.push(live);
         }
-        {
-            let sh = shared.clone();
-            let listener = cfg.listener;
-            let dial = cfg.dial;
-            role.threads
-                .push(spawn(format!("ru{}-accept", cfg.id), move || {
-                    accept(&sh, listener, dial)
-                }));
-        }
+        accept(&shared, cfg.listener, cfg.dial, &mut role);
         Ok(ReadoutUnit { stats, role })
     }
 
@@ -419,21 +411,35 @@ impl ReadoutUnit {
     }
 }
 
-/// Accepts sources until every link has ended (or the stop): a connection's hello is read on
-/// its own thread with its own deadline, so a silent or slow connection holds nobody else's
-/// hello; the thread then hands the link to the pollers and ends. A connection for a source that is connected or has
-/// finished, or that never says a valid hello, is refused, counted and logged with its address,
-/// also after every source has connected.
-fn accept<S: LinkSink>(sh: &Arc<S>, listener: TcpListener, dial: Vec<String>) {
+/// Accepts sources until every link has ended (or the stop), on the readout stage's acceptor
+/// (one thread for every unit of the process): a connection's hello is read on its own thread
+/// with its own deadline, so a silent or slow connection holds nobody else's hello; the thread
+/// then hands the link to the pollers and ends. A connection for a source that is connected or
+/// has finished, or that never says a valid hello, is refused, counted and logged with its
+/// address, also after every source has connected. The role has finished once the accepting,
+/// the hellos and every link handed to the pollers have.
+fn accept<S: LinkSink>(
+    sh: &Arc<S>,
+    listener: TcpListener,
+    dial: Vec<String>,
+    role: &mut RoleThreads,
+) {
+    use tessera_net::reactor::Tally;
     let c = sh.ctx();
-    let readers = Mutex::new(Vec::new());
-    let live = Arc::new(tessera_net::reactor::Tally::default());
+    let id = c.id;
+    let readers = Arc::new(Mutex::new(Vec::new()));
+    // Every link handed to the pollers, until it has closed and been accounted.
+    let live = Arc::new(Tally::default());
+    role.polled.push(live.clone());
+    // The accepting, then what its end waits for.
+    let accepting = Arc::new(Tally::default());
+    role.polled.push(accepting.clone());
     let hellos = tessera_net::io::Hellos::default();
     // Sources that listen are dialled beside the accepting, under the same hellos, so that a
     // stop waits for their hellos too.
     let dialer = (!dial.is_empty()).then(|| {
         let (sh, hellos, live) = (sh.clone(), hellos.clone(), live.clone());
-        spawn(format!("ru{}-dial", c.id), move || {
+        spawn(format!("ru{id}-dial"), move || {
             let c = sh.ctx();
             let mut conns = Vec::new();
             tessera_net::io::dial_until(&dial, &c.stop, &hellos, |stream, peer, hello| {
@@ -447,34 +453,58 @@ fn accept<S: LinkSink>(sh: &Arc<S>, listener: TcpListener, dial: Vec<String>) {
             }
         })
     });
-    let open = || c.stats.links.iter().any(|l| !l.state().ended());
-    let end = tessera_net::io::accept_until(&listener, &c.stop, open, |stream, peer| {
-        let hello = match hellos.begin() {
-            Ok(h) => h,
-            Err(why) => return refused(c, peer, why),
-        };
-        let sh2 = sh.clone();
-        let mut v = readers.lock();
-        tessera_net::role::reap(&mut v);
-        let live = live.clone();
-        v.push(spawn(format!("ru{}-hello", c.id), move || {
-            take_source(&sh2, stream, peer, hello, &live)
-        }));
-    });
-    if end == tessera_net::io::AcceptEnd::Stopped {
-        // Connections taken before the stop are still saying hello (each within its deadline):
-        // they may be sources, which must not be taken for never connected.
-        hellos.wait_done();
-        close_never_connected(&**sh);
-    }
-    for r in readers.into_inner() {
-        let _ = r.join();
-    }
-    if let Some(d) = dialer {
-        let _ = d.join();
-    }
-    // Every link handed to the pollers has closed and been accounted.
-    live.wait_zero();
+    let on_connection = {
+        let (sh, readers, hellos, live) = (sh.clone(), readers.clone(), hellos.clone(), live);
+        move |stream: TcpStream, peer: std::net::SocketAddr| {
+            let hello = match hellos.begin() {
+                Ok(h) => h,
+                Err(why) => return refused(sh.ctx(), peer, why),
+            };
+            let (sh2, live) = (sh.clone(), live.clone());
+            let mut v = readers.lock();
+            tessera_net::role::reap(&mut v);
+            v.push(spawn(format!("ru{id}-hello"), move || {
+                take_source(&sh2, stream, peer, hello, &live)
+            }));
+        }
+    };
+    let missing = {
+        let sh = sh.clone();
+        move || sh.ctx().stats.links.iter().any(|l| !l.state().ended())
+    };
+    let on_end = {
+        let (sh, accepting2) = (sh.clone(), accepting.clone());
+        move |end: tessera_net::io::AcceptEnd| {
+            let guard = accepting2.enter();
+            spawn(format!("ru{id}-accept-end"), move || {
+                if end == tessera_net::io::AcceptEnd::Stopped {
+                    // Connections taken before the stop are still saying hello (each within
+                    // its deadline): they may be sources, which must not be taken for never
+                    // connected.
+                    hellos.wait_done();
+                    close_never_connected(&*sh);
+                }
+                for r in std::mem::take(&mut *readers.lock()) {
+                    let _ = r.join();
+                }
+                if let Some(d) = dialer {
+                    let _ = d.join();
+                }
+                drop(guard);
+            });
+        }
+    };
+    tessera_net::acceptor::Acceptor::stage(tessera_net::reactor::Stage::Readout).add(
+        tessera_net::acceptor::Accepting {
+            name: format!("ru{id}"),
+            listener,
+            stop: c.stop.clone(),
+            missing: Box::new(missing),
+            on_connection: Box::new(on_connection),
+            on_end: Box::new(on_end),
+        },
+        &accepting,
+    );
 }
 
 /// A source's connection (accepted, or dialled to a source that listens): its hello, then the
