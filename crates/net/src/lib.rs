@@ -1,7 +1,8 @@
 //! Plumbing every role's data path shares: memory that is bounded by a budget and released when
 //! the last slice of it is dropped ([`budget`], [`chunk`]), a reader that fills such chunks from a
 //! socket and hands out zero-copy slices of whole messages ([`reader`]), vectored writes ([`io`]),
-//! fixed buffers on huge pages ([`huge`]).
+//! fixed buffers on huge pages ([`huge`]), and the few threads every role of a stage shares: the
+//! I/O pollers ([`reactor`]), the acceptor ([`acceptor`]) and the sweeper ([`sweeper`]).
 
 pub mod acceptor;
 pub mod budget;
