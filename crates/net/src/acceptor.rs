@@ -106,7 +106,14 @@ fn run(mut poll: Poll, rx: Receiver<Registration>) {
         // at least every recheck, and edge-triggered readiness needs the backlog drained.
         for entry in regs.iter_mut() {
             let Some(r) = entry else { continue };
-            if let Some(end) = turn(&mut r.a) {
+            // A role whose accepting panics (a hello thread that cannot be started) ends as if
+            // stopped, alone: the other roles of the stage keep their acceptor.
+            let end = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| turn(&mut r.a)))
+                .unwrap_or_else(|_| {
+                    tracing::error!(role = %r.a.name, "accepting panicked; it takes no more connections");
+                    Some(AcceptEnd::Stopped)
+                });
+            if let Some(end) = end {
                 let fd = r.a.listener.as_raw_fd();
                 let _ = poll.registry().deregister(&mut SourceFd(&fd));
                 let Some(done) = entry.take() else { continue };
@@ -200,5 +207,44 @@ mod tests {
         assert_eq!(end2.recv_timeout(wait).unwrap(), AcceptEnd::Stopped);
         live2.wait_zero();
         assert_eq!(got2.load(Ordering::SeqCst), 1);
+    }
+
+    /// A role whose connection handling panics ends alone, as stopped; a role registered after
+    /// it on the same acceptor still gets its connections.
+    #[test]
+    fn a_panicking_role_ends_alone() {
+        let acc = Acceptor::stage(Stage::Send);
+        let reg = |on_connection: Box<dyn FnMut(TcpStream, SocketAddr) + Send>| {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = l.local_addr().unwrap();
+            let (tx, rx) = std::sync::mpsc::channel();
+            let live = Arc::new(Tally::default());
+            acc.add(
+                Accepting {
+                    name: "test".into(),
+                    listener: l,
+                    stop: Arc::new(AtomicBool::new(false)),
+                    missing: Box::new(|| true),
+                    on_connection,
+                    on_end: Box::new(move |end| {
+                        let _ = tx.send(end);
+                    }),
+                },
+                &live,
+            );
+            (addr, rx, live)
+        };
+        let (bad, bad_end, bad_live) = reg(Box::new(|_, _| panic!("cannot start a hello")));
+        let (tx, taken) = std::sync::mpsc::channel();
+        let (good, good_end, _good_live) = reg(Box::new(move |_, p| {
+            let _ = tx.send(p);
+        }));
+        let _c = TcpStream::connect(bad).unwrap();
+        let wait = Duration::from_secs(60);
+        assert_eq!(bad_end.recv_timeout(wait).unwrap(), AcceptEnd::Stopped);
+        bad_live.wait_zero();
+        let c = TcpStream::connect(good).unwrap();
+        assert_eq!(taken.recv_timeout(wait).unwrap(), c.local_addr().unwrap());
+        assert!(good_end.try_recv().is_err(), "the other role still accepts");
     }
 }
