@@ -159,13 +159,11 @@ impl BuilderUnit {
         });
         {
             let sh = shared.clone();
-            let live = Arc::new(tessera_net::reactor::Tally::default());
-            tessera_net::sweeper::Sweeper::stage(tessera_net::reactor::Stage::Builder).add(
+            tessera_net::sweeper::Sweeper::stage(tessera_net::reactor::Stage::Builder).add_to(
+                &mut role,
                 format!("bu{}", cfg.id),
-                &live,
                 move || sweep(&sh),
             );
-            role.polled.push(live);
         }
         for (rail, l) in cfg.listeners.into_iter().enumerate() {
             accept(&shared, rail, l, &mut role);

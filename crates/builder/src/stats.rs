@@ -160,16 +160,10 @@ impl BuilderStats {
     /// Fills every readout-unit link's budget with touched read chunks of `chunk` bytes
     /// (`builder.reserve`); returns the bytes reserved.
     pub fn reserve(&self, chunk: usize) -> u64 {
-        let t = std::time::Instant::now();
-        let bytes = tessera_net::budget::reserve_all(self.links.iter().map(|l| &*l.budget), chunk);
+        let links = self.links.iter().map(|l| &*l.budget);
+        let bytes = tessera_net::budget::reserve_all(&format!("bu{}", self.id), links, chunk);
         self.reserved_bytes
             .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
-        tracing::info!(
-            builder = self.id,
-            bytes,
-            ms = t.elapsed().as_millis() as u64,
-            "builder buffers reserved"
-        );
         bytes
     }
 

@@ -195,16 +195,18 @@ impl Budget {
     }
 }
 
-/// [`Budget::reserve`] of every budget, on as many threads as there are cores: the kernel's
-/// zeroing of fresh pages is most of it, and it runs in parallel. Returns the bytes reserved.
-pub fn reserve_all<'a>(budgets: impl Iterator<Item = &'a Budget>, chunk: usize) -> u64 {
+/// [`Budget::reserve`] of every budget of `role`, on as many threads as there are cores: the
+/// kernel's zeroing of fresh pages is most of it, and it runs in parallel. Returns the bytes
+/// reserved, and logs them with the time it took.
+pub fn reserve_all<'a>(role: &str, budgets: impl Iterator<Item = &'a Budget>, chunk: usize) -> u64 {
+    let t = Instant::now();
     let budgets: Vec<&Budget> = budgets.collect();
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(budgets.len())
         .max(1);
     let per = budgets.len().div_ceil(threads).max(1);
-    std::thread::scope(|s| {
+    let bytes = std::thread::scope(|s| {
         let parts: Vec<_> = budgets
             .chunks(per)
             .map(|part| s.spawn(move || part.iter().map(|b| b.reserve(chunk)).sum::<u64>()))
@@ -213,7 +215,14 @@ pub fn reserve_all<'a>(budgets: impl Iterator<Item = &'a Budget>, chunk: usize) 
             .into_iter()
             .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
             .sum()
-    })
+    });
+    tracing::info!(
+        role,
+        bytes,
+        ms = t.elapsed().as_millis() as u64,
+        "buffers reserved"
+    );
+    bytes
 }
 
 /// A zeroed buffer whose every page is already the process's: a large zeroed allocation is

@@ -65,6 +65,20 @@ impl Sweeper {
     }
 }
 
+impl Sweeper {
+    /// [`Self::add`] for `role`, which has finished only once the sweep has.
+    pub fn add_to(
+        &self,
+        role: &mut crate::role::RoleThreads,
+        name: String,
+        sweep: impl FnMut() -> bool + Send + 'static,
+    ) {
+        let live = Arc::new(Tally::default());
+        self.add(name, &live, sweep);
+        role.polled.push(live);
+    }
+}
+
 fn run(rx: Receiver<Task>) {
     let mut tasks: Vec<Task> = Vec::new();
     let mut next = Instant::now();

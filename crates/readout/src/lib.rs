@@ -381,13 +381,11 @@ impl ReadoutUnit {
         role.polled.push(senders);
         {
             let sh = shared.clone();
-            let live = Arc::new(tessera_net::reactor::Tally::default());
-            tessera_net::sweeper::Sweeper::stage(tessera_net::reactor::Stage::Readout).add(
+            tessera_net::sweeper::Sweeper::stage(tessera_net::reactor::Stage::Readout).add_to(
+                &mut role,
                 format!("ru{}", cfg.id),
-                &live,
                 move || sweep(&sh),
             );
-            role.polled.push(live);
         }
         accept(&shared, cfg.listener, cfg.dial, &mut role);
         Ok(ReadoutUnit { stats, role })

@@ -257,15 +257,9 @@ impl ReadoutStats {
     /// Fills every link's budget with touched read chunks of `chunk` bytes (`readout.reserve`);
     /// returns the bytes reserved.
     pub fn reserve(&self, chunk: usize) -> u64 {
-        let t = std::time::Instant::now();
-        let bytes = tessera_net::budget::reserve_all(self.links.iter().map(|l| &*l.budget), chunk);
+        let links = self.links.iter().map(|l| &*l.budget);
+        let bytes = tessera_net::budget::reserve_all(&format!("ru{}", self.id), links, chunk);
         self.reserved_bytes.fetch_add(bytes, Ordering::Relaxed);
-        tracing::info!(
-            unit = self.id,
-            bytes,
-            ms = t.elapsed().as_millis() as u64,
-            "readout unit buffers reserved"
-        );
         bytes
     }
 
