@@ -12,20 +12,15 @@
 //! peer that connected before the stop is still taken). Its `on_end` runs on the acceptor's
 //! thread and must not block: waits it needs (hellos under way) go on a thread of its own.
 
-use crate::io::{peer_allowed, AcceptEnd};
+use crate::io::{accept_backlog, AcceptEnd, Backlog, ACCEPT_RECHECK};
 use crate::reactor::{Stage, Tally, TallyGuard};
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
-
-/// How often every registration looks at its stop flag and `missing()` when no connection
-/// comes: the most a stop waits for the acceptor.
-pub const ACCEPT_RECHECK: Duration = Duration::from_millis(50);
 
 /// One role's listening socket and what to do with its connections.
 pub struct Accepting {
@@ -131,36 +126,21 @@ fn run(mut poll: Poll, rx: Receiver<Registration>) {
     }
 }
 
-/// Accepts what the backlog holds; `Some` when the registration has ended.
+/// Accepts what the backlog holds; `Some` when the registration has ended. A drained or failing
+/// listener is looked at again after the next readiness or recheck, whichever comes first
+/// (edge-triggered: a listener that stays readable after a failure wakes nobody early).
 fn turn(a: &mut Accepting) -> Option<AcceptEnd> {
-    loop {
-        if !(a.missing)() {
-            return Some(AcceptEnd::AllConnected);
-        }
-        let stopping = a.stop.load(Ordering::Relaxed);
-        match a.listener.accept() {
-            Ok((stream, peer)) => {
-                if !peer_allowed(&peer) {
-                    continue;
-                }
-                let _ = stream.set_nonblocking(false);
-                (a.on_connection)(stream, peer);
-            }
-            Err(_) if stopping => return Some(AcceptEnd::Stopped),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return None,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                tracing::warn!(role = %a.name, error = %e, "accept failed");
-                return None;
-            }
-        }
+    match accept_backlog(&a.listener, &a.stop, &mut a.missing, &mut a.on_connection) {
+        Backlog::Ended(end) => Some(end),
+        Backlog::Drained | Backlog::Failed => None,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicUsize;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
 
     /// Two roles on one acceptor: each gets its own connections, one ends when nobody else is
     /// expected, the other when stopped, and a peer that connected before the stop is taken.

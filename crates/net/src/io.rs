@@ -195,20 +195,33 @@ pub enum AcceptEnd {
     Stopped,
 }
 
-/// Accepts connections on `listener` and hands each to `on_connection` (in blocking mode), until
-/// `missing()` says no peer is expected any more, or `stop` is raised. The stop is read before
-/// each accept, so a peer that connected before the stop (and sits in the kernel's backlog) is
-/// still taken: only then does the loop give up on the peers still missing.
-pub fn accept_until(
+/// What one look at a listener's backlog found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backlog {
+    /// The loop has ended.
+    Ended(AcceptEnd),
+    /// Empty: wait for the next connection (or the next look at the stop).
+    Drained,
+    /// `accept` failed otherwise (out of descriptors, say): wait before trying again, since the
+    /// listener may stay readable meanwhile.
+    Failed,
+}
+
+/// Takes every connection `listener`'s backlog holds (non-blocking), handing each from an
+/// allowed peer to `on_connection` in blocking mode, until `missing()` says no peer is expected
+/// any more, or `stop` is raised and the backlog is empty. The stop is read before each accept,
+/// so a peer that connected before the stop (and sits in the kernel's backlog) is still taken:
+/// only then does accepting give up on the peers still missing. The one rule of every accept
+/// loop: [`accept_until`]'s and the stages' acceptors ([`crate::acceptor`]).
+pub fn accept_backlog(
     listener: &std::net::TcpListener,
     stop: &std::sync::atomic::AtomicBool,
-    mut missing: impl FnMut() -> bool,
-    mut on_connection: impl FnMut(TcpStream, SocketAddr),
-) -> AcceptEnd {
-    let _ = listener.set_nonblocking(true);
+    missing: &mut dyn FnMut() -> bool,
+    on_connection: &mut dyn FnMut(TcpStream, SocketAddr),
+) -> Backlog {
     loop {
         if !missing() {
-            return AcceptEnd::AllConnected;
+            return Backlog::Ended(AcceptEnd::AllConnected);
         }
         let stopping = stop.load(std::sync::atomic::Ordering::Relaxed);
         match listener.accept() {
@@ -219,19 +232,39 @@ pub fn accept_until(
                 let _ = stream.set_nonblocking(false);
                 on_connection(stream, peer);
             }
-            Err(_) if stopping => return AcceptEnd::Stopped,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => wait_for_peer(listener),
+            Err(_) if stopping => return Backlog::Ended(AcceptEnd::Stopped),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Backlog::Drained,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => {
                 tracing::warn!(error = %e, "accept failed");
-                std::thread::sleep(Duration::from_millis(100));
+                return Backlog::Failed;
             }
+        }
+    }
+}
+
+/// Accepts connections on `listener` and hands each to `on_connection` (in blocking mode), until
+/// `missing()` says no peer is expected any more, or `stop` is raised (see [`accept_backlog`]),
+/// on the calling thread: for the roles a process runs one of.
+pub fn accept_until(
+    listener: &std::net::TcpListener,
+    stop: &std::sync::atomic::AtomicBool,
+    mut missing: impl FnMut() -> bool,
+    mut on_connection: impl FnMut(TcpStream, SocketAddr),
+) -> AcceptEnd {
+    let _ = listener.set_nonblocking(true);
+    loop {
+        match accept_backlog(listener, stop, &mut missing, &mut on_connection) {
+            Backlog::Ended(end) => return end,
+            Backlog::Drained => wait_for_peer(listener),
+            Backlog::Failed => std::thread::sleep(Duration::from_millis(100)),
         }
     }
 }
 
 /// How long an accept loop waits for a connection before it looks at its stop flag again: the
 /// most a stop waits for it. A connection is taken as soon as it comes.
-const ACCEPT_RECHECK: Duration = Duration::from_millis(50);
+pub const ACCEPT_RECHECK: Duration = Duration::from_millis(50);
 
 /// Waits until `listener` has a connection to accept, or [`ACCEPT_RECHECK`] has passed. Where a
 /// loop slept 20 ms between tries instead, the 76 accept threads of a 16 x 60 trapezoid woke
