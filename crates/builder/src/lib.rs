@@ -21,7 +21,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tessera_assembly::{Assembled, Assembler, Offer};
-use tessera_format::link::{decode_link, LinkItem, PeerHello, PeerRole, SuperFragmentHeader};
+use tessera_format::link::{
+    decode_link, LinkItem, PeerHello, PeerRole, SuperFragmentHeader, PEER_HELLO_SIZE,
+};
 use tessera_net::reactor::{HELD_RETRY, MEMORY_RECHECK, READS_PER_TURN, SILENCE_PROOF};
 use tessera_net::reader::Fill;
 use tessera_net::role::{spawn, RoleThreads};
@@ -343,73 +345,61 @@ impl Shared {
 }
 
 /// Accepts readout units on rail `rail` until every link has ended (or the stop), on the
-/// builder stage's acceptor (one thread for every builder and rail of the process). Each hello
-/// is read on its own thread with its own deadline, so a silent connection holds nobody else's;
-/// a second connection for a unit already connected on this rail, an unknown unit, or a bad
-/// hello is refused, counted and logged with its address, also after every unit has connected.
-/// The role has finished once the accepting, the hellos and every rail handed to the pollers
-/// have.
+/// builder stage's acceptor (one thread for every builder and rail of the process), which also
+/// reads each connection's hello without blocking, within its own deadline: a silent connection
+/// holds nobody else's, and no thread is started per connection. A second connection for a unit
+/// already connected on this rail, an unknown unit, or a bad hello is refused, counted and
+/// logged with its address, also after every unit has connected. The role has finished once the
+/// accepting, its hellos and every rail handed to the pollers have.
 fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener, role: &mut RoleThreads) {
+    use tessera_net::acceptor::Greeted;
     use tessera_net::reactor::Tally;
-    let readers = Arc::new(Mutex::new(Vec::new()));
     // Every rail handed to the pollers, until it has closed.
     let live = Arc::new(Tally::default());
     role.polled.push(live.clone());
     let accepting = Arc::new(Tally::default());
     role.polled.push(accepting.clone());
-    let hellos = tessera_net::io::Hellos::default();
-    let on_connection = {
-        let (sh, readers, hellos) = (sh.clone(), readers.clone(), hellos.clone());
-        move |mut stream: TcpStream, peer: std::net::SocketAddr| {
-            let hello = match hellos.begin() {
-                Ok(h) => h,
+    let on_hello = {
+        let sh = sh.clone();
+        move |g: Greeted| {
+            let (stream, peer, hello) = match g {
+                Greeted::Said {
+                    stream,
+                    peer,
+                    hello,
+                } => (stream, peer, hello),
+                Greeted::Refused { peer, why } => return refused(&sh, peer, &why),
+            };
+            let slot = match handshake(&sh, rail, &stream, &hello) {
+                Ok(slot) => slot,
                 Err(why) => return refused(&sh, peer, &why),
             };
-            let sh2 = sh.clone();
-            let live = live.clone();
-            let mut v = readers.lock();
-            tessera_net::role::reap(&mut v);
-            v.push(spawn(format!("bu{}-hello", sh.id), move || {
-                let r = handshake(&sh2, rail, &mut stream);
-                drop(hello);
-                match r {
-                    Ok(slot) => {
-                        let link = &sh2.stats.links[slot];
-                        let reader = ChunkReader::new(
-                            link.budget.clone(),
-                            sh2.read_chunk.max(2 * sh2.max_message),
-                        );
-                        if let Err(e) = stream.set_nonblocking(true) {
-                            *link.error.lock() = Some(e.to_string());
-                            sh2.close_rail(slot, rail);
-                            return;
-                        }
-                        let conn = PolledRail {
-                            sh: sh2.clone(),
-                            slot,
-                            rail,
-                            stream,
-                            reader,
-                            want: 0,
-                            got: Vec::new(),
-                            progress: Vec::new(),
-                            done: false,
-                            eof: false,
-                            silence: Default::default(),
-                            held: Default::default(),
-                            unread: sh2
-                                .stats
-                                .receive_queues
-                                .gauge(tessera_net::queued::Side::Unread),
-                            bell: tessera_net::reactor::Doorbell::default(),
-                            _live: live.enter(),
-                        };
-                        tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Builder)
-                            .register(Box::new(conn));
-                    }
-                    Err(why) => refused(&sh2, peer, &why),
-                }
-            }));
+            let reader = ChunkReader::new(
+                sh.stats.links[slot].budget.clone(),
+                sh.read_chunk.max(2 * sh.max_message),
+            );
+            let conn = PolledRail {
+                sh: sh.clone(),
+                slot,
+                rail,
+                stream,
+                reader,
+                want: 0,
+                got: Vec::new(),
+                progress: Vec::new(),
+                done: false,
+                eof: false,
+                silence: Default::default(),
+                held: Default::default(),
+                unread: sh
+                    .stats
+                    .receive_queues
+                    .gauge(tessera_net::queued::Side::Unread),
+                bell: tessera_net::reactor::Doorbell::default(),
+                _live: live.enter(),
+            };
+            tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Builder)
+                .register(Box::new(conn));
         }
     };
     let missing = {
@@ -424,24 +414,22 @@ fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener, role: &mut RoleT
     let on_end = {
         let (sh, accepting2) = (sh.clone(), accepting.clone());
         move |end: tessera_net::io::AcceptEnd| {
+            if end != tessera_net::io::AcceptEnd::Stopped {
+                return;
+            }
+            // Every hello of a unit that connected before the stop has been read: the rails
+            // still unconnected will not be. Closing them may wait for the assembler: not on
+            // the acceptor's thread.
             let guard = accepting2.enter();
             spawn(format!("bu{}-accept-end", sh.id), move || {
-                if end == tessera_net::io::AcceptEnd::Stopped {
-                    // Connections taken before the stop are still saying hello (each within
-                    // its deadline).
-                    hellos.wait_done();
-                    for slot in 0..sh.rus.len() {
-                        let never = {
-                            let mut rs = sh.rails[slot].lock();
-                            !std::mem::replace(&mut rs[rail].connected, true)
-                        };
-                        if never {
-                            sh.close_rail(slot, rail);
-                        }
+                for slot in 0..sh.rus.len() {
+                    let never = {
+                        let mut rs = sh.rails[slot].lock();
+                        !std::mem::replace(&mut rs[rail].connected, true)
+                    };
+                    if never {
+                        sh.close_rail(slot, rail);
                     }
-                }
-                for r in std::mem::take(&mut *readers.lock()) {
-                    let _ = r.join();
                 }
                 drop(guard);
             });
@@ -453,7 +441,9 @@ fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener, role: &mut RoleT
             listener,
             stop: sh.stop.clone(),
             missing: Box::new(missing),
-            on_connection: Box::new(on_connection),
+            hello_len: PEER_HELLO_SIZE,
+            hello_patience: tessera_net::acceptor::HELLO_PATIENCE,
+            on_hello: Box::new(on_hello),
             on_end: Box::new(on_end),
         },
         &accepting,
@@ -465,8 +455,9 @@ fn refused(sh: &Shared, peer: std::net::SocketAddr, why: &str) {
     sh.stats.refused_connections.fetch_add(1, Ordering::Relaxed);
 }
 
-fn handshake(sh: &Shared, rail: usize, stream: &mut TcpStream) -> Result<usize, String> {
-    let hello = tessera_net::peer::read_hello(stream, PeerRole::ReadoutUnit)?;
+fn handshake(sh: &Shared, rail: usize, stream: &TcpStream, hello: &[u8]) -> Result<usize, String> {
+    tessera_net::io::tune(stream, None).map_err(|e| e.to_string())?;
+    let hello = tessera_net::peer::check_hello(hello, PeerRole::ReadoutUnit)?;
     let slot = sh
         .rus
         .iter()

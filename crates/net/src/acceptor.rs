@@ -9,18 +9,48 @@
 //!
 //! Each registration keeps the rules of [`crate::io::accept_until`]: it ends when `missing()`
 //! says nobody else is expected, or when its stop is raised and the backlog holds nobody else (a
-//! peer that connected before the stop is still taken). Its `on_end` runs on the acceptor's
-//! thread and must not block: waits it needs (hellos under way) go on a thread of its own.
+//! peer that connected before the stop is still taken).
+//!
+//! The acceptor also reads each connection's hello (a fixed number of bytes) without blocking,
+//! each within its own deadline, before handing the connection over: a silent or slow
+//! connection holds nobody else's hello, and a 16 x 60 trapezoid no longer starts a thread per
+//! connection to say hello (960 at its start, most of the process's peak of threads). At most
+//! [`MAX_HELLOS`] hellos of a role are under way at once; beyond, a connection is refused. A
+//! registration ends only once its accepting has ended and none of its hellos is under way, so
+//! a stop that takes the peers still missing for never connected has seen every hello of a peer
+//! that connected before it. Its `on_end` runs on the acceptor's thread and must not block.
 
 use crate::io::{accept_backlog, AcceptEnd, Backlog, ACCEPT_RECHECK};
 use crate::reactor::{Stage, Tally, TallyGuard};
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
+use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Most hellos of one role under way at once: a flood of silent connections costs descriptors
+/// until their deadlines, not the role.
+pub const MAX_HELLOS: usize = 64;
+
+/// How long a connection may take to say its hello.
+pub const HELLO_PATIENCE: Duration = Duration::from_secs(5);
+
+/// What came of a connection's hello.
+pub enum Greeted {
+    /// The hello's bytes came whole; the connection is non-blocking and holds what the peer sent
+    /// after its hello, unread.
+    Said {
+        stream: TcpStream,
+        peer: SocketAddr,
+        hello: Vec<u8>,
+    },
+    /// Refused before a hello: the connection is closed; `why` is for the count and the log.
+    Refused { peer: SocketAddr, why: String },
+}
 
 /// One role's listening socket and what to do with its connections.
 pub struct Accepting {
@@ -29,16 +59,33 @@ pub struct Accepting {
     pub stop: Arc<AtomicBool>,
     /// Whether a peer is still expected.
     pub missing: Box<dyn FnMut() -> bool + Send>,
-    /// A connection from an allowed peer, in blocking mode. Must not block (read a hello on a
-    /// thread of its own).
-    pub on_connection: Box<dyn FnMut(TcpStream, SocketAddr) + Send>,
-    /// Called once when accepting has ended. Must not block.
+    /// Bytes of the hello every connection sends first (0: hand each connection over at once).
+    pub hello_len: usize,
+    /// How long each connection has to say its hello ([`HELLO_PATIENCE`] for the data path).
+    pub hello_patience: Duration,
+    /// A connection from an allowed peer once it has said its hello, or refused. Must not block.
+    pub on_hello: Box<dyn FnMut(Greeted) + Send>,
+    /// Called once when accepting has ended and no hello is under way. Must not block.
     pub on_end: Box<dyn FnOnce(AcceptEnd) + Send>,
 }
 
 struct Registration {
     a: Accepting,
+    /// Set once the backlog has ended: no more connections are taken.
+    ended: Option<AcceptEnd>,
+    /// Hellos under way.
+    greeting: usize,
     _live: TallyGuard,
+}
+
+/// A connection saying its hello.
+struct Greeting {
+    reg: usize,
+    stream: TcpStream,
+    peer: SocketAddr,
+    hello: Vec<u8>,
+    got: usize,
+    deadline: Instant,
 }
 
 /// The accepting thread of one stage.
@@ -48,6 +95,8 @@ pub struct Acceptor {
 }
 
 const WAKE: Token = Token(usize::MAX);
+/// Tokens of connections saying hello start here; below are the listeners'.
+const GREETING: usize = 1 << 31;
 
 impl Acceptor {
     /// The process's acceptor for `stage`, started on first use; it lives as long as the process.
@@ -59,7 +108,7 @@ impl Acceptor {
             let (tx, rx) = unbounded();
             std::thread::Builder::new()
                 .name(format!("{}-accept", stage.name()))
-                .spawn(move || run(poll, rx))
+                .spawn(move || Thread::new(poll).run(rx))
                 .expect("start an acceptor");
             Acceptor { tx, waker }
         })
@@ -70,6 +119,8 @@ impl Acceptor {
         let _ = a.listener.set_nonblocking(true);
         let r = Registration {
             a,
+            ended: None,
+            greeting: 0,
             _live: live.enter(),
         };
         // The acceptor's thread never ends, so its receiver never goes away.
@@ -78,62 +129,271 @@ impl Acceptor {
     }
 }
 
-fn run(mut poll: Poll, rx: Receiver<Registration>) {
-    let mut regs: Vec<Option<Registration>> = Vec::new();
-    let mut events = Events::with_capacity(256);
-    loop {
-        while let Ok(r) = rx.try_recv() {
-            let slot = regs.iter().position(Option::is_none).unwrap_or_else(|| {
-                regs.push(None);
-                regs.len() - 1
-            });
-            let fd = r.a.listener.as_raw_fd();
-            if let Err(e) =
-                poll.registry()
-                    .register(&mut SourceFd(&fd), Token(slot), Interest::READABLE)
-            {
-                // Still served, at every recheck instead of at once.
-                tracing::warn!(role = %r.a.name, error = %e, "cannot watch a listener");
-            }
-            regs[slot] = Some(r);
+struct Thread {
+    poll: Poll,
+    regs: Vec<Option<Registration>>,
+    greetings: Vec<Option<Greeting>>,
+}
+
+/// A callback of a role panicked: the role ends as if stopped, alone, and the other roles of the
+/// stage keep their acceptor.
+struct Panicked;
+
+impl Thread {
+    fn new(poll: Poll) -> Self {
+        Thread {
+            poll,
+            regs: Vec::new(),
+            greetings: Vec::new(),
         }
-        // Every registration each round, ready or not: its stop and `missing()` are looked at
-        // at least every recheck, and edge-triggered readiness needs the backlog drained.
-        for entry in regs.iter_mut() {
-            let Some(r) = entry else { continue };
-            // A role whose accepting panics (a hello thread that cannot be started) ends as if
-            // stopped, alone: the other roles of the stage keep their acceptor.
-            let end = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| turn(&mut r.a)))
-                .unwrap_or_else(|_| {
-                    tracing::error!(role = %r.a.name, "accepting panicked; it takes no more connections");
-                    Some(AcceptEnd::Stopped)
-                });
-            if let Some(end) = end {
-                let fd = r.a.listener.as_raw_fd();
-                let _ = poll.registry().deregister(&mut SourceFd(&fd));
-                let Some(done) = entry.take() else { continue };
-                let Registration { a, _live } = done;
-                let name = a.name;
-                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (a.on_end)(end)))
-                    .is_err()
-                {
-                    tracing::error!(role = %name, "the end of an accept loop panicked");
+    }
+
+    fn run(mut self, rx: Receiver<Registration>) {
+        let mut events = Events::with_capacity(256);
+        loop {
+            while let Ok(r) = rx.try_recv() {
+                self.register(r);
+            }
+            for ev in events.iter() {
+                if let Some(g) = ev.token().0.checked_sub(GREETING) {
+                    if ev.token() != WAKE {
+                        self.listen_to(g);
+                    }
                 }
-                // `_live` dropped here: the role no longer waits for this registration.
+            }
+            self.expire(Instant::now());
+            // Every registration each round, ready or not: its stop and `missing()` are looked at
+            // at least every recheck, and edge-triggered readiness needs the backlog drained.
+            for slot in 0..self.regs.len() {
+                self.turn(slot);
+            }
+            let _ = self.poll.poll(&mut events, Some(ACCEPT_RECHECK));
+        }
+    }
+
+    fn register(&mut self, r: Registration) {
+        let slot = free_slot(&mut self.regs);
+        let fd = r.a.listener.as_raw_fd();
+        if let Err(e) =
+            self.poll
+                .registry()
+                .register(&mut SourceFd(&fd), Token(slot), Interest::READABLE)
+        {
+            // Still served, at every recheck instead of at once.
+            tracing::warn!(role = %r.a.name, error = %e, "cannot watch a listener");
+        }
+        self.regs[slot] = Some(r);
+    }
+
+    /// Takes the registration's backlog, if it still accepts, and ends it once nothing of it is
+    /// under way.
+    fn turn(&mut self, slot: usize) {
+        let Some(r) = self.regs[slot].as_mut() else {
+            return;
+        };
+        if r.ended.is_none() {
+            let mut taken = Vec::new();
+            let a = &mut r.a;
+            let end = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                match accept_backlog(&a.listener, &a.stop, &mut a.missing, &mut |s, p| {
+                    taken.push((s, p))
+                }) {
+                    Backlog::Ended(end) => Some(end),
+                    // A drained or failing listener is looked at again after the next
+                    // readiness or recheck, whichever comes first (edge-triggered: a listener
+                    // that stays readable after a failure wakes nobody early).
+                    Backlog::Drained | Backlog::Failed => None,
+                }
+            }))
+            .unwrap_or_else(|_| {
+                tracing::error!(role = %a.name, "accepting panicked; it takes no more connections");
+                Some(AcceptEnd::Stopped)
+            });
+            for (stream, peer) in taken {
+                if self.greet(slot, stream, peer).is_err() {
+                    self.fail(slot);
+                    break;
+                }
+            }
+            if let Some(end) = end {
+                self.end_accepting(slot, end);
             }
         }
-        let _ = poll.poll(&mut events, Some(ACCEPT_RECHECK));
+        let Some(r) = self.regs[slot].as_ref() else {
+            return;
+        };
+        if r.ended.is_some() && r.greeting == 0 {
+            let Some(Registration {
+                a, ended, _live, ..
+            }) = self.regs[slot].take()
+            else {
+                return;
+            };
+            let name = a.name;
+            let end = ended.unwrap_or(AcceptEnd::Stopped);
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (a.on_end)(end))).is_err() {
+                tracing::error!(role = %name, "the end of an accept loop panicked");
+            }
+            // `_live` dropped here: the role no longer waits for this registration.
+        }
+    }
+
+    /// No more connections for this registration.
+    fn end_accepting(&mut self, slot: usize, end: AcceptEnd) {
+        let Some(r) = self.regs[slot].as_mut() else {
+            return;
+        };
+        if r.ended.is_none() {
+            let fd = r.a.listener.as_raw_fd();
+            let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
+            r.ended = Some(end);
+        }
+    }
+
+    /// A callback of the registration panicked: it takes no more connections, and its hellos
+    /// under way are dropped (closed) without being handed to it again.
+    fn fail(&mut self, slot: usize) {
+        if let Some(r) = self.regs[slot].as_ref() {
+            tracing::error!(role = %r.a.name, "handing over a connection panicked; the role takes no more connections");
+        }
+        self.end_accepting(slot, AcceptEnd::Stopped);
+        for i in 0..self.greetings.len() {
+            if self.greetings[i].as_ref().is_some_and(|g| g.reg == slot) {
+                if let Some(g) = self.greetings[i].take() {
+                    let _ = self
+                        .poll
+                        .registry()
+                        .deregister(&mut SourceFd(&g.stream.as_raw_fd()));
+                }
+                if let Some(r) = self.regs[slot].as_mut() {
+                    r.greeting -= 1;
+                }
+            }
+        }
+    }
+
+    /// A new connection: its hello read at once if it is there, else watched until it comes.
+    fn greet(&mut self, slot: usize, stream: TcpStream, peer: SocketAddr) -> Result<(), Panicked> {
+        let Some(r) = self.regs[slot].as_mut() else {
+            return Ok(());
+        };
+        if r.greeting >= MAX_HELLOS {
+            let why = format!("{MAX_HELLOS} connections are already waiting to say hello");
+            return hand_over(r, Greeted::Refused { peer, why });
+        }
+        if let Err(e) = stream.set_nonblocking(true) {
+            let why = format!("cannot read a hello: {e}");
+            return hand_over(r, Greeted::Refused { peer, why });
+        }
+        r.greeting += 1;
+        let g = Greeting {
+            reg: slot,
+            stream,
+            peer,
+            hello: vec![0; r.a.hello_len],
+            got: 0,
+            deadline: Instant::now() + r.a.hello_patience,
+        };
+        let i = free_slot(&mut self.greetings);
+        self.greetings[i] = Some(g);
+        if let Some(g) = self.greetings[i].as_ref() {
+            let fd = g.stream.as_raw_fd();
+            // Edge-triggered, added before the first read: bytes that come between the read
+            // and a later registration would raise no edge.
+            if let Err(e) = self.poll.registry().register(
+                &mut SourceFd(&fd),
+                Token(GREETING + i),
+                Interest::READABLE,
+            ) {
+                let why = format!("cannot watch for a hello: {e}");
+                return self.settle(i, Err(why));
+            }
+        }
+        self.listen_to(i);
+        Ok(())
+    }
+
+    /// Reads what the connection has of its hello; settles it once whole, closed or broken.
+    fn listen_to(&mut self, i: usize) {
+        let Some(g) = self.greetings.get_mut(i).and_then(Option::as_mut) else {
+            return;
+        };
+        let outcome = loop {
+            if g.got == g.hello.len() {
+                break Some(Ok(()));
+            }
+            match g.stream.read(&mut g.hello[g.got..]) {
+                Ok(0) => break Some(Err("peer closed during handshake".to_string())),
+                Ok(n) => g.got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break None,
+                Err(e) => break Some(Err(e.to_string())),
+            }
+        };
+        if let Some(outcome) = outcome {
+            let slot = g.reg;
+            if self.settle(i, outcome).is_err() {
+                self.fail(slot);
+            }
+        }
+    }
+
+    /// Hellos past their deadline are refused.
+    fn expire(&mut self, now: Instant) {
+        for i in 0..self.greetings.len() {
+            if let Some(g) = self.greetings[i].as_ref() {
+                if now >= g.deadline {
+                    let slot = g.reg;
+                    let why = "peer sent no handshake in time".to_string();
+                    if self.settle(i, Err(why)).is_err() {
+                        self.fail(slot);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The hello of greeting `i` is over: hands the connection (or its refusal) to its role.
+    fn settle(&mut self, i: usize, outcome: Result<(), String>) -> Result<(), Panicked> {
+        let Some(g) = self.greetings[i].take() else {
+            return Ok(());
+        };
+        let _ = self
+            .poll
+            .registry()
+            .deregister(&mut SourceFd(&g.stream.as_raw_fd()));
+        let Some(r) = self.regs[g.reg].as_mut() else {
+            return Ok(());
+        };
+        r.greeting -= 1;
+        let Greeting {
+            stream,
+            peer,
+            hello,
+            ..
+        } = g;
+        let greeted = match outcome {
+            Ok(()) => Greeted::Said {
+                stream,
+                peer,
+                hello,
+            },
+            Err(why) => Greeted::Refused { peer, why },
+        };
+        hand_over(r, greeted)
     }
 }
 
-/// Accepts what the backlog holds; `Some` when the registration has ended. A drained or failing
-/// listener is looked at again after the next readiness or recheck, whichever comes first
-/// (edge-triggered: a listener that stays readable after a failure wakes nobody early).
-fn turn(a: &mut Accepting) -> Option<AcceptEnd> {
-    match accept_backlog(&a.listener, &a.stop, &mut a.missing, &mut a.on_connection) {
-        Backlog::Ended(end) => Some(end),
-        Backlog::Drained | Backlog::Failed => None,
-    }
+fn hand_over(r: &mut Registration, g: Greeted) -> Result<(), Panicked> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (r.a.on_hello)(g)))
+        .map_err(|_| Panicked)
+}
+
+fn free_slot<T>(v: &mut Vec<Option<T>>) -> usize {
+    v.iter().position(Option::is_none).unwrap_or_else(|| {
+        v.push(None);
+        v.len() - 1
+    })
 }
 
 #[cfg(test)]
@@ -162,7 +422,9 @@ mod tests {
                     listener: l,
                     stop: stop.clone(),
                     missing: Box::new(move || g.load(Ordering::SeqCst) < expect),
-                    on_connection: Box::new(move |_s, _p| {
+                    hello_len: 0,
+                    hello_patience: HELLO_PATIENCE,
+                    on_hello: Box::new(move |_| {
                         g2.fetch_add(1, Ordering::SeqCst);
                     }),
                     on_end: Box::new(move |end| {
@@ -194,7 +456,7 @@ mod tests {
     #[test]
     fn a_panicking_role_ends_alone() {
         let acc = Acceptor::stage(Stage::Send);
-        let reg = |on_connection: Box<dyn FnMut(TcpStream, SocketAddr) + Send>| {
+        let reg = |on_hello: Box<dyn FnMut(Greeted) + Send>| {
             let l = TcpListener::bind("127.0.0.1:0").unwrap();
             let addr = l.local_addr().unwrap();
             let (tx, rx) = std::sync::mpsc::channel();
@@ -205,7 +467,9 @@ mod tests {
                     listener: l,
                     stop: Arc::new(AtomicBool::new(false)),
                     missing: Box::new(|| true),
-                    on_connection,
+                    hello_len: 0,
+                    hello_patience: HELLO_PATIENCE,
+                    on_hello,
                     on_end: Box::new(move |end| {
                         let _ = tx.send(end);
                     }),
@@ -214,10 +478,12 @@ mod tests {
             );
             (addr, rx, live)
         };
-        let (bad, bad_end, bad_live) = reg(Box::new(|_, _| panic!("cannot start a hello")));
+        let (bad, bad_end, bad_live) = reg(Box::new(|_| panic!("cannot take a connection")));
         let (tx, taken) = std::sync::mpsc::channel();
-        let (good, good_end, _good_live) = reg(Box::new(move |_, p| {
-            let _ = tx.send(p);
+        let (good, good_end, _good_live) = reg(Box::new(move |g| {
+            if let Greeted::Said { peer, .. } = g {
+                let _ = tx.send(peer);
+            }
         }));
         let _c = TcpStream::connect(bad).unwrap();
         let wait = Duration::from_secs(60);
@@ -226,5 +492,164 @@ mod tests {
         let c = TcpStream::connect(good).unwrap();
         assert_eq!(taken.recv_timeout(wait).unwrap(), c.local_addr().unwrap());
         assert!(good_end.try_recv().is_err(), "the other role still accepts");
+    }
+
+    enum Seen {
+        Said(SocketAddr, Vec<u8>, TcpStream),
+        Refused(SocketAddr, String),
+        End(AcceptEnd),
+    }
+
+    /// A registration whose hellos are `len` bytes; everything it sees goes to one channel, in
+    /// the order the acceptor did it.
+    fn greeter(
+        stage: Stage,
+        len: usize,
+        stop: Arc<AtomicBool>,
+    ) -> (SocketAddr, std::sync::mpsc::Receiver<Seen>, Arc<Tally>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tx2 = tx.clone();
+        let live = Arc::new(Tally::default());
+        Acceptor::stage(stage).add(
+            Accepting {
+                name: "test".into(),
+                listener: l,
+                stop,
+                missing: Box::new(|| true),
+                hello_len: len,
+                // Longer than any test waits: no hello here ends by its deadline.
+                hello_patience: Duration::from_secs(600),
+                on_hello: Box::new(move |g| {
+                    let _ = tx.send(match g {
+                        Greeted::Said {
+                            stream,
+                            peer,
+                            hello,
+                        } => Seen::Said(peer, hello, stream),
+                        Greeted::Refused { peer, why } => Seen::Refused(peer, why),
+                    });
+                }),
+                on_end: Box::new(move |end| {
+                    let _ = tx2.send(Seen::End(end));
+                }),
+            },
+            &live,
+        );
+        (addr, rx, live)
+    }
+
+    /// Waits until the acceptor of `stage` has finished a whole round begun after now: a
+    /// registration added now ends in the round that takes it; one added after that, in a later
+    /// round, once every registration has been turned in the first.
+    fn full_round(stage: Stage) {
+        for _ in 0..2 {
+            let (_, rx, _) = greeter(stage, 0, Arc::new(AtomicBool::new(true)));
+            loop {
+                if let Seen::End(_) = rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Hellos are read on the acceptor's thread without blocking it: a silent connection holds
+    /// nobody else's hello, a hello that comes in pieces is put together, the bytes after a
+    /// hello stay in the connection, a peer that closes early is refused; a stop does not end
+    /// the registration while a hello is under way, and the connection that says it after the
+    /// stop is still handed over, before the end.
+    #[test]
+    fn hellos_are_read_without_a_thread_and_a_stop_waits_for_them() {
+        use std::io::Write;
+        let stage = Stage::Builder;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (addr, rx, live) = greeter(stage, 8, stop.clone());
+        let wait = Duration::from_secs(60);
+        let mut silent = TcpStream::connect(addr).unwrap();
+        let mut whole = TcpStream::connect(addr).unwrap();
+        whole.write_all(b"HELLO-01tail").unwrap();
+        match rx.recv_timeout(wait).unwrap() {
+            Seen::Said(peer, hello, s) => {
+                assert_eq!(peer, whole.local_addr().unwrap());
+                assert_eq!(hello, b"HELLO-01");
+                s.set_nonblocking(false).unwrap();
+                let mut rest = [0u8; 4];
+                (&s).read_exact(&mut rest).unwrap();
+                assert_eq!(&rest, b"tail");
+            }
+            _ => panic!("the whole hello first"),
+        }
+        let mut pieces = TcpStream::connect(addr).unwrap();
+        pieces.write_all(b"HEL").unwrap();
+        full_round(stage);
+        pieces.write_all(b"LO-02").unwrap();
+        match rx.recv_timeout(wait).unwrap() {
+            Seen::Said(peer, hello, _) => {
+                assert_eq!(peer, pieces.local_addr().unwrap());
+                assert_eq!(hello, b"HELLO-02");
+            }
+            _ => panic!("the hello in pieces next"),
+        }
+        let early = TcpStream::connect(addr).unwrap();
+        let early_addr = early.local_addr().unwrap();
+        drop(early);
+        match rx.recv_timeout(wait).unwrap() {
+            Seen::Refused(peer, why) => {
+                assert_eq!(peer, early_addr);
+                assert!(why.contains("closed"), "{why}");
+            }
+            _ => panic!("the early close refused"),
+        }
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        full_round(stage);
+        assert!(
+            rx.try_recv().is_err(),
+            "nothing ends while the silent connection's hello is under way"
+        );
+        assert!(!live.is_zero());
+        silent.write_all(b"HELLO-03").unwrap();
+        match rx.recv_timeout(wait).unwrap() {
+            Seen::Said(peer, hello, _) => {
+                assert_eq!(peer, silent.local_addr().unwrap());
+                assert_eq!(hello, b"HELLO-03");
+            }
+            _ => panic!("the late hello is handed over before the end"),
+        }
+        assert!(matches!(
+            rx.recv_timeout(wait).unwrap(),
+            Seen::End(AcceptEnd::Stopped)
+        ));
+        live.wait_zero();
+    }
+
+    /// At most MAX_HELLOS hellos of a role are under way: the next connection is refused with
+    /// the reason, and the ones under way still say theirs.
+    #[test]
+    fn hellos_under_way_are_bounded() {
+        use std::io::Write;
+        let stage = Stage::Readout;
+        let (addr, rx, _live) = greeter(stage, 4, Arc::new(AtomicBool::new(false)));
+        let mut silent: Vec<TcpStream> = (0..MAX_HELLOS)
+            .map(|_| TcpStream::connect(addr).unwrap())
+            .collect();
+        full_round(stage);
+        let extra = TcpStream::connect(addr).unwrap();
+        match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            Seen::Refused(peer, why) => {
+                assert_eq!(peer, extra.local_addr().unwrap());
+                assert!(why.contains("already waiting to say hello"), "{why}");
+            }
+            _ => panic!("the connection beyond the bound is refused"),
+        }
+        silent[0].write_all(b"HIYA").unwrap();
+        match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            Seen::Said(peer, hello, _) => {
+                assert_eq!(peer, silent[0].local_addr().unwrap());
+                assert_eq!(hello, b"HIYA");
+            }
+            _ => panic!("a hello under way still comes through"),
+        }
+        silent.clear();
     }
 }

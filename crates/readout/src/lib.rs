@@ -410,31 +410,31 @@ impl ReadoutUnit {
 }
 
 /// Accepts sources until every link has ended (or the stop), on the readout stage's acceptor
-/// (one thread for every unit of the process): a connection's hello is read on its own thread
-/// with its own deadline, so a silent or slow connection holds nobody else's hello; the thread
-/// then hands the link to the pollers and ends. A connection for a source that is connected or
-/// has finished, or that never says a valid hello, is refused, counted and logged with its
-/// address, also after every source has connected. The role has finished once the accepting,
-/// the hellos and every link handed to the pollers have.
+/// (one thread for every unit of the process), which also reads each connection's hello without
+/// blocking, within its own deadline: a silent or slow connection holds nobody else's hello, and
+/// no thread is started per connection. A connection for a source that is connected or has
+/// finished, or that never says a valid hello, is refused, counted and logged with its address,
+/// also after every source has connected. The role has finished once the accepting, its hellos
+/// and every link handed to the pollers have.
 fn accept<S: LinkSink>(
     sh: &Arc<S>,
     listener: TcpListener,
     dial: Vec<String>,
     role: &mut RoleThreads,
 ) {
+    use tessera_net::acceptor::Greeted;
     use tessera_net::reactor::Tally;
     let c = sh.ctx();
     let id = c.id;
-    let readers = Arc::new(Mutex::new(Vec::new()));
     // Every link handed to the pollers, until it has closed and been accounted.
     let live = Arc::new(Tally::default());
     role.polled.push(live.clone());
     // The accepting, then what its end waits for.
     let accepting = Arc::new(Tally::default());
     role.polled.push(accepting.clone());
+    // Sources that listen are dialled beside the accepting, each hello on a thread of its own
+    // (there are few), under `hellos`, so that a stop waits for their hellos too.
     let hellos = tessera_net::io::Hellos::default();
-    // Sources that listen are dialled beside the accepting, under the same hellos, so that a
-    // stop waits for their hellos too.
     let dialer = (!dial.is_empty()).then(|| {
         let (sh, hellos, live) = (sh.clone(), hellos.clone(), live.clone());
         spawn(format!("ru{id}-dial"), move || {
@@ -443,7 +443,9 @@ fn accept<S: LinkSink>(
             tessera_net::io::dial_until(&dial, &c.stop, &hellos, |stream, peer, hello| {
                 let (sh, live) = (sh.clone(), live.clone());
                 conns.push(spawn(format!("ru{}-hello", c.id), move || {
-                    take_source(&sh, stream, peer, hello, &live)
+                    let r = handshake(sh.ctx(), stream);
+                    drop(hello);
+                    take_source(&sh, peer, r, &live)
                 }));
             });
             for t in conns {
@@ -451,19 +453,18 @@ fn accept<S: LinkSink>(
             }
         })
     });
-    let on_connection = {
-        let (sh, readers, hellos, live) = (sh.clone(), readers.clone(), hellos.clone(), live);
-        move |stream: TcpStream, peer: std::net::SocketAddr| {
-            let hello = match hellos.begin() {
-                Ok(h) => h,
-                Err(why) => return refused(sh.ctx(), peer, why),
-            };
-            let (sh2, live) = (sh.clone(), live.clone());
-            let mut v = readers.lock();
-            tessera_net::role::reap(&mut v);
-            v.push(spawn(format!("ru{id}-hello"), move || {
-                take_source(&sh2, stream, peer, hello, &live)
-            }));
+    let on_hello = {
+        let (sh, live) = (sh.clone(), live);
+        move |g: Greeted| match g {
+            Greeted::Said {
+                stream,
+                peer,
+                hello,
+            } => {
+                let r = greeted(sh.ctx(), stream, &hello);
+                take_source(&sh, peer, r, &live)
+            }
+            Greeted::Refused { peer, why } => refused(sh.ctx(), peer, why),
         }
     };
     let missing = {
@@ -473,17 +474,19 @@ fn accept<S: LinkSink>(
     let on_end = {
         let (sh, accepting2) = (sh.clone(), accepting.clone());
         move |end: tessera_net::io::AcceptEnd| {
+            let stopped = end == tessera_net::io::AcceptEnd::Stopped;
+            if !stopped && dialer.is_none() {
+                return;
+            }
+            // Closing links may wait for room downstream, and the dialled hellos for their
+            // deadlines: not on the acceptor's thread.
             let guard = accepting2.enter();
             spawn(format!("ru{id}-accept-end"), move || {
-                if end == tessera_net::io::AcceptEnd::Stopped {
-                    // Connections taken before the stop are still saying hello (each within
-                    // its deadline): they may be sources, which must not be taken for never
-                    // connected.
+                if stopped {
+                    // Dialled sources still saying hello (each within its deadline) must not
+                    // be taken for never connected; accepted ones have said theirs already.
                     hellos.wait_done();
                     close_never_connected(&*sh);
-                }
-                for r in std::mem::take(&mut *readers.lock()) {
-                    let _ = r.join();
                 }
                 if let Some(d) = dialer {
                     let _ = d.join();
@@ -498,33 +501,38 @@ fn accept<S: LinkSink>(
             listener,
             stop: c.stop.clone(),
             missing: Box::new(missing),
-            on_connection: Box::new(on_connection),
+            hello_len: HELLO_SIZE,
+            hello_patience: tessera_net::acceptor::HELLO_PATIENCE,
+            on_hello: Box::new(on_hello),
             on_end: Box::new(on_end),
         },
         &accepting,
     );
 }
 
-/// A source's connection (accepted, or dialled to a source that listens): its hello, then the
-/// link handed to the pollers.
+/// A source's connection (accepted, or dialled to a source that listens) once its hello is
+/// checked: the link handed to the pollers, or the connection refused.
 fn take_source<S: LinkSink>(
     sh: &Arc<S>,
-    stream: TcpStream,
     peer: std::net::SocketAddr,
-    hello: tessera_net::io::HelloUnderWay,
+    said: Result<(usize, TcpStream), String>,
     live: &Arc<tessera_net::reactor::Tally>,
 ) {
     let c = sh.ctx();
-    let r = handshake(c, stream);
-    drop(hello);
-    match r {
+    match said {
         Ok((slot, stream)) => match polled::PolledLink::new(sh.clone(), slot, stream, live) {
             Ok(conn) => tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Readout)
                 .register(Box::new(conn)),
             Err(e) => {
                 tracing::warn!(readout_unit = c.id, source = c.sources[slot], error = %e, "link could not be served");
                 c.stats.links[slot].set_state(LinkState::Disconnected);
-                sh.close_link(slot);
+                // Closing may wait for room downstream: not on the acceptor's thread, and
+                // counted among the links until done.
+                let (sh, guard) = (sh.clone(), live.enter());
+                spawn(format!("ru{}-close", c.id), move || {
+                    sh.close_link(slot);
+                    drop(guard);
+                });
             }
         },
         Err(why) => refused(c, peer, why),
@@ -547,13 +555,23 @@ pub(crate) fn close_never_connected(sh: &impl LinkSink) {
     }
 }
 
-/// Reads and checks the hello; returns the link slot for the source.
+/// Reads and checks the hello of a dialled source (blocking, within its deadline); returns the
+/// link slot for the source.
 fn handshake(sh: &LinkCtx, mut stream: TcpStream) -> Result<(usize, TcpStream), String> {
     tessera_net::io::tune(&stream, Some(Duration::from_millis(100))).map_err(|e| e.to_string())?;
     let mut h = [0u8; HELLO_SIZE];
-    tessera_net::io::read_exact_patient(&mut stream, &mut h, Duration::from_secs(5))
+    tessera_net::io::read_exact_patient(&mut stream, &mut h, tessera_net::acceptor::HELLO_PATIENCE)
         .map_err(|e| e.to_string())?;
     source_slot(sh, &h).map(|slot| (slot, stream))
+}
+
+/// Checks the hello the acceptor read; returns the link slot for the source.
+fn greeted(sh: &LinkCtx, stream: TcpStream, hello: &[u8]) -> Result<(usize, TcpStream), String> {
+    let h: &[u8; HELLO_SIZE] = hello
+        .try_into()
+        .map_err(|_| format!("a hello of {} bytes, not {HELLO_SIZE}", hello.len()))?;
+    tessera_net::io::tune(&stream, None).map_err(|e| e.to_string())?;
+    source_slot(sh, h).map(|slot| (slot, stream))
 }
 
 /// The link slot of the source whose hello this is, claimed.
