@@ -445,6 +445,7 @@ fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener, role: &mut RoleT
             hello_patience: tessera_net::acceptor::HELLO_PATIENCE,
             on_hello: Box::new(on_hello),
             on_end: Box::new(on_end),
+            dialled: None,
         },
         &accepting,
     );

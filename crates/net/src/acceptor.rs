@@ -67,7 +67,15 @@ pub struct Accepting {
     pub on_hello: Box<dyn FnMut(Greeted) + Send>,
     /// Called once when accepting has ended and no hello is under way. Must not block.
     pub on_end: Box<dyn FnOnce(AcceptEnd) + Send>,
+    /// Connections the role opened itself to peers that listen (sources dialled SiTCP style),
+    /// each with its place among the dialler's hellos under way: their hellos are read here
+    /// like the accepted ones'. The registration does not end before this channel is closed
+    /// (the dialler has ended). Wake the acceptor ([`Acceptor::wake`]) after each.
+    pub dialled: Option<Receiver<Dialled>>,
 }
+
+/// A connection the role opened to a peer that listens, with its hello under way.
+pub type Dialled = (TcpStream, SocketAddr, crate::io::HelloUnderWay);
 
 struct Registration {
     a: Accepting,
@@ -86,6 +94,8 @@ struct Greeting {
     hello: Vec<u8>,
     got: usize,
     deadline: Instant,
+    /// A dialled connection's place among its dialler's hellos, given back when settled.
+    _under_way: Option<crate::io::HelloUnderWay>,
 }
 
 /// The accepting thread of one stage.
@@ -112,6 +122,11 @@ impl Acceptor {
                 .expect("start an acceptor");
             Acceptor { tx, waker }
         })
+    }
+
+    /// Looks at every registration now (a dialled connection is waiting).
+    pub fn wake(&self) {
+        let _ = self.waker.wake();
     }
 
     /// Accepts on `a.listener` from now until its end; the role counts it in `live` until then.
@@ -210,7 +225,7 @@ impl Thread {
                 Some(AcceptEnd::Stopped)
             });
             for (stream, peer) in taken {
-                if self.greet(slot, stream, peer).is_err() {
+                if self.greet(slot, stream, peer, None).is_err() {
                     self.fail(slot);
                     break;
                 }
@@ -219,10 +234,11 @@ impl Thread {
                 self.end_accepting(slot, end);
             }
         }
+        self.take_dialled(slot);
         let Some(r) = self.regs[slot].as_ref() else {
             return;
         };
-        if r.ended.is_some() && r.greeting == 0 {
+        if r.ended.is_some() && r.greeting == 0 && r.a.dialled.is_none() {
             let Some(Registration {
                 a, ended, _live, ..
             }) = self.regs[slot].take()
@@ -235,6 +251,29 @@ impl Thread {
                 tracing::error!(role = %name, "the end of an accept loop panicked");
             }
             // `_live` dropped here: the role no longer waits for this registration.
+        }
+    }
+
+    /// Greets the connections the role's dialler opened; forgets the dialler once it has ended.
+    fn take_dialled(&mut self, slot: usize) {
+        loop {
+            let Some(rx) = self.regs[slot].as_ref().and_then(|r| r.a.dialled.as_ref()) else {
+                return;
+            };
+            match rx.try_recv() {
+                Ok((stream, peer, under_way)) => {
+                    if self.greet(slot, stream, peer, Some(under_way)).is_err() {
+                        self.fail(slot);
+                    }
+                }
+                Err(crossbeam_channel::TryRecvError::Empty) => return,
+                Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                    if let Some(r) = self.regs[slot].as_mut() {
+                        r.a.dialled = None;
+                    }
+                    return;
+                }
+            }
         }
     }
 
@@ -257,6 +296,10 @@ impl Thread {
             tracing::error!(role = %r.a.name, "handing over a connection panicked; the role takes no more connections");
         }
         self.end_accepting(slot, AcceptEnd::Stopped);
+        if let Some(r) = self.regs[slot].as_mut() {
+            // Its dialler's connections are refused from now on (closed as its sends fail).
+            r.a.dialled = None;
+        }
         for i in 0..self.greetings.len() {
             if self.greetings[i].as_ref().is_some_and(|g| g.reg == slot) {
                 if let Some(g) = self.greetings[i].take() {
@@ -273,11 +316,18 @@ impl Thread {
     }
 
     /// A new connection: its hello read at once if it is there, else watched until it comes.
-    fn greet(&mut self, slot: usize, stream: TcpStream, peer: SocketAddr) -> Result<(), Panicked> {
+    fn greet(
+        &mut self,
+        slot: usize,
+        stream: TcpStream,
+        peer: SocketAddr,
+        under_way: Option<crate::io::HelloUnderWay>,
+    ) -> Result<(), Panicked> {
         let Some(r) = self.regs[slot].as_mut() else {
             return Ok(());
         };
-        if r.greeting >= MAX_HELLOS {
+        // Dialled connections are bounded by their dialler, which waits rather than refuses.
+        if under_way.is_none() && r.greeting >= MAX_HELLOS {
             let why = format!("{MAX_HELLOS} connections are already waiting to say hello");
             return hand_over(r, Greeted::Refused { peer, why });
         }
@@ -293,6 +343,7 @@ impl Thread {
             hello: vec![0; r.a.hello_len],
             got: 0,
             deadline: Instant::now() + r.a.hello_patience,
+            _under_way: under_way,
         };
         let i = free_slot(&mut self.greetings);
         self.greetings[i] = Some(g);
@@ -430,6 +481,7 @@ mod tests {
                     on_end: Box::new(move |end| {
                         let _ = tx.send(end);
                     }),
+                    dialled: None,
                 },
                 &live,
             );
@@ -473,6 +525,7 @@ mod tests {
                     on_end: Box::new(move |end| {
                         let _ = tx.send(end);
                     }),
+                    dialled: None,
                 },
                 &live,
             );
@@ -507,6 +560,15 @@ mod tests {
         len: usize,
         stop: Arc<AtomicBool>,
     ) -> (SocketAddr, std::sync::mpsc::Receiver<Seen>, Arc<Tally>) {
+        greeter_dialling(stage, len, stop, None)
+    }
+
+    fn greeter_dialling(
+        stage: Stage,
+        len: usize,
+        stop: Arc<AtomicBool>,
+        dialled: Option<Receiver<Dialled>>,
+    ) -> (SocketAddr, std::sync::mpsc::Receiver<Seen>, Arc<Tally>) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
@@ -534,6 +596,7 @@ mod tests {
                 on_end: Box::new(move |end| {
                     let _ = tx2.send(Seen::End(end));
                 }),
+                dialled,
             },
             &live,
         );
@@ -651,5 +714,43 @@ mod tests {
             _ => panic!("a hello under way still comes through"),
         }
         silent.clear();
+    }
+
+    /// A connection the role dialled has its hello read like an accepted one's, and the
+    /// registration does not end, even stopped, until its dialler has.
+    #[test]
+    fn dialled_connections_say_hello_and_hold_the_end_until_the_dialler_ends() {
+        use std::io::Write;
+        let stage = Stage::Send;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, dialled) = unbounded::<Dialled>();
+        let (_, rx, live) = greeter_dialling(stage, 4, stop.clone(), Some(dialled));
+        // A peer that listens, as a SiTCP board does, and the role's connection to it.
+        let board = TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = TcpStream::connect(board.local_addr().unwrap()).unwrap();
+        let (mut theirs, _) = board.accept().unwrap();
+        let hellos = crate::io::Hellos::default();
+        tx.send((ours, board.local_addr().unwrap(), hellos.begin().unwrap()))
+            .unwrap();
+        Acceptor::stage(stage).wake();
+        theirs.write_all(b"SITC").unwrap();
+        match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            Seen::Said(peer, hello, _) => {
+                assert_eq!(peer, board.local_addr().unwrap());
+                assert_eq!(hello, b"SITC");
+            }
+            _ => panic!("the dialled connection's hello"),
+        }
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        full_round(stage);
+        assert!(rx.try_recv().is_err(), "the dialler has not ended yet");
+        hellos.wait_done();
+        drop(tx);
+        Acceptor::stage(stage).wake();
+        assert!(matches!(
+            rx.recv_timeout(Duration::from_secs(60)).unwrap(),
+            Seen::End(AcceptEnd::Stopped)
+        ));
+        live.wait_zero();
     }
 }

@@ -432,26 +432,22 @@ fn accept<S: LinkSink>(
     // The accepting, then what its end waits for.
     let accepting = Arc::new(Tally::default());
     role.polled.push(accepting.clone());
-    // Sources that listen are dialled beside the accepting, each hello on a thread of its own
-    // (there are few), under `hellos`, so that a stop waits for their hellos too.
-    let hellos = tessera_net::io::Hellos::default();
-    let dialer = (!dial.is_empty()).then(|| {
-        let (sh, hellos, live) = (sh.clone(), hellos.clone(), live.clone());
+    // Sources that listen are dialled beside the accepting (at most `Hellos::MAX` saying hello
+    // at once, the dialler waiting beyond); their hellos are read by the acceptor like the
+    // accepted ones', and the accepting does not end before the dialler has.
+    let dialled = (!dial.is_empty()).then(|| {
+        let (tx, rx) = crossbeam_channel::unbounded::<tessera_net::acceptor::Dialled>();
+        let stop = c.stop.clone();
         spawn(format!("ru{id}-dial"), move || {
-            let c = sh.ctx();
-            let mut conns = Vec::new();
-            tessera_net::io::dial_until(&dial, &c.stop, &hellos, |stream, peer, hello| {
-                let (sh, live) = (sh.clone(), live.clone());
-                conns.push(spawn(format!("ru{}-hello", c.id), move || {
-                    let r = handshake(sh.ctx(), stream);
-                    drop(hello);
-                    take_source(&sh, peer, r, &live)
-                }));
+            let hellos = tessera_net::io::Hellos::default();
+            let acceptor =
+                tessera_net::acceptor::Acceptor::stage(tessera_net::reactor::Stage::Readout);
+            tessera_net::io::dial_until(&dial, &stop, &hellos, |stream, peer, hello| {
+                let _ = tx.send((stream, peer, hello));
+                acceptor.wake();
             });
-            for t in conns {
-                let _ = t.join();
-            }
-        })
+        });
+        rx
     });
     let on_hello = {
         let (sh, live) = (sh.clone(), live);
@@ -474,23 +470,15 @@ fn accept<S: LinkSink>(
     let on_end = {
         let (sh, accepting2) = (sh.clone(), accepting.clone());
         move |end: tessera_net::io::AcceptEnd| {
-            let stopped = end == tessera_net::io::AcceptEnd::Stopped;
-            if !stopped && dialer.is_none() {
+            if end != tessera_net::io::AcceptEnd::Stopped {
                 return;
             }
-            // Closing links may wait for room downstream, and the dialled hellos for their
-            // deadlines: not on the acceptor's thread.
+            // Every hello of a source that connected (or was dialled) before the stop has been
+            // read: the links still waiting will not connect. Closing them may wait for room
+            // downstream: not on the acceptor's thread.
             let guard = accepting2.enter();
             spawn(format!("ru{id}-accept-end"), move || {
-                if stopped {
-                    // Dialled sources still saying hello (each within its deadline) must not
-                    // be taken for never connected; accepted ones have said theirs already.
-                    hellos.wait_done();
-                    close_never_connected(&*sh);
-                }
-                if let Some(d) = dialer {
-                    let _ = d.join();
-                }
+                close_never_connected(&*sh);
                 drop(guard);
             });
         }
@@ -505,6 +493,7 @@ fn accept<S: LinkSink>(
             hello_patience: tessera_net::acceptor::HELLO_PATIENCE,
             on_hello: Box::new(on_hello),
             on_end: Box::new(on_end),
+            dialled,
         },
         &accepting,
     );
@@ -555,17 +544,8 @@ pub(crate) fn close_never_connected(sh: &impl LinkSink) {
     }
 }
 
-/// Reads and checks the hello of a dialled source (blocking, within its deadline); returns the
-/// link slot for the source.
-fn handshake(sh: &LinkCtx, mut stream: TcpStream) -> Result<(usize, TcpStream), String> {
-    tessera_net::io::tune(&stream, Some(Duration::from_millis(100))).map_err(|e| e.to_string())?;
-    let mut h = [0u8; HELLO_SIZE];
-    tessera_net::io::read_exact_patient(&mut stream, &mut h, tessera_net::acceptor::HELLO_PATIENCE)
-        .map_err(|e| e.to_string())?;
-    source_slot(sh, &h).map(|slot| (slot, stream))
-}
-
-/// Checks the hello the acceptor read; returns the link slot for the source.
+/// Checks the hello the acceptor read (of an accepted or a dialled source); returns the link slot
+/// for the source.
 fn greeted(sh: &LinkCtx, stream: TcpStream, hello: &[u8]) -> Result<(usize, TcpStream), String> {
     let h: &[u8; HELLO_SIZE] = hello
         .try_into()
