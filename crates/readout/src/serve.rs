@@ -211,7 +211,11 @@ fn generate(u: &Unit, g: LinkGenerator) {
     while ev < g.events && !u.abort.load(Ordering::Relaxed) {
         let end = (ev + BATCH).min(g.events);
         for slot in 0..n {
-            let mut buf = Vec::new();
+            // Sized once: grown from nothing, the vector copied the batch about once more
+            // on its way (the generator's `memmove` was 12.7 % of a generator-fed point).
+            let mut buf = Vec::with_capacity(
+                (end - ev) as usize * tessera_format::wire::fragment_wire_size(g.payload_size),
+            );
             at.clear();
             for e in ev..end {
                 let start = buf.len();
