@@ -170,10 +170,9 @@ impl Thread {
                 self.register(r);
             }
             for ev in events.iter() {
-                if let Some(g) = ev.token().0.checked_sub(GREETING) {
-                    if ev.token() != WAKE {
-                        self.listen_to(g);
-                    }
+                let t = ev.token();
+                if t != WAKE && t.0 >= GREETING {
+                    self.listen_to(t.0 - GREETING);
                 }
             }
             self.expire(Instant::now());
@@ -302,15 +301,7 @@ impl Thread {
         }
         for i in 0..self.greetings.len() {
             if self.greetings[i].as_ref().is_some_and(|g| g.reg == slot) {
-                if let Some(g) = self.greetings[i].take() {
-                    let _ = self
-                        .poll
-                        .registry()
-                        .deregister(&mut SourceFd(&g.stream.as_raw_fd()));
-                }
-                if let Some(r) = self.regs[slot].as_mut() {
-                    r.greeting -= 1;
-                }
+                self.take_greeting(i);
             }
         }
     }
@@ -404,19 +395,27 @@ impl Thread {
         }
     }
 
-    /// The hello of greeting `i` is over: hands the connection (or its refusal) to its role.
-    fn settle(&mut self, i: usize, outcome: Result<(), String>) -> Result<(), Panicked> {
-        let Some(g) = self.greetings[i].take() else {
-            return Ok(());
-        };
+    /// Greeting `i` out of the poll and its role's count of hellos under way.
+    fn take_greeting(&mut self, i: usize) -> Option<Greeting> {
+        let g = self.greetings[i].take()?;
         let _ = self
             .poll
             .registry()
             .deregister(&mut SourceFd(&g.stream.as_raw_fd()));
+        if let Some(r) = self.regs[g.reg].as_mut() {
+            r.greeting -= 1;
+        }
+        Some(g)
+    }
+
+    /// The hello of greeting `i` is over: hands the connection (or its refusal) to its role.
+    fn settle(&mut self, i: usize, outcome: Result<(), String>) -> Result<(), Panicked> {
+        let Some(g) = self.take_greeting(i) else {
+            return Ok(());
+        };
         let Some(r) = self.regs[g.reg].as_mut() else {
             return Ok(());
         };
-        r.greeting -= 1;
         let Greeting {
             stream,
             peer,
