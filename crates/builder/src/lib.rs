@@ -52,12 +52,20 @@ pub struct BuilderConfig {
     pub max_message: usize,
 }
 
-type Part = (SuperFragmentHeader, ChunkSlice);
+/// A super-fragment as the assembler holds it: its header, its bytes, and what its fragments
+/// said when it was read.
+struct Part {
+    h: SuperFragmentHeader,
+    sf: ChunkSlice,
+    check: record::PartCheck,
+}
 
 /// A built event on its way to the recorder.
 struct Built {
     header: Vec<u8>,
+    /// Its fragments, one slice each or a part's packed in one.
     fragments: Vec<ChunkSlice>,
+    fragment_count: u32,
     event_id: u64,
 }
 
@@ -68,6 +76,10 @@ impl tessera_net::sender::Outgoing for Built {
 
     fn fragments(&self) -> &[ChunkSlice] {
         &self.fragments
+    }
+
+    fn fragment_count(&self) -> u64 {
+        self.fragment_count as u64
     }
 }
 
@@ -87,8 +99,6 @@ struct Rail {
 struct Shared {
     id: u16,
     rus: Vec<(u32, Vec<u32>)>,
-    /// Fragments of a complete event: every unit's sources.
-    sources: usize,
     /// Per readout unit, its rails.
     rails: Vec<Mutex<Vec<Rail>>>,
     assembler: Mutex<Assembler<Part>>,
@@ -143,7 +153,6 @@ impl BuilderUnit {
             rails: (0..n)
                 .map(|_| Mutex::new(vec![Rail::default(); rails]))
                 .collect(),
-            sources: cfg.readout_units.iter().map(|r| r.1.len()).sum(),
             rus: cfg.readout_units,
             // Readout units send events in the order they finish them, not by event ID: where
             // they are comes from their progress messages instead.
@@ -314,11 +323,11 @@ impl Shared {
         let st = &self.stats;
         st.latency
             .observe_ns(self.now_ns().saturating_sub(ev.first_seen_ns));
-        let mut rec = record::Record::with_capacity(self.sources);
+        let mut rec = record::Record::of_parts(ev.parts.len());
         let mut missing: Vec<u32> = Vec::new();
         let mut parts = ev.parts;
         for (slot, part) in parts.drain(..).enumerate() {
-            let Some((h, sf)) = part else {
+            let Some(Part { h, sf, check }) = part else {
                 missing.extend_from_slice(&self.rus[slot].1);
                 continue;
             };
@@ -326,18 +335,19 @@ impl Shared {
                 .fetch_sub(h.fragment_count as u64, Ordering::Relaxed);
             missing.extend_from_slice(&h.missing);
             let body = sf.slice(h.header_size(), sf.len() - h.header_size());
-            if !rec.add_part(ev.event_id, &body, h.fragment_count, st) {
+            if !rec.add_checked(body, &check, h.fragment_count, st) {
                 missing.extend_from_slice(&self.rus[slot].1);
             }
         }
-        let (header, fragments) = rec.finish(ev.event_id, self.id, missing, st);
+        let (header, fragments, fragment_count) = rec.finish(ev.event_id, self.id, missing, st);
         if self.to_recorder.is_some() {
             st.queued_fragments
-                .fetch_add(fragments.len() as u64, Ordering::Relaxed);
+                .fetch_add(fragment_count as u64, Ordering::Relaxed);
         }
         let built = Built {
             header,
             fragments,
+            fragment_count,
             event_id: ev.event_id,
         };
         (built, parts)
@@ -530,7 +540,10 @@ impl PolledRail {
                     link.rail_super_fragments[rail].fetch_add(1, Ordering::Relaxed);
                     link.fragments
                         .fetch_add(h.fragment_count as u64, Ordering::Relaxed);
-                    self.got.push((h.event_id, (h, sf)));
+                    // The part is walked now, while the kernel's copy has left it in cache.
+                    let body = &sf[h.header_size().min(sf.len())..];
+                    let check = record::PartCheck::of(h.event_id, body, h.fragment_count);
+                    self.got.push((h.event_id, Part { h, sf, check }));
                 }
                 Ok((LinkItem::Progress(p), n)) => {
                     self.reader.skip(n);
@@ -694,7 +707,7 @@ fn offer(sh: &Shared, slot: usize, got: &mut Vec<(u64, Part)>) {
         let mut a = sh.assembler.lock();
         let mut items = got.drain(..);
         for (ev, part) in items.by_ref() {
-            let nf = part.0.fragment_count as u64;
+            let nf = part.h.fragment_count as u64;
             st.held_fragments.fetch_add(nf, Ordering::Relaxed);
             match a.offer(slot, ev, part, now) {
                 Offer::Full(part) => {

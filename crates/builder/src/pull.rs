@@ -531,8 +531,8 @@ impl Pull {
             .copied()
             .filter(|s| rec.fragments.binary_search_by_key(s, source).is_err())
             .collect();
-        let (header, fragments) = rec.finish(e, self.id, missing, st);
-        let nf = fragments.len() as u64;
+        let (header, fragments, fragment_count) = rec.finish(e, self.id, missing, st);
+        let nf = fragment_count as u64;
         let tx = self.to_recorder.lock().clone();
         match tx {
             Some(tx) => {
@@ -540,6 +540,7 @@ impl Pull {
                 let built = Built {
                     header,
                     fragments,
+                    fragment_count,
                     event_id: e,
                 };
                 if tx.send(vec![built]).is_err() {

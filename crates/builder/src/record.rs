@@ -4,7 +4,7 @@
 
 use std::sync::atomic::Ordering;
 
-use tessera_format::event::{EventFlags, EventRecordHeader};
+use tessera_format::event::{EventFlags, EventRecordHeader, TrailerCrcs};
 use tessera_format::link::Fragments;
 use tessera_net::ChunkSlice;
 
@@ -16,10 +16,63 @@ pub(crate) struct Record {
     pub flags: u32,
     trigger: Option<u16>,
     timestamp: u64,
-    /// Validated fragments, in the order the parts were added (their source IDs are in their
-    /// headers: `FragmentHeader::source_id`). Moved out as the record's fragment list as is,
-    /// so sealing a record allocates only its header.
+    /// What follows the header, in order: validated fragments (their source IDs are in their
+    /// headers: `FragmentHeader::source_id`), or, for a record of checked parts
+    /// ([`Self::of_parts`]), each part's packed fragments as one piece (the same bytes). Moved
+    /// out as the record's list as is, so sealing a record allocates only its header.
     pub fragments: Vec<ChunkSlice>,
+    /// Fragments in `fragments`.
+    count: u32,
+    /// For a record of checked parts: their trailer CRCs, gathered as each part was read.
+    trailers: Option<TrailerCrcs>,
+}
+
+/// What a part's fragments say, found by one walk while the part is read (its bytes just copied
+/// in by the kernel, hot in cache), so that sealing its event, which can come much later when
+/// the event's last part arrives, reads no fragment byte: each read there was a cache miss
+/// (`link::Fragments::next` was 3.6 % of a 1 KiB x 8 build, docs/PERFORMANCE.md, session 23).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PartCheck {
+    /// The part is whole and its own: every fragment framed, of its event, as many as it says.
+    ok: bool,
+    /// The first fragment's trigger type and timestamp.
+    first: Option<(u16, u64)>,
+    /// Its fragments disagree on the trigger type.
+    mismatch: bool,
+    /// A fragment's front end reported a non-zero status.
+    status: bool,
+    trailers: TrailerCrcs,
+}
+
+impl PartCheck {
+    /// Walks the `count` fragments packed in `body`, a part of event `event_id`.
+    pub fn of(event_id: u64, body: &[u8], count: u32) -> PartCheck {
+        let mut c = PartCheck {
+            ok: false,
+            first: None,
+            mismatch: false,
+            status: false,
+            trailers: TrailerCrcs::default(),
+        };
+        let mut gather = TrailerCrcs::gather();
+        for f in Fragments::new(body) {
+            match f {
+                Ok(f) if f.header.event_id == event_id => {
+                    match c.first {
+                        None => c.first = Some((f.header.trigger_type, f.header.timestamp)),
+                        Some((t, _)) if t != f.header.trigger_type => c.mismatch = true,
+                        _ => {}
+                    }
+                    c.status |= f.header.status != 0;
+                    gather.add_fragment(&body[f.start..f.start + f.len]);
+                }
+                _ => return c,
+            }
+        }
+        c.trailers = gather.finish();
+        c.ok = c.trailers.count == count as u64;
+        c
+    }
 }
 
 impl Record {
@@ -67,6 +120,38 @@ impl Record {
                 .fetch_add(count as u64, Ordering::Relaxed);
             return false;
         }
+        self.count += count;
+        self.agree(first, mismatch, status);
+        true
+    }
+
+    /// Adds a part of `count` fragments whose walk, `check`, was made when it was read (see
+    /// [`PartCheck`]): its packed fragments go into the record as one piece. A part that
+    /// contradicts itself is not trusted at all, as in [`Self::add_part`].
+    pub fn add_checked(
+        &mut self,
+        body: ChunkSlice,
+        check: &PartCheck,
+        count: u32,
+        st: &BuilderStats,
+    ) -> bool {
+        debug_assert!(self.trailers.is_some(), "a record of checked parts");
+        if !check.ok {
+            st.malformed_fragments
+                .fetch_add(count as u64, Ordering::Relaxed);
+            return false;
+        }
+        if count > 0 {
+            self.fragments.push(body);
+        }
+        self.count += count;
+        self.trailers = self.trailers.map(|t| t.then(check.trailers));
+        self.agree(check.first, check.mismatch, check.status);
+        true
+    }
+
+    /// Takes in a part's trigger type and flags.
+    fn agree(&mut self, first: Option<(u16, u64)>, mut mismatch: bool, status: bool) {
         if let Some((t, ts)) = first {
             match self.trigger {
                 None => {
@@ -83,27 +168,27 @@ impl Record {
         if status {
             self.flags |= EventFlags::FRONT_END_STATUS;
         }
-        true
     }
 
-    /// A record with room for `fragments` fragments (the sources an event is expected to hold).
-    pub fn with_capacity(fragments: usize) -> Record {
+    /// A record of checked parts ([`Self::add_checked`]), with room for `parts` of them.
+    pub fn of_parts(parts: usize) -> Record {
         Record {
-            fragments: Vec::with_capacity(fragments),
+            fragments: Vec::with_capacity(parts),
+            trailers: Some(TrailerCrcs::default()),
             ..Record::default()
         }
     }
 
     /// Seals the record: flags it incomplete if sources are missing (sorted and deduplicated
     /// here), encodes and checksums the header, and counts the event. Returns the header bytes
-    /// and the fragments that follow it.
+    /// and the pieces that follow it (see [`Self::fragments`]) with their fragment count.
     pub fn finish(
         self,
         event_id: u64,
         builder_id: u16,
         mut missing: Vec<u32>,
         st: &BuilderStats,
-    ) -> (Vec<u8>, Vec<ChunkSlice>) {
+    ) -> (Vec<u8>, Vec<ChunkSlice>, u32) {
         let mut flags = self.flags;
         missing.sort_unstable();
         missing.dedup();
@@ -117,6 +202,7 @@ impl Record {
             st.recent_incomplete.lock().push(event_id, &missing);
         }
         let fragments = self.fragments;
+        let count = self.count;
         let body: usize = fragments.iter().map(|f| f.len()).sum();
         let mut h = EventRecordHeader {
             flags: EventFlags(flags),
@@ -124,7 +210,7 @@ impl Record {
             timestamp: self.timestamp,
             trigger_type: self.trigger.unwrap_or(0),
             builder_id,
-            fragment_count: fragments.len() as u32,
+            fragment_count: count,
             record_size: 0,
             missing,
             checksum: 0,
@@ -132,9 +218,12 @@ impl Record {
         h.record_size = (h.header_size() + body) as u32;
         let mut header = Vec::with_capacity(h.header_size());
         h.encode_into(&mut header);
-        let crc = EventRecordHeader::checksum_over(&header, fragments.iter().map(|f| &f[..]));
+        let crc = match self.trailers {
+            Some(t) => t.checksum(&header),
+            None => EventRecordHeader::checksum_over(&header, fragments.iter().map(|f| &f[..])),
+        };
         EventRecordHeader::seal(&mut header, crc);
-        let nf = fragments.len() as u64;
+        let nf = count as u64;
         if flags & EventFlags::INCOMPLETE != 0 {
             st.events_incomplete.fetch_add(1, Ordering::Relaxed);
             st.fragments_in_incomplete.fetch_add(nf, Ordering::Relaxed);
@@ -145,7 +234,7 @@ impl Record {
         st.bytes_built
             .fetch_add(h.record_size as u64, Ordering::Relaxed);
         st.last_event.store(event_id, Ordering::Relaxed);
-        (header, fragments)
+        (header, fragments, count)
     }
 }
 
@@ -181,54 +270,147 @@ mod tests {
         BuilderStats::new(0, [0u32, 1].into_iter(), 1 << 20, 1)
     }
 
+    /// A record of fragments (request mode) or of checked parts (push mode).
+    #[derive(Clone, Copy, Debug)]
+    enum Kind {
+        Fragments,
+        Parts,
+    }
+
+    impl Kind {
+        fn record(self) -> Record {
+            match self {
+                Kind::Fragments => Record::default(),
+                Kind::Parts => Record::of_parts(4),
+            }
+        }
+
+        fn add(
+            self,
+            r: &mut Record,
+            event: u64,
+            body: ChunkSlice,
+            count: u32,
+            st: &BuilderStats,
+        ) -> bool {
+            match self {
+                Kind::Fragments => r.add_part(event, &body, count, st),
+                Kind::Parts => {
+                    let check = PartCheck::of(event, &body, count);
+                    r.add_checked(body, &check, count, st)
+                }
+            }
+        }
+    }
+
+    /// Source IDs of the fragments in a record's pieces.
+    fn sources(r: &Record) -> Vec<u32> {
+        r.fragments
+            .iter()
+            .flat_map(|p| {
+                Fragments::new(p).map(|f| FragmentHeader::source_id(&p[f.unwrap().start..]))
+            })
+            .collect()
+    }
+
     /// A part that contradicts itself half-way leaves nothing of itself in the record (its
     /// good fragments before the bad one included) and is counted whole as malformed; the parts
-    /// before it stay.
+    /// before it stay. Alike whether the part was walked when added or when read.
     #[test]
     fn a_part_that_fails_half_way_leaves_nothing_behind() {
-        let st = stats();
-        let mut r = Record::with_capacity(6);
-        assert!(r.add_part(5, &part(5, &[0, 1, 2], 1, None), 3, &st));
-        assert!(!r.add_part(5, &part(5, &[3, 4, 5], 2, Some((2, 6))), 3, &st));
-        assert_eq!(
-            r.fragments
-                .iter()
-                .map(|f| FragmentHeader::source_id(f))
-                .collect::<Vec<_>>(),
-            vec![0, 1, 2]
-        );
-        assert_eq!(st.malformed_fragments.load(Ordering::Relaxed), 3);
-        // Its trigger type, seen before the bad fragment, flags nothing.
-        assert_eq!(r.flags & EventFlags::TRIGGER_MISMATCH, 0);
-        // A count that differs from what the part holds: the same.
-        assert!(!r.add_part(5, &part(5, &[3, 4], 1, None), 3, &st));
-        assert_eq!(r.fragments.len(), 3);
-        assert_eq!(st.malformed_fragments.load(Ordering::Relaxed), 6);
-        // A good part with another trigger type flags the mismatch.
-        assert!(r.add_part(5, &part(5, &[3, 4], 2, None), 2, &st));
-        assert_eq!(r.fragments.len(), 5);
-        assert_ne!(r.flags & EventFlags::TRIGGER_MISMATCH, 0);
+        for kind in [Kind::Fragments, Kind::Parts] {
+            let st = stats();
+            let mut r = kind.record();
+            assert!(kind.add(&mut r, 5, part(5, &[0, 1, 2], 1, None), 3, &st));
+            assert!(!kind.add(&mut r, 5, part(5, &[3, 4, 5], 2, Some((2, 6))), 3, &st));
+            assert_eq!(sources(&r), vec![0, 1, 2], "{kind:?}");
+            assert_eq!(r.count, 3);
+            assert_eq!(st.malformed_fragments.load(Ordering::Relaxed), 3);
+            // Its trigger type, seen before the bad fragment, flags nothing.
+            assert_eq!(r.flags & EventFlags::TRIGGER_MISMATCH, 0);
+            // A count that differs from what the part holds: the same.
+            assert!(!kind.add(&mut r, 5, part(5, &[3, 4], 1, None), 3, &st));
+            assert_eq!(r.count, 3);
+            assert_eq!(st.malformed_fragments.load(Ordering::Relaxed), 6);
+            // A good part with another trigger type flags the mismatch.
+            assert!(kind.add(&mut r, 5, part(5, &[3, 4], 2, None), 2, &st));
+            assert_eq!(sources(&r), vec![0, 1, 2, 3, 4], "{kind:?}");
+            assert_eq!(r.count, 5);
+            assert_ne!(r.flags & EventFlags::TRIGGER_MISMATCH, 0);
+        }
     }
 
     /// A mismatch inside one part is flagged as well as one across parts.
     #[test]
     fn a_trigger_mismatch_inside_one_part_is_flagged() {
-        let st = stats();
-        let mut body = Vec::new();
-        for (s, t) in [(0u32, 1u16), (1, 3)] {
-            let h = FragmentHeader {
-                status: 0,
-                source_id: s,
-                trigger_type: t,
-                event_id: 9,
-                timestamp: 1,
-                payload_size: 0,
-            };
-            encode_fragment(&mut body, &h, &[0; 8]);
+        for kind in [Kind::Fragments, Kind::Parts] {
+            let st = stats();
+            let mut body = Vec::new();
+            for (s, t) in [(0u32, 1u16), (1, 3)] {
+                let h = FragmentHeader {
+                    status: 0,
+                    source_id: s,
+                    trigger_type: t,
+                    event_id: 9,
+                    timestamp: 1,
+                    payload_size: 0,
+                };
+                encode_fragment(&mut body, &h, &[0; 8]);
+            }
+            let mut r = kind.record();
+            assert!(kind.add(&mut r, 9, ChunkSlice::copy_from(&body), 2, &st));
+            assert_ne!(r.flags & EventFlags::TRIGGER_MISMATCH, 0, "{kind:?}");
+            assert_eq!(r.trigger, Some(1));
         }
-        let mut r = Record::default();
-        assert!(r.add_part(9, &ChunkSlice::copy_from(&body), 2, &st));
-        assert_ne!(r.flags & EventFlags::TRIGGER_MISMATCH, 0);
-        assert_eq!(r.trigger, Some(1));
+    }
+
+    /// A record of parts checked when they were read seals to the same bytes as the record of
+    /// their fragments walked when sealing: header, checksum and body, with a part refused and
+    /// one empty between.
+    #[test]
+    fn checked_parts_seal_to_the_same_record_as_walked_fragments() {
+        let parts = [
+            (part(8, &[0, 1, 2], 4, None), 3),
+            (part(8, &[3], 4, Some((0, 9))), 1),
+            (part(8, &[], 4, None), 0),
+            (part(8, &(4..40).collect::<Vec<_>>(), 4, None), 36),
+        ];
+        let sealed: Vec<(Vec<u8>, Vec<u8>, u32)> = [Kind::Fragments, Kind::Parts]
+            .into_iter()
+            .map(|kind| {
+                let st = stats();
+                let mut r = kind.record();
+                for (body, count) in &parts {
+                    kind.add(&mut r, 8, body.clone(), *count, &st);
+                }
+                let (header, pieces, count) = r.finish(8, 1, vec![3], &st);
+                (
+                    header,
+                    pieces.iter().flat_map(|p| p.to_vec()).collect(),
+                    count,
+                )
+            })
+            .collect();
+        assert_eq!(sealed[0], sealed[1]);
+        assert_eq!(sealed[0].2, 39);
+        // And that record is right by the format's own definition.
+        let (header, body, _) = &sealed[1];
+        let mut record = header.clone();
+        record.extend_from_slice(body);
+        let (h, size) = EventRecordHeader::decode_prefix(&record, usize::MAX)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (size, h.fragment_count, h.missing),
+            (record.len(), 39, vec![3])
+        );
+        let fragments = Fragments::new(body).map(|f| {
+            let f = f.unwrap();
+            &body[f.start..f.start + f.len]
+        });
+        assert_eq!(
+            h.checksum,
+            EventRecordHeader::checksum_over(header, fragments)
+        );
     }
 }

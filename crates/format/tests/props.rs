@@ -99,6 +99,38 @@ proptest! {
         );
     }
 
+    /// An event checksum gathered part by part (trailer CRCs joined by shifting, as a builder
+    /// does while it reads each part) equals the checksum over the whole, for any cut into
+    /// parts, and a register shifted over zeros equals the CRC of the zeros appended.
+    #[test]
+    fn trailer_crcs_gathered_apart_join_to_the_checksum(
+        header in proptest::collection::vec(any::<u8>(), 48..120),
+        fragments in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 12..40), 0..300),
+        cuts in proptest::collection::vec(0usize..300, 0..6),
+        reg in any::<u32>(),
+        zeros in 0usize..9000,
+    ) {
+        use tessera_format::event::{EventRecordHeader, TrailerCrcs};
+        let whole = EventRecordHeader::checksum_over(&header, fragments.iter().map(|f| &f[..]));
+        let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(fragments.len())).collect();
+        cuts.push(fragments.len());
+        cuts.sort_unstable();
+        let (mut joined, mut from) = (TrailerCrcs::default(), 0);
+        for c in cuts {
+            let mut g = TrailerCrcs::gather();
+            for f in &fragments[from..c] {
+                g.add_fragment(f);
+            }
+            joined = joined.then(g.finish());
+            from = c;
+        }
+        prop_assert_eq!(joined.checksum(&header), whole);
+        prop_assert_eq!(
+            tessera_format::crc::shift_register(reg, zeros as u64),
+            tessera_format::crc::register_after(reg, &vec![0u8; zeros])
+        );
+    }
+
     #[test]
     fn fragments_round_trip(hs in proptest::collection::vec((header(), proptest::collection::vec(any::<u8>(), 0..300)), 1..8),
                             cuts in proptest::collection::vec(1usize..97, 1..5)) {

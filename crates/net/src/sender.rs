@@ -24,8 +24,13 @@ const COALESCE: usize = 512;
 pub trait Outgoing: Send {
     /// Appends this unit's header to `out`.
     fn encode_header(&self, out: &mut Vec<u8>);
-    /// The fragments that follow the header, verbatim.
+    /// The bytes that follow the header, verbatim: its fragments, one slice each or several
+    /// packed in one slice.
     fn fragments(&self) -> &[ChunkSlice];
+    /// Fragments in [`Self::fragments`], for the link's counts.
+    fn fragment_count(&self) -> u64 {
+        self.fragments().len() as u64
+    }
 }
 
 /// What happened to one batch, for the sender's counters.
@@ -201,7 +206,7 @@ fn report<T: Outgoing>(
         };
         BatchOutcome {
             units: units.len() as u64,
-            fragments: units.iter().map(|u| u.fragments().len() as u64).sum(),
+            fragments: units.iter().map(|u| u.fragment_count()).sum(),
             bytes: headers
                 + units
                     .iter()
