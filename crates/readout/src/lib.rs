@@ -367,8 +367,7 @@ impl ReadoutUnit {
                 cfg.id,
                 link,
                 stream,
-                rx,
-                bell,
+                (&shared.to_builders[b][rail], rx, bell),
                 stats.clone(),
                 Arc::downgrade(&shared),
                 &senders,
@@ -848,8 +847,11 @@ fn sender_to_builder(
     id: u32,
     b: String,
     stream: TcpStream,
-    rx: Receiver<Vec<SuperFragment>>,
-    bell: tessera_net::reactor::Doorbell,
+    (queue, rx, bell): (
+        &tessera_net::sender::Queue<SuperFragment>,
+        Receiver<Vec<SuperFragment>>,
+        tessera_net::reactor::Doorbell,
+    ),
     st: Arc<ReadoutStats>,
     unit: std::sync::Weak<Shared>,
     live: &Arc<tessera_net::reactor::Tally>,
@@ -915,5 +917,6 @@ fn sender_to_builder(
         true,
         live,
     )
-    .map(|s| s.with_queue_gauge(&gauges.send_queues))
+    // Written by the unit's pollers as they finish events, while the fragments are in cache.
+    .map(|s| s.with_queue_gauge(&gauges.send_queues).write_through(queue))
 }
