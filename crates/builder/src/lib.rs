@@ -140,7 +140,7 @@ impl BuilderUnit {
                 tessera_net::io::tune(&s, Some(Duration::from_secs(1)))?;
                 let (tx, rx, bell) = tessera_net::sender::queue::<Built>(256);
                 let live = Arc::new(tessera_net::reactor::Tally::default());
-                let conn = sender_to_recorder(cfg.id, s, (&tx, rx, bell), stats.clone(), &live)?;
+                let conn = sender_to_recorder(cfg.id, s, rx, bell, stats.clone(), &live)?;
                 tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Send)
                     .register(Box::new(conn));
                 role.polled.push(live);
@@ -774,11 +774,8 @@ fn sweep(sh: &Shared) -> bool {
 fn sender_to_recorder(
     id: u16,
     stream: TcpStream,
-    (queue, rx, bell): (
-        &tessera_net::sender::Queue<Built>,
-        Receiver<Vec<Built>>,
-        tessera_net::reactor::Doorbell,
-    ),
+    rx: Receiver<Vec<Built>>,
+    bell: tessera_net::reactor::Doorbell,
     st: Arc<BuilderStats>,
     live: &Arc<tessera_net::reactor::Tally>,
 ) -> std::io::Result<impl tessera_net::reactor::Conn> {
@@ -799,9 +796,7 @@ fn sender_to_recorder(
         tracing::error!(builder = id, error = %e, "recorder link failed; events are dropped and counted");
         *st.recorder_error.lock() = Some(e.to_string());
     };
-    // Written by the builder's pollers as they seal events (see the readout unit's links).
     tessera_net::sender::PolledSender::new(
         stream, rx, bell, hello, on_batch, on_error, None, true, live,
     )
-    .map(|s| s.write_through(queue))
 }

@@ -10,7 +10,6 @@
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use std::io::{self, IoSlice};
 use std::net::TcpStream;
-use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use tessera_format::link::{PeerEnd, PeerHello};
@@ -303,37 +302,26 @@ pub struct Queue<T> {
     /// `None` only while dropping.
     tx: Option<crossbeam_channel::Sender<Vec<T>>>,
     bell: Doorbell,
-    /// Writes the queue out from the queueing thread, when the link is free: see
-    /// [`PolledSender::write_through`].
-    inline: Arc<OnceLock<Inline>>,
 }
-
-/// Writes what is queued, without waiting; true when all of it is out.
-type Inline = Box<dyn Fn() -> bool + Send + Sync>;
 
 impl<T> Clone for Queue<T> {
     fn clone(&self) -> Self {
         Queue {
             tx: self.tx.clone(),
             bell: self.bell.clone(),
-            inline: self.inline.clone(),
         }
     }
 }
 
 impl<T> Queue<T> {
-    /// Queues a batch (waiting while the queue is full: back-pressure on the caller), and
-    /// writes it out at once if the link writes through and is free, else wakes the sender.
+    /// Queues a batch (waiting while the queue is full: back-pressure on the caller) and wakes
+    /// the sender.
     pub fn send(&self, batch: Vec<T>) -> Result<(), crossbeam_channel::SendError<Vec<T>>> {
         let r = match &self.tx {
             Some(tx) => tx.send(batch),
             None => Err(crossbeam_channel::SendError(batch)),
         };
-        // Whatever the inline write leaves (another thread writing, a full socket, a failed
-        // link) is the sender's poller's, as without it.
-        if r.is_err() || !self.inline.get().is_some_and(|write| write()) {
-            self.bell.ring();
-        }
+        self.bell.ring();
         r
     }
 }
@@ -355,7 +343,6 @@ pub fn queue<T>(cap: usize) -> (Queue<T>, Receiver<Vec<T>>, Doorbell) {
         Queue {
             tx: Some(tx),
             bell: bell.clone(),
-            inline: Arc::default(),
         },
         rx,
         bell,
@@ -450,72 +437,6 @@ where
             unsent: None,
             _live: live.enter(),
         })
-    }
-
-    /// Makes `queue`'s [`Queue::send`] write what is queued at once, on the queueing thread,
-    /// whenever no other thread is writing this link; returns the connection for the pollers,
-    /// which write whatever that leaves (a full socket, a link busy elsewhere), beat and end
-    /// the link as before.
-    ///
-    /// Why: a readout unit's pollers read fragments into chunks and hand them to a sending
-    /// poller, which wrote them long after the kernel's copy had left them in cache, on another
-    /// thread: the senders' copy into the socket cost three times the sources' copy of the
-    /// same bytes (18 % of all samples at 1 KiB x 8, docs/PERFORMANCE.md). Written on the
-    /// thread that read and checked them, they are still in its cache, and the sending poller
-    /// is not woken for every batch.
-    pub fn write_through(self, queue: &Queue<T>) -> SharedSender<Self> {
-        let fd = std::os::fd::AsRawFd::as_raw_fd(&self.stream);
-        let bell = self.bell.clone();
-        let inner = Arc::new(parking_lot::Mutex::new(self));
-        let writer = Arc::downgrade(&inner);
-        // Weak: the queue (held by the unit) must not keep a finished link's sender alive.
-        let _ = queue.inline.set(Box::new(move || {
-            writer
-                .upgrade()
-                .and_then(|w| w.try_lock().map(|mut s| s.write_now()))
-                .unwrap_or(false)
-        }));
-        SharedSender { inner, fd, bell }
-    }
-
-    /// Writes what is queued until it is all out or the socket is full, without beats or the
-    /// end (the pollers' turn does those): true when nothing is left to write.
-    fn write_now(&mut self) -> bool {
-        if !self.st.ok || !matches!(self.closing, Closing::Open) {
-            return false;
-        }
-        loop {
-            let written = if !self.out.is_empty() {
-                self.write_out()
-            } else if !self.batch.is_empty() {
-                self.write_batch()
-            } else {
-                match self.rx.try_recv() {
-                    Ok(mut batch) => {
-                        while batch.len() < COALESCE {
-                            match self.rx.try_recv() {
-                                Ok(more) => batch.extend(more),
-                                Err(_) => break,
-                            }
-                        }
-                        encode_headers(&batch, &mut self.st);
-                        self.batch = batch;
-                        self.at = 0;
-                        continue;
-                    }
-                    Err(crossbeam_channel::TryRecvError::Empty) => return true,
-                    Err(crossbeam_channel::TryRecvError::Disconnected) => return false,
-                }
-            };
-            match written {
-                Ok(true) => {}
-                Ok(false) => return false,
-                Err(e) => {
-                    self.fail(&e);
-                    return false;
-                }
-            }
-        }
     }
 
     /// Keeps `gauges` told what waits in this link's send queue (a slow network against a slow
@@ -774,36 +695,6 @@ where
     }
 }
 
-/// A connection that other threads may also turn a little (see
-/// [`PolledSender::write_through`]): the pollers' turns take the same lock.
-pub struct SharedSender<S> {
-    inner: Arc<parking_lot::Mutex<S>>,
-    fd: std::os::fd::RawFd,
-    bell: Doorbell,
-}
-
-impl<S: Conn> Conn for SharedSender<S> {
-    fn fd(&self) -> std::os::fd::RawFd {
-        self.fd
-    }
-
-    fn bytes_read(&self) -> u64 {
-        0
-    }
-
-    fn interest(&self) -> mio::Interest {
-        self.inner.lock().interest()
-    }
-
-    fn doorbell(&self) -> Option<&Doorbell> {
-        Some(&self.bell)
-    }
-
-    fn turn(&mut self) -> Next {
-        self.inner.lock().turn()
-    }
-}
-
 /// Where a polled sender is in ending its link.
 #[derive(Clone, Copy)]
 enum Closing {
@@ -871,14 +762,6 @@ mod tests {
     fn counting_sender(
         hello: PeerHello,
     ) -> (Reactor, TcpStream, Queue<Unit>, Arc<AtomicU64>, Arc<Tally>) {
-        counting_sender_as(hello, false)
-    }
-
-    /// [`counting_sender`], its queue written through by the queueing threads if `through`.
-    fn counting_sender_as(
-        hello: PeerHello,
-        through: bool,
-    ) -> (Reactor, TcpStream, Queue<Unit>, Arc<AtomicU64>, Arc<Tally>) {
         let r = Reactor::new(1, "test").unwrap();
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
@@ -898,33 +781,18 @@ mod tests {
             &live,
         )
         .unwrap();
-        if through {
-            r.register(Box::new(conn.write_through(&q)));
-        } else {
-            r.register(Box::new(conn));
-        }
+        r.register(Box::new(conn));
         (r, peer, q, sent, live)
     }
 
     #[test]
     fn a_polled_sender_delivers_every_unit_in_order_then_the_end() {
-        delivers_every_unit_in_order_then_the_end(false);
-    }
-
-    /// The same when the queueing thread writes what it can itself and the poller the rest
-    /// (the peer's slow reads fill the socket, so both write, taking turns).
-    #[test]
-    fn a_written_through_sender_delivers_every_unit_in_order_then_the_end() {
-        delivers_every_unit_in_order_then_the_end(true);
-    }
-
-    fn delivers_every_unit_in_order_then_the_end(through: bool) {
         let hello = PeerHello {
             role: PeerRole::ReadoutUnit,
             id: 7,
             flags: 0,
         };
-        let (_r, mut peer, q, sent, live) = counting_sender_as(hello, through);
+        let (_r, mut peer, q, sent, live) = counting_sender(hello);
         const N: u64 = 2000;
         let producer = std::thread::spawn(move || {
             for i in 0..N {
@@ -954,120 +822,6 @@ mod tests {
         assert_eq!(sent.load(Ordering::Relaxed), N);
         // The sender shut its side and waits for ours.
         assert_eq!(std::io::Read::read(&mut peer, &mut buf).unwrap(), 0);
-        drop(peer);
-        live.wait_zero();
-    }
-
-    /// With the link free, a queued batch is written by the thread that queues it: this sender
-    /// is served by no poller at all, yet the hello and the batch reach the peer, counted.
-    #[test]
-    fn a_free_link_is_written_by_the_thread_that_queues() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (mut peer, _) = l.accept().unwrap();
-        let (q, rx, bell) = queue::<Unit>(4);
-        let sent = Arc::new(AtomicU64::new(0));
-        let live = Arc::new(Tally::default());
-        let hello = PeerHello {
-            role: PeerRole::ReadoutUnit,
-            id: 3,
-            flags: 0,
-        };
-        let conn = PolledSender::new(
-            s,
-            rx,
-            bell,
-            hello,
-            count_units(&sent),
-            |e: &io::Error| panic!("{e}"),
-            None,
-            true,
-            &live,
-        )
-        .unwrap()
-        .write_through(&q);
-        q.send((0..4).map(unit).collect()).unwrap();
-        assert_eq!(sent.load(Ordering::SeqCst), 4, "counted when queued");
-        // Only a failure guard: the bytes are in the socket already.
-        peer.set_read_timeout(Some(Duration::from_secs(30)))
-            .unwrap();
-        let mut got = vec![0u8; PEER_HELLO_SIZE + expected(4).len()];
-        std::io::Read::read_exact(&mut peer, &mut got).unwrap();
-        assert_eq!(&got[..PEER_HELLO_SIZE], &hello.encode());
-        assert!(got[PEER_HELLO_SIZE..] == expected(4)[..]);
-        drop(conn);
-    }
-
-    /// Several threads queueing to one written-through link, with a peer slow enough that the
-    /// socket fills: every unit arrives once and whole, each thread's in the order it queued
-    /// them, and the end counts them all.
-    #[test]
-    fn threads_writing_through_one_link_lose_and_cut_nothing() {
-        let hello = PeerHello {
-            role: PeerRole::ReadoutUnit,
-            id: 9,
-            flags: 0,
-        };
-        let (_r, mut peer, q, sent, live) = counting_sender_as(hello, true);
-        const N: u64 = 3000;
-        const THREADS: u64 = 3;
-        let producers: Vec<_> = (0..THREADS)
-            .map(|t| {
-                let q = q.clone();
-                std::thread::spawn(move || {
-                    for i in (t..N).step_by(THREADS as usize) {
-                        q.send(vec![unit(i)]).unwrap();
-                    }
-                })
-            })
-            .collect();
-        drop(q);
-        let mut got = Vec::new();
-        let mut buf = vec![0u8; 1000];
-        // Small reads: the socket fills, and the queueing threads find it so.
-        loop {
-            let n = std::io::Read::read(&mut peer, &mut buf).unwrap();
-            if n == 0 {
-                break;
-            }
-            got.extend_from_slice(&buf[..n]);
-        }
-        for p in producers {
-            p.join().unwrap();
-        }
-        assert_eq!(&got[..PEER_HELLO_SIZE], &hello.encode());
-        let mut at = PEER_HELLO_SIZE;
-        let mut last = [None::<u64>; THREADS as usize];
-        let mut seen = 0;
-        while at < got.len() - PEER_END_SIZE {
-            let i = u64::from_le_bytes(got[at..at + 8].try_into().unwrap());
-            assert!(i < N, "a unit number that was never sent: {i}");
-            let mut whole = Vec::new();
-            let u = unit(i);
-            u.encode_header(&mut whole);
-            for f in u.fragments() {
-                whole.extend_from_slice(f);
-            }
-            assert!(got[at..].starts_with(&whole), "unit {i} cut or mixed");
-            let t = (i % THREADS) as usize;
-            assert!(
-                last[t].is_none_or(|l| l < i),
-                "thread {t}: {i} after {:?}",
-                last[t]
-            );
-            last[t] = Some(i);
-            at += whole.len();
-            seen += 1;
-        }
-        assert_eq!(seen, N);
-        let end = PeerEnd {
-            role: PeerRole::ReadoutUnit,
-            id: 9,
-            units: N,
-            fragments: 2 * N,
-        };
-        assert_eq!(&got[at..], &end.encode());
-        assert_eq!(sent.load(Ordering::Relaxed), N);
         drop(peer);
         live.wait_zero();
     }

@@ -367,7 +367,8 @@ impl ReadoutUnit {
                 cfg.id,
                 link,
                 stream,
-                (&shared.to_builders[b][rail], rx, bell),
+                rx,
+                bell,
                 stats.clone(),
                 Arc::downgrade(&shared),
                 &senders,
@@ -847,11 +848,8 @@ fn sender_to_builder(
     id: u32,
     b: String,
     stream: TcpStream,
-    (queue, rx, bell): (
-        &tessera_net::sender::Queue<SuperFragment>,
-        Receiver<Vec<SuperFragment>>,
-        tessera_net::reactor::Doorbell,
-    ),
+    rx: Receiver<Vec<SuperFragment>>,
+    bell: tessera_net::reactor::Doorbell,
     st: Arc<ReadoutStats>,
     unit: std::sync::Weak<Shared>,
     live: &Arc<tessera_net::reactor::Tally>,
@@ -917,6 +915,5 @@ fn sender_to_builder(
         true,
         live,
     )
-    // Written by the unit's pollers as they finish events, while the fragments are in cache.
-    .map(|s| s.with_queue_gauge(&gauges.send_queues).write_through(queue))
+    .map(|s| s.with_queue_gauge(&gauges.send_queues))
 }
