@@ -87,8 +87,9 @@ impl TrailerGather {
     /// trailer adds nothing).
     #[inline]
     pub fn add_fragment(&mut self, f: &[u8]) {
-        if f.len() >= TRAILER_SIZE {
-            self.add(f[f.len() - TRAILER_SIZE..f.len() - 4].try_into().unwrap());
+        // The trailer is the fragment's CRC then its end marker: the CRC's four bytes.
+        if let Some([a, b, c, d, ..]) = f.len().checked_sub(TRAILER_SIZE).map(|at| &f[at..]) {
+            self.add([*a, *b, *c, *d]);
         }
     }
 
