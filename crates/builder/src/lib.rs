@@ -62,7 +62,7 @@ struct Part {
 
 /// A built event on its way to the recorder.
 struct Built {
-    header: Vec<u8>,
+    header: record::HeaderBytes,
     /// Its fragments, one slice each or a part's packed in one.
     fragments: Vec<ChunkSlice>,
     fragment_count: u32,

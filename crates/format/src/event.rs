@@ -169,7 +169,16 @@ impl EventRecordHeader {
     pub fn encode_into(&self, out: &mut Vec<u8>) {
         let start = out.len();
         out.resize(start + self.header_size(), 0);
-        let b = &mut out[start..];
+        self.encode_to(&mut out[start..]);
+    }
+
+    /// [`Self::encode_into`] over `b`, which must be [`Self::header_size`] bytes long (a
+    /// caller that keeps headers inline, without an allocation per event).
+    ///
+    /// # Panics
+    /// When `b` is not `header_size()` bytes: a caller's sizing error, not input from a peer.
+    pub fn encode_to(&self, b: &mut [u8]) {
+        assert_eq!(b.len(), self.header_size(), "event header buffer size");
         put_u32(b, 0, EVENT_MARKER);
         put_u16(b, 4, EVENT_VERSION);
         put_u16(b, 6, self.header_size() as u16);
