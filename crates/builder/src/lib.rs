@@ -64,7 +64,7 @@ struct Part {
 struct Built {
     header: record::HeaderBytes,
     /// Its fragments, one slice each or a part's packed in one.
-    fragments: Vec<ChunkSlice>,
+    fragments: record::Pieces,
     fragment_count: u32,
     event_id: u64,
 }

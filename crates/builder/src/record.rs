@@ -15,6 +15,11 @@ use crate::BuilderStats;
 /// per event than a vector (`bench instructions`, docs/PERFORMANCE.md).
 pub(crate) type HeaderBytes = smallvec::SmallVec<[u8; 64]>;
 
+/// What follows a record's header: inline up to four pieces (a push-mode record of up to four
+/// readout units needs no allocation of its own; larger ones, and request-mode records of a
+/// piece per fragment, spill to the heap as a vector would).
+pub(crate) type Pieces = smallvec::SmallVec<[ChunkSlice; 4]>;
+
 /// An event record being put together.
 #[derive(Default)]
 pub(crate) struct Record {
@@ -25,7 +30,7 @@ pub(crate) struct Record {
     /// headers: `FragmentHeader::source_id`), or, for a record of checked parts
     /// ([`Self::of_parts`]), each part's packed fragments as one piece (the same bytes). Moved
     /// out as the record's list as is, so sealing a record allocates only its header.
-    pub fragments: Vec<ChunkSlice>,
+    pub fragments: Pieces,
     /// Fragments in `fragments`.
     count: u32,
     /// For a record of checked parts: their trailer CRCs, gathered as each part was read.
@@ -178,7 +183,7 @@ impl Record {
     /// A record of checked parts ([`Self::add_checked`]), with room for `parts` of them.
     pub fn of_parts(parts: usize) -> Record {
         Record {
-            fragments: Vec::with_capacity(parts),
+            fragments: Pieces::with_capacity(parts),
             trailers: Some(TrailerCrcs::default()),
             ..Record::default()
         }
@@ -193,7 +198,7 @@ impl Record {
         builder_id: u16,
         mut missing: Vec<u32>,
         st: &BuilderStats,
-    ) -> (HeaderBytes, Vec<ChunkSlice>, u32) {
+    ) -> (HeaderBytes, Pieces, u32) {
         let mut flags = self.flags;
         missing.sort_unstable();
         missing.dedup();
