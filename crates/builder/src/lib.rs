@@ -305,8 +305,10 @@ impl Shared {
         }
         let mut out = Vec::with_capacity(ready.len());
         let mut lists = Vec::with_capacity(keep.min(ready.len()));
+        // One clock read for the batch: its events are built within microseconds of each other.
+        let now_ns = self.now_ns();
         for ev in ready {
-            let (built, parts) = self.build(ev);
+            let (built, parts) = self.build(ev, now_ns);
             out.push(built);
             if lists.len() < keep {
                 lists.push(parts);
@@ -318,11 +320,12 @@ impl Shared {
         lists
     }
 
-    /// Builds an event's record; returns it and the event's part list, emptied.
-    fn build(&self, ev: Assembled<Part>) -> (Built, Vec<Option<Part>>) {
+    /// Builds an event's record (its latency taken at `now_ns`); returns it and the event's
+    /// part list, emptied.
+    fn build(&self, ev: Assembled<Part>, now_ns: u64) -> (Built, Vec<Option<Part>>) {
         let st = &self.stats;
         st.latency
-            .observe_ns(self.now_ns().saturating_sub(ev.first_seen_ns));
+            .observe_ns(now_ns.saturating_sub(ev.first_seen_ns));
         let mut rec = record::Record::of_parts(ev.parts.len());
         let mut missing: Vec<u32> = Vec::new();
         let mut parts = ev.parts;
