@@ -96,14 +96,16 @@ impl<V> Table<V> {
 
     /// The event `id`, opened with `open` if it is not open.
     pub fn get_or_insert_with(&mut self, id: u64, open: impl FnOnce() -> V) -> &mut V {
-        while self.ring.len() < self.max_slots
-            && matches!(&self.ring[self.slot(id)], Some((k, _)) if *k != id)
-            && (self.overflow.is_empty() || !self.overflow.contains_key(&id))
-        {
-            self.grow();
-        }
-        let s = self.slot(id);
+        // An event already in its slot (every fragment of an event but its first) skips the
+        // growing and the map.
         if !self.in_ring(id) {
+            while self.ring.len() < self.max_slots
+                && matches!(&self.ring[self.slot(id)], Some((k, _)) if *k != id)
+                && (self.overflow.is_empty() || !self.overflow.contains_key(&id))
+            {
+                self.grow();
+            }
+            let s = self.slot(id);
             if self.ring[s].is_some()
                 || (!self.overflow.is_empty() && self.overflow.contains_key(&id))
             {
@@ -116,6 +118,7 @@ impl<V> Table<V> {
             }
             self.len += 1;
         }
+        let s = self.slot(id);
         &mut self.ring[s].get_or_insert_with(|| (id, open())).1
     }
 
