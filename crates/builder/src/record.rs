@@ -29,7 +29,8 @@ pub(crate) struct Record {
     /// What follows the header, in order: validated fragments (their source IDs are in their
     /// headers: `FragmentHeader::source_id`), or, for a record of checked parts
     /// ([`Self::of_parts`]), each part's packed fragments as one piece (the same bytes). Moved
-    /// out as the record's list as is, so sealing a record allocates only its header.
+    /// out as the record's list as is: sealing a record allocates nothing more (inline up to
+    /// four pieces, see [`Pieces`]).
     pub fragments: Pieces,
     /// Fragments in `fragments`.
     count: u32,
