@@ -78,6 +78,16 @@ impl<V> Table<V> {
         matches!(&self.ring[self.slot(id)], Some((k, _)) if *k == id)
     }
 
+    /// The event `id` if it sits in its ring slot; `None` if it is not open or is in the
+    /// overflow map. For hints (prefetching), where the map's lookup would cost more than the
+    /// hint saves.
+    pub fn get_in_ring(&self, id: u64) -> Option<&V> {
+        match &self.ring[self.slot(id)] {
+            Some((k, v)) if *k == id => Some(v),
+            _ => None,
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }
