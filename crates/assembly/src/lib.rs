@@ -470,13 +470,23 @@ impl<T> Assembler<T> {
     /// opened each event, hundreds of events earlier (a read of 256 KiB holds 900 fragments of
     /// 256 B), and by the time the other links' items come they have left the core's cache:
     /// the load of the part was most of `offer`'s time (`perf annotate`).
+    /// When that item will complete the event, every line of its parts is asked for: the
+    /// consumer of the ready event walks them all next (the walk was half of the readout
+    /// unit's `dispatch` at 1 KiB x 8).
     #[inline]
     fn prefetch_part(&self, event_id: u64, c: usize) {
-        if let Some(x) = self
-            .pending
-            .get_in_ring(event_id)
-            .and_then(|p| p.parts.get(c))
-        {
+        let Some(p) = self.pending.get_in_ring(event_id) else {
+            return;
+        };
+        if p.have + 1 == p.parts.len() {
+            let per_line = (64 / std::mem::size_of::<Option<T>>().max(1)).max(1);
+            for x in p.parts.iter().step_by(per_line) {
+                prefetch(x);
+            }
+            if let Some(x) = p.parts.last() {
+                prefetch(x);
+            }
+        } else if let Some(x) = p.parts.get(c) {
             prefetch(x);
         }
     }
@@ -506,11 +516,22 @@ impl<T> Assembler<T> {
         }
         let bits = self.done.insert(event_id);
         let mut missing = Vec::new();
-        for (i, x) in p.parts.iter().enumerate() {
-            if x.is_some() {
-                bits[i / 64] |= 1 << (i % 64);
-            } else {
-                missing.push(i);
+        let n = p.parts.len();
+        if p.have == n {
+            // Every contributor delivered: their bits are the first `n`, and the parts (whose
+            // lines, but the last item's, have left the cache since they were filled) need
+            // no walk. That walk was 60 % of `depart` at 1 KiB x 8 (`perf annotate`).
+            for (w, word) in bits.iter_mut().enumerate() {
+                let k = n.saturating_sub(w * 64).min(64);
+                *word |= if k == 64 { !0 } else { (1u64 << k) - 1 };
+            }
+        } else {
+            for (i, x) in p.parts.iter().enumerate() {
+                if x.is_some() {
+                    bits[i / 64] |= 1 << (i % 64);
+                } else {
+                    missing.push(i);
+                }
             }
         }
         if missing.is_empty() {
@@ -727,6 +748,23 @@ mod tests {
         match a.offer(1, 1, (), 0) {
             Offer::Ready(e) => assert_eq!(e.missing, vec![2]),
             o => panic!("{o:?}"),
+        }
+    }
+
+    #[test]
+    fn every_contributor_of_a_complete_event_is_remembered_at_any_count() {
+        for n in [1, 2, 63, 64, 65, 128, 130] {
+            let mut a = Assembler::new(n, u64::MAX, 16);
+            for c in 0..n - 1 {
+                assert!(matches!(a.offer(c, 5, (), 0), Offer::Held));
+            }
+            assert!(matches!(a.offer(n - 1, 5, (), 0), Offer::Ready(e) if e.is_complete()));
+            for c in 0..n {
+                assert!(
+                    matches!(a.offer(c, 5, (), 1), Offer::Duplicate(())),
+                    "n {n} c {c}"
+                );
+            }
         }
     }
 

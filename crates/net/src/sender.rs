@@ -270,11 +270,39 @@ fn release<T: Outgoing>(
 fn encode_headers<T: Outgoing>(batch: &[T], st: &mut LinkState) {
     st.headers.clear();
     st.offsets.clear();
-    for u in batch {
+    for (i, u) in batch.iter().enumerate() {
+        // A unit's list of slices was written by the thread that finished it, on the other
+        // core as often as not, and its header's sizes are the first read of it: that load was
+        // 84 % of a readout unit's `encode_header` at 1 KiB x 8 (`perf annotate`). Asked for a
+        // few units ahead, it is in the cache when needed.
+        if let Some(f) = batch
+            .get(i + PREFETCH_AHEAD)
+            .and_then(|a| a.fragments().first())
+        {
+            prefetch(f);
+        }
         let start = st.headers.len();
         u.encode_header(&mut st.headers);
         st.offsets.push((start, st.headers.len()));
     }
+}
+
+/// How many units ahead [`encode_headers`] prefetches a unit's list of slices.
+const PREFETCH_AHEAD: usize = 4;
+
+/// A hint to load the line holding `x`; nothing is read architecturally.
+#[inline(always)]
+fn prefetch<X>(x: &X) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch cannot fault and changes no state the program can see; the address
+    // is that of a live reference.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+            (x as *const X).cast(),
+        )
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
 }
 
 /// Ends a link that did not fail with a peer end carrying the counts, then waits for the peer to
