@@ -270,24 +270,14 @@ fn release<T: Outgoing>(
 fn encode_headers<T: Outgoing>(batch: &[T], st: &mut LinkState) {
     st.headers.clear();
     st.offsets.clear();
-    for (i, u) in batch.iter().enumerate() {
-        // A unit's list of slices was written by the thread that finished it, on the other
-        // core as often as not, and its header's sizes are the first read of it: that load was
-        // 84 % of a readout unit's `encode_header` at 1 KiB x 8 (`perf annotate`). Asked for a
-        // few units ahead, it is in the cache when needed.
-        if let Some(f) = batch
-            .get(i + PREFETCH_AHEAD)
-            .and_then(|a| a.fragments().first())
-        {
-            prefetch(f);
-        }
+    for u in batch {
         let start = st.headers.len();
         u.encode_header(&mut st.headers);
         st.offsets.push((start, st.headers.len()));
     }
 }
 
-/// How many units ahead [`encode_headers`] prefetches a unit's list of slices.
+/// How many units ahead a write prefetches a unit's list of slices.
 const PREFETCH_AHEAD: usize = 4;
 
 /// A hint to load the line holding `x`; nothing is read architecturally.
@@ -492,7 +482,18 @@ where
         loop {
             let mut skip = self.at;
             let mut io: Vec<IoSlice> = Vec::with_capacity(MAX_SLICES.min(self.batch.len() * 9));
-            'fill: for (u, &(s, e)) in self.batch.iter().zip(&self.st.offsets) {
+            'fill: for (k, (u, &(s, e))) in self.batch.iter().zip(&self.st.offsets).enumerate() {
+                // A unit's list of slices was written by the thread that finished it, on the
+                // other core as often as not, and has left the cache since (each write copies
+                // hundreds of KiB through it): the load of its first slice was half of this
+                // turn's time at 256 B x 32 (`perf annotate`). Asked for a few units ahead,
+                // every line of it is there when the walk reaches it.
+                if let Some(ahead) = self.batch.get(k + PREFETCH_AHEAD) {
+                    let per_line = (64 / std::mem::size_of::<ChunkSlice>()).max(1);
+                    for f in ahead.fragments().iter().step_by(per_line) {
+                        prefetch(f);
+                    }
+                }
                 for piece in std::iter::once(&self.st.headers[s..e])
                     .chain(u.fragments().iter().map(|f| &f[..]))
                 {

@@ -77,13 +77,17 @@ pub struct ReadoutConfig {
 struct SuperFragment {
     event_id: u64,
     fragments: Vec<ChunkSlice>,
+    /// Bytes in `fragments`, summed where the list was just made: the sending thread, on the
+    /// other core as often as not, would otherwise read the whole list (gone cold) for the
+    /// header's size before writing it (84 % of `encode_header` at 1 KiB x 8, `perf annotate`).
+    body: usize,
     missing: Vec<u32>,
     readout_unit: u32,
 }
 
 impl tessera_net::sender::Outgoing for SuperFragment {
     fn encode_header(&self, out: &mut Vec<u8>) {
-        let body: usize = self.fragments.iter().map(|f| f.len()).sum();
+        let body = self.body;
         let mut h = SuperFragmentHeader {
             readout_unit: self.readout_unit,
             event_id: self.event_id,
@@ -230,9 +234,11 @@ impl Shared {
                 let each = count.div_ceil(n * rails.len());
                 rails[rail].reserve(each);
             }
+            let body = fragments.iter().map(|f| f.len()).sum();
             rails[rail].push(SuperFragment {
                 event_id: ev.event_id,
                 fragments,
+                body,
                 missing,
                 readout_unit: self.id,
             });
