@@ -21,6 +21,7 @@
 //! capped ([`Assembler::with_max_open`]): an item that would open one more is handed back
 //! ([`Offer::Full`]) and its contributor waits, which holds its link (back-pressure).
 
+pub mod hint;
 mod recent;
 mod table;
 pub use recent::RecentSet;
@@ -234,21 +235,6 @@ pub struct Assembler<T> {
 /// How many event IDs ahead of an item [`Assembler::offer`] prefetches the same contributor's
 /// part: enough for the load to arrive while this item and the next are handled.
 const PREFETCH_AHEAD: u64 = 12;
-
-/// A hint to load the line holding `x`; nothing is read architecturally.
-#[inline(always)]
-fn prefetch<X>(x: &X) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch cannot fault and changes no state the program can see; the address
-    // is that of a live reference.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-            (x as *const X).cast(),
-        )
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = x;
-}
 
 /// Part lists kept for reuse, at least this many: enough for a batch of departed events.
 pub const SPARE_LISTS: usize = 64;
@@ -479,15 +465,9 @@ impl<T> Assembler<T> {
             return;
         };
         if p.have + 1 == p.parts.len() {
-            let per_line = (64 / std::mem::size_of::<Option<T>>().max(1)).max(1);
-            for x in p.parts.iter().step_by(per_line) {
-                prefetch(x);
-            }
-            if let Some(x) = p.parts.last() {
-                prefetch(x);
-            }
+            hint::prefetch_all(&p.parts);
         } else if let Some(x) = p.parts.get(c) {
-            prefetch(x);
+            hint::prefetch(x);
         }
     }
 

@@ -27,6 +27,9 @@ pub trait Outgoing: Send {
     /// The bytes that follow the header, verbatim: its fragments, one slice each or several
     /// packed in one slice.
     fn fragments(&self) -> &[ChunkSlice];
+    /// Starts loading what [`Self::fragments`] will read, a few units before the write's walk
+    /// reaches this one. Nothing by default.
+    fn prefetch(&self) {}
     /// Fragments in [`Self::fragments`], for the link's counts.
     fn fragment_count(&self) -> u64 {
         self.fragments().len() as u64
@@ -280,21 +283,6 @@ fn encode_headers<T: Outgoing>(batch: &[T], st: &mut LinkState) {
 /// How many units ahead a write prefetches a unit's list of slices.
 const PREFETCH_AHEAD: usize = 4;
 
-/// A hint to load the line holding `x`; nothing is read architecturally.
-#[inline(always)]
-fn prefetch<X>(x: &X) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch cannot fault and changes no state the program can see; the address
-    // is that of a live reference.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-            (x as *const X).cast(),
-        )
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = x;
-}
-
 /// Ends a link that did not fail with a peer end carrying the counts, then waits for the peer to
 /// close (it has then read everything).
 fn finish_link(stream: &mut TcpStream, hello: PeerHello, st: &LinkState, wait_close: bool) {
@@ -489,10 +477,7 @@ where
                 // turn's time at 256 B x 32 (`perf annotate`). Asked for a few units ahead,
                 // every line of it is there when the walk reaches it.
                 if let Some(ahead) = self.batch.get(k + PREFETCH_AHEAD) {
-                    let per_line = (64 / std::mem::size_of::<ChunkSlice>()).max(1);
-                    for f in ahead.fragments().iter().step_by(per_line) {
-                        prefetch(f);
-                    }
+                    ahead.prefetch();
                 }
                 for piece in std::iter::once(&self.st.headers[s..e])
                     .chain(u.fragments().iter().map(|f| &f[..]))

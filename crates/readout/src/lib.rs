@@ -102,6 +102,10 @@ impl tessera_net::sender::Outgoing for SuperFragment {
     fn fragments(&self) -> &[ChunkSlice] {
         &self.fragments
     }
+
+    fn prefetch(&self) {
+        tessera_assembly::hint::prefetch_all(&self.fragments);
+    }
 }
 
 /// What reading a link needs, in either mode.
