@@ -419,7 +419,12 @@ impl<T> Assembler<T> {
             self.stats.full += 1;
             return Offer::Full(item);
         }
-        self.prefetch_part(event_id.wrapping_add(PREFETCH_AHEAD), c);
+        // Only where a contributor's items are consecutive events (a source link carries
+        // every event): a builder's link carries every n-th, and there the hint would load a
+        // ring slot for nothing at every item.
+        if self.ordered {
+            self.prefetch_part(event_id.wrapping_add(PREFETCH_AHEAD), c);
+        }
         let p = self.pending.get_or_insert_with(event_id, || {
             self.order.push_back((event_id, now_ns));
             ascending_insert(&mut self.lowest, event_id);
