@@ -818,13 +818,17 @@ pub const MAX_RAILS: usize = 8;
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AssignmentSection {
-    /// Blocks of this many consecutive event IDs go round-robin over the builders.
+    /// Blocks of this many consecutive event IDs go round-robin over the builders. Not 1 by
+    /// default: a readout unit's sender for one builder then reads each link's fragments in
+    /// runs of consecutive events, one after the other in the link's read chunk, where with
+    /// single events it read every n-th fragment, and that strided read of memory gone cold
+    /// was the costliest copy of the data path (docs/PERFORMANCE.md, session 26).
     pub block: u64,
 }
 
 impl Default for AssignmentSection {
     fn default() -> Self {
-        AssignmentSection { block: 1 }
+        AssignmentSection { block: 16 }
     }
 }
 
