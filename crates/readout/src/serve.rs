@@ -90,6 +90,10 @@ struct Unit {
     /// Signalled when a clear frees pages.
     space: Condvar,
     space_lock: Mutex<()>,
+    /// Held while the page gauge is summed and stored: without it the sweep's sum, taken
+    /// before a clear freed pages, could be stored after the clear's and leave the gauge
+    /// stale until the next sweep.
+    publish_lock: Mutex<()>,
     requests: Mutex<RequestTable>,
     ports: Mutex<HashMap<u32, Arc<Port>>>,
     share: usize,
@@ -143,6 +147,7 @@ pub(crate) fn start(
         links,
         space: Condvar::new(),
         space_lock: Mutex::new(()),
+        publish_lock: Mutex::new(()),
         requests: Mutex::new(RequestTable::new(
             mode.descriptors,
             mode.timeout.as_nanos() as u64,
@@ -406,6 +411,7 @@ impl Unit {
     }
 
     fn publish_pages(&self) {
+        let _g = self.publish_lock.lock();
         let free: usize = self.links.iter().map(|l| l.lock().free_pages()).sum();
         self.stats
             .requests
