@@ -373,6 +373,11 @@ impl<T> Assembler<T> {
         self.closed[c]
     }
 
+    /// Whether some contributor is closed: only then can an event be ready short of every part.
+    fn any_closed(&self) -> bool {
+        self.open < self.contributors
+    }
+
     /// Takes back a departed event's part list once the consumer has emptied it, to hold the
     /// parts of an event opened later: a consumer on the assembler's thread spares an
     /// allocation and a free per event. Lists beyond [`SPARE_LISTS`] are dropped.
@@ -414,7 +419,7 @@ impl<T> Assembler<T> {
             };
         }
         let n = self.contributors;
-        let any_closed = self.open < n;
+        let any_closed = self.any_closed();
         if self.pending.len() >= self.max_open && !self.pending.contains_key(event_id) {
             self.stats.full += 1;
             return Offer::Full(item);
@@ -479,7 +484,7 @@ impl<T> Assembler<T> {
     fn ready(&self, event_id: u64) -> bool {
         self.pending
             .get(event_id)
-            .is_some_and(|p| p.ready(&self.closed, self.open < self.contributors))
+            .is_some_and(|p| p.ready(&self.closed, self.any_closed()))
     }
 
     fn depart(&mut self, event_id: u64, timed_out: bool) -> Assembled<T> {

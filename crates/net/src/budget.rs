@@ -109,6 +109,19 @@ impl Budget {
         }
     }
 
+    /// [`Self::take_buffer`] if memory is there now: never waits and leaves no doorbell. For a
+    /// reader that can still let go of what it holds and ask again the waiting way.
+    pub fn take_now(&self, min: usize, n: usize) -> Option<Box<[u8]>> {
+        let mut s = self.state.lock();
+        match self.take_locked(&mut s, min, n)? {
+            Taken::Kept(b) => Some(b),
+            Taken::Fresh => {
+                drop(s);
+                Some(vec![0u8; n].into_boxed_slice())
+            }
+        }
+    }
+
     fn take_locked(&self, s: &mut State, min: usize, n: usize) -> Option<Taken> {
         let n64 = n as u64;
         // Any kept chunk that is big enough: a link whose chunk size follows its rate must not

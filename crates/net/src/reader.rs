@@ -158,6 +158,23 @@ impl ChunkReader {
                 }
             }
             let size = self.cur.max(want);
+            let need = want.max(have).max(1);
+            // The usual case, memory at hand: the part of a message cut by the chunk's end goes
+            // straight into the new chunk, one copy (through a vector it was two copies and an
+            // allocation, 2-3 % of all CPU at 16 x 60 where 128 KiB chunks carry half a 32 KiB
+            // super-fragment each).
+            if let Some(buf) = self.budget.take_now(need, size) {
+                let fresh = Chunk::new(buf, self.budget.clone());
+                if have > 0 {
+                    // SAFETY: `fresh` is ours alone; nothing has been handed out of it.
+                    unsafe { fresh.tail_mut(0)[..have].copy_from_slice(self.window()) };
+                }
+                self.chunk = Some(fresh);
+                self.pos = 0;
+                self.filled = have;
+                self.started = Some(Instant::now());
+                return true;
+            }
             // Let go of the current chunk before waiting for memory: if nothing downstream still
             // holds a slice of it, that frees it, and a budget of two chunks can never deadlock
             // on the reader's own leftovers. The partial message carried over is at most one
@@ -165,7 +182,7 @@ impl ChunkReader {
             let carry = self.window().to_vec();
             self.chunk = None;
             // The new chunk must hold the message under way (and what was carried of it).
-            let Some(buf) = take(want.max(have).max(1), size) else {
+            let Some(buf) = take(need, size) else {
                 self.chunk = Some(Chunk::from_vec(carry));
                 self.pos = 0;
                 self.filled = have;
@@ -257,5 +274,33 @@ mod tests {
         assert!(budget.used() > 0);
         drop(slices);
         assert_eq!(budget.used(), 0);
+    }
+
+    /// A budget of exactly one chunk: the new chunk can only be the old one, given back once
+    /// the reader lets go of it, so the part of a message cut at the chunk's end must be carried
+    /// aside first. The stop flag is raised from the start, so a read that would wait for
+    /// memory says `Stopped` instead of hanging the test.
+    #[test]
+    fn a_budget_of_one_chunk_carries_cut_messages_through_its_own_chunk() {
+        let budget = Arc::new(Budget::new(1000));
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let stop = AtomicBool::new(true);
+        let mut joined = Vec::new();
+        let mut r = ChunkReader::new(budget.clone(), 1000);
+        let mut src = Trickle(&data, 333);
+        loop {
+            while r.window().len() >= 300 {
+                // Slices let go at once, as a consumer that keeps up would.
+                joined.extend_from_slice(&r.take(300));
+            }
+            match r.fill(&mut src, 300, &stop).unwrap() {
+                Fill::Eof => break,
+                Fill::Data(_) => {}
+                other => panic!("the one chunk was not reused: {other:?}"),
+            }
+        }
+        assert_eq!(joined.len(), 9900);
+        assert_eq!(&joined[..], &data[..9900]);
+        assert!(budget.used() <= 1000);
     }
 }
