@@ -157,6 +157,11 @@ impl ChunkReader {
                     self.cur = (self.cur / 2).max(MIN_CHUNK.min(self.chunk_size));
                 }
             }
+            // And at least eight of the link's messages: a message cut by a chunk's end is
+            // copied into the next, half a message per chunk on average, so this keeps the
+            // copy under a sixteenth of the bytes. Without it a slow link of 32 KiB
+            // super-fragments (16 x 60) kept 128 KiB chunks and copied an eighth.
+            self.cur = self.cur.max(want.saturating_mul(8).min(self.chunk_size));
             let size = self.cur.max(want);
             let need = want.max(have).max(1);
             // The usual case, memory at hand: the part of a message cut by the chunk's end goes
@@ -302,5 +307,24 @@ mod tests {
         assert_eq!(joined.len(), 9900);
         assert_eq!(&joined[..], &data[..9900]);
         assert!(budget.used() <= 1000);
+    }
+
+    /// A link of large messages reads into chunks that hold at least eight of them, whatever
+    /// its rate: the first chunk, before any rate is known, already does.
+    #[test]
+    fn a_chunk_holds_at_least_eight_of_the_link_s_messages() {
+        let budget = Arc::new(Budget::new(8 << 20));
+        let mut r = ChunkReader::new(budget, 1 << 20);
+        let data = vec![5u8; 64 << 10];
+        let stop = AtomicBool::new(false);
+        let got = r
+            .fill(&mut Trickle(&data, 64 << 10), 32 << 10, &stop)
+            .unwrap();
+        assert_eq!(got, Fill::Data(64 << 10));
+        assert_eq!(r.chunk.as_ref().unwrap().capacity(), 256 << 10);
+        // Messages of a few bytes keep the smallest chunk.
+        let mut small = ChunkReader::new(Arc::new(Budget::new(8 << 20)), 1 << 20);
+        small.fill(&mut Trickle(&data, 100), 100, &stop).unwrap();
+        assert_eq!(small.chunk.as_ref().unwrap().capacity(), MIN_CHUNK);
     }
 }

@@ -321,6 +321,23 @@ impl Session {
         live
     }
 
+    /// Fragments sent by this process's emulated sources and event bytes built by its builders:
+    /// what a benchmark watches many times a second, read without building the whole view
+    /// (which at 76 roles and 1 920 links is a cost of its own, and asks every link to sample
+    /// its kernel queues).
+    pub fn sent_and_built(&self) -> (u64, u64) {
+        let run = &self.running;
+        let sent = run.sources.as_ref().map_or(0, |s| {
+            s.stats.iter().map(|e| e.fragments.load(Relaxed)).sum()
+        });
+        let built = run
+            .builders
+            .iter()
+            .map(|b| b.stats.bytes_built.load(Relaxed))
+            .sum();
+        (sent, built)
+    }
+
     /// Which sources are missing for event `event_id`, and the state of their links.
     pub fn why_incomplete(&self, event_id: u64) -> WhyIncomplete {
         let run = &self.running;
