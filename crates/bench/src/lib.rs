@@ -78,6 +78,12 @@ pub struct BenchArgs {
     /// Source counts (default: 8 and 32).
     #[arg(long, value_delimiter = ',')]
     pub sources: Option<Vec<u32>>,
+    /// Events per builder block (`assignment.block`) for the building points: several values
+    /// sweep it, each a point of its own (default: the configuration's default, 16). The
+    /// trade: larger blocks let a readout unit's sender read longer runs of each link's
+    /// fragments (less CPU), for longer bursts to one builder.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..))]
+    pub blocks: Option<Vec<u64>>,
     /// Bytes each point moves (default 2 GB, 0.6 GB with --quick): a number (2e9) or a size
     /// with its unit (4GB, 600 MiB).
     #[arg(long, value_parser = parse_bytes)]
@@ -125,6 +131,8 @@ pub struct Point {
     pub sources: u32,
     pub readout_units: usize,
     pub builders: usize,
+    /// Consecutive events per builder (`assignment.block`).
+    pub block: u64,
     pub events: u64,
     pub events_per_s: f64,
     pub fragments_per_s: f64,
@@ -236,10 +244,16 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         .clone()
         .unwrap_or_else(|| if a.quick { vec![8] } else { vec![8, 32] });
     let bytes = a.bytes.unwrap_or(if a.quick { 0.6e9 } else { 2e9 });
-    let mut plan: Vec<(Mode, u64, u32)> = Vec::new();
+    let blocks: Vec<Option<u64>> = match &a.blocks {
+        Some(b) => b.iter().map(|&b| Some(b)).collect(),
+        None => vec![None],
+    };
+    let mut plan: Vec<(Mode, u64, u32, Option<u64>)> = Vec::new();
     for &n in &sources {
         for &s in &sizes {
-            plan.push((Mode::Build, s, n));
+            for &b in &blocks {
+                plan.push((Mode::Build, s, n, b));
+            }
         }
     }
     let rec_size = if sizes.contains(&16384) {
@@ -247,8 +261,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     } else {
         sizes[sizes.len() / 2]
     };
-    plan.push((Mode::Record, rec_size, sources[0]));
-    plan.push((Mode::RecordLz4, rec_size, sources[0]));
+    plan.push((Mode::Record, rec_size, sources[0], None));
+    plan.push((Mode::RecordLz4, rec_size, sources[0], None));
     if !a.json {
         eprintln!(
             "tessera bench: {} points, ~{:.1} GB each (machine: {} cores)",
@@ -257,10 +271,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             std::thread::available_parallelism().map_or(0, |n| n.get())
         );
         println!(
-            "{:<18} {:>9} {:>7} {:>10} {:>12} {:>11} {:>11} {:>7} {:>11} {:>12} {:>5}",
+            "{:<18} {:>9} {:>7} {:>5} {:>10} {:>12} {:>11} {:>11} {:>7} {:>11} {:>12} {:>5}",
             "mode",
             "fragment",
             "sources",
+            "block",
             "events/s",
             "fragments/s",
             "built MB/s",
@@ -272,16 +287,17 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         );
     }
     let repeat = a.repeat.unwrap_or(if a.quick { 1 } else { 3 }).max(1);
-    for (mode, size, n) in plan {
-        let p = point(mode, size, n, bytes, a.output.as_deref(), repeat)?;
+    for (mode, size, n, block) in plan {
+        let p = point(mode, size, n, bytes, a.output.as_deref(), repeat, block)?;
         if a.json {
             println!("{}", serde_json::to_string(&p)?);
         } else {
             println!(
-                "{:<18} {:>9} {:>7} {:>10.0} {:>12.0} {:>11.1} {:>11.1} {:>7.2} {:>11} {:>12} {:>5}",
+                "{:<18} {:>9} {:>7} {:>5} {:>10.0} {:>12.0} {:>11.1} {:>11.1} {:>7.2} {:>11} {:>12} {:>5}",
                 mode.name(),
                 size,
                 n,
+                p.block,
                 p.events_per_s,
                 p.fragments_per_s,
                 p.bytes_per_s / 1e6,
@@ -298,7 +314,22 @@ pub fn run(a: &BenchArgs) -> Result<()> {
 
 /// The topology a point runs: `n` sources over two readout units, two builders.
 pub fn bench_topology(mode: Mode, size: u64, n: u32, events: u64) -> Result<Resolved> {
+    bench_topology_with(mode, size, n, events, None)
+}
+
+/// [`bench_topology`] with events dealt to the builders in blocks of `block` (`None`: the
+/// configuration's default).
+fn bench_topology_with(
+    mode: Mode,
+    size: u64,
+    n: u32,
+    events: u64,
+    block: Option<u64>,
+) -> Result<Resolved> {
     let mut t = Topology::default();
+    if let Some(b) = block {
+        t.assignment.block = b;
+    }
     t.run.events = events;
     t.run.max_fragment_size = ByteSize(size.max(1024));
     t.sources.count = n;
@@ -343,11 +374,12 @@ fn point(
     bytes: f64,
     out: Option<&std::path::Path>,
     repeat: usize,
+    block: Option<u64>,
 ) -> Result<Point> {
     let per_event =
         (tessera_format::wire::fragment_wire_size(size as usize) as u64 * n as u64).max(1);
     let events = ((bytes / per_event as f64) as u64).clamp(2000, 5_000_000);
-    let r = bench_topology(mode, size, n, events)?;
+    let r = bench_topology_with(mode, size, n, events, block)?;
     let hops = if mode == Mode::Build { 2 } else { 3 };
     let (mut base, mut built, mut ev_rate, mut fr_rate, mut ratios) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -399,6 +431,7 @@ fn point(
         sources: n,
         readout_units: r.topology.readout_units.len(),
         builders: r.topology.builders.len(),
+        block: r.topology.assignment.block,
         events: total_events,
         events_per_s: median(&mut ev_rate),
         fragments_per_s: median(&mut fr_rate),

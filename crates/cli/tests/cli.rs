@@ -246,6 +246,50 @@ fn bench_prints_one_json_object_per_point() {
     }
 }
 
+/// `--blocks` sweeps `assignment.block` over the building points, each a point of its own that
+/// builds every event whole; the recording points keep the default. A block of 0 is refused.
+#[test]
+fn bench_sweeps_the_events_per_builder_block() {
+    let o = tessera(&[
+        "bench",
+        "--sizes",
+        "1024",
+        "--sources",
+        "2",
+        "--bytes",
+        "2e7",
+        "--repeat",
+        "1",
+        "--blocks",
+        "1,4",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let points: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let seen: Vec<(&str, u64)> = points
+        .iter()
+        .map(|p| (p["mode"].as_str().unwrap(), p["block"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("build", 1),
+            ("build", 4),
+            ("record", 16),
+            ("record_lz4", 16)
+        ]
+    );
+    for p in &points {
+        assert_eq!(p["clean"], true, "{p}");
+    }
+    let o = tessera(&["bench", "--blocks", "0"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--blocks"), "{}", stderr(&o));
+}
+
 /// Free loopback ports, found by binding port 0 (released again before use).
 /// `tessera serve ROLE...` on `cfg`, handed listener `port` of `ports` when it listens.
 fn serve(ports: &Ports, cfg: &str, role: &[&str], port: Option<usize>) -> Proc {

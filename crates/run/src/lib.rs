@@ -689,7 +689,11 @@ impl Session {
 
     /// Whether `role` has finished, and its failure if it failed. A role finishes normally
     /// once what feeds it has or a stop has begun; finishing otherwise is a failure.
-    fn role_state(&self, role: &dyn role::RunRole, stopping: bool) -> (bool, Option<role::Failure>) {
+    fn role_state(
+        &self,
+        role: &dyn role::RunRole,
+        stopping: bool,
+    ) -> (bool, Option<role::Failure>) {
         let finished = role.is_finished();
         let failure = role.failure().or_else(|| {
             (finished && !role.upstream_done(&self.running) && !stopping)
