@@ -17,6 +17,14 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// One JSON object per line of stdout (`--json` of the benches).
+fn json_lines(o: &Output) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 fn write(dir: &Path, name: &str, text: &str) -> String {
     let p = dir.join(name);
     std::fs::write(&p, text).unwrap();
@@ -220,10 +228,7 @@ fn bench_prints_one_json_object_per_point() {
         "--json",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let points: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let points = json_lines(&o);
     // One building point, then building with recording and with lz4 recording.
     assert_eq!(points.len(), 3);
     let modes: Vec<&str> = points.iter().map(|p| p["mode"].as_str().unwrap()).collect();
@@ -265,10 +270,7 @@ fn bench_sweeps_the_events_per_builder_block() {
         "--json",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let points: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let points = json_lines(&o);
     let seen: Vec<(&str, u64)> = points
         .iter()
         .map(|p| (p["mode"].as_str().unwrap(), p["block"].as_u64().unwrap()))
@@ -614,12 +616,8 @@ fn bench_request_prints_one_json_object_per_point() {
         "0.5",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let out = String::from_utf8_lossy(&o.stdout);
-    let lines: Vec<serde_json::Value> = out
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(lines.len(), 1, "{out}");
+    let lines = json_lines(&o);
+    assert_eq!(lines.len(), 1, "{}", String::from_utf8_lossy(&o.stdout));
     let p = &lines[0];
     for key in [
         "fragment_size",
