@@ -213,9 +213,9 @@ fn verify_reports_missing_paths() {
     assert!(stderr(&o).contains("does not exist"));
 }
 
-#[test]
-fn bench_prints_one_json_object_per_point() {
-    let o = tessera(&[
+/// `tessera bench --json` at 1 KiB x 2 sources, 20 MB a point, once: a few seconds.
+fn small_bench(extra: &[&str]) -> Output {
+    let mut args = vec![
         "bench",
         "--sizes",
         "1024",
@@ -226,7 +226,14 @@ fn bench_prints_one_json_object_per_point() {
         "--repeat",
         "1",
         "--json",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    tessera(&args)
+}
+
+#[test]
+fn bench_prints_one_json_object_per_point() {
+    let o = small_bench(&[]);
     assert!(o.status.success(), "{}", stderr(&o));
     let points = json_lines(&o);
     // One building point, then building with recording and with lz4 recording.
@@ -255,20 +262,7 @@ fn bench_prints_one_json_object_per_point() {
 /// builds every event whole; the recording points keep the default. A block of 0 is refused.
 #[test]
 fn bench_sweeps_the_events_per_builder_block() {
-    let o = tessera(&[
-        "bench",
-        "--sizes",
-        "1024",
-        "--sources",
-        "2",
-        "--bytes",
-        "2e7",
-        "--repeat",
-        "1",
-        "--blocks",
-        "1,4",
-        "--json",
-    ]);
+    let o = small_bench(&["--blocks", "1,4"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let points = json_lines(&o);
     let seen: Vec<(&str, u64)> = points
