@@ -29,6 +29,17 @@ enum Taken {
     Fresh,
 }
 
+impl Taken {
+    /// The buffer of `n` bytes: called with the budget's lock released, since a fresh one is
+    /// zeroed and faulted in, which takes long for a megabyte.
+    fn buffer(self, n: usize) -> Box<[u8]> {
+        match self {
+            Taken::Kept(b) => b,
+            Taken::Fresh => touched(n),
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct Budget {
     limit: u64,
@@ -70,13 +81,9 @@ impl Budget {
     pub fn take_buffer(&self, min: usize, n: usize, stop: &AtomicBool) -> Option<Box<[u8]>> {
         let mut s = self.state.lock();
         loop {
-            match self.take_locked(&mut s, min, n) {
-                Some(Taken::Kept(b)) => return Some(b),
-                Some(Taken::Fresh) => {
-                    drop(s);
-                    return Some(touched(n));
-                }
-                None => {}
+            if let Some(t) = self.take_locked(&mut s, min, n) {
+                drop(s);
+                return Some(t.buffer(n));
             }
             if stop.load(Ordering::Relaxed) {
                 return None;
@@ -96,32 +103,21 @@ impl Budget {
     /// wait can be missed.
     pub fn try_take_buffer(&self, min: usize, n: usize, bell: &Doorbell) -> Option<Box<[u8]>> {
         let mut s = self.state.lock();
-        match self.take_locked(&mut s, min, n) {
-            Some(Taken::Kept(b)) => Some(b),
-            Some(Taken::Fresh) => {
-                drop(s);
-                Some(touched(n))
-            }
-            None => {
-                if !s.waiters.iter().any(|w| w.same(bell)) {
-                    s.waiters.push(bell.clone());
-                }
-                None
-            }
+        if let Some(t) = self.take_locked(&mut s, min, n) {
+            drop(s);
+            return Some(t.buffer(n));
         }
+        if !s.waiters.iter().any(|w| w.same(bell)) {
+            s.waiters.push(bell.clone());
+        }
+        None
     }
 
     /// [`Self::take_buffer`] if memory is there now: never waits and leaves no doorbell. For a
     /// reader that can still let go of what it holds and ask again the waiting way.
     pub fn take_now(&self, min: usize, n: usize) -> Option<Box<[u8]>> {
-        let mut s = self.state.lock();
-        match self.take_locked(&mut s, min, n)? {
-            Taken::Kept(b) => Some(b),
-            Taken::Fresh => {
-                drop(s);
-                Some(touched(n))
-            }
-        }
+        let t = self.take_locked(&mut self.state.lock(), min, n)?;
+        Some(t.buffer(n))
     }
 
     fn take_locked(&self, s: &mut State, min: usize, n: usize) -> Option<Taken> {
