@@ -3,7 +3,8 @@
 //! periodic 1 kHz and again at saturation (unlimited trigger); the process's CPU time (user and
 //! system, every thread, from getrusage) per fragment at 1 kHz over the same at saturation is the
 //! figure (issue 14's target: at most 1.5). A DAQ that costs far more per fragment when little
-//! flows spends its CPU on wake-ups, not on data.
+//! flows spends its CPU on wake-ups, not on data. `--moderation` sweeps the pollers' interrupt
+//! moderation (`run.io_moderation_us`), the setting that trades latency for CPU at low rates.
 
 use anyhow::Result;
 use serde::Serialize;
@@ -32,6 +33,8 @@ pub struct LowRatePoint {
 
 #[derive(Debug, Serialize)]
 pub struct LowRate {
+    /// `run.io_moderation_us` of both points.
+    pub moderation_us: u64,
     pub low: LowRatePoint,
     pub saturated: LowRatePoint,
     /// CPU per fragment at 1 kHz over the same at saturation.
@@ -41,9 +44,9 @@ pub struct LowRate {
 }
 
 /// `run` and `trigger`: the keys of `[run]` (events or duration) and the trigger's in `[sources]`.
-fn topology(run: &str, trigger: &str) -> String {
+fn topology(run: &str, trigger: &str, moderation_us: u64) -> String {
     let mut t = format!(
-        "[run]\n{run}\nmax_fragment_size = \"4 KiB\"\n[sources]\ncount = 105\nfragment_size = 380\n{trigger}\n\
+        "[run]\n{run}\nio_moderation_us = {moderation_us}\nmax_fragment_size = \"4 KiB\"\n[sources]\ncount = 105\nfragment_size = 380\n{trigger}\n\
          [[builder]]\nid = 0\n[recorder]\nfsync = false\nmax_file_size = \"256 MiB\"\n\
          [monitor]\nenabled = false\n"
     );
@@ -57,14 +60,21 @@ fn topology(run: &str, trigger: &str) -> String {
     t
 }
 
-fn point(name: &str, run: &str, trigger: &str, dir: &std::path::Path) -> Result<LowRatePoint> {
-    let r = Topology::parse(&topology(run, trigger), name)?;
+fn point(
+    name: &str,
+    run: &str,
+    trigger: &str,
+    moderation_us: u64,
+    dir: &std::path::Path,
+) -> Result<LowRatePoint> {
+    let r = Topology::parse(&topology(run, trigger, moderation_us), name)?;
+    let out = dir.join(format!("{name}-{moderation_us}"));
     let crate::Measured {
         report: rep,
         cpu_s,
         sources_cpu_s,
         wall_s,
-    } = crate::run_measured(&r, &dir.join(name), name)?;
+    } = crate::run_measured(&r, &out, name)?;
     let events = rep.events_complete + rep.events_incomplete;
     let fragments = rep.balance.sent;
     Ok(LowRatePoint {
@@ -83,33 +93,25 @@ fn point(name: &str, run: &str, trigger: &str, dir: &std::path::Path) -> Result<
 pub fn run_lowrate(a: &BenchArgs) -> Result<()> {
     let secs = if a.quick { 2 } else { 6 };
     let dir = tempfile::tempdir()?;
+    let moderations = a
+        .moderation
+        .clone()
+        .unwrap_or_else(|| vec![tessera_net::reactor::DEFAULT_MODERATION_US]);
     if !a.json {
         eprintln!(
             "low rate: COMET SUPPRESS (105 sources x 380 B, 5 readout units, 1 builder, recorder) at 1 kHz for {secs} s and at saturation"
         );
     }
-    let low = point(
-        "periodic-1kHz",
-        &format!("duration_s = {secs}"),
-        "trigger = \"periodic\"\nrate_hz = 1000",
-        dir.path(),
-    )?;
-    // The same number of events as fast as the system takes them.
-    let saturated = point(
-        "unlimited",
-        &format!("events = {}", low.events.max(1000)),
-        "trigger = \"unlimited\"",
-        dir.path(),
-    )?;
-    let r = LowRate {
-        ratio: low.cpu_ns_per_fragment / saturated.cpu_ns_per_fragment.max(1e-9),
-        daq_ratio: low.daq_cpu_ns_per_fragment / saturated.daq_cpu_ns_per_fragment.max(1e-9),
-        low,
-        saturated,
-    };
-    if a.json {
-        println!("{}", serde_json::to_string(&r)?);
-    } else {
+    for moderation_us in moderations {
+        let r = measure(secs, moderation_us, dir.path())?;
+        if a.json {
+            println!("{}", serde_json::to_string(&r)?);
+            continue;
+        }
+        println!(
+            "run.io_moderation_us = {moderation_us} ({} ms)",
+            moderation_us as f64 / 1000.0
+        );
         for p in [&r.low, &r.saturated] {
             println!(
                 "{:<14} {:>7} events {:>9} fragments in {:>5.1} s: CPU {:>5.2} s ({:.0} % of a core), {:>6.0} ns per fragment; without the sources' {:.2} s: {:>6.0} ns",
@@ -130,4 +132,30 @@ pub fn run_lowrate(a: &BenchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The pair of points at one moderation: 1 kHz for `secs`, then as many events at saturation.
+fn measure(secs: u64, moderation_us: u64, dir: &std::path::Path) -> Result<LowRate> {
+    let low = point(
+        "periodic-1kHz",
+        &format!("duration_s = {secs}"),
+        "trigger = \"periodic\"\nrate_hz = 1000",
+        moderation_us,
+        dir,
+    )?;
+    // The same number of events as fast as the system takes them.
+    let saturated = point(
+        "unlimited",
+        &format!("events = {}", low.events.max(1000)),
+        "trigger = \"unlimited\"",
+        moderation_us,
+        dir,
+    )?;
+    Ok(LowRate {
+        moderation_us,
+        ratio: low.cpu_ns_per_fragment / saturated.cpu_ns_per_fragment.max(1e-9),
+        daq_ratio: low.daq_cpu_ns_per_fragment / saturated.daq_cpu_ns_per_fragment.max(1e-9),
+        low,
+        saturated,
+    })
 }

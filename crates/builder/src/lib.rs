@@ -618,7 +618,7 @@ impl tessera_net::reactor::Conn for PolledRail {
         std::os::fd::AsRawFd::as_raw_fd(&self.stream)
     }
 
-    fn bytes_read(&self) -> u64 {
+    fn bytes_moved(&self) -> u64 {
         self.reader.bytes_read
     }
 

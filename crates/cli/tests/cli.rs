@@ -1157,18 +1157,32 @@ fn bench_instructions_counts_the_cost_of_a_fragment_under_callgrind() {
     );
 }
 
-/// `tessera bench lowrate --quick --json`: both points ran clean over the same fragments, and the
-/// CPU figures are measured (nonzero) rather than assumed.
+/// `tessera bench lowrate --quick --json`, swept over two moderations (off, and 20 ms): for
+/// each, both points ran clean over the same fragments, and the CPU figures are measured
+/// (nonzero) rather than assumed.
 #[test]
 fn bench_lowrate_measures_cpu_per_fragment_at_1_khz_and_at_saturation() {
-    let o = tessera(&["bench", "lowrate", "--quick", "--json"]);
+    let o = tessera(&[
+        "bench",
+        "lowrate",
+        "--quick",
+        "--json",
+        "--moderation",
+        "0,20000",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let r: serde_json::Value =
-        serde_json::from_str(String::from_utf8_lossy(&o.stdout).trim()).unwrap();
-    assert_eq!(r["low"]["fragments"], r["saturated"]["fragments"], "{r}");
-    assert!(r["low"]["fragments"].as_u64().unwrap() >= 105 * 1000, "{r}");
-    for p in ["low", "saturated"] {
-        assert!(r[p]["cpu_s"].as_f64().unwrap() > 0.0, "{r}");
+    let lines = json_lines(&o);
+    let moderations: Vec<u64> = lines
+        .iter()
+        .map(|r| r["moderation_us"].as_u64().unwrap())
+        .collect();
+    assert_eq!(moderations, [0, 20_000]);
+    for r in &lines {
+        assert_eq!(r["low"]["fragments"], r["saturated"]["fragments"], "{r}");
+        assert!(r["low"]["fragments"].as_u64().unwrap() >= 105 * 1000, "{r}");
+        for p in ["low", "saturated"] {
+            assert!(r[p]["cpu_s"].as_f64().unwrap() > 0.0, "{r}");
+        }
+        assert!(r["ratio"].as_f64().unwrap() > 0.0, "{r}");
     }
-    assert!(r["ratio"].as_f64().unwrap() > 0.0, "{r}");
 }

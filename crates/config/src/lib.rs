@@ -331,6 +331,13 @@ pub struct RunSection {
     /// assignment names) or `request` (readout units hold fragments until builders ask for them;
     /// an event manager hands events to builders with credit and clears what is done).
     pub mode: Mode,
+    /// Interrupt moderation of the I/O pollers, in microseconds: after a round that moved little
+    /// (under 16 KiB a connection, nothing held back), a poller waits this long from that
+    /// round's start before the next, so that small fragments gather on each link and are read
+    /// with one call and acknowledged with one ACK. Costs up to this much latency per hop, and
+    /// at a step from a low rate to a high one up to this much back-pressure on each link
+    /// (dead time, not loss); never applies while data flows at full rate. 0 turns it off.
+    pub io_moderation_us: u64,
 }
 
 /// `run.mode`.
@@ -351,6 +358,7 @@ impl Default for RunSection {
             max_fragment_size: ByteSize(1 << 20),
             status_interval_ms: 1000,
             mode: Mode::Push,
+            io_moderation_us: 5000,
         }
     }
 }
@@ -1932,6 +1940,28 @@ impl Topology {
         if self.assignment.block == 0 {
             return Err(err("assignment.block", "must be at least 1".into()));
         }
+        // A link read one moderation late must not make its event late: the pollers of two
+        // links of one event may each wait one moderation, and a builder sees two such hops.
+        let moderation = self.run.io_moderation_us;
+        if moderation > 1_000_000 {
+            return Err(err(
+                "run.io_moderation_us",
+                format!("{moderation} us is more than 1 s of latency per hop"),
+            ));
+        }
+        if let Some(ru) = self
+            .readout_units
+            .iter()
+            .find(|r| r.event_timeout_ms.saturating_mul(1000) < 4 * moderation)
+        {
+            return Err(err(
+                "run.io_moderation_us",
+                format!(
+                    "{moderation} us must be at most a quarter of every readout unit's event_timeout_ms (readout unit {}: {} ms), or a link read one moderation late makes its event incomplete",
+                    ru.id, ru.event_timeout_ms
+                ),
+            ));
+        }
         let q = &self.request;
         if q.page_size.0 < 256 || q.page_size.0 > (16 << 20) {
             return Err(err(
@@ -2536,6 +2566,16 @@ mod tests {
         assert_eq!(e.key, "readout[1].id");
         let e = parse("[run]\nmax_fragment_size = \"12 parsecs\"\n").unwrap_err();
         assert_eq!(e.key, "run.max_fragment_size");
+        // A moderation longer than a quarter of an event timeout would make events late.
+        let e =
+            parse("[run]\nio_moderation_us = 60000\n[[readout]]\nid = 0\nevent_timeout_ms = 200\n")
+                .unwrap_err();
+        assert_eq!(e.key, "run.io_moderation_us");
+        assert!(e.reason.contains("readout unit 0: 200 ms"), "{e}");
+        parse("[run]\nio_moderation_us = 50000\n[[readout]]\nid = 0\nevent_timeout_ms = 200\n")
+            .unwrap();
+        let e = parse("[run]\nio_moderation_us = 2000000\n").unwrap_err();
+        assert_eq!(e.key, "run.io_moderation_us");
         let e = parse("[[readout]]\nid=0\nbuffer = \"1 MiB\"\n").unwrap_err();
         assert_eq!(e.key, "readout[0].buffer");
         assert!(

@@ -445,7 +445,7 @@ mod tests {
             fn fd(&self) -> RawFd {
                 self.s.as_raw_fd()
             }
-            fn bytes_read(&self) -> u64 {
+            fn bytes_moved(&self) -> u64 {
                 0
             }
             fn doorbell(&self) -> Option<&Doorbell> {

@@ -19,7 +19,7 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -34,6 +34,10 @@ pub enum Next {
     /// Blocked (no memory, or a full table of open events): call again at this time, whether or
     /// not the socket became readable.
     At(Instant),
+    /// The socket is full (a sender's peer is behind): call again when it has room, or at this
+    /// time anyway. Like [`Next::At`], the round is held back by the next stage, not idle, so the
+    /// poller does not moderate it.
+    Writable(Instant),
     /// Finished: the poller deregisters and drops the connection.
     Done,
 }
@@ -44,8 +48,10 @@ pub trait Conn: Send + 'static {
     fn fd(&self) -> RawFd;
     /// Reads and handles what it can without blocking.
     fn turn(&mut self) -> Next;
-    /// Bytes read so far (tells the poller whether its rounds are light: see [`coalesce`]).
-    fn bytes_read(&self) -> u64;
+    /// Bytes read or written so far (tells the poller whether its rounds are light: see
+    /// [`MODERATION_US`]). A sender counts what it writes: a poller of senders at full rate reads
+    /// nothing, and must not be moderated as if it were idle.
+    fn bytes_moved(&self) -> u64;
     /// What readiness calls it (a sender also waits for room to write).
     fn interest(&self) -> Interest {
         Interest::READABLE
@@ -308,26 +314,29 @@ impl Reactor {
 }
 
 /// The shortest time between the starts of two rounds that handle readiness after a light
-/// round (reads of a few KiB a turn): like a network card's interrupt moderation, at low rates a
-/// poller lets several messages gather on each link and reads them in one call (one read and one
-/// ACK for many small fragments instead of one each: at 1 kHz over 105 links 2 ms halved the
-/// readers' CPU, and 5 ms took the DAQ's CPU per fragment a further fifth down, 2.43-2.47 to
-/// 1.94-2.02 times its cost at saturation; 10 ms and 20 ms gained nothing more measurable),
-/// while a poller whose reads come back full never waits. Costs at most this much latency per
-/// hop, at low rates only. `TESSERA_IO_COALESCE_US`; 0 turns it off.
-fn coalesce() -> Duration {
-    static C: OnceLock<Duration> = OnceLock::new();
-    *C.get_or_init(|| {
-        Duration::from_micros(
-            std::env::var("TESSERA_IO_COALESCE_US")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(DEFAULT_COALESCE_US),
-        )
-    })
+/// round (little moved a turn, nothing held back): like a network card's interrupt moderation,
+/// at low rates a poller lets several messages gather on each link and reads them in one call
+/// (one read and one ACK for many small fragments instead of one each: at 1 kHz over 105 links
+/// 2 ms halved the readers' CPU, 5 ms took the DAQ's CPU per fragment a further fifth down,
+/// and 20 and 50 ms a further fifth and two fifths: docs/PERFORMANCE.md), while a poller whose
+/// turns move data at full rate, or are held back by the next stage, never waits. Costs at most
+/// this much latency per hop, at low rates only. `run.io_moderation_us` (set by each run for
+/// the whole process, since the pollers serve every run of a node agent); zero turns it off.
+static MODERATION_US: AtomicU64 = AtomicU64::new(DEFAULT_MODERATION_US);
+
+/// The default of `run.io_moderation_us`.
+pub const DEFAULT_MODERATION_US: u64 = 5000;
+
+/// Sets the pollers' moderation (see [`MODERATION_US`]); every poller of the process follows
+/// from its next round.
+pub fn set_moderation(d: Duration) {
+    MODERATION_US.store(d.as_micros() as u64, Ordering::Relaxed);
 }
 
-const DEFAULT_COALESCE_US: u64 = 5000;
+fn moderation() -> Duration {
+    Duration::from_micros(MODERATION_US.load(Ordering::Relaxed))
+}
+
 /// A round whose turns read less than this on average is light.
 const LIGHT_TURN_BYTES: u64 = 16 << 10;
 
@@ -336,11 +345,16 @@ const LIGHT_TURN_BYTES: u64 = 16 << 10;
 struct Round {
     turns: u64,
     bytes: u64,
+    /// A turn ended blocked by the stage downstream ([`Next::At`], [`Next::Writable`]).
+    held: bool,
 }
 
 impl Round {
+    /// Light: little moved per turn, and nothing held back. A turn that was blocked (no memory,
+    /// a full socket) moved little because the next stage is behind, not because little came:
+    /// waiting after it would only add dead time once the stage downstream lets go.
     fn light(&self) -> bool {
-        self.turns > 0 && self.bytes < LIGHT_TURN_BYTES * self.turns
+        self.turns > 0 && !self.held && self.bytes < LIGHT_TURN_BYTES * self.turns
     }
 }
 
@@ -360,7 +374,6 @@ struct Poller {
 }
 
 fn run(poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>, waker: Arc<Waker>) {
-    let coalesce = coalesce();
     let mut last_round: Option<Instant> = None;
     let mut events = Events::with_capacity(1024);
     let mut p = Poller {
@@ -390,6 +403,7 @@ fn run(poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>, waker: A
             }
             continue;
         }
+        let coalesce = moderation();
         if !events.is_empty() && !coalesce.is_zero() {
             // Too soon after a light round: let more gather, but never past a deadline.
             let now = Instant::now();
@@ -493,10 +507,10 @@ impl Poller {
         let Some(e) = self.slots[i].as_mut() else {
             return;
         };
-        let before = e.conn.bytes_read();
+        let before = e.conn.bytes_moved();
         let next = e.conn.turn();
         self.round.turns += 1;
-        self.round.bytes += e.conn.bytes_read() - before;
+        self.round.bytes += e.conn.bytes_moved() - before;
         let times = &mut self.times;
         let mut at = |e: &mut Entry, t: Instant| {
             // Never in the past: a connection that keeps asking for a time already gone is
@@ -515,6 +529,12 @@ impl Poller {
             }
             Next::At(t) => {
                 e.blocked = true;
+                self.round.held = true;
+                at(e, t);
+            }
+            Next::Writable(t) => {
+                e.blocked = false;
+                self.round.held = true;
                 at(e, t);
             }
             Next::Again => {
@@ -555,7 +575,7 @@ mod tests {
         fn fd(&self) -> RawFd {
             self.s.as_raw_fd()
         }
-        fn bytes_read(&self) -> u64 {
+        fn bytes_moved(&self) -> u64 {
             self.got.len() as u64
         }
         fn turn(&mut self) -> Next {

@@ -388,6 +388,8 @@ pub struct PolledSender<T, B, E> {
     closing: Closing,
     /// Samples the socket's send queue, where the stage asked (`with_queue_gauge`).
     unsent: Option<crate::queued::QueueGauge>,
+    /// Bytes written so far, all messages included (the poller's measure of a busy round).
+    written: u64,
     _live: crate::reactor::TallyGuard,
 }
 
@@ -441,6 +443,7 @@ where
             wait_close,
             closing: Closing::Open,
             unsent: None,
+            written: 0,
             _live: live.enter(),
         })
     }
@@ -505,6 +508,7 @@ where
                 }
                 Ok(n) => {
                     self.at += n;
+                    self.written += n as u64;
                     self.release_written();
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -534,7 +538,10 @@ where
                         "peer stopped accepting data",
                     ))
                 }
-                Ok(n) => self.out_at += n,
+                Ok(n) => {
+                    self.out_at += n;
+                    self.written += n as u64;
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
                 Err(e) => return Err(e),
@@ -608,8 +615,8 @@ where
         std::os::fd::AsRawFd::as_raw_fd(&self.stream)
     }
 
-    fn bytes_read(&self) -> u64 {
-        0
+    fn bytes_moved(&self) -> u64 {
+        self.written
     }
 
     fn interest(&self) -> mio::Interest {
@@ -632,7 +639,7 @@ where
             if self.st.ok && !self.out.is_empty() {
                 match self.write_out() {
                     Ok(true) => {}
-                    Ok(false) => return Next::Readable(Self::blocked_check()),
+                    Ok(false) => return Next::Writable(Self::blocked_check()),
                     Err(e) => {
                         self.fail(&e);
                         continue;
@@ -660,7 +667,7 @@ where
                         self.beat_if_due();
                         continue;
                     }
-                    Ok(false) => return Next::Readable(Self::blocked_check()),
+                    Ok(false) => return Next::Writable(Self::blocked_check()),
                     Err(e) => {
                         self.fail(&e);
                         continue;
@@ -953,6 +960,44 @@ mod tests {
         drop(peer);
         finished();
         assert_eq!(budget.used(), 0);
+    }
+
+    /// A sender's turn counts the bytes it writes as moved: the poller moderates rounds that
+    /// moved little (low rates), and a poller of senders at full rate, which reads nothing, was
+    /// taken for idle and held between rounds like one.
+    #[test]
+    fn a_polled_sender_counts_what_it_writes_as_moved() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut peer, _) = l.accept().unwrap();
+        let (q, rx, bell) = queue::<Unit>(4);
+        let sent = Arc::new(AtomicU64::new(0));
+        let live = Arc::new(Tally::default());
+        let mut conn = PolledSender::new(
+            s,
+            rx,
+            bell,
+            PeerHello {
+                role: PeerRole::ReadoutUnit,
+                id: 2,
+                flags: 0,
+            },
+            count_units(&sent),
+            |e: &io::Error| panic!("{e}"),
+            None,
+            true,
+            &live,
+        )
+        .unwrap();
+        const N: u64 = 3;
+        q.send((0..N).map(unit).collect()).unwrap();
+        let before = conn.bytes_moved();
+        conn.turn();
+        let want = (PEER_HELLO_SIZE + expected(N).len()) as u64;
+        assert_eq!(sent.load(Ordering::SeqCst), N);
+        assert_eq!(conn.bytes_moved() - before, want);
+        let mut got = vec![0u8; want as usize];
+        std::io::Read::read_exact(&mut peer, &mut got).unwrap();
     }
 
     /// A peer that goes away: the units it cannot have had are reported as not written (to be

@@ -142,7 +142,7 @@ impl<S: LinkSink> Conn for PolledLink<S> {
         self.stream.as_raw_fd()
     }
 
-    fn bytes_read(&self) -> u64 {
+    fn bytes_moved(&self) -> u64 {
         self.reader.bytes_read
     }
 

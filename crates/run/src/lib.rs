@@ -461,6 +461,7 @@ impl Session {
         }
         // Peers beyond loopback only from the allowed networks (checked when the file loaded).
         tessera_net::io::allow_networks(t.security.networks().unwrap_or_default());
+        tessera_net::reactor::set_moderation(Duration::from_micros(t.run.io_moderation_us));
         let duration = opts.duration_s.unwrap_or(t.run.duration_s);
         let started_unix_ns = SystemTime::now()
             .duration_since(UNIX_EPOCH)
