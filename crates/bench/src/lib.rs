@@ -698,6 +698,14 @@ fn run_request(a: &BenchArgs) -> Result<()> {
                     p.generator_cpu_s
                 );
             }
+            if p.unit_cpu_s > 0.0 {
+                println!(
+                "       (the unit's own threads: {:.2} CPU-s, {:.1} us per clear: {:.0} clears/s per core of its own)",
+                p.unit_cpu_s,
+                p.unit_cpu_us_per_clear,
+                1e6 / p.unit_cpu_us_per_clear.max(1e-9)
+            );
+            }
         }
         points.push(p);
     }

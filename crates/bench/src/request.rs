@@ -59,6 +59,14 @@ pub struct RequestPoint {
     pub input: &'static str,
     /// CPU seconds of the generator's thread over the whole point (0 for TCP input).
     pub generator_cpu_s: f64,
+    /// CPU seconds of the unit's own threads over the whole point (its request and answer
+    /// connections, event-manager link, sweeper; not the generator, not the testers or the
+    /// sources). On loopback the kernel runs the receiving side's TCP processing in the
+    /// sender's thread, so this carries part of the testers' receive cost.
+    pub unit_cpu_s: f64,
+    /// `unit_cpu_s` per event cleared, in microseconds: the clear rate one core of the unit's
+    /// own would sustain is 1e6 over it.
+    pub unit_cpu_us_per_clear: f64,
 }
 
 /// The fitted effective costs, in microseconds.
@@ -314,6 +322,10 @@ pub fn measure(m: &Mix, events: u64) -> Result<RequestPoint> {
         .join()
         .map_err(|_| anyhow::anyhow!("clearer panicked"))?;
     let end = Instant::now();
+    // Read while the unit's threads live: an ended thread takes its time with it.
+    let unit_cpu_s =
+        tessera_net::role::threads_cpu_ns(|n| n.starts_with("ru0-") && n != "ru0-generator") as f64
+            / 1e9;
     let cleared = tally.cleared.load(Ordering::Relaxed);
     let _ = em_w
         .lock()
@@ -355,6 +367,8 @@ pub fn measure(m: &Mix, events: u64) -> Result<RequestPoint> {
         clean,
         input: if m.generator { "generator" } else { "tcp" },
         generator_cpu_s,
+        unit_cpu_s,
+        unit_cpu_us_per_clear: unit_cpu_s * 1e6 / cleared.max(1) as f64,
     })
 }
 
@@ -700,6 +714,8 @@ mod tests {
                     clean: true,
                     input: "tcp",
                     generator_cpu_s: 0.0,
+                    unit_cpu_s: 0.0,
+                    unit_cpu_us_per_clear: 0.0,
                 }
             })
             .collect()

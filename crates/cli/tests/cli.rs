@@ -627,6 +627,9 @@ fn bench_request_prints_one_json_object_per_point() {
     assert_eq!(p["fragment_size"], 1200);
     assert_eq!(p["clean"], true, "{p}");
     assert!(p["clear_rate_hz"].as_f64().unwrap() > 0.0);
+    // The unit's own CPU is measured from its threads, not left at zero.
+    assert!(p["unit_cpu_s"].as_f64().unwrap() > 0.0, "{p}");
+    assert!(p["unit_cpu_us_per_clear"].as_f64().unwrap() > 0.0, "{p}");
     let o = tessera(&["bench", "request", "--full-fraction", "2"]);
     assert!(!o.status.success());
 }

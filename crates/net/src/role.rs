@@ -221,6 +221,32 @@ fn quota_v2(text: &str) -> Option<f64> {
     (q > 0.0 && p > 0.0).then_some(q / p)
 }
 
+/// Nanoseconds on a core (`/proc/self/task/*/schedstat`, user and system) of this process's
+/// live threads whose name passes `named`: one role's share of a process that runs several,
+/// as the threads carry their role in their names. 0 where the kernel keeps no schedstats.
+pub fn threads_cpu_ns(named: impl Fn(&str) -> bool) -> u64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    let mut total = 0u64;
+    for t in tasks.flatten() {
+        let Ok(comm) = std::fs::read_to_string(t.path().join("comm")) else {
+            continue;
+        };
+        if !named(comm.trim_end()) {
+            continue;
+        }
+        // "run_ns wait_ns timeslices"
+        if let Some(run) = std::fs::read_to_string(t.path().join("schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        {
+            total += run;
+        }
+    }
+    total
+}
+
 /// CPU time (user and system) the calling thread has used, in nanoseconds.
 pub fn thread_cpu_ns() -> u64 {
     let mut t = libc::timespec {
@@ -235,6 +261,36 @@ pub fn thread_cpu_ns() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A named thread's CPU is found by its name, and only its: the spinning thread's time
+    /// counts, the idle caller's (another name) does not.
+    #[test]
+    fn threads_cpu_is_summed_by_name() {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s2 = stop.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = std::thread::Builder::new()
+            .name("cpu-probe".into())
+            .spawn(move || {
+                let t0 = thread_cpu_ns();
+                while thread_cpu_ns() - t0 < 50_000_000 {
+                    std::hint::spin_loop();
+                }
+                tx.send(()).unwrap();
+                while !s2.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::thread::park();
+                }
+            })
+            .unwrap();
+        rx.recv().unwrap();
+        let probe = threads_cpu_ns(|n| n == "cpu-probe");
+        let none = threads_cpu_ns(|n| n == "no-such-thread");
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        t.thread().unpark();
+        t.join().unwrap();
+        assert!(probe >= 40_000_000, "{probe} ns");
+        assert_eq!(none, 0);
+    }
 
     #[test]
     fn a_cgroup_v2_quota_reads_in_cores_and_max_is_none() {
