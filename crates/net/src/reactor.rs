@@ -601,6 +601,69 @@ mod tests {
         }
     }
 
+    /// A connection that says what its turn moved and how it ended, over a socket of its own.
+    struct Scripted {
+        s: TcpStream,
+        moved: u64,
+        per_turn: u64,
+        next: Next,
+    }
+
+    impl Conn for Scripted {
+        fn fd(&self) -> RawFd {
+            self.s.as_raw_fd()
+        }
+        fn bytes_moved(&self) -> u64 {
+            self.moved
+        }
+        fn turn(&mut self) -> Next {
+            self.moved += self.per_turn;
+            self.next
+        }
+    }
+
+    /// Whether a poller's round of one turn of a connection that moves `per_turn` bytes and
+    /// then says `next` counts as light (to be moderated).
+    fn light_after(per_turn: u64, next: Next) -> bool {
+        let poll = Poll::new().unwrap();
+        let waker = Arc::new(Waker::new(poll.registry(), WAKE).unwrap());
+        let mut p = Poller {
+            poll,
+            slots: Vec::new(),
+            free: Vec::new(),
+            times: BinaryHeap::new(),
+            again: VecDeque::new(),
+            load: Arc::new(AtomicUsize::new(0)),
+            round: Round::default(),
+            waker,
+            rung: Rung::default(),
+        };
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let _peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        let i = p.add(Box::new(Scripted {
+            s,
+            moved: 0,
+            per_turn,
+            next,
+        }));
+        p.round = Round::default();
+        p.turn(i);
+        p.round.light()
+    }
+
+    /// Moderation waits only after rounds that moved little because little came: not after one
+    /// that moved data at full rate, nor after one held back by the next stage (no memory, a
+    /// full socket), where waiting would only add dead time.
+    #[test]
+    fn a_round_is_light_only_when_little_came() {
+        let later = Instant::now() + Duration::from_secs(1);
+        assert!(light_after(100, Next::Readable(later)));
+        assert!(!light_after(LIGHT_TURN_BYTES, Next::Readable(later)));
+        assert!(!light_after(0, Next::At(later)));
+        assert!(!light_after(0, Next::Writable(later)));
+    }
+
     #[test]
     fn many_connections_on_few_threads_each_read_to_the_end() {
         let r = Reactor::new(2, "test").unwrap();
