@@ -232,7 +232,7 @@ pub fn run_trapezoid(a: &BenchArgs) -> Result<()> {
             tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Readout).threads()
         );
         println!(
-            "{:>5} {:>5} {:>6} {:>9} {:>9} {:>10} {:>12} {:>7} {:>10} {:>8} {:>8} {:>5}",
+            "{:>5} {:>5} {:>6} {:>9} {:>9} {:>10} {:>12} {:>7} {:>10} {:>12} {:>8} {:>8} {:>5}",
             "RUs",
             "BUs",
             "conns",
@@ -242,6 +242,7 @@ pub fn run_trapezoid(a: &BenchArgs) -> Result<()> {
             "DAQ MB/CPU-s",
             "ratio",
             "DAQ ratio",
+            "whole run",
             "threads",
             "fds",
             "clean"
