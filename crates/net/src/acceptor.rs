@@ -83,6 +83,14 @@ struct Registration {
     ended: Option<AcceptEnd>,
     /// Hellos under way.
     greeting: usize,
+    /// The listener may hold connections: it is new, was reported readable, or its last accept
+    /// failed. Otherwise a recheck only looks at the stop and at `missing()`: an `accept` on
+    /// an empty backlog still makes and frees a socket file in the kernel, and the builders of a
+    /// 16 x 60 trapezoid accept for the whole run (a unit may come back), 60 listeners every
+    /// 50 ms.
+    pending: bool,
+    /// The listener is in the poll set (else every recheck accepts, as readiness never comes).
+    watched: bool,
     _live: TallyGuard,
 }
 
@@ -136,6 +144,8 @@ impl Acceptor {
             a,
             ended: None,
             greeting: 0,
+            pending: true,
+            watched: true,
             _live: live.enter(),
         };
         // The acceptor's thread never ends, so its receiver never goes away.
@@ -173,6 +183,8 @@ impl Thread {
                 let t = ev.token();
                 if t != WAKE && t.0 >= GREETING {
                     self.listen_to(t.0 - GREETING);
+                } else if let Some(r) = self.regs.get_mut(t.0).and_then(Option::as_mut) {
+                    r.pending = true;
                 }
             }
             self.expire(Instant::now());
@@ -185,7 +197,7 @@ impl Thread {
         }
     }
 
-    fn register(&mut self, r: Registration) {
+    fn register(&mut self, mut r: Registration) {
         let slot = free_slot(&mut self.regs);
         let fd = r.a.listener.as_raw_fd();
         if let Err(e) =
@@ -195,6 +207,7 @@ impl Thread {
         {
             // Still served, at every recheck instead of at once.
             tracing::warn!(role = %r.a.name, error = %e, "cannot watch a listener");
+            r.watched = false;
         }
         self.regs[slot] = Some(r);
     }
@@ -207,22 +220,32 @@ impl Thread {
         };
         if r.ended.is_none() {
             let mut taken = Vec::new();
+            let pending = r.pending || !r.watched;
             let a = &mut r.a;
-            let end = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let (end, pending) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // Nothing came since the backlog was drained: only the stop and the peers
+                // still expected can have changed (a stop takes the accepting way, which ends
+                // on it).
+                if !pending && !a.stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let end = (!(a.missing)()).then_some(AcceptEnd::AllConnected);
+                    return (end, false);
+                }
                 match accept_backlog(&a.listener, &a.stop, &mut a.missing, &mut |s, p| {
                     taken.push((s, p))
                 }) {
-                    Backlog::Ended(end) => Some(end),
-                    // A drained or failing listener is looked at again after the next
-                    // readiness or recheck, whichever comes first (edge-triggered: a listener
-                    // that stays readable after a failure wakes nobody early).
-                    Backlog::Drained | Backlog::Failed => None,
+                    Backlog::Ended(end) => (Some(end), false),
+                    // A drained listener is looked at again after its next readiness; a
+                    // failing one at the next recheck too (edge-triggered: a listener that
+                    // stays readable after a failure wakes nobody early).
+                    Backlog::Drained => (None, false),
+                    Backlog::Failed => (None, true),
                 }
             }))
             .unwrap_or_else(|_| {
                 tracing::error!(role = %a.name, "accepting panicked; it takes no more connections");
-                Some(AcceptEnd::Stopped)
+                (Some(AcceptEnd::Stopped), false)
             });
+            r.pending = pending;
             for (stream, peer) in taken {
                 if self.greet(slot, stream, peer, None).is_err() {
                     self.fail(slot);
@@ -614,6 +637,32 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A listener whose backlog was drained is not accepted on at every recheck, only when it
+    /// says a peer came: a peer that comes rounds later is still taken, and a stop still ends
+    /// the registration.
+    #[test]
+    fn a_drained_listener_takes_a_late_peer_and_its_stop() {
+        let stage = Stage::Readout;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (addr, rx, live) = greeter(stage, 0, stop.clone());
+        // Two whole rounds after the one that drained the empty backlog.
+        full_round(stage);
+        full_round(stage);
+        let late = TcpStream::connect(addr).unwrap();
+        let wait = Duration::from_secs(60);
+        match rx.recv_timeout(wait).unwrap() {
+            Seen::Said(peer, _, _) => assert_eq!(peer, late.local_addr().unwrap()),
+            _ => panic!("the late peer was not taken"),
+        }
+        stop.store(true, Ordering::SeqCst);
+        Acceptor::stage(stage).wake();
+        match rx.recv_timeout(wait).unwrap() {
+            Seen::End(end) => assert_eq!(end, AcceptEnd::Stopped),
+            _ => panic!("expected the end"),
+        }
+        live.wait_zero();
     }
 
     /// Hellos are read on the acceptor's thread without blocking it: a silent connection holds
