@@ -256,7 +256,15 @@ pub fn accept_until(
     loop {
         match accept_backlog(listener, stop, &mut missing, &mut on_connection) {
             Backlog::Ended(end) => return end,
-            Backlog::Drained => wait_for_peer(listener),
+            // A recheck with no peer come looks at the stop and at `missing()` only: an
+            // `accept` on an empty backlog still makes and frees a socket file in the kernel.
+            Backlog::Drained => {
+                while !wait_for_peer(listener) && !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    if !missing() {
+                        return AcceptEnd::AllConnected;
+                    }
+                }
+            }
             Backlog::Failed => std::thread::sleep(Duration::from_millis(100)),
         }
     }
@@ -266,10 +274,11 @@ pub fn accept_until(
 /// most a stop waits for it. A connection is taken as soon as it comes.
 pub const ACCEPT_RECHECK: Duration = Duration::from_millis(50);
 
-/// Waits until `listener` has a connection to accept, or [`ACCEPT_RECHECK`] has passed. Where a
-/// loop slept 20 ms between tries instead, the 76 accept threads of a 16 x 60 trapezoid woke
-/// 3 800 times a second for the whole run.
-fn wait_for_peer(listener: &std::net::TcpListener) {
+/// Waits until `listener` has a connection to accept, or [`ACCEPT_RECHECK`] has passed; says
+/// whether one may have come (readable, or the wait failed). Where a loop slept 20 ms between
+/// tries instead, the 76 accept threads of a 16 x 60 trapezoid woke 3 800 times a second for the
+/// whole run.
+fn wait_for_peer(listener: &std::net::TcpListener) -> bool {
     use std::os::fd::AsRawFd;
     let mut p = libc::pollfd {
         fd: listener.as_raw_fd(),
@@ -278,9 +287,13 @@ fn wait_for_peer(listener: &std::net::TcpListener) {
     };
     // SAFETY: one valid pollfd for the listener's open descriptor; poll only writes `revents`.
     let rc = unsafe { libc::poll(&mut p, 1, ACCEPT_RECHECK.as_millis() as libc::c_int) };
-    if rc < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
-        std::thread::sleep(ACCEPT_RECHECK);
+    if rc < 0 {
+        if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            std::thread::sleep(ACCEPT_RECHECK);
+        }
+        return true;
     }
+    rc > 0
 }
 
 /// The listening socket handed to this process by its starter (systemd socket activation, or
@@ -365,6 +378,44 @@ pub fn peer_allowed(peer: &SocketAddr) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    /// Rechecks with no peer come look only at `missing()` (and the stop): a peer that comes
+    /// after several is taken, and the loop ends when no peer is expected any more.
+    #[test]
+    fn accept_until_takes_a_late_peer_and_ends_when_none_is_missing() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let expect_more = Arc::new(AtomicBool::new(true));
+        let looked = Arc::new(AtomicUsize::new(0));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (e2, l2) = (expect_more.clone(), looked.clone());
+        let t = std::thread::spawn(move || {
+            let stop = AtomicBool::new(false);
+            accept_until(
+                &l,
+                &stop,
+                move || {
+                    l2.fetch_add(1, Ordering::SeqCst);
+                    e2.load(Ordering::SeqCst)
+                },
+                move |s, _| {
+                    let _ = tx.send(s);
+                },
+            )
+        });
+        let t0 = Instant::now();
+        while looked.load(Ordering::SeqCst) < 4 {
+            assert!(t0.elapsed() < Duration::from_secs(60), "no recheck");
+            std::thread::yield_now();
+        }
+        let late = TcpStream::connect(addr).unwrap();
+        let got = rx.recv_timeout(Duration::from_secs(60)).unwrap();
+        assert_eq!(got.peer_addr().unwrap(), late.local_addr().unwrap());
+        expect_more.store(false, Ordering::SeqCst);
+        assert_eq!(t.join().unwrap(), AcceptEnd::AllConnected);
+    }
 
     #[test]
     fn loopback_always_others_only_from_allowed_networks() {
