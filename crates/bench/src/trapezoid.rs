@@ -82,31 +82,9 @@ fn topology(rus: usize, bus: usize, size: u64, events: u64) -> String {
     t
 }
 
-/// CPU seconds of the emulated sources' driver threads so far (from /proc: they still run).
+/// CPU seconds of the emulated sources' driver threads so far (they still run).
 fn sources_cpu_now() -> f64 {
-    // SAFETY: sysconf has no preconditions.
-    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    let Ok(d) = std::fs::read_dir("/proc/self/task") else {
-        return 0.0;
-    };
-    let mut ticks = 0u64;
-    for e in d.flatten() {
-        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
-            continue;
-        };
-        // pid (comm) state ...: the comm may hold spaces, so fields count from its ')'.
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-            continue;
-        };
-        if !stat[open + 1..close].starts_with("source-drv") {
-            continue;
-        }
-        let f: Vec<&str> = stat[close + 2..].split(' ').collect();
-        // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after the comm.
-        ticks += f.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
-            + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    }
-    ticks as f64 / tick
+    tessera_net::role::threads_cpu_ns(|n| n.starts_with("source-drv")) as f64 / 1e9
 }
 
 /// CPU (all, sources), wall time and bytes built at one moment.

@@ -376,17 +376,7 @@ struct Poller {
 fn run(poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>, waker: Arc<Waker>) {
     let mut last_round: Option<Instant> = None;
     let mut events = Events::with_capacity(1024);
-    let mut p = Poller {
-        poll,
-        slots: Vec::new(),
-        free: Vec::new(),
-        times: BinaryHeap::new(),
-        again: VecDeque::new(),
-        load,
-        round: Round::default(),
-        waker,
-        rung: Rung::default(),
-    };
+    let mut p = Poller::new(poll, load, waker);
     loop {
         let now = Instant::now();
         let timeout = if !p.again.is_empty() {
@@ -476,6 +466,20 @@ fn run(poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>, waker: A
 }
 
 impl Poller {
+    fn new(poll: Poll, load: Arc<AtomicUsize>, waker: Arc<Waker>) -> Poller {
+        Poller {
+            poll,
+            slots: Vec::new(),
+            free: Vec::new(),
+            times: BinaryHeap::new(),
+            again: VecDeque::new(),
+            load,
+            round: Round::default(),
+            waker,
+            rung: Rung::default(),
+        }
+    }
+
     fn add(&mut self, conn: Box<dyn Conn>) -> usize {
         let fd = conn.fd();
         let i = self.free.pop().unwrap_or_else(|| {
@@ -627,17 +631,7 @@ mod tests {
     fn light_after(per_turn: u64, next: Next) -> bool {
         let poll = Poll::new().unwrap();
         let waker = Arc::new(Waker::new(poll.registry(), WAKE).unwrap());
-        let mut p = Poller {
-            poll,
-            slots: Vec::new(),
-            free: Vec::new(),
-            times: BinaryHeap::new(),
-            again: VecDeque::new(),
-            load: Arc::new(AtomicUsize::new(0)),
-            round: Round::default(),
-            waker,
-            rung: Rung::default(),
-        };
+        let mut p = Poller::new(poll, Arc::new(AtomicUsize::new(0)), waker);
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let _peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (s, _) = l.accept().unwrap();

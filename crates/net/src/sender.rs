@@ -784,6 +784,21 @@ mod tests {
         hello: PeerHello,
     ) -> (Reactor, TcpStream, Queue<Unit>, Arc<AtomicU64>, Arc<Tally>) {
         let r = Reactor::new(1, "test").unwrap();
+        let (conn, peer, q, sent, live) = counting_link(hello);
+        r.register(Box::new(conn));
+        (r, peer, q, sent, live)
+    }
+
+    /// [`counting_sender`]'s link and sender, served by nobody yet (the caller turns it).
+    fn counting_link(
+        hello: PeerHello,
+    ) -> (
+        impl Conn,
+        TcpStream,
+        Queue<Unit>,
+        Arc<AtomicU64>,
+        Arc<Tally>,
+    ) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (peer, _) = l.accept().unwrap();
@@ -802,8 +817,7 @@ mod tests {
             &live,
         )
         .unwrap();
-        r.register(Box::new(conn));
-        (r, peer, q, sent, live)
+        (conn, peer, q, sent, live)
     }
 
     #[test]
@@ -967,28 +981,11 @@ mod tests {
     /// taken for idle and held between rounds like one.
     #[test]
     fn a_polled_sender_counts_what_it_writes_as_moved() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (mut peer, _) = l.accept().unwrap();
-        let (q, rx, bell) = queue::<Unit>(4);
-        let sent = Arc::new(AtomicU64::new(0));
-        let live = Arc::new(Tally::default());
-        let mut conn = PolledSender::new(
-            s,
-            rx,
-            bell,
-            PeerHello {
-                role: PeerRole::ReadoutUnit,
-                id: 2,
-                flags: 0,
-            },
-            count_units(&sent),
-            |e: &io::Error| panic!("{e}"),
-            None,
-            true,
-            &live,
-        )
-        .unwrap();
+        let (mut conn, mut peer, q, sent, _live) = counting_link(PeerHello {
+            role: PeerRole::ReadoutUnit,
+            id: 2,
+            flags: 0,
+        });
         const N: u64 = 3;
         q.send((0..N).map(unit).collect()).unwrap();
         let before = conn.bytes_moved();
