@@ -318,7 +318,7 @@ impl Reactor {
 /// at low rates a poller lets several messages gather on each link and reads them in one call
 /// (one read and one ACK for many small fragments instead of one each: at 1 kHz over 105 links
 /// 2 ms halved the readers' CPU, 5 ms took the DAQ's CPU per fragment a further fifth down,
-/// and 20 and 50 ms a further fifth and two fifths: docs/PERFORMANCE.md), while a poller whose
+/// and 20 and 50 ms took it 29 % and 45 % below 5 ms: docs/PERFORMANCE.md), while a poller whose
 /// turns move data at full rate, or are held back by the next stage, never waits. Costs at most
 /// this much latency per hop, at low rates only. `run.io_moderation_us` (set by each run for
 /// the whole process, since the pollers serve every run of a node agent); zero turns it off.
@@ -337,7 +337,7 @@ fn moderation() -> Duration {
     Duration::from_micros(MODERATION_US.load(Ordering::Relaxed))
 }
 
-/// A round whose turns read less than this on average is light.
+/// A round whose turns moved less than this on average (and were not held back) is light.
 const LIGHT_TURN_BYTES: u64 = 16 << 10;
 
 /// What the turns since the last round began read.
