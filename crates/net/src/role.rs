@@ -131,29 +131,7 @@ pub fn process_cpu_ns() -> u64 {
 /// files may be out of sight, as in a network namespace's own `/sys`). Threads that have ended
 /// take their share with them. 0 where the kernel keeps no schedstats.
 pub fn process_cpu_wait_ns() -> u64 {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return 0;
-    };
-    let mut total = 0u64;
-    let mut buf = String::with_capacity(64);
-    for t in tasks.flatten() {
-        use std::io::Read;
-        buf.clear();
-        let ok = std::fs::File::open(t.path().join("schedstat"))
-            .and_then(|mut f| f.read_to_string(&mut buf))
-            .is_ok();
-        if ok {
-            // "run_ns wait_ns timeslices"
-            if let Some(w) = buf
-                .split_whitespace()
-                .nth(1)
-                .and_then(|w| w.parse::<u64>().ok())
-            {
-                total += w;
-            }
-        }
-    }
-    total
+    schedstat_sum(SCHEDSTAT_WAIT, None)
 }
 
 /// The cores this process may use now: the CPUs it may run on, or less where its control group
@@ -225,23 +203,43 @@ fn quota_v2(text: &str) -> Option<f64> {
 /// live threads whose name passes `named`: one role's share of a process that runs several,
 /// as the threads carry their role in their names. 0 where the kernel keeps no schedstats.
 pub fn threads_cpu_ns(named: impl Fn(&str) -> bool) -> u64 {
+    schedstat_sum(SCHEDSTAT_RUN, Some(&named))
+}
+
+/// The fields of a thread's `schedstat`: "run_ns wait_ns timeslices".
+const SCHEDSTAT_RUN: usize = 0;
+const SCHEDSTAT_WAIT: usize = 1;
+
+/// Sums one field of `/proc/self/task/*/schedstat` over the live threads whose name passes
+/// `named` (every thread when `None`, without reading their names). One buffer serves every
+/// read: the live view calls this every sample.
+fn schedstat_sum(field: usize, named: Option<&dyn Fn(&str) -> bool>) -> u64 {
+    use std::io::Read;
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return 0;
     };
+    let read = |path: std::path::PathBuf, buf: &mut String| {
+        buf.clear();
+        std::fs::File::open(path)
+            .and_then(|mut f| f.read_to_string(buf))
+            .is_ok()
+    };
     let mut total = 0u64;
+    let mut buf = String::with_capacity(64);
     for t in tasks.flatten() {
-        let Ok(comm) = std::fs::read_to_string(t.path().join("comm")) else {
-            continue;
-        };
-        if !named(comm.trim_end()) {
-            continue;
+        if let Some(named) = named {
+            if !read(t.path().join("comm"), &mut buf) || !named(buf.trim_end()) {
+                continue;
+            }
         }
-        // "run_ns wait_ns timeslices"
-        if let Some(run) = std::fs::read_to_string(t.path().join("schedstat"))
-            .ok()
-            .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        {
-            total += run;
+        if read(t.path().join("schedstat"), &mut buf) {
+            if let Some(v) = buf
+                .split_whitespace()
+                .nth(field)
+                .and_then(|v| v.parse::<u64>().ok())
+            {
+                total += v;
+            }
         }
     }
     total
@@ -290,6 +288,40 @@ mod tests {
         t.join().unwrap();
         assert!(probe >= 40_000_000, "{probe} ns");
         assert_eq!(none, 0);
+    }
+
+    /// Two threads that each spin for 50 ms of CPU on the one core they may use must wait for
+    /// each other: the process's run delay grows by at least the shorter one's wait.
+    #[test]
+    fn threads_waiting_for_a_core_are_counted() {
+        if !std::path::Path::new("/proc/self/schedstat").exists() {
+            return; // a kernel without schedstats reports 0, as documented
+        }
+        let before = process_cpu_wait_ns();
+        let spinners: Vec<_> = (0..2)
+            .map(|_| {
+                std::thread::spawn(|| {
+                    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET fills one bit.
+                    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+                    unsafe { libc::CPU_SET(0, &mut set) };
+                    let pinned =
+                        unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) }
+                            == 0;
+                    let t0 = thread_cpu_ns();
+                    while thread_cpu_ns() - t0 < 50_000_000 {
+                        std::hint::spin_loop();
+                    }
+                    // Counted before the thread ends, which takes its share with it.
+                    (pinned, process_cpu_wait_ns())
+                })
+            })
+            .collect();
+        let seen: Vec<(bool, u64)> = spinners.into_iter().map(|t| t.join().unwrap()).collect();
+        if seen.iter().any(|(pinned, _)| !pinned) {
+            return; // CPU 0 is not ours to pin to (a restricted cpuset)
+        }
+        let waited = seen.iter().map(|&(_, w)| w).max().unwrap() - before;
+        assert!(waited >= 10_000_000, "{waited} ns of run delay");
     }
 
     #[test]
