@@ -29,6 +29,8 @@ struct Task {
 /// The sweeping thread of one stage.
 pub struct Sweeper {
     tx: Sender<Task>,
+    /// Unparked when a task is added, so that a new role's first sweep is not a period late.
+    thread: std::thread::Thread,
 }
 
 impl Sweeper {
@@ -38,11 +40,13 @@ impl Sweeper {
         static S: [OnceLock<Sweeper>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
         S[stage as usize].get_or_init(|| {
             let (tx, rx) = unbounded();
-            std::thread::Builder::new()
+            let thread = std::thread::Builder::new()
                 .name(format!("{}-sweep", stage.name()))
                 .spawn(move || run(rx))
-                .expect("start a sweeper");
-            Sweeper { tx }
+                .expect("start a sweeper")
+                .thread()
+                .clone();
+            Sweeper { tx, thread }
         })
     }
 
@@ -62,6 +66,7 @@ impl Sweeper {
         };
         // The sweeper's thread never ends, so its receiver never goes away.
         let _ = self.tx.send(task);
+        self.thread.unpark();
     }
 }
 
@@ -90,13 +95,17 @@ fn run(rx: Receiver<Task>) {
             }
             next = Instant::now();
         }
-        // New roles join at once rather than after the sleep.
+        // Parked, not waiting in the channel: a channel's timed receive spins and yields the
+        // core a few times before it sleeps, and again when it wakes, which was most of an idle
+        // sweeper's CPU (200 times a second, every stage: docs/PERFORMANCE.md). `add` unparks
+        // it, so new roles join at once rather than after the sleep; an early or spurious wake
+        // only looks at the queue and parks again.
         let wait = next.saturating_duration_since(Instant::now());
-        if let Ok(t) = rx.recv_timeout(wait) {
+        if !wait.is_zero() {
+            std::thread::park_timeout(wait);
+        }
+        while let Ok(t) = rx.try_recv() {
             tasks.push(t);
-            while let Ok(t) = rx.try_recv() {
-                tasks.push(t);
-            }
         }
         if Instant::now() < next {
             continue;
