@@ -189,6 +189,51 @@ pub(crate) struct Measured {
     pub cpu_s: f64,
     pub sources_cpu_s: f64,
     pub wall_s: f64,
+    /// The CPU seconds of the process's shared threads (pollers and sweepers) over the run.
+    pub stages: StageCpu,
+}
+
+/// CPU seconds of the threads every run of a process shares, by what they do: they live as
+/// long as the process, so their CPU over a run is the difference of two readings (the
+/// per-run threads, recorder and trigger among them, end with the run and are left to the
+/// rest of the DAQ's figure).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct StageCpu {
+    /// The readout units' pollers (reading their links).
+    pub readout_pollers: f64,
+    /// The senders' pollers (readout units writing to builders).
+    pub senders: f64,
+    /// The builders' pollers (reading their readout units).
+    pub builder_pollers: f64,
+    /// Every stage's sweeper (event timeouts, every 5 ms).
+    pub sweepers: f64,
+}
+
+impl StageCpu {
+    fn now() -> StageCpu {
+        let of = |prefix: &'static str| {
+            tessera_net::role::threads_cpu_ns(|n| n.starts_with(prefix)) as f64 / 1e9
+        };
+        StageCpu {
+            readout_pollers: of("ru-io"),
+            senders: of("send-io"),
+            builder_pollers: of("bu-io"),
+            sweepers: tessera_net::role::threads_cpu_ns(|n| n.ends_with("-sweep")) as f64 / 1e9,
+        }
+    }
+
+    fn since(self, before: StageCpu) -> StageCpu {
+        StageCpu {
+            readout_pollers: self.readout_pollers - before.readout_pollers,
+            senders: self.senders - before.senders,
+            builder_pollers: self.builder_pollers - before.builder_pollers,
+            sweepers: self.sweepers - before.sweepers,
+        }
+    }
+
+    pub fn total(&self) -> f64 {
+        self.readout_pollers + self.senders + self.builder_pollers + self.sweepers
+    }
 }
 
 /// Runs `r` in this process into `out` (deleted after), with the process's CPU time over the run
@@ -205,9 +250,15 @@ pub(crate) fn run_measured(
         ..Default::default()
     };
     let src = || tessera_source::DRIVER_CPU_NS.load(std::sync::atomic::Ordering::Relaxed);
-    let (c0, s0, t0) = (cpu_seconds(), src(), std::time::Instant::now());
+    let (c0, s0, g0, t0) = (
+        cpu_seconds(),
+        src(),
+        StageCpu::now(),
+        std::time::Instant::now(),
+    );
     let report = tessera_run::run(r, &opts).with_context(|| format!("the {name} point"))?;
     let (cpu_s, wall_s) = (cpu_seconds() - c0, t0.elapsed().as_secs_f64());
+    let stages = StageCpu::now().since(g0);
     let sources_cpu_s = (src() - s0) as f64 / 1e9;
     let _ = std::fs::remove_dir_all(out);
     if !report.ok() {
@@ -218,6 +269,7 @@ pub(crate) fn run_measured(
         cpu_s,
         sources_cpu_s,
         wall_s,
+        stages,
     })
 }
 

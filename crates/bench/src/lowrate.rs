@@ -29,6 +29,20 @@ pub struct LowRatePoint {
     /// part of the receive path (the kernel's softirq) runs in the sending thread, so this
     /// still leaves some receive cost with the sources.
     pub daq_cpu_ns_per_fragment: f64,
+    /// The same split by the DAQ's threads: where a low rate's cost per fragment goes.
+    pub daq_by_stage_ns_per_fragment: ByStage,
+}
+
+/// The DAQ's CPU per fragment (ns) by what its threads do: the pollers and sweepers are
+/// measured; `rest` is what remains of the DAQ's figure (the recorder, the trigger, the run
+/// control, the acceptors).
+#[derive(Debug, Serialize)]
+pub struct ByStage {
+    pub readout_pollers: f64,
+    pub senders: f64,
+    pub builder_pollers: f64,
+    pub sweepers: f64,
+    pub rest: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -74,9 +88,12 @@ fn point(
         cpu_s,
         sources_cpu_s,
         wall_s,
+        stages,
     } = crate::run_measured(&r, &out, name)?;
     let events = rep.events_complete + rep.events_incomplete;
     let fragments = rep.balance.sent;
+    let per = |s: f64| s * 1e9 / fragments.max(1) as f64;
+    let daq_s = (cpu_s - sources_cpu_s).max(0.0);
     Ok(LowRatePoint {
         trigger: name.into(),
         events,
@@ -86,7 +103,15 @@ fn point(
         cores_used: cpu_s / wall_s.max(1e-9),
         cpu_ns_per_fragment: cpu_s * 1e9 / fragments.max(1) as f64,
         sources_cpu_s,
-        daq_cpu_ns_per_fragment: (cpu_s - sources_cpu_s).max(0.0) * 1e9 / fragments.max(1) as f64,
+        daq_cpu_ns_per_fragment: per(daq_s),
+        daq_by_stage_ns_per_fragment: ByStage {
+            readout_pollers: per(stages.readout_pollers),
+            senders: per(stages.senders),
+            builder_pollers: per(stages.builder_pollers),
+            sweepers: per(stages.sweepers),
+            // Two clocks (getrusage and schedstat) that need not agree to the last tick.
+            rest: per((daq_s - stages.total()).max(0.0)),
+        },
     })
 }
 
@@ -124,6 +149,11 @@ pub fn run_lowrate(a: &BenchArgs) -> Result<()> {
                 p.cpu_ns_per_fragment,
                 p.sources_cpu_s,
                 p.daq_cpu_ns_per_fragment
+            );
+            let b = &p.daq_by_stage_ns_per_fragment;
+            println!(
+                "{:<14} the DAQ's ns per fragment: readout pollers {:.0}, senders {:.0}, builder pollers {:.0}, sweepers {:.0}, the rest (recorder, trigger, control) {:.0}",
+                "", b.readout_pollers, b.senders, b.builder_pollers, b.sweepers, b.rest
             );
         }
         println!(

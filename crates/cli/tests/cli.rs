@@ -1185,6 +1185,22 @@ fn bench_lowrate_measures_cpu_per_fragment_at_1_khz_and_at_saturation() {
         assert!(r["low"]["fragments"].as_u64().unwrap() >= 105 * 1000, "{r}");
         for p in ["low", "saturated"] {
             assert!(r[p]["cpu_s"].as_f64().unwrap() > 0.0, "{r}");
+            // The DAQ's cost split by its threads: every stage that moved the fragments
+            // used CPU, and the parts measured do not exceed the whole (two clocks: a tick
+            // of slack each).
+            let b = &r[p]["daq_by_stage_ns_per_fragment"];
+            let part = |k: &str| b[k].as_f64().unwrap();
+            for k in ["readout_pollers", "senders", "builder_pollers", "sweepers"] {
+                assert!(part(k) > 0.0, "{k}: {r}");
+            }
+            let measured: f64 = ["readout_pollers", "senders", "builder_pollers", "sweepers"]
+                .iter()
+                .map(|k| part(k))
+                .sum();
+            let daq = r[p]["daq_cpu_ns_per_fragment"].as_f64().unwrap();
+            let slack = 2.0 * 0.01 * 1e9 / r[p]["fragments"].as_f64().unwrap();
+            assert!(measured <= daq + slack, "{measured} of {daq}: {r}");
+            assert!(part("rest") >= 0.0, "{r}");
         }
         assert!(r["ratio"].as_f64().unwrap() > 0.0, "{r}");
     }
