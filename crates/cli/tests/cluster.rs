@@ -667,16 +667,18 @@ fn lost_host(cut: impl FnOnce(&mut [Proc], &[Host])) {
 #[test]
 fn agents_and_run_controls_refuse_wrong_tokens_and_other_revisions() {
     let dir = tempfile::tempdir().unwrap();
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = l.local_addr().unwrap().port();
-    drop(l);
-    let agent = Proc::spawn(
-        Command::new(tessera())
-            .args(["node", "--listen", &format!("127.0.0.1:{port}")])
-            .arg("--output")
-            .arg(dir.path().join("node"))
-            .env("TESSERA_TOKEN", TOKEN),
-    );
+    // The agent is handed its listening socket: no port freed and bound again, where a test
+    // beside this one could take it in between.
+    let ports = support::Ports::bind(1);
+    let port = ports.port(0);
+    let mut cmd = Command::new(tessera());
+    cmd.args(["node", "--listen", &format!("127.0.0.1:{port}")])
+        .arg("--output")
+        .arg(dir.path().join("node"))
+        .env("TESSERA_TOKEN", TOKEN);
+    ports.hand_over(0, &mut cmd);
+    let agent = Proc::spawn(&mut cmd);
+    ports.release(0);
     let hello = |protocol: u32, token: &str| -> proto::Reply {
         let mut s = None;
         assert!(eventually(LIMIT, || {

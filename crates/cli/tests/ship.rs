@@ -259,14 +259,14 @@ fn files_wait_for_an_object_store_that_went_away_and_drain_when_it_is_back() {
         .iter()
         .map(|f| std::fs::read(data.join(f)).unwrap())
         .collect();
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    // The store's address, down until it comes up there.
+    let mut held = support::HeldPort::new();
+    let port = held.port;
     // The store is down: nothing ships, nothing is deleted, the backlog is every file.
     let o = ship_once(&data, "s3://archive/daq", port);
     every_file_waits(&o, &data, &files, "");
     // It comes back (an empty store: the bucket made again).
+    held.release();
     let moto = Moto::start(&bin, port);
     assert_eq!(moto.http("PUT", "/archive").0, 200);
     let mut last = String::new();
@@ -668,10 +668,9 @@ fn during_a_run_files_wait_for_the_object_store_and_drain_when_it_is_back() {
     };
     let t = tempfile::tempdir().unwrap();
     let data = t.path().join("data");
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    // The store's address, down until it comes up there.
+    let mut held = support::HeldPort::new();
+    let port = held.port;
     let cfg = t.path().join("run.toml");
     std::fs::write(
         &cfg,
@@ -707,6 +706,7 @@ fn during_a_run_files_wait_for_the_object_store_and_drain_when_it_is_back() {
         .collect();
     assert!(waiting.len() >= 2, "{waiting:?}");
     // The store comes back (empty: the bucket made again).
+    held.release();
     let moto = Moto::start(&bin, port);
     assert_eq!(moto.http("PUT", "/archive").0, 200);
     let o = run.finish(LIMIT);

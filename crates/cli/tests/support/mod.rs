@@ -237,6 +237,69 @@ impl Ports {
     }
 }
 
+/// A loopback port held bound but not listening, for a server that must be down at a known
+/// address and then come up there (one that cannot be handed a socket, as moto cannot): until
+/// [`HeldPort::release`] a connection to it is refused, as to a server that is down, and no
+/// other socket can bind it (no `SO_REUSEADDR`). It is below the kernel's ephemeral range, so
+/// no `bind(0)` or outgoing connection of a test beside this one lands on it between the
+/// release and the server's bind.
+pub struct HeldPort {
+    fd: Option<std::os::fd::OwnedFd>,
+    pub port: u16,
+}
+
+impl HeldPort {
+    pub fn new() -> HeldPort {
+        use std::os::fd::FromRawFd;
+        let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+            .unwrap_or(32768);
+        const LOW: u32 = 10_000;
+        assert!(ephemeral > LOW + 1000, "ephemeral ports from {ephemeral}");
+        let span = ephemeral - LOW;
+        let seed = std::process::id().wrapping_mul(7919)
+            ^ std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .subsec_nanos();
+        for k in 0..span {
+            let port = (LOW + (seed.wrapping_add(k)) % span) as u16;
+            // SAFETY: a new socket whose descriptor is owned at once.
+            let raw =
+                unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+            assert!(raw >= 0, "{}", std::io::Error::last_os_error());
+            // SAFETY: `raw` is a fresh descriptor nothing else owns.
+            let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+            let addr = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: port.to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be(),
+                },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: `addr` is a valid sockaddr_in of the length given.
+            let r = unsafe {
+                libc::bind(
+                    std::os::fd::AsRawFd::as_raw_fd(&fd),
+                    (&addr as *const libc::sockaddr_in).cast(),
+                    std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+                )
+            };
+            if r == 0 {
+                return HeldPort { fd: Some(fd), port };
+            }
+        }
+        panic!("no free loopback port below {ephemeral}");
+    }
+
+    /// Lets the server bind it.
+    pub fn release(&mut self) {
+        self.fd.take();
+    }
+}
+
 /// Runs `ip ARGS` (iproute2); whether it succeeded. For tests that make their hosts as network
 /// namespaces.
 pub fn ip(args: &[&str]) -> bool {
