@@ -86,8 +86,8 @@ pub struct BenchArgs {
     pub blocks: Option<Vec<u64>>,
     /// lowrate: the pollers' interrupt moderation (`run.io_moderation_us`) to measure, in
     /// microseconds; several values sweep it, each a pair of points of its own (default: the
-    /// configuration's default, 5000). The trade: longer waits after light rounds read more
-    /// fragments per call (less CPU at low rates), for more latency per hop.
+    /// configuration's default, 20000). The trade: a longer period reads more fragments per
+    /// call on slow links (less CPU at low rates), for more latency per hop on them.
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
     pub moderation: Option<Vec<u64>>,
     /// Bytes each point moves (default 2 GB, 0.6 GB with --quick): a number (2e9) or a size

@@ -331,12 +331,12 @@ pub struct RunSection {
     /// assignment names) or `request` (readout units hold fragments until builders ask for them;
     /// an event manager hands events to builders with credit and clears what is done).
     pub mode: Mode,
-    /// Interrupt moderation of the I/O pollers, in microseconds: after a round that moved little
-    /// (under 16 KiB a connection, nothing held back), a poller waits this long from that
-    /// round's start before the next, so that small fragments gather on each link and are read
-    /// with one call and acknowledged with one ACK. Costs up to this much latency per hop, and
-    /// at a step from a low rate to a high one up to this much back-pressure on each link
-    /// (dead time, not loss); never applies while data flows at full rate. 0 turns it off.
+    /// Interrupt moderation of the readout units' links, in microseconds: a link that carries
+    /// data is read as soon as 64 KiB are waiting (its receive low-water mark), else at the next
+    /// point of a grid of this period shared by every link of the process, so that at low rates
+    /// small fragments gather and are read, and acknowledged, once for many, in one round for
+    /// all slow links. Costs up to this much latency on links slower than 64 KiB per period;
+    /// never holds a link at full rate, nor one whose rate steps up. 0 turns it off.
     pub io_moderation_us: u64,
 }
 
@@ -358,7 +358,7 @@ impl Default for RunSection {
             max_fragment_size: ByteSize(1 << 20),
             status_interval_ms: 1000,
             mode: Mode::Push,
-            io_moderation_us: 5000,
+            io_moderation_us: 20_000,
         }
     }
 }
@@ -1940,13 +1940,13 @@ impl Topology {
         if self.assignment.block == 0 {
             return Err(err("assignment.block", "must be at least 1".into()));
         }
-        // A link read one moderation late must not make its event late: the pollers of two
-        // links of one event may each wait one moderation, and a builder sees two such hops.
+        // A link read one moderation late must not make its event late: of two links of one
+        // event, one may be read a whole moderation after the other.
         let moderation = self.run.io_moderation_us;
         if moderation > 1_000_000 {
             return Err(err(
                 "run.io_moderation_us",
-                format!("{moderation} us is more than 1 s of latency per hop"),
+                format!("{moderation} us is more than 1 s of latency on a link"),
             ));
         }
         if let Some(ru) = self

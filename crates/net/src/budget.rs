@@ -445,9 +445,6 @@ mod tests {
             fn fd(&self) -> RawFd {
                 self.s.as_raw_fd()
             }
-            fn bytes_moved(&self) -> u64 {
-                0
-            }
             fn doorbell(&self) -> Option<&Doorbell> {
                 Some(&self.bell)
             }

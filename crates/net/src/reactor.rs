@@ -35,8 +35,7 @@ pub enum Next {
     /// not the socket became readable.
     At(Instant),
     /// The socket is full (a sender's peer is behind): call again when it has room, or at this
-    /// time anyway. Like [`Next::At`], the round is held back by the next stage, not idle, so the
-    /// poller does not moderate it.
+    /// time anyway.
     Writable(Instant),
     /// Finished: the poller deregisters and drops the connection.
     Done,
@@ -48,10 +47,6 @@ pub trait Conn: Send + 'static {
     fn fd(&self) -> RawFd;
     /// Reads and handles what it can without blocking.
     fn turn(&mut self) -> Next;
-    /// Bytes read or written so far (tells the poller whether its rounds are light: see
-    /// [`MODERATION_US`]). A sender counts what it writes: a poller of senders at full rate reads
-    /// nothing, and must not be moderated as if it were idle.
-    fn bytes_moved(&self) -> u64;
     /// What readiness calls it (a sender also waits for room to write).
     fn interest(&self) -> Interest {
         Interest::READABLE
@@ -172,13 +167,62 @@ pub const HELD_RETRY: Duration = Duration::from_millis(1);
 /// memory is given back): the time to notice an abort, not a poll for memory.
 pub const MEMORY_RECHECK: Duration = Duration::from_millis(20);
 
-/// What a polled link's reads prove about its peer's silence. Only reads prove it: a link not
-/// read (held for memory) proves nothing.
+/// The receive low-water mark (`SO_RCVLOWAT`) of a link that carries data: epoll reports the
+/// link only once this much is waiting (or its peer closed, or the kernel's buffer is under
+/// pressure), so a busy link is read at once in large reads, and a slow one at its timed look
+/// on the moderation grid ([`Silence::next_look`]), several messages a read, in one round with
+/// every other slow link of its poller: a network card that interrupts after so many frames or
+/// so much time, whichever comes first. A non-blocking read returns what is waiting, below the
+/// mark or not.
+pub const LOW_WATER: usize = 64 << 10;
+
+/// The start of the moderation grid: every poller of the process looks at its slow links at the
+/// same multiples of the moderation after it.
+fn grid_epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+/// The first point of the moderation grid (period `t`) after `now`.
+fn grid_after(now: Instant, t: Duration) -> Instant {
+    let e = grid_epoch();
+    if now < e {
+        // `now` was read before the grid began: its first point.
+        return e.min(now + t);
+    }
+    let t_ns = t.as_nanos().max(1);
+    let k = now.saturating_duration_since(e).as_nanos() / t_ns + 1;
+    e + Duration::from_nanos(u64::try_from(k * t_ns).unwrap_or(u64::MAX))
+}
+
+fn set_low_water(fd: RawFd, bytes: usize) -> std::io::Result<()> {
+    let v = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    // SAFETY: a plain integer option on a descriptor the caller owns; the kernel copies `v`.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// What a polled link's reads prove about its peer's silence, and so when it must be looked at
+/// next. Only reads prove silence: a link not read (held for memory) proves nothing.
 #[derive(Debug, Default)]
 pub struct Silence {
     /// Since when the socket has been found empty with nothing read after.
     dry_since: Option<Instant>,
     silent: bool,
+    /// The socket's low-water mark is [`LOW_WATER`] (else 1, the kernel's default).
+    marked: bool,
 }
 
 impl Silence {
@@ -202,6 +246,36 @@ impl Silence {
     /// The link was not read: what was proven so far proves nothing from here.
     pub fn not_read(&mut self) {
         self.dry_since = None;
+    }
+
+    /// When a link whose socket was just read dry (`fd`) must be looked at even if epoll says
+    /// nothing, with the low-water mark that goes with it. A link that carries data has the
+    /// mark [`LOW_WATER`] and a look at the next point of the moderation grid, so bytes below
+    /// the mark wait at most one moderation. A link proven silent has the mark back at one
+    /// byte, so its first byte wakes the poller at once, and a look after [`SILENCE_PROOF`]
+    /// that extends the proof: idle links cost no timed looks. Without moderation, no mark and
+    /// the silence look only.
+    pub fn next_look(&mut self, fd: RawFd, now: Instant) -> Instant {
+        self.look_after(fd, moderation(), now)
+    }
+
+    /// [`Self::next_look`] with the moderation `t`.
+    fn look_after(&mut self, fd: RawFd, t: Duration, now: Instant) -> Instant {
+        let mark = !t.is_zero() && !self.silent;
+        if mark != self.marked {
+            // Lowering the mark with bytes already waiting raises an event at once (the kernel
+            // checks on every change), so no byte is stranded below a mark that no longer
+            // applies. A failure leaves the mark where it was: both states are safe.
+            match set_low_water(fd, if mark { LOW_WATER } else { 1 }) {
+                Ok(()) => self.marked = mark,
+                Err(e) => tracing::debug!(error = %e, "could not set a link's low-water mark"),
+            }
+        }
+        if self.marked {
+            grid_after(now, t).min(now + SILENCE_PROOF)
+        } else {
+            now + SILENCE_PROOF
+        }
     }
 }
 
@@ -313,49 +387,28 @@ impl Reactor {
     }
 }
 
-/// The shortest time between the starts of two rounds that handle readiness after a light
-/// round (little moved a turn, nothing held back): like a network card's interrupt moderation,
-/// at low rates a poller lets several messages gather on each link and reads them in one call
-/// (one read and one ACK for many small fragments instead of one each: at 1 kHz over 105 links
-/// 2 ms halved the readers' CPU, 5 ms took the DAQ's CPU per fragment a further fifth down,
-/// and 20 and 50 ms took it 29 % and 45 % below 5 ms: docs/PERFORMANCE.md), while a poller whose
-/// turns move data at full rate, or are held back by the next stage, never waits. Costs at most
-/// this much latency per hop, at low rates only. `run.io_moderation_us` (set by each run for
+/// Interrupt moderation of the polled links: the period of the grid on which a link that
+/// carries data is looked at when less than [`LOW_WATER`] is waiting ([`Silence::next_look`]).
+/// At low rates several messages gather on each link and are read, and acknowledged, once for
+/// many, in one round for all the slow links of a poller; at full rate the mark is reached
+/// first and the link is read at once, so a step from a low rate to a high one is never held.
+/// Costs at most this much latency, on links slower than the mark per period. At 1 kHz
+/// over 105 links of 380 B the DAQ's CPU per fragment at 20 ms was 1.28-1.46 times its figure
+/// at saturation (2.7 at 5 ms; docs/PERFORMANCE.md). Senders, and the builders' links they
+/// write to, are not moderated: their work comes in the batches the readers' rounds make. `run.io_moderation_us` (set by each run for
 /// the whole process, since the pollers serve every run of a node agent); zero turns it off.
 static MODERATION_US: AtomicU64 = AtomicU64::new(DEFAULT_MODERATION_US);
 
 /// The default of `run.io_moderation_us`.
-pub const DEFAULT_MODERATION_US: u64 = 5000;
+pub const DEFAULT_MODERATION_US: u64 = 20_000;
 
-/// Sets the pollers' moderation (see [`MODERATION_US`]); every poller of the process follows
-/// from its next round.
+/// Sets the pollers' moderation (see [`MODERATION_US`]); every link follows from its next look.
 pub fn set_moderation(d: Duration) {
     MODERATION_US.store(d.as_micros() as u64, Ordering::Relaxed);
 }
 
 fn moderation() -> Duration {
     Duration::from_micros(MODERATION_US.load(Ordering::Relaxed))
-}
-
-/// A round whose turns moved less than this on average (and were not held back) is light.
-const LIGHT_TURN_BYTES: u64 = 16 << 10;
-
-/// What the turns since the last round began read.
-#[derive(Default)]
-struct Round {
-    turns: u64,
-    bytes: u64,
-    /// A turn ended blocked by the stage downstream ([`Next::At`], [`Next::Writable`]).
-    held: bool,
-}
-
-impl Round {
-    /// Light: little moved per turn, and nothing held back. A turn that was blocked (no memory,
-    /// a full socket) moved little because the next stage is behind, not because little came:
-    /// waiting after it would only add dead time once the stage downstream lets go.
-    fn light(&self) -> bool {
-        self.turns > 0 && !self.held && self.bytes < LIGHT_TURN_BYTES * self.turns
-    }
 }
 
 /// One poller thread's state.
@@ -368,13 +421,11 @@ struct Poller {
     /// Connections with more to read, called once the others had their turn.
     again: VecDeque<usize>,
     load: Arc<AtomicUsize>,
-    round: Round,
     waker: Arc<Waker>,
     rung: Rung,
 }
 
 fn run(poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>, waker: Arc<Waker>) {
-    let mut last_round: Option<Instant> = None;
     let mut events = Events::with_capacity(1024);
     let mut p = Poller::new(poll, load, waker);
     loop {
@@ -392,22 +443,6 @@ fn run(poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>, waker: A
                 std::thread::sleep(Duration::from_millis(10));
             }
             continue;
-        }
-        let coalesce = moderation();
-        if !events.is_empty() && !coalesce.is_zero() {
-            // Too soon after a light round: let more gather, but never past a deadline.
-            let now = Instant::now();
-            if let Some(t) = last_round.filter(|_| p.round.light()) {
-                let mut until = t + coalesce;
-                if let Some(Reverse((d, _))) = p.times.peek() {
-                    until = until.min(*d);
-                }
-                if until > now {
-                    std::thread::sleep(until - now);
-                }
-            }
-            last_round = Some(Instant::now());
-            p.round = Round::default();
         }
         // Each with whether its bell rang. A bell is rung when what a connection waits for has
         // come (work queued, memory given back), so it is answered even by a connection that
@@ -474,7 +509,6 @@ impl Poller {
             times: BinaryHeap::new(),
             again: VecDeque::new(),
             load,
-            round: Round::default(),
             waker,
             rung: Rung::default(),
         }
@@ -511,10 +545,7 @@ impl Poller {
         let Some(e) = self.slots[i].as_mut() else {
             return;
         };
-        let before = e.conn.bytes_moved();
         let next = e.conn.turn();
-        self.round.turns += 1;
-        self.round.bytes += e.conn.bytes_moved() - before;
         let times = &mut self.times;
         let mut at = |e: &mut Entry, t: Instant| {
             // Never in the past: a connection that keeps asking for a time already gone is
@@ -533,12 +564,10 @@ impl Poller {
             }
             Next::At(t) => {
                 e.blocked = true;
-                self.round.held = true;
                 at(e, t);
             }
             Next::Writable(t) => {
                 e.blocked = false;
-                self.round.held = true;
                 at(e, t);
             }
             Next::Again => {
@@ -579,9 +608,6 @@ mod tests {
         fn fd(&self) -> RawFd {
             self.s.as_raw_fd()
         }
-        fn bytes_moved(&self) -> u64 {
-            self.got.len() as u64
-        }
         fn turn(&mut self) -> Next {
             if !self.got.is_empty() && !self.blocked_once {
                 self.blocked_once = true;
@@ -605,57 +631,150 @@ mod tests {
         }
     }
 
-    /// A connection that says what its turn moved and how it ended, over a socket of its own.
-    struct Scripted {
-        s: TcpStream,
-        moved: u64,
-        per_turn: u64,
-        next: Next,
+    fn low_water(s: &TcpStream) -> libc::c_int {
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: reads an integer option into a local of the size given.
+        let r = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVLOWAT,
+                (&mut v as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+        v
     }
 
-    impl Conn for Scripted {
-        fn fd(&self) -> RawFd {
-            self.s.as_raw_fd()
-        }
-        fn bytes_moved(&self) -> u64 {
-            self.moved
-        }
-        fn turn(&mut self) -> Next {
-            self.moved += self.per_turn;
-            self.next
+    #[test]
+    fn timed_looks_fall_on_the_grid_within_one_moderation() {
+        let t = Duration::from_millis(20);
+        let e = grid_epoch();
+        for k in [0u64, 1, 7, 19_999, 20_000_000, 123_456_789] {
+            let now = e + Duration::from_nanos(k);
+            let g = grid_after(now, t);
+            assert!(g > now && g <= now + t, "{k}: {g:?} after {now:?}");
+            assert_eq!((g - e).as_nanos() % t.as_nanos(), 0, "{k}: on the grid");
         }
     }
 
-    /// Whether a poller's round of one turn of a connection that moves `per_turn` bytes and
-    /// then says `next` counts as light (to be moderated).
-    fn light_after(per_turn: u64, next: Next) -> bool {
-        let poll = Poll::new().unwrap();
-        let waker = Arc::new(Waker::new(poll.registry(), WAKE).unwrap());
-        let mut p = Poller::new(poll, Arc::new(AtomicUsize::new(0)), waker);
+    /// A link that carries data has the low-water mark, and is looked at on the grid; proven
+    /// silent, it has the kernel's one byte again (its first byte wakes the poller at once) and
+    /// a look per silence proof; without moderation it is never marked.
+    #[test]
+    fn a_link_is_marked_while_it_carries_data_and_not_once_silent() {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let _peer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (s, _) = l.accept().unwrap();
-        let i = p.add(Box::new(Scripted {
-            s,
-            moved: 0,
-            per_turn,
-            next,
-        }));
-        p.round = Round::default();
-        p.turn(i);
-        p.round.light()
+        let fd = s.as_raw_fd();
+        let t = Duration::from_millis(20);
+        let mut q = Silence::default();
+        assert!(!q.data(true), "never reported silent");
+        let now = Instant::now();
+        let look = q.look_after(fd, t, now);
+        assert_eq!(low_water(&s), LOW_WATER as libc::c_int);
+        assert!(look > now && look <= now + Duration::from_millis(20));
+        // Found empty, not yet for a whole proof: still marked, still on the grid.
+        let soon = now + Duration::from_millis(1);
+        assert!(q.empty_read(None, soon).is_none());
+        assert!(q.look_after(fd, t, soon) <= soon + Duration::from_millis(20));
+        assert_eq!(low_water(&s), LOW_WATER as libc::c_int);
+        // Found empty for a whole proof (the clock is moved, not slept): silent, unmarked.
+        let later = now + SILENCE_PROOF + Duration::from_millis(1);
+        assert!(q.empty_read(None, later).is_some());
+        assert_eq!(q.look_after(fd, t, later), later + SILENCE_PROOF);
+        assert_eq!(low_water(&s), 1);
+        // Heard again: marked again.
+        assert!(q.data(true), "heard after a silence");
+        q.look_after(fd, t, later);
+        assert_eq!(low_water(&s), LOW_WATER as libc::c_int);
+        // No moderation: no mark, the silence look only.
+        assert_eq!(
+            q.look_after(fd, Duration::ZERO, later),
+            later + SILENCE_PROOF
+        );
+        assert_eq!(low_water(&s), 1);
     }
 
-    /// Moderation waits only after rounds that moved little because little came: not after one
-    /// that moved data at full rate, nor after one held back by the next stage (no memory, a
-    /// full socket), where waiting would only add dead time.
+    /// Reads like a polled link that is never proven silent (so it stays marked), and hands on
+    /// each read with the mark its socket had when it was read.
+    struct Marked {
+        s: TcpStream,
+        silence: Silence,
+        got: mpsc::Sender<Option<(libc::c_int, Vec<u8>)>>,
+        /// Told once the first look has set the mark.
+        looked: Option<mpsc::Sender<()>>,
+    }
+
+    impl Conn for Marked {
+        fn fd(&self) -> RawFd {
+            self.s.as_raw_fd()
+        }
+        fn turn(&mut self) -> Next {
+            let t = Duration::from_millis(20);
+            let mark = low_water(&self.s);
+            let mut buf = [0u8; 4096];
+            match self.s.read(&mut buf) {
+                Ok(0) => {
+                    let _ = self.got.send(None);
+                    Next::Done
+                }
+                Ok(n) => {
+                    let _ = self.got.send(Some((mark, buf[..n].to_vec())));
+                    self.silence.data(n < buf.len());
+                    Next::Readable(
+                        self.silence
+                            .look_after(self.s.as_raw_fd(), t, Instant::now()),
+                    )
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    let look = self
+                        .silence
+                        .look_after(self.s.as_raw_fd(), t, Instant::now());
+                    if let Some(l) = self.looked.take() {
+                        let _ = l.send(());
+                    }
+                    Next::Readable(look)
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+
+    /// Bytes far below the mark, with nothing after them to raise an event, are still read
+    /// (at the link's timed look), message after message, and the peer's close ends the link
+    /// whatever the mark.
     #[test]
-    fn a_round_is_light_only_when_little_came() {
-        let later = Instant::now() + Duration::from_secs(1);
-        assert!(light_after(100, Next::Readable(later)));
-        assert!(!light_after(LIGHT_TURN_BYTES, Next::Readable(later)));
-        assert!(!light_after(0, Next::At(later)));
-        assert!(!light_after(0, Next::Writable(later)));
+    fn bytes_below_the_mark_are_read_without_more_traffic() {
+        let r = Reactor::new(1, "test").unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut w = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        s.set_nonblocking(true).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let (looked, first_look) = mpsc::channel();
+        r.register(Box::new(Marked {
+            s,
+            silence: Silence::default(),
+            got: tx,
+            looked: Some(looked),
+        }));
+        first_look.recv_timeout(Duration::from_secs(20)).unwrap();
+        for i in 0..5u8 {
+            w.write_all(&[i; 10]).unwrap();
+            // Each message is answered before the next is written: nothing else comes to
+            // raise an event for it.
+            let got = rx.recv_timeout(Duration::from_secs(20)).unwrap();
+            assert_eq!(
+                got,
+                Some((LOW_WATER as libc::c_int, vec![i; 10])),
+                "read while marked"
+            );
+        }
+        drop(w);
+        assert_eq!(rx.recv_timeout(Duration::from_secs(20)).unwrap(), None);
     }
 
     #[test]

@@ -45,8 +45,6 @@ pub struct ChunkReader {
     chunk: Option<Arc<Chunk>>,
     pos: usize,
     filled: usize,
-    /// Bytes read from the socket so far.
-    pub bytes_read: u64,
     /// When the last read system call began (after any wait for memory): a read that came back
     /// empty proves the peer silent from then on, a wait for memory proves nothing.
     pub read_started: Option<Instant>,
@@ -63,7 +61,6 @@ impl ChunkReader {
             chunk: None,
             pos: 0,
             filled: 0,
-            bytes_read: 0,
             read_started: None,
             drained: false,
         }
@@ -217,7 +214,6 @@ impl ChunkReader {
                 Ok(0) => return Ok(Fill::Eof),
                 Ok(n) => {
                     self.filled += n;
-                    self.bytes_read += n as u64;
                     self.drained = n < asked;
                     return Ok(Fill::Data(n));
                 }

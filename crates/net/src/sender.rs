@@ -388,8 +388,6 @@ pub struct PolledSender<T, B, E> {
     closing: Closing,
     /// Samples the socket's send queue, where the stage asked (`with_queue_gauge`).
     unsent: Option<crate::queued::QueueGauge>,
-    /// Bytes written so far, all messages included (the poller's measure of a busy round).
-    written: u64,
     _live: crate::reactor::TallyGuard,
 }
 
@@ -443,7 +441,6 @@ where
             wait_close,
             closing: Closing::Open,
             unsent: None,
-            written: 0,
             _live: live.enter(),
         })
     }
@@ -508,7 +505,6 @@ where
                 }
                 Ok(n) => {
                     self.at += n;
-                    self.written += n as u64;
                     self.release_written();
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -540,7 +536,6 @@ where
                 }
                 Ok(n) => {
                     self.out_at += n;
-                    self.written += n as u64;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
@@ -613,10 +608,6 @@ where
 {
     fn fd(&self) -> std::os::fd::RawFd {
         std::os::fd::AsRawFd::as_raw_fd(&self.stream)
-    }
-
-    fn bytes_moved(&self) -> u64 {
-        self.written
     }
 
     fn interest(&self) -> mio::Interest {
@@ -974,27 +965,6 @@ mod tests {
         drop(peer);
         finished();
         assert_eq!(budget.used(), 0);
-    }
-
-    /// A sender's turn counts the bytes it writes as moved: the poller moderates rounds that
-    /// moved little (low rates), and a poller of senders at full rate, which reads nothing, was
-    /// taken for idle and held between rounds like one.
-    #[test]
-    fn a_polled_sender_counts_what_it_writes_as_moved() {
-        let (mut conn, mut peer, q, sent, _live) = counting_link(PeerHello {
-            role: PeerRole::ReadoutUnit,
-            id: 2,
-            flags: 0,
-        });
-        const N: u64 = 3;
-        q.send((0..N).map(unit).collect()).unwrap();
-        let before = conn.bytes_moved();
-        conn.turn();
-        let want = (PEER_HELLO_SIZE + expected(N).len()) as u64;
-        assert_eq!(sent.load(Ordering::SeqCst), N);
-        assert_eq!(conn.bytes_moved() - before, want);
-        let mut got = vec![0u8; want as usize];
-        std::io::Read::read_exact(&mut peer, &mut got).unwrap();
     }
 
     /// A peer that goes away: the units it cannot have had are reported as not written (to be

@@ -11,7 +11,7 @@ use std::time::Instant;
 use tessera_format::StreamDecoder;
 use tessera_net::reactor::{
     Conn, Doorbell, Held, Next, Silence, Tally, TallyGuard, HELD_RETRY, MEMORY_RECHECK,
-    READS_PER_TURN, SILENCE_PROOF,
+    READS_PER_TURN,
 };
 use tessera_net::reader::Fill;
 use tessera_net::{ChunkReader, ChunkSlice};
@@ -142,10 +142,6 @@ impl<S: LinkSink> Conn for PolledLink<S> {
         self.stream.as_raw_fd()
     }
 
-    fn bytes_moved(&self) -> u64 {
-        self.reader.bytes_read
-    }
-
     fn doorbell(&self) -> Option<&Doorbell> {
         Some(&self.bell)
     }
@@ -198,7 +194,7 @@ impl<S: LinkSink> Conn for PolledLink<S> {
             if drained {
                 // The socket was empty as of the last read: wait for the next edge rather
                 // than make a read that would only say "nothing".
-                return Next::Readable(now + SILENCE_PROOF);
+                return Next::Readable(self.silence.next_look(self.stream.as_raw_fd(), now));
             }
             if reads == READS_PER_TURN {
                 return Next::Again;
@@ -215,7 +211,7 @@ impl<S: LinkSink> Conn for PolledLink<S> {
                         let s = since.saturating_duration_since(sh.t0).as_nanos() as u64;
                         sink.quiet(self.slot, s, sh.now_ns());
                     }
-                    return Next::Readable(now + SILENCE_PROOF);
+                    return Next::Readable(self.silence.next_look(self.stream.as_raw_fd(), now));
                 }
                 Ok(Fill::Data(_)) => {
                     drained = self.reader.drained();
