@@ -387,16 +387,17 @@ impl Reactor {
     }
 }
 
-/// Interrupt moderation of the polled links: the period of the grid on which a link that
-/// carries data is looked at when less than [`LOW_WATER`] is waiting ([`Silence::next_look`]).
-/// At low rates several messages gather on each link and are read, and acknowledged, once for
-/// many, in one round for all the slow links of a poller; at full rate the mark is reached
-/// first and the link is read at once, so a step from a low rate to a high one is never held.
-/// Costs at most this much latency, on links slower than the mark per period. At 1 kHz
-/// over 105 links of 380 B the DAQ's CPU per fragment at 20 ms was 1.28-1.46 times its figure
-/// at saturation (2.7 at 5 ms; docs/PERFORMANCE.md). Senders, and the builders' links they
-/// write to, are not moderated: their work comes in the batches the readers' rounds make. `run.io_moderation_us` (set by each run for
-/// the whole process, since the pollers serve every run of a node agent); zero turns it off.
+/// Interrupt moderation of the readout units' links: the period of the grid on which a link
+/// that carries data is looked at when less than [`LOW_WATER`] is waiting
+/// ([`Silence::next_look`]). At low rates several messages gather on each link and are read,
+/// and acknowledged, once for many, in one round for all the slow links of a poller; at full
+/// rate the mark is reached first and the link is read at once, so a step from a low rate to a
+/// high one is never held. Costs at most this much latency, on links slower than the mark per
+/// period. At 1 kHz over 105 links of 380 B the DAQ's CPU per fragment at 20 ms was 1.28-1.46
+/// times its figure at saturation (2.7 at 5 ms; docs/PERFORMANCE.md). Senders, and the
+/// builders' links they write to, are not moderated: their work comes in the batches the
+/// readers' rounds make. `run.io_moderation_us` (set by each run for the whole process, since
+/// the pollers serve every run of a node agent); zero turns it off.
 static MODERATION_US: AtomicU64 = AtomicU64::new(DEFAULT_MODERATION_US);
 
 /// The default of `run.io_moderation_us`.
