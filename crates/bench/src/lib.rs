@@ -205,7 +205,7 @@ pub struct StageCpu {
     pub senders: f64,
     /// The builders' pollers (reading their readout units).
     pub builder_pollers: f64,
-    /// Every stage's sweeper (event timeouts, every 5 ms).
+    /// Every stage's sweeper (event timeouts, every 5 ms or on the moderation grid).
     pub sweepers: f64,
 }
 

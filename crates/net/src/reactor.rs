@@ -184,7 +184,7 @@ fn grid_epoch() -> Instant {
 }
 
 /// The first point of the moderation grid (period `t`) after `now`.
-fn grid_after(now: Instant, t: Duration) -> Instant {
+pub(crate) fn grid_after(now: Instant, t: Duration) -> Instant {
     let e = grid_epoch();
     if now < e {
         // `now` was read before the grid began: its first point.
@@ -408,7 +408,7 @@ pub fn set_moderation(d: Duration) {
     MODERATION_US.store(d.as_micros() as u64, Ordering::Relaxed);
 }
 
-fn moderation() -> Duration {
+pub(crate) fn moderation() -> Duration {
     Duration::from_micros(MODERATION_US.load(Ordering::Relaxed))
 }
 

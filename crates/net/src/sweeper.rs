@@ -15,8 +15,24 @@ use crossbeam_channel::{unbounded, Receiver, Sender};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-/// How often each sweep runs: the resolution of event timeouts.
+/// How often each sweep runs at least: the resolution of event timeouts. With a longer
+/// moderation the sweeps run on its grid instead, with the links' timed looks: at low rates a
+/// slow link's fragments come at those points anyway, and each wake-up of a sweeper costs
+/// about 25 us here, 400 a second for two stages (a twentieth of the DAQ's CPU at 1 kHz:
+/// docs/PERFORMANCE.md). The configuration keeps the moderation within a quarter of every
+/// event timeout.
 pub const SWEEP_PERIOD: Duration = Duration::from_millis(5);
+
+/// When the sweeps after a round that was due at `due` run next, under the moderation `m`.
+fn next_round(due: Instant, now: Instant, m: Duration) -> Instant {
+    if m > SWEEP_PERIOD {
+        crate::reactor::grid_after(now, m)
+    } else {
+        // A late round (a sweep held by the next stage) starts the next period from now: no
+        // burst of rounds to catch up.
+        (due + SWEEP_PERIOD).max(now)
+    }
+}
 
 struct Task {
     name: String,
@@ -50,7 +66,7 @@ impl Sweeper {
         })
     }
 
-    /// Runs `sweep` every [`SWEEP_PERIOD`], the first time at once, until it returns false; the
+    /// Runs `sweep` every [`SWEEP_PERIOD`] (or moderation, see there), the first time at once, until it returns false; the
     /// role counts it in `live` until then (as a connection handed to the pollers). A sweep that
     /// panics is logged and dropped, and the other roles' sweeps go on.
     pub fn add(
@@ -119,9 +135,7 @@ fn run(rx: Receiver<Task>) {
                 }
             }
         });
-        // A late round (a sweep held by the next stage) starts the next period from now: no
-        // burst of rounds to catch up.
-        next = (next + SWEEP_PERIOD).max(Instant::now());
+        next = next_round(next, Instant::now(), crate::reactor::moderation());
     }
 }
 
@@ -129,6 +143,21 @@ fn run(rx: Receiver<Task>) {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU32, Ordering};
+
+    /// Sweeps run every period, none in a burst after a late round, and on the links' grid
+    /// when the moderation is the longer.
+    #[test]
+    fn rounds_follow_the_period_or_the_moderation_grid() {
+        let due = Instant::now();
+        assert_eq!(next_round(due, due, Duration::ZERO), due + SWEEP_PERIOD);
+        assert_eq!(next_round(due, due, SWEEP_PERIOD), due + SWEEP_PERIOD);
+        let late = due + 3 * SWEEP_PERIOD;
+        assert_eq!(next_round(due, late, Duration::ZERO), late);
+        let m = Duration::from_millis(20);
+        let at = next_round(due, late, m);
+        assert_eq!(at, crate::reactor::grid_after(late, m));
+        assert!(at > late && at <= late + m);
+    }
 
     /// Every role's sweep runs until it says it is done, on one thread, and the role's tally
     /// then falls to zero; a sweep that panics ends alone.
