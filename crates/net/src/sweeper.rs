@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 /// How often each sweep runs at least: the resolution of event timeouts. With a longer
 /// moderation the sweeps run on its grid instead, with the links' timed looks: at low rates a
 /// slow link's fragments come at those points anyway, and each wake-up of a sweeper costs
-/// about 25 us here, 400 a second for two stages (a twentieth of the DAQ's CPU at 1 kHz:
+/// about 25 us here, 400 a second for two stages (about 4 % of the DAQ's CPU at 1 kHz:
 /// docs/PERFORMANCE.md). The configuration keeps the moderation within a quarter of every
 /// event timeout.
 pub const SWEEP_PERIOD: Duration = Duration::from_millis(5);
@@ -66,9 +66,10 @@ impl Sweeper {
         })
     }
 
-    /// Runs `sweep` every [`SWEEP_PERIOD`] (or moderation, see there), the first time at once, until it returns false; the
-    /// role counts it in `live` until then (as a connection handed to the pollers). A sweep that
-    /// panics is logged and dropped, and the other roles' sweeps go on.
+    /// Runs `sweep` every [`SWEEP_PERIOD`] (or on the moderation grid, see there), the first
+    /// time at once, until it returns false; the role counts it in `live` until then (as a
+    /// connection handed to the pollers). A sweep that panics is logged and dropped, and the
+    /// other roles' sweeps go on.
     pub fn add(
         &self,
         name: String,
