@@ -244,13 +244,12 @@ impl Ports {
 /// no `bind(0)` or outgoing connection of a test beside this one lands on it between the
 /// release and the server's bind.
 pub struct HeldPort {
-    fd: Option<std::os::fd::OwnedFd>,
+    socket: Option<socket2::Socket>,
     pub port: u16,
 }
 
 impl HeldPort {
     pub fn new() -> HeldPort {
-        use std::os::fd::FromRawFd;
         let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
             .ok()
             .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
@@ -265,30 +264,15 @@ impl HeldPort {
                 .subsec_nanos();
         for k in 0..span {
             let port = (LOW + (seed.wrapping_add(k)) % span) as u16;
-            // SAFETY: a new socket whose descriptor is owned at once.
-            let raw =
-                unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-            assert!(raw >= 0, "{}", std::io::Error::last_os_error());
-            // SAFETY: `raw` is a fresh descriptor nothing else owns.
-            let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
-            let addr = libc::sockaddr_in {
-                sin_family: libc::AF_INET as libc::sa_family_t,
-                sin_port: port.to_be(),
-                sin_addr: libc::in_addr {
-                    s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be(),
-                },
-                sin_zero: [0; 8],
-            };
-            // SAFETY: `addr` is a valid sockaddr_in of the length given.
-            let r = unsafe {
-                libc::bind(
-                    std::os::fd::AsRawFd::as_raw_fd(&fd),
-                    (&addr as *const libc::sockaddr_in).cast(),
-                    std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
-                )
-            };
-            if r == 0 {
-                return HeldPort { fd: Some(fd), port };
+            // socket2 sets no SO_REUSEADDR of its own, which is what keeps the port ours.
+            let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+                .expect("a TCP socket");
+            let addr = std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, port));
+            if socket.bind(&addr.into()).is_ok() {
+                return HeldPort {
+                    socket: Some(socket),
+                    port,
+                };
             }
         }
         panic!("no free loopback port below {ephemeral}");
@@ -296,7 +280,7 @@ impl HeldPort {
 
     /// Lets the server bind it.
     pub fn release(&mut self) {
-        self.fd.take();
+        self.socket.take();
     }
 }
 
