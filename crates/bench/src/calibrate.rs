@@ -36,7 +36,7 @@ fn point(name: &str, size: u64, events: u64, record: bool, dir: &Path) -> Result
          [monitor]\nenabled = false\n"
     );
     let r = Topology::parse(&text, name)?;
-    let m = crate::run_measured(&r, &dir.join(name), name)?;
+    let m = crate::run_measured(&r, &dir.join(name), name, None)?;
     let fragments = m.report.balance.sent as f64;
     Ok(Cost {
         fragments,

@@ -185,12 +185,72 @@ pub(crate) fn cpu_seconds() -> f64 {
 /// What [`run_measured`] saw.
 pub(crate) struct Measured {
     pub report: tessera_run::Report,
-    /// The process's CPU seconds (every thread), and the emulated sources' driver threads' share.
+    /// Over the part measured (the window, or the whole run without one): the process's CPU
+    /// seconds (every thread), the emulated sources' driver threads' share, and the wall time.
     pub cpu_s: f64,
     pub sources_cpu_s: f64,
     pub wall_s: f64,
-    /// The CPU seconds of the process's shared threads (pollers and sweepers) over the run.
+    /// The CPU seconds of the process's shared threads (pollers and sweepers) over that part.
     pub stages: StageCpu,
+    /// Events the builders built in that part (complete and incomplete).
+    pub events: u64,
+    /// The process's CPU seconds over the whole run, start and end included.
+    pub whole_cpu_s: f64,
+}
+
+/// The steady part of a run to measure: from when the builders have built `from` of the run's
+/// `events` to when the sources have sent `to` of its `fragments`. Why not the whole run: its
+/// start connects every link and touches buffer pages for the first time, its end drains the
+/// buffers with the sources idle, and both are the same CPU whatever the rate, so they pull
+/// every per-fragment figure towards each other. Why the start is counted in events built and
+/// the end in fragments sent: at an unlimited rate the sources run ahead of the builders by
+/// what every buffer on the way holds (the kernel's socket buffers most), so the part between
+/// is one where the buffers have filled and the sources still send, held by the DAQ.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Window {
+    pub events: u64,
+    /// Fragments the sources send in the whole run.
+    pub fragments: u64,
+    pub from: f64,
+    pub to: f64,
+}
+
+/// One reading of the clocks a measurement subtracts.
+#[derive(Clone, Copy)]
+struct Reading {
+    cpu: f64,
+    sources_ns: u64,
+    stages: StageCpu,
+    t: std::time::Instant,
+    built: u64,
+}
+
+impl Reading {
+    /// Before or after a run: the sources' threads add their CPU to `DRIVER_CPU_NS` as they end.
+    fn outside(built: u64) -> Reading {
+        Self::with(
+            built,
+            tessera_source::DRIVER_CPU_NS.load(std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+
+    /// While the sources run: their live threads, by name.
+    fn during(built: u64) -> Reading {
+        Self::with(
+            built,
+            tessera_net::role::threads_cpu_ns(|n| n.starts_with("source-drv") || n == "trigger"),
+        )
+    }
+
+    fn with(built: u64, sources_ns: u64) -> Reading {
+        Reading {
+            cpu: cpu_seconds(),
+            sources_ns,
+            stages: StageCpu::now(),
+            t: std::time::Instant::now(),
+            built,
+        }
+    }
 }
 
 /// CPU seconds of the threads every run of a process shares, by what they do: they live as
@@ -237,11 +297,13 @@ impl StageCpu {
 }
 
 /// Runs `r` in this process into `out` (deleted after), with the process's CPU time over the run
-/// and the emulated sources' share of it; a run that does not end clean is an error.
+/// (or over `window` of it) and the emulated sources' share of it; a run that does not end clean
+/// is an error, and so is one that ended before its window closed.
 pub(crate) fn run_measured(
     r: &tessera_config::Resolved,
     out: &std::path::Path,
     name: &str,
+    window: Option<Window>,
 ) -> Result<Measured> {
     let opts = tessera_run::Options {
         output: Some(out.to_path_buf()),
@@ -249,27 +311,47 @@ pub(crate) fn run_measured(
         manifest: false,
         ..Default::default()
     };
-    let src = || tessera_source::DRIVER_CPU_NS.load(std::sync::atomic::Ordering::Relaxed);
-    let (c0, s0, g0, t0) = (
-        cpu_seconds(),
-        src(),
-        StageCpu::now(),
-        std::time::Instant::now(),
-    );
-    let report = tessera_run::run(r, &opts).with_context(|| format!("the {name} point"))?;
-    let (cpu_s, wall_s) = (cpu_seconds() - c0, t0.elapsed().as_secs_f64());
-    let stages = StageCpu::now().since(g0);
-    let sources_cpu_s = (src() - s0) as f64 / 1e9;
+    let start = Reading::outside(0);
+    let (mut from, mut to) = (None, None);
+    let report = tessera_run::run_watched(r, &opts, |session| {
+        let Some(w) = window else { return };
+        if to.is_some() {
+            return;
+        }
+        let built = session.events_built();
+        if from.is_none() {
+            if built as f64 >= w.events as f64 * w.from {
+                from = Some(Reading::during(built));
+            }
+        } else if session.sent_and_built().0 as f64 >= w.fragments as f64 * w.to {
+            to = Some(Reading::during(built));
+        }
+    })
+    .with_context(|| format!("the {name} point"))?;
+    let end = Reading::outside(report.events_complete + report.events_incomplete);
     let _ = std::fs::remove_dir_all(out);
     if !report.ok() {
         anyhow::bail!("the {name} point did not run clean:\n{}", report.summary());
     }
+    let (a, b) = match (window, from, to) {
+        (None, _, _) => (start, end),
+        (Some(_), Some(a), Some(b)) if b.built > a.built => (a, b),
+        (Some(w), _, _) => anyhow::bail!(
+            "the {name} point had no steady part to measure: its sources sent {:.0} % of its {} fragments before its builders had built {:.0} % of its {} events (the buffers on the way held most of the run: give it more events)",
+            w.to * 100.0,
+            w.fragments,
+            w.from * 100.0,
+            w.events
+        ),
+    };
     Ok(Measured {
         report,
-        cpu_s,
-        sources_cpu_s,
-        wall_s,
-        stages,
+        cpu_s: b.cpu - a.cpu,
+        sources_cpu_s: b.sources_ns.saturating_sub(a.sources_ns) as f64 / 1e9,
+        wall_s: (b.t - a.t).as_secs_f64(),
+        stages: b.stages.since(a.stages),
+        events: b.built - a.built,
+        whole_cpu_s: end.cpu - start.cpu,
     })
 }
 

@@ -338,6 +338,20 @@ impl Session {
         (sent, built)
     }
 
+    /// Events the builders have built so far (complete and incomplete), read as cheaply as
+    /// [`Self::sent_and_built`]: for a benchmark that measures part of a run by what the DAQ
+    /// did, not by what the sources sent (at saturation they can send a whole short run into
+    /// the kernel's socket buffers before the readout units have read much of it).
+    pub fn events_built(&self) -> u64 {
+        self.running
+            .builders
+            .iter()
+            .map(|b| {
+                b.stats.events_complete.load(Relaxed) + b.stats.events_incomplete.load(Relaxed)
+            })
+            .sum()
+    }
+
     /// Which sources are missing for event `event_id`, and the state of their links.
     pub fn why_incomplete(&self, event_id: u64) -> WhyIncomplete {
         let run = &self.running;
