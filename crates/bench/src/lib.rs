@@ -319,11 +319,13 @@ pub(crate) fn run_measured(
             return;
         }
         let built = session.events_built();
+        let ended = session.sent_and_built().0 as f64 >= w.fragments as f64 * w.to;
         if from.is_none() {
-            if built as f64 >= w.events as f64 * w.from {
+            // Not begun once the sources are past its end: no steady part, an error below.
+            if built as f64 >= w.events as f64 * w.from && !ended {
                 from = Some(Reading::during(built));
             }
-        } else if session.sent_and_built().0 as f64 >= w.fragments as f64 * w.to {
+        } else if ended {
             to = Some(Reading::during(built));
         }
     })
