@@ -233,7 +233,7 @@ fn comet(dir: &Path, hosts: &[Host], extra: &str) -> PathBuf {
 
 /// The run control on the builder host, in run-control mode; its HTTP address.
 fn run_control(be: &Host, cfg: &Path, dir: &Path) -> (Proc, SocketAddr) {
-    let p = Proc::spawn(
+    let mut p = Proc::spawn(
         Command::new("ip")
             .args(["netns", "exec", &be.ns, tessera(), "run"])
             .arg(cfg)
@@ -242,10 +242,17 @@ fn run_control(be: &Host, cfg: &Path, dir: &Path) -> (Proc, SocketAddr) {
             .env("TESSERA_LOG", "info"),
     );
     let file = dir.join("control").join("control.addr");
+    // A run control that exited (its configure failed: its stderr says why) is a failure now,
+    // not after the whole limit.
+    let mut exited = None;
     assert!(
-        eventually(LIMIT, || std::fs::read_to_string(&file)
-            .is_ok_and(|s| s.trim().parse::<SocketAddr>().is_ok())),
-        "the run control never wrote {}",
+        eventually(LIMIT, || {
+            exited = p.exited();
+            exited.is_some()
+                || std::fs::read_to_string(&file)
+                    .is_ok_and(|s| s.trim().parse::<SocketAddr>().is_ok())
+        }) && exited.is_none(),
+        "the run control never wrote {} (exited: {exited:?})",
         file.display()
     );
     let addr = std::fs::read_to_string(&file)

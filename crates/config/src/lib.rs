@@ -279,7 +279,9 @@ pub struct ControlSection {
     pub sample_interval_ms: u64,
     /// With `[hosts]`: a node agent (or its run control, seen from the agent) silent for this
     /// long is lost, and the run goes to error naming its host, in milliseconds. Agents answer
-    /// within a few ms and say they are still working every second while a request lasts.
+    /// within a few ms and say they are still working every second while a request lasts. At a
+    /// configure, an agent that refuses connections (not listening yet) is tried again for
+    /// this long.
     pub agent_timeout_ms: u64,
     /// With `[hosts]`: the node agents that serve `/metrics` (`tessera node --metrics`), written
     /// at every configure as Prometheus scrape targets in its file-based discovery format

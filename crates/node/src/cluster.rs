@@ -351,7 +351,38 @@ impl Cluster {
     }
 }
 
-/// Connects to one agent and exchanges hellos.
+/// How often an agent that refuses connections is tried again during a configure.
+const REDIAL: Duration = Duration::from_millis(100);
+
+/// A connection to `addr`. Refused (nothing listens there yet: hosts and their agents started
+/// together, by systemd or Kubernetes in any order, or an agent being restarted), it is tried
+/// again every [`REDIAL`] until `deadline`, calling `refused` with the count so far; any other
+/// failure, or a refusal at the deadline, is the error.
+fn dial(
+    addr: std::net::SocketAddr,
+    timeout: Duration,
+    deadline: Instant,
+    mut refused: impl FnMut(u32),
+) -> std::io::Result<TcpStream> {
+    let mut tries = 0;
+    loop {
+        match TcpStream::connect_timeout(&addr, timeout) {
+            Err(e)
+                if e.kind() == std::io::ErrorKind::ConnectionRefused
+                    && Instant::now() + REDIAL < deadline =>
+            {
+                tries += 1;
+                refused(tries);
+                std::thread::sleep(REDIAL);
+            }
+            r => return r,
+        }
+    }
+}
+
+/// Connects to one agent and exchanges hellos. An agent that refuses the connection is given
+/// `control.agent_timeout_ms` to start listening: the time a silent agent is given before it is
+/// lost.
 fn connect(a: &AgentLink, token: &str, timeout: Duration) -> Result<()> {
     let addr = a
         .addr
@@ -359,7 +390,12 @@ fn connect(a: &AgentLink, token: &str, timeout: Duration) -> Result<()> {
         .with_context(|| format!("{}: not an address", a.name()))?
         .next()
         .ok_or_else(|| anyhow!("{}: no address", a.name()))?;
-    let mut s = TcpStream::connect_timeout(&addr, timeout).with_context(|| {
+    let mut s = dial(addr, timeout, Instant::now() + timeout, |tries| {
+        if tries == 1 {
+            tracing::info!(host = %a.host, %addr, "its node agent refuses connections (not listening yet?): trying again");
+        }
+    })
+    .with_context(|| {
         format!(
             "{}: cannot reach its node agent (is `tessera node` running there?)",
             a.name()
@@ -1000,4 +1036,53 @@ fn combine_why(event_id: u64, answers: Vec<(bool, WhyIncomplete)>) -> WhyIncompl
     links.dedup_by_key(|l| l.source);
     out.links = links;
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bound socket that does not listen yet: a connection to it is refused, as to an agent
+    /// still starting.
+    fn not_listening() -> (socket2::Socket, std::net::SocketAddr) {
+        let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        s.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
+            .unwrap();
+        let addr = s.local_addr().unwrap().as_socket().unwrap();
+        (s, addr)
+    }
+
+    #[test]
+    fn an_agent_that_starts_listening_after_a_refusal_is_reached() {
+        let (s, addr) = not_listening();
+        let mut refusals = 0;
+        let got = dial(
+            addr,
+            Duration::from_secs(5),
+            Instant::now() + Duration::from_secs(60),
+            |n| {
+                refusals = n;
+                if n == 1 {
+                    s.listen(1).unwrap();
+                }
+            },
+        );
+        assert!(got.is_ok(), "{got:?}");
+        assert_eq!(refusals, 1);
+    }
+
+    #[test]
+    fn an_agent_that_never_listens_is_an_error_at_the_deadline() {
+        let (_s, addr) = not_listening();
+        let got = dial(
+            addr,
+            Duration::from_secs(5),
+            Instant::now() + 3 * REDIAL,
+            |_| {},
+        );
+        assert_eq!(
+            got.unwrap_err().kind(),
+            std::io::ErrorKind::ConnectionRefused
+        );
+    }
 }

@@ -57,6 +57,13 @@ impl Proc {
         assert!(ok, "kill -{signal} {} failed", self.id());
     }
 
+    /// Its exit status, if it has exited (reaped then; still killed at drop otherwise).
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
     /// SIGKILL, and reaps it.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
