@@ -65,18 +65,23 @@ pub struct LowRate {
     pub whole_run_ratio: f64,
 }
 
+/// The COMET shape: 105 sources over five readout units of 21 links each.
+const SOURCES: u64 = 105;
+const READOUT_UNITS: u64 = 5;
+
 /// `run` and `trigger`: the keys of `[run]` (events or duration) and the trigger's in `[sources]`.
 fn topology(run: &str, trigger: &str, moderation_us: u64) -> String {
     let mut t = format!(
-        "[run]\n{run}\nio_moderation_us = {moderation_us}\nmax_fragment_size = \"4 KiB\"\n[sources]\ncount = 105\nfragment_size = 380\n{trigger}\n\
+        "[run]\n{run}\nio_moderation_us = {moderation_us}\nmax_fragment_size = \"4 KiB\"\n[sources]\ncount = {SOURCES}\nfragment_size = 380\n{trigger}\n\
          [[builder]]\nid = 0\n[recorder]\nfsync = false\nmax_file_size = \"256 MiB\"\n\
          [monitor]\nenabled = false\n"
     );
-    for ru in 0..5 {
+    let links = SOURCES / READOUT_UNITS;
+    for ru in 0..READOUT_UNITS {
         t += &format!(
             "[[readout]]\nid = {ru}\nsources = \"{}-{}\"\n",
-            21 * ru,
-            21 * ru + 20
+            links * ru,
+            links * (ru + 1) - 1
         );
     }
     t
@@ -85,7 +90,6 @@ fn topology(run: &str, trigger: &str, moderation_us: u64) -> String {
 /// Where the steady part of a point starts (a fraction of its events built) and ends (a fraction
 /// of its fragments sent).
 const STEADY: (f64, f64) = (0.2, 0.95);
-const SOURCES: u64 = 105;
 
 fn point(
     name: &str,
@@ -225,4 +229,26 @@ fn measure(
         low,
         saturated,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The configuration parses only if every source is read by exactly one unit, so this holds
+    /// the unit ranges to `SOURCES` and `READOUT_UNITS`.
+    #[test]
+    fn the_comet_topology_reads_every_source_once_on_five_units() {
+        let t = Topology::parse(
+            &topology(
+                "events = 10",
+                "trigger = \"periodic\"\nrate_hz = 1000",
+                20_000,
+            ),
+            "lowrate",
+        )
+        .unwrap();
+        assert_eq!(u64::from(t.topology.sources.count), SOURCES);
+        assert_eq!(t.topology.readout_units.len() as u64, READOUT_UNITS);
+    }
 }
