@@ -79,3 +79,54 @@ fn two_hundred_links_are_read_by_a_few_pollers_and_every_fragment_is_accounted()
     assert!(report["events_complete"].as_u64().unwrap() > 0, "{text}");
     assert_eq!(report["events_incomplete"], 0, "{text}");
 }
+
+/// Two pollers serve both readout units' links, and a builder keeps only two read chunks per
+/// link (a few super-fragments). A unit's batches of departed events must reach its builder
+/// queues in the order they left its assembler: when two pollers raced there, a later batch
+/// overtook an earlier one, a builder filled one link with events the other unit had not sent
+/// yet while that unit's link held the ones it lacked, and no link could read again. Nothing
+/// timed out (both units alive and held) and the run stood still: four runs of four like this
+/// one before the fix.
+#[test]
+fn builders_with_two_read_chunks_per_link_build_every_event_of_two_polled_units() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("data");
+    let cfg = dir.path().join("t.toml");
+    let mut t = String::from(
+        "[run]\nevents = 20000\nmax_fragment_size = \"16 KiB\"\n\
+         [sources]\ncount = 8\nfragment_size = 16384\ntrigger = \"unlimited\"\nthreads = 2\n\
+         [recorder]\nenabled = false\n[monitor]\nenabled = false\n",
+    );
+    for r in 0..2 {
+        t += &format!("[[readout]]\nid = {r}\nbuffer = \"2 MiB\"\n");
+    }
+    for b in 0..2 {
+        t += &format!("[[builder]]\nid = {b}\nbuffer = \"1 MiB\"\nread_chunk = \"256 KiB\"\n");
+    }
+    std::fs::write(&cfg, t).unwrap();
+    let run = Proc::spawn_piped(
+        Command::new(env!("CARGO_BIN_EXE_tessera"))
+            .env("TESSERA_IO_THREADS", "2")
+            .args([
+                "run",
+                cfg.to_str().unwrap(),
+                "--output",
+                out.to_str().unwrap(),
+                "--json",
+                "--quiet",
+                "--http",
+                "off",
+            ]),
+    );
+    let o = run.finish(LIMIT);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(report["balance"]["holds"], true, "{text}");
+    assert_eq!(report["events_complete"], 20000, "{text}");
+    assert_eq!(report["events_incomplete"], 0, "{text}");
+}

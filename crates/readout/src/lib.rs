@@ -26,10 +26,10 @@ mod serve;
 mod stats;
 
 use crossbeam_channel::Receiver;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -159,7 +159,17 @@ struct Shared {
     /// assembler lock, so a progress message computed under that lock while this is zero
     /// cannot overtake an event that already left the assembler.
     in_dispatch: AtomicUsize,
+    /// The next batch's place in line, handed out under the assembler lock.
+    next_ticket: AtomicU64,
+    /// The batch whose turn it is to enter the builder queues.
+    turn: Mutex<u64>,
+    turn_passed: Condvar,
 }
+
+/// A batch's place in the order batches left the assembler: it enters the builder queues in
+/// that order (see [`Shared::dispatch`]).
+#[must_use]
+struct Ticket(u64);
 
 impl std::ops::Deref for Shared {
     type Target = LinkCtx;
@@ -188,20 +198,40 @@ impl LinkSink for Shared {
 
 impl Shared {
     /// Sends departed events to their builders. Called without the assembler lock held, so a
-    /// full builder queue holds only the caller (its link stops reading: back-pressure).
-    fn dispatch(&self, ready: Vec<Assembled<ChunkSlice>>) {
-        if ready.is_empty() {
+    /// full builder queue holds only the callers (their links stop reading: back-pressure).
+    ///
+    /// Batches enter the queues in the order they left the assembler, which is event-ID order
+    /// for every event complete when it left: each builder then receives a unit's
+    /// super-fragments in the order every other unit sends them (docs/wire-format.md, 2.2).
+    /// Two pollers offering the same unit's links used to race here, and a later batch
+    /// overtook an earlier one. A builder whose link buffer holds only a few super-fragments
+    /// then filled one link with events the other units had not sent yet while their links
+    /// held the ones it lacked: no link could read, no event timed out (every unit alive and
+    /// held), and the run stood still.
+    fn dispatch(&self, ready: Vec<Assembled<ChunkSlice>>, ticket: Option<Ticket>) {
+        let Some(Ticket(t)) = ticket else {
             return;
+        };
+        {
+            let mut turn = self.turn.lock();
+            while *turn != t {
+                self.turn_passed.wait(&mut turn);
+            }
         }
         self.dispatch_batch(ready);
+        *self.turn.lock() += 1;
+        self.turn_passed.notify_all();
         self.in_dispatch.fetch_sub(1, Ordering::AcqRel);
     }
 
-    /// Marks, under the assembler lock, that `ready` is on its way to [`Self::dispatch`].
-    fn leaving(&self, ready: &[Assembled<ChunkSlice>]) {
-        if !ready.is_empty() {
-            self.in_dispatch.fetch_add(1, Ordering::AcqRel);
+    /// Marks, under the assembler lock, that `ready` is on its way to [`Self::dispatch`], and
+    /// gives it its place in line.
+    fn leaving(&self, ready: &[Assembled<ChunkSlice>]) -> Option<Ticket> {
+        if ready.is_empty() {
+            return None;
         }
+        self.in_dispatch.fetch_add(1, Ordering::AcqRel);
+        Some(Ticket(self.next_ticket.fetch_add(1, Ordering::Relaxed)))
     }
 
     fn dispatch_batch(&self, ready: Vec<Assembled<ChunkSlice>>) {
@@ -272,10 +302,11 @@ impl Shared {
             let mut a = self.assembler.lock();
             let r = a.close(slot);
             self.publish_held(&a);
-            self.leaving(&r);
-            r
+            let ticket = self.leaving(&r);
+            (r, ticket)
         };
-        self.dispatch(ready);
+        let (ready, ticket) = ready;
+        self.dispatch(ready, ticket);
     }
 }
 
@@ -364,6 +395,9 @@ impl ReadoutUnit {
             to_builders,
             assignment: cfg.assignment.clone(),
             in_dispatch: AtomicUsize::new(0),
+            next_ticket: AtomicU64::new(0),
+            turn: Mutex::new(0),
+            turn_passed: Condvar::new(),
         });
         let senders = Arc::new(tessera_net::reactor::Tally::default());
         for (b, rail, rails, stream, rx, bell) in builder_links {
@@ -782,6 +816,7 @@ fn offer(sh: &Shared, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
     let mut rejected = Vec::new();
     let mut n = 0u64;
     let mut left = Vec::new();
+    let ticket;
     // At most one event leaves per fragment offered: sized once, not grown by doubling.
     let most = good.len();
     {
@@ -811,7 +846,7 @@ fn offer(sh: &Shared, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
         }
         left.extend(items);
         sh.publish_held(&a);
-        sh.leaving(&ready);
+        ticket = sh.leaving(&ready);
     }
     // Kept in `good` itself (drained, so empty, its capacity kept for the link's next read:
     // replacing it would make every read grow a new vector from nothing).
@@ -823,7 +858,7 @@ fn offer(sh: &Shared, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
         }
         link.reject(why);
     }
-    sh.dispatch(ready);
+    sh.dispatch(ready, ticket);
 }
 
 /// One sweep of the unit's open events (timeouts, silence of links that never connected), run
@@ -831,7 +866,7 @@ fn offer(sh: &Shared, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
 /// `Arc<Shared>`, which with the last readers drops the builder senders: the sending links then
 /// finish their queues and close.
 fn sweep(sh: &Shared) -> bool {
-    let (ready, all_closed) = {
+    let (ready, all_closed, ticket) = {
         let mut a = sh.assembler.lock();
         let now = sh.now_ns();
         // A source that has not connected is listened for and says nothing: silence.
@@ -842,10 +877,10 @@ fn sweep(sh: &Shared) -> bool {
         }
         let r = a.sweep(now);
         sh.publish_held(&a);
-        sh.leaving(&r.0);
-        r
+        let ticket = sh.leaving(&r.0);
+        (r.0, r.1, ticket)
     };
-    sh.dispatch(ready);
+    sh.dispatch(ready, ticket);
     !all_closed
 }
 
