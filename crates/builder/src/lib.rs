@@ -120,7 +120,8 @@ impl BuilderUnit {
     pub fn start(cfg: BuilderConfig) -> std::io::Result<BuilderUnit> {
         let n = cfg.readout_units.len();
         let rails = cfg.listeners.len().max(1);
-        // Every rail's reader holds a chunk of its own.
+        // Every rail has a budget of its own, of at least two read chunks (the configuration
+        // refuses less).
         let per_link = (cfg.buffer / n.max(1) as u64).max(2 * rails as u64 * cfg.read_chunk as u64);
         let stats = Arc::new(BuilderStats::new(
             cfg.id,
@@ -388,7 +389,7 @@ fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener, role: &mut RoleT
                 Err(why) => return refused(&sh, peer, &why),
             };
             let reader = ChunkReader::new(
-                sh.stats.links[slot].budget.clone(),
+                sh.stats.links[slot].budgets[rail].clone(),
                 sh.read_chunk.max(2 * sh.max_message),
             );
             let conn = PolledRail {
@@ -582,7 +583,7 @@ impl PolledRail {
     }
 
     fn count_held(&mut self, now: Instant, still: bool) {
-        let busy = &self.sh.stats.links[self.slot].budget.busy_ns;
+        let busy = &self.sh.stats.links[self.slot].budgets[self.rail].busy_ns;
         self.held.count(busy, now, still);
     }
 

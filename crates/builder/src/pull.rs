@@ -574,7 +574,7 @@ fn fragment_views(e: u64, parts: &[(AnswerHeader, ChunkSlice)]) -> Vec<(u32, &[u
 
 fn read_answers(p: &Pull, slot: usize, mut stream: TcpStream, chunk: usize, max: usize) {
     let link = &p.stats.links[slot];
-    let mut reader = ChunkReader::new(link.budget.clone(), chunk);
+    let mut reader = ChunkReader::new(link.budgets[0].clone(), chunk);
     let mut want = 0usize;
     let mut lost: Option<String> = None;
     loop {

@@ -17,8 +17,43 @@ pub struct RuLinkStats {
     pub fragments: AtomicU64,
     /// Fragments the readout unit declared in its end message (u64::MAX: none yet).
     pub declared_fragments: AtomicU64,
-    pub budget: Arc<Budget>,
+    /// The link's memory, one budget per rail, each an equal share: a rail's reads can never
+    /// take the memory its sibling needs. With one shared budget, one rail filled it with
+    /// events the other readout units had not sent yet while the sibling rail, holding the
+    /// events they had, could not read: every unit alive and held, nothing timed out, and
+    /// the run stood still. Each rail's super-fragments come in event-ID order, so with
+    /// memory of its own a rail always holds the next event the others wait for.
+    pub budgets: Vec<Arc<Budget>>,
     pub error: Mutex<Option<String>>,
+}
+
+impl RuLinkStats {
+    pub fn used(&self) -> u64 {
+        self.budgets.iter().map(|b| b.used()).sum()
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.budgets.iter().map(|b| b.limit()).sum()
+    }
+
+    /// Time the link's rails were held (no memory, or the table of open events full), as the
+    /// mean over its rails: a link whose every rail is held all the time is busy all the time.
+    pub fn busy_ns(&self) -> u64 {
+        let sum: u64 = self
+            .budgets
+            .iter()
+            .map(|b| b.busy_ns.load(std::sync::atomic::Ordering::Relaxed))
+            .sum();
+        sum / self.budgets.len().max(1) as u64
+    }
+
+    /// The most bytes the link held at once (the sum of its rails' peaks).
+    pub fn peak(&self) -> u64 {
+        self.budgets
+            .iter()
+            .map(|b| b.peak.load(std::sync::atomic::Ordering::Relaxed))
+            .sum()
+    }
 }
 
 #[derive(Debug)]
@@ -160,7 +195,10 @@ impl BuilderStats {
     /// Fills every readout-unit link's budget with touched read chunks of `chunk` bytes
     /// (`builder.reserve`); returns the bytes reserved.
     pub fn reserve(&self, chunk: usize) -> u64 {
-        let links = self.links.iter().map(|l| &*l.budget);
+        let links = self
+            .links
+            .iter()
+            .flat_map(|l| l.budgets.iter().map(|b| &**b));
         let bytes = tessera_net::budget::reserve_all(&format!("bu{}", self.id), links, chunk);
         self.reserved_bytes
             .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
@@ -184,7 +222,9 @@ impl BuilderStats {
                     rail_super_fragments: (0..rails.max(1)).map(|_| AtomicU64::new(0)).collect(),
                     fragments: AtomicU64::new(0),
                     declared_fragments: AtomicU64::new(u64::MAX),
-                    budget: Arc::new(Budget::new(per_link)),
+                    budgets: (0..rails.max(1))
+                        .map(|_| Arc::new(Budget::new(per_link / rails.max(1) as u64)))
+                        .collect(),
                     error: Mutex::new(None),
                 })
                 .collect(),
@@ -219,15 +259,12 @@ impl BuilderStats {
     }
 
     pub fn buffer_use(&self) -> (u64, u64) {
-        self.links.iter().fold((0, 0), |(u, l), x| {
-            (u + x.budget.used(), l + x.budget.limit())
-        })
+        self.links
+            .iter()
+            .fold((0, 0), |(u, l), x| (u + x.used(), l + x.limit()))
     }
 
     pub fn busy_ns(&self) -> u64 {
-        self.links
-            .iter()
-            .map(|l| l.budget.busy_ns.load(std::sync::atomic::Ordering::Relaxed))
-            .sum()
+        self.links.iter().map(|l| l.busy_ns()).sum()
     }
 }

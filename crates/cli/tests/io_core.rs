@@ -89,6 +89,22 @@ fn two_hundred_links_are_read_by_a_few_pollers_and_every_fragment_is_accounted()
 /// one before the fix.
 #[test]
 fn builders_with_two_read_chunks_per_link_build_every_event_of_two_polled_units() {
+    tight_builders_build_every_event("buffer = \"1 MiB\"\n");
+}
+
+/// The same with two rails per builder (two connections from each unit, its super-fragments
+/// dealt over them), each rail with two read chunks. The rails of a link shared one budget:
+/// one rail took it all with events the other unit had not sent yet while its sibling, holding
+/// the events that unit had sent, could not read, and the run stood still (three runs of
+/// three before each rail had memory of its own).
+#[test]
+fn builders_with_two_read_chunks_per_rail_build_every_event_of_two_polled_units() {
+    tight_builders_build_every_event("buffer = \"2 MiB\"\nrails = [\"127.0.0.1:0\"]\n");
+}
+
+/// Runs 20 000 events of 16 KiB x 8 over two readout units (2 MiB each) and two builders
+/// (`builder` keys, read chunks of 256 KiB) on two pollers per stage.
+fn tight_builders_build_every_event(builder: &str) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("data");
     let cfg = dir.path().join("t.toml");
@@ -101,7 +117,7 @@ fn builders_with_two_read_chunks_per_link_build_every_event_of_two_polled_units(
         t += &format!("[[readout]]\nid = {r}\nbuffer = \"2 MiB\"\n");
     }
     for b in 0..2 {
-        t += &format!("[[builder]]\nid = {b}\nbuffer = \"1 MiB\"\nread_chunk = \"256 KiB\"\n");
+        t += &format!("[[builder]]\nid = {b}\nread_chunk = \"256 KiB\"\n{builder}");
     }
     std::fs::write(&cfg, t).unwrap();
     let run = Proc::spawn_piped(

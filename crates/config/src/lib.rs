@@ -789,7 +789,8 @@ pub struct BuilderSection {
     /// per address and spreads its super-fragments for this builder over them.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub rails: Vec<String>,
-    /// Memory for super-fragments being assembled, split evenly over its readout-unit links.
+    /// Memory for super-fragments being assembled, split evenly over its readout-unit links
+    /// and each link's share evenly over its rails; every rail needs two read chunks.
     pub buffer: ByteSize,
     /// Size of the blocks a link reads into; raised to hold two maximum-size super-fragments.
     pub read_chunk: ByteSize,
@@ -1933,10 +1934,17 @@ impl Topology {
             }
             bu.read_chunk = ByteSize(bu.read_chunk.0.max(sf_floor as u64));
             let per_link = bu.buffer.0 / n_rus;
-            if per_link < 2 * bu.read_chunk.0 {
+            // Each rail of a link has its own share (crates/builder, `RuLinkStats::budgets`).
+            let rails = 1 + bu.rails.len() as u64;
+            if per_link < 2 * rails * bu.read_chunk.0 {
+                let each = if rails > 1 {
+                    format!(" over {rails} rails; each rail needs")
+                } else {
+                    "; each needs".into()
+                };
                 return Err(err(
                     &format!("builder[{i}].buffer"),
-                    format!("{} over {} readout-unit links leaves {} per link; each needs two read chunks of {}: raise buffer to {} or more", bu.buffer, n_rus, ByteSize(per_link), bu.read_chunk, ByteSize(2 * bu.read_chunk.0 * n_rus)),
+                    format!("{} over {} readout-unit links leaves {} per link{each} two read chunks of {}: raise buffer to {} or more", bu.buffer, n_rus, ByteSize(per_link), bu.read_chunk, ByteSize(2 * rails * bu.read_chunk.0 * n_rus)),
                 ));
             }
         }
@@ -2555,6 +2563,25 @@ mod tests {
             "{:?}",
             at.err()
         );
+    }
+
+    /// Each rail of a builder's link reads into memory of its own, so the buffer must give
+    /// every rail two read chunks: 2 MiB over 2 units is two chunks per link, not per rail.
+    #[test]
+    fn a_builder_buffer_gives_every_rail_two_read_chunks() {
+        let two_units =
+            "[run]\nmax_fragment_size = \"16 KiB\"\n[sources]\ncount = 8\n[[readout]]\nid = 0\nsources = \"0-3\"\n[[readout]]\nid = 1\nsources = \"4-7\"\n";
+        let one_rail = format!(
+            "{two_units}[[builder]]\nid = 0\nbuffer = \"1 MiB\"\nread_chunk = \"256 KiB\"\n"
+        );
+        assert!(parse(&one_rail).is_ok(), "{:?}", parse(&one_rail).err());
+        let two_rails = format!("{one_rail}rails = [\"127.0.0.1:0\"]\n");
+        let e = parse(&two_rails).unwrap_err();
+        assert_eq!(e.key, "builder[0].buffer");
+        assert!(e.reason.contains("each rail needs two read chunks"), "{e}");
+        assert!(e.reason.contains("raise buffer to 2 MiB"), "{e}");
+        let enough = two_rails.replace("\"1 MiB\"", "\"2 MiB\"");
+        assert!(parse(&enough).is_ok(), "{:?}", parse(&enough).err());
     }
 
     #[test]
