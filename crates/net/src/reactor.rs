@@ -352,11 +352,13 @@ impl Reactor {
     /// The process's pollers for one stage of the data path: `TESSERA_IO_THREADS` each, or one
     /// per core.
     ///
-    /// One set per stage, because a stage may block its poller on the next stage (a readout
-    /// unit's full queue to a builder, a builder's full queue to the recorder): that wait must
-    /// never be on a poller the next stage needs, or a readout unit waiting for its builder
-    /// queue would hold the very poller that reads the builder's link. Waits only ever point
-    /// downstream, so pollers per stage cannot wait on themselves.
+    /// One set per stage, because a stage may block its poller on the next stage (a builder's
+    /// full queue to the recorder): that wait must never be on a poller the next stage needs,
+    /// or a builder waiting for its recorder queue would hold the very poller that reads the
+    /// recorder's link. Waits only ever point downstream, so pollers per stage cannot wait on
+    /// themselves. A readout unit's queues to its builders never make a poller wait (bounded by
+    /// its budgets, [`crate::sender::queue_unbounded`]): a builder needs every unit, and a
+    /// poller held by one unit's full queue would stop the others' links it serves.
     pub fn stage(stage: Stage) -> &'static Reactor {
         static R: [OnceLock<Reactor>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
         R[stage as usize].get_or_init(|| {

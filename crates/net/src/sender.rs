@@ -355,6 +355,24 @@ pub fn queue<T>(cap: usize) -> (Queue<T>, Receiver<Vec<T>>, Doorbell) {
     )
 }
 
+/// A queue with no bound of its own, for batches that are slices of budgeted read chunks (a
+/// readout unit's super-fragments): the producer's budgets bound what it holds, so the
+/// producer is held by its budget (its links stop reading) and never waits on the queue. A
+/// poller that waited here would stop every other link it serves, among them links of other
+/// units whose data the consumer's peer needs before it can drain this queue: a cycle.
+pub fn queue_unbounded<T>() -> (Queue<T>, Receiver<Vec<T>>, Doorbell) {
+    let (tx, rx) = crossbeam_channel::unbounded();
+    let bell = Doorbell::default();
+    (
+        Queue {
+            tx: Some(tx),
+            bell: bell.clone(),
+        },
+        rx,
+        bell,
+    )
+}
+
 /// A [`Beat`] a polled sender owns.
 pub struct OwnedBeat<T> {
     pub every: Duration,

@@ -365,8 +365,10 @@ impl ReadoutUnit {
             for (rail, addr) in rails.iter().enumerate() {
                 let s = tessera_net::io::connect_retry(addr, Duration::from_secs(10))?;
                 tessera_net::io::tune(&s, Some(Duration::from_secs(1)))?;
-                // Bounded in batches; the bytes behind them are bounded by the link budgets.
-                let (tx, rx, bell) = tessera_net::sender::queue::<SuperFragment>(256);
+                // Bounded by the link budgets (every super-fragment is slices of their chunks),
+                // not in batches: a poller that waited on a full queue here would stop the other
+                // units' links it serves, which the builder may need before it reads this one.
+                let (tx, rx, bell) = tessera_net::sender::queue_unbounded::<SuperFragment>();
                 txs.push(tx);
                 builder_links.push((b, rail, rails.len(), s, rx, bell));
             }
