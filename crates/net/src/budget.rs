@@ -18,9 +18,9 @@ struct State {
     used: u64,
     pooled: u64,
     pool: Vec<Box<[u8]>>,
-    /// Poller-served readers that found the budget exhausted (several when the links of one
-    /// peer's rails share it): rung when memory comes back, so a held link reads again at once
-    /// instead of at its next timed look.
+    /// Poller-served readers that found the budget exhausted (several if several readers share
+    /// it): rung when memory comes back, so a held link reads again at once instead of at its
+    /// next timed look.
     waiters: Vec<Doorbell>,
 }
 
