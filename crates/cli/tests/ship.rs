@@ -310,6 +310,11 @@ struct StoreHost {
 impl StoreHost {
     /// `None` where namespaces cannot be made (not root); CI is root.
     fn make(t: &Path) -> Option<StoreHost> {
+        // Said at once, not after the whole wait for a server that could never listen.
+        assert!(
+            Path::new("/usr/sbin/sshd").exists(),
+            "this test needs Debian's OpenSSH server (/usr/sbin/sshd; .ci/run installs openssh-server)"
+        );
         let tag = format!("s{}", std::process::id() % 100_000);
         let (ns, a, b) = (format!("{tag}st"), format!("{tag}a"), format!("{tag}b"));
         let net = format!("10.79.{}", std::process::id() % 250 + 1);

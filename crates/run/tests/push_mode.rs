@@ -1209,3 +1209,71 @@ fn rails_are_refused_where_they_cannot_work() {
         assert!(e.contains(key), "{text}: {e}");
     }
 }
+
+/// A readout unit's queues to its builders never hold a poller. One poller serves both units;
+/// unit 1 reads one external source that stops for 2 s after event 999 (a front end that
+/// pauses), while unit 0's sources go on at 5 kHz. Unit 0 runs ahead: its events from 1000 on
+/// wait at the builders for unit 1, fill the builders' links and the sockets, and then queue at
+/// unit 0, one or two events per read (links read as soon as a fragment comes). While those
+/// queues were bounded (256 batches), the poller then waited on unit 0's full queue and never
+/// read unit 1 again: its source resumed into a socket nobody read, and the run stood still.
+/// It still stood after 280 s, past every event timeout, since a link nobody reads is never
+/// proven silent. Unit 0's budget holds what it queues instead; this run takes 4 s.
+#[test]
+fn a_pausing_source_on_one_unit_does_not_stop_the_poller_that_reads_it() {
+    // One poller per stage (the reactors are made on first use, in this test's own process).
+    std::env::set_var("TESSERA_IO_THREADS", "1");
+    const EVENTS: u64 = 20_000;
+    let dir = tempfile::tempdir().unwrap();
+    let t = topology(&format!(
+        r#"
+[run]
+events = {EVENTS}
+io_moderation_us = 0
+max_fragment_size = "1 KiB"
+[sources]
+count = 4
+external = [77]
+fragment_size = 256
+trigger = "periodic"
+rate_hz = 5000
+trigger_types = 1
+[[readout]]
+id = 0
+sources = "0-3"
+event_timeout_ms = 60000
+[[readout]]
+id = 1
+sources = [77]
+event_timeout_ms = 60000
+[[builder]]
+id = 0
+buffer = "512 KiB"
+read_chunk = "128 KiB"
+event_timeout_ms = 120000
+[[builder]]
+id = 1
+buffer = "512 KiB"
+read_chunk = "128 KiB"
+event_timeout_ms = 120000
+"#
+    ));
+    let rep = run_with_external(&t, dir.path(), 77, |addr| {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        let mut send = |b: &[u8]| std::io::Write::write_all(&mut s, b).unwrap();
+        send(&spec_source::hello(77));
+        for ev in 0..EVENTS {
+            if ev == 1000 {
+                std::thread::sleep(std::time::Duration::from_secs(2));
+            }
+            send(&spec_source::fragment(77, ev, 1, &[ev as u8; 100]));
+        }
+        send(&spec_source::end(77, EVENTS));
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let _ = std::io::Read::read(&mut s, &mut [0u8; 8]);
+    });
+    assert!(rep.ok(), "{}", rep.summary());
+    assert_eq!(rep.events_complete, EVENTS, "{}", rep.summary());
+    assert_eq!(rep.events_incomplete, 0, "{}", rep.summary());
+    assert!(rep.balance.holds, "{}", rep.summary());
+}
