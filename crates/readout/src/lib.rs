@@ -167,9 +167,31 @@ struct Shared {
 }
 
 /// A batch's place in the order batches left the assembler: it enters the builder queues in
-/// that order (see [`Shared::dispatch`]).
+/// that order (see [`Shared::dispatch`]). Dropped, it lets the next batch go, also when its own
+/// never went (a panic on the way), so that one failure cannot hold every later batch.
 #[must_use]
-struct Ticket(u64);
+struct Ticket<'a> {
+    n: u64,
+    sh: &'a Shared,
+}
+
+impl Ticket<'_> {
+    fn wait_turn(&self) {
+        let mut turn = self.sh.turn.lock();
+        while *turn != self.n {
+            self.sh.turn_passed.wait(&mut turn);
+        }
+    }
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        self.wait_turn();
+        *self.sh.turn.lock() += 1;
+        self.sh.turn_passed.notify_all();
+        self.sh.in_dispatch.fetch_sub(1, Ordering::AcqRel);
+    }
+}
 
 impl std::ops::Deref for Shared {
     type Target = LinkCtx;
@@ -197,8 +219,9 @@ impl LinkSink for Shared {
 }
 
 impl Shared {
-    /// Sends departed events to their builders. Called without the assembler lock held, so a
-    /// full builder queue holds only the callers (their links stop reading: back-pressure).
+    /// Sends departed events to their builders. Called without the assembler lock held; it
+    /// never waits on a builder queue (they are bounded by the unit's budgets), only for the
+    /// batch before its own.
     ///
     /// Batches enter the queues in the order they left the assembler, which is event-ID order
     /// for every event complete when it left: each builder then receives a unit's
@@ -208,30 +231,27 @@ impl Shared {
     /// then filled one link with events the other units had not sent yet while their links
     /// held the ones it lacked: no link could read, no event timed out (every unit alive and
     /// held), and the run stood still.
-    fn dispatch(&self, ready: Vec<Assembled<ChunkSlice>>, ticket: Option<Ticket>) {
-        let Some(Ticket(t)) = ticket else {
+    fn dispatch(&self, ready: Vec<Assembled<ChunkSlice>>, ticket: Option<Ticket<'_>>) {
+        let Some(ticket) = ticket else {
             return;
         };
-        {
-            let mut turn = self.turn.lock();
-            while *turn != t {
-                self.turn_passed.wait(&mut turn);
-            }
-        }
+        ticket.wait_turn();
         self.dispatch_batch(ready);
-        *self.turn.lock() += 1;
-        self.turn_passed.notify_all();
-        self.in_dispatch.fetch_sub(1, Ordering::AcqRel);
+        // The ticket's drop lets the next batch go.
+        drop(ticket);
     }
 
     /// Marks, under the assembler lock, that `ready` is on its way to [`Self::dispatch`], and
     /// gives it its place in line.
-    fn leaving(&self, ready: &[Assembled<ChunkSlice>]) -> Option<Ticket> {
+    fn leaving(&self, ready: &[Assembled<ChunkSlice>]) -> Option<Ticket<'_>> {
         if ready.is_empty() {
             return None;
         }
         self.in_dispatch.fetch_add(1, Ordering::AcqRel);
-        Some(Ticket(self.next_ticket.fetch_add(1, Ordering::Relaxed)))
+        Some(Ticket {
+            n: self.next_ticket.fetch_add(1, Ordering::Relaxed),
+            sh: self,
+        })
     }
 
     fn dispatch_batch(&self, ready: Vec<Assembled<ChunkSlice>>) {
