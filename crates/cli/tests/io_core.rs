@@ -37,22 +37,7 @@ fn two_hundred_links_are_read_by_a_few_pollers_and_every_fragment_is_accounted()
         t += &format!("[[builder]]\nid = {b}\n");
     }
     std::fs::write(&cfg, t).unwrap();
-    let run = Proc::spawn_piped(
-        Command::new(env!("CARGO_BIN_EXE_tessera"))
-            .env("TESSERA_IO_THREADS", "2")
-            .args([
-                "run",
-                cfg.to_str().unwrap(),
-                "--duration",
-                "600",
-                "--output",
-                out.to_str().unwrap(),
-                "--json",
-                "--quiet",
-                "--http",
-                "off",
-            ]),
-    );
+    let run = run_on_two_pollers(&cfg, &out, &["--duration", "600"]);
     assert!(
         eventually(Duration::from_secs(60), || has_part(&out)),
         "no data reached the recorder"
@@ -60,13 +45,7 @@ fn two_hundred_links_are_read_by_a_few_pollers_and_every_fragment_is_accounted()
     let threads = threads_of(run.id());
     eprintln!("threads while running: {threads}");
     run.signal("TERM");
-    let o = run.finish(LIMIT);
-    let text = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        o.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let (report, text) = report_of(run);
     // Per readout unit: accept, sweep, one sender per builder; per builder: accept, sweep,
     // recorder link; the recorder's pipeline; 2 x 2 pollers; source drivers; run control:
     // about a hundred (105 when this was written). A thread per source link alone would be 200.
@@ -74,7 +53,6 @@ fn two_hundred_links_are_read_by_a_few_pollers_and_every_fragment_is_accounted()
         threads < 200,
         "{threads} threads for 200 source links: links have threads of their own"
     );
-    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(report["balance"]["holds"], true, "{text}");
     assert!(report["events_complete"].as_u64().unwrap() > 0, "{text}");
     assert_eq!(report["events_incomplete"], 0, "{text}");
@@ -120,29 +98,35 @@ fn tight_builders_build_every_event(builder: &str) {
         t += &format!("[[builder]]\nid = {b}\nread_chunk = \"256 KiB\"\n{builder}");
     }
     std::fs::write(&cfg, t).unwrap();
-    let run = Proc::spawn_piped(
+    let (report, text) = report_of(run_on_two_pollers(&cfg, &out, &[]));
+    assert_eq!(report["balance"]["holds"], true, "{text}");
+    assert_eq!(report["events_complete"], 20000, "{text}");
+    assert_eq!(report["events_incomplete"], 0, "{text}");
+}
+
+/// `tessera run CONFIG --output OUT --json --quiet --http off ARGS` with two pollers per stage.
+fn run_on_two_pollers(cfg: &std::path::Path, out: &std::path::Path, args: &[&str]) -> Proc {
+    Proc::spawn_piped(
         Command::new(env!("CARGO_BIN_EXE_tessera"))
             .env("TESSERA_IO_THREADS", "2")
-            .args([
-                "run",
-                cfg.to_str().unwrap(),
-                "--output",
-                out.to_str().unwrap(),
-                "--json",
-                "--quiet",
-                "--http",
-                "off",
-            ]),
-    );
+            .arg("run")
+            .arg(cfg)
+            .arg("--output")
+            .arg(out)
+            .args(["--json", "--quiet", "--http", "off"])
+            .args(args),
+    )
+}
+
+/// The run's JSON report once it has exited successfully, and its text for messages.
+fn report_of(run: Proc) -> (serde_json::Value, String) {
     let o = run.finish(LIMIT);
-    let text = String::from_utf8_lossy(&o.stdout);
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(
         o.status.success(),
         "{text}{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(report["balance"]["holds"], true, "{text}");
-    assert_eq!(report["events_complete"], 20000, "{text}");
-    assert_eq!(report["events_incomplete"], 0, "{text}");
+    let report = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {text}"));
+    (report, text)
 }

@@ -343,16 +343,7 @@ impl<T> Drop for Queue<T> {
 
 /// A queue of `cap` batches and its receiving end with the bell it rings.
 pub fn queue<T>(cap: usize) -> (Queue<T>, Receiver<Vec<T>>, Doorbell) {
-    let (tx, rx) = crossbeam_channel::bounded(cap);
-    let bell = Doorbell::default();
-    (
-        Queue {
-            tx: Some(tx),
-            bell: bell.clone(),
-        },
-        rx,
-        bell,
-    )
+    with_bell(crossbeam_channel::bounded(cap))
 }
 
 /// A queue with no bound of its own, for batches that are slices of budgeted read chunks (a
@@ -361,7 +352,12 @@ pub fn queue<T>(cap: usize) -> (Queue<T>, Receiver<Vec<T>>, Doorbell) {
 /// poller that waited here would stop every other link it serves, among them links of other
 /// units whose data the consumer's peer needs before it can drain this queue: a cycle.
 pub fn queue_unbounded<T>() -> (Queue<T>, Receiver<Vec<T>>, Doorbell) {
-    let (tx, rx) = crossbeam_channel::unbounded();
+    with_bell(crossbeam_channel::unbounded())
+}
+
+fn with_bell<T>(
+    (tx, rx): (crossbeam_channel::Sender<Vec<T>>, Receiver<Vec<T>>),
+) -> (Queue<T>, Receiver<Vec<T>>, Doorbell) {
     let bell = Doorbell::default();
     (
         Queue {
