@@ -892,9 +892,11 @@ pub struct EventManagerSection {
     pub host: Option<String>,
     /// Address readout units and builders connect to.
     pub listen: String,
-    /// Event IDs per clear message sent to the readout units.
+    /// Event IDs per clear message sent to the readout units. A group goes before it is full
+    /// after `clear_delay_ms`, or at once when no other event is in flight.
     pub clear_group: u32,
-    /// Longest a finished event waits for its clear group to fill, in ms.
+    /// Longest a finished event waits for its clear group to fill while other events are in
+    /// flight, in ms.
     pub clear_delay_ms: u64,
     /// How often builders send heartbeats, in ms.
     pub heartbeat_ms: u64,
