@@ -46,14 +46,6 @@ impl RuLinkStats {
             .sum();
         sum / self.budgets.len().max(1) as u64
     }
-
-    /// The most bytes the link held at once (the sum of its rails' peaks).
-    pub fn peak(&self) -> u64 {
-        self.budgets
-            .iter()
-            .map(|b| b.peak.load(std::sync::atomic::Ordering::Relaxed))
-            .sum()
-    }
 }
 
 #[derive(Debug)]
