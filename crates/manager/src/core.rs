@@ -7,7 +7,7 @@
 //! every readout unit has connected, or `heartbeat_timeout` has passed. Otherwise a manager
 //! taking a run over could give an event to one builder before hearing that another holds it.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use tessera_assembly::RecentSet;
 
@@ -89,7 +89,11 @@ pub struct Core {
     builders: Vec<Builder>,
     next_builder: usize,
     events: HashMap<u64, InFlight>,
-    unassigned: VecDeque<u64>,
+    /// Announced and not yet given to a builder, assigned lowest event ID first: each builder
+    /// then asks for its events in ascending order, which the readout units' answer order and
+    /// the builders' small read buffers rely on (request-protocol §4.3). Announcements come in
+    /// that order from each unit already; a rebuild (older) goes before them.
+    unassigned: BTreeSet<u64>,
     done: RecentSet,
     clears: Vec<u64>,
     oldest_clear_ns: u64,
@@ -119,7 +123,7 @@ impl Core {
             builders: Vec::new(),
             next_builder: 0,
             events: HashMap::new(),
-            unassigned: VecDeque::new(),
+            unassigned: BTreeSet::new(),
             done: RecentSet::new(s.done_memory),
             clears: Vec::new(),
             oldest_clear_ns: 0,
@@ -328,7 +332,7 @@ impl Core {
                     rebuild: false,
                 },
             );
-            self.unassigned.push_back(e);
+            self.unassigned.insert(e);
         }
         self.assign(out);
     }
@@ -365,7 +369,7 @@ impl Core {
             } else {
                 // Finished by a builder declared dead while it was queued for another: drop it
                 // from the queue.
-                self.unassigned.retain(|&x| x != e);
+                self.unassigned.remove(&e);
             }
             match outcome {
                 Outcome::Recorded => self.counts.recorded += 1,
@@ -377,7 +381,7 @@ impl Core {
     }
 
     /// The builder's connection is gone (or it missed its heartbeats): its unfinished events go
-    /// back to the front of the queue, flagged for rebuilding.
+    /// back to the queue, flagged for rebuilding (older than what waits there, they go first).
     pub fn builder_lost(&mut self, slot: usize, out: &mut Vec<Out>) {
         let b = &mut self.builders[slot];
         if !b.alive {
@@ -386,13 +390,12 @@ impl Core {
         b.alive = false;
         b.credits = 0;
         self.counts.dead_builders += 1;
-        let mut held: Vec<u64> = b.holding.drain().collect();
-        held.sort_unstable();
-        for e in held.into_iter().rev() {
+        let held: Vec<u64> = b.holding.drain().collect();
+        for e in held {
             if let Some(f) = self.events.get_mut(&e) {
                 f.builder = None;
                 f.rebuild = true;
-                self.unassigned.push_front(e);
+                self.unassigned.insert(e);
                 self.counts.reassigned += 1;
             }
         }
@@ -453,7 +456,7 @@ impl Core {
                 break;
             };
             self.next_builder = (slot + 1) % n;
-            let e = self.unassigned.pop_front().expect("not empty");
+            let e = self.unassigned.pop_first().expect("not empty");
             let f = self
                 .events
                 .get_mut(&e)
@@ -537,6 +540,29 @@ mod tests {
     }
 
     /// A group waits to fill while other events are in flight, and goes as soon as none is.
+    /// Builders ask for their events in the order given, and readout units answer each builder
+    /// in ascending order (request-protocol §4.3): the lowest event waiting goes first, whatever
+    /// order the announcements came in, and a dead builder's events (older) before the rest.
+    #[test]
+    fn the_lowest_event_waiting_is_assigned_first() {
+        let mut c = Core::new(settings(), &[], &[], 0);
+        let mut out = Vec::new();
+        let a = c.builder_joined(10, 0);
+        let b = c.builder_joined(11, 0);
+        c.announce(&[7, 8], 0, &mut out);
+        c.announce(&[5, 6], 0, &mut out);
+        c.credit(a, 3, 0, &mut out);
+        assert_eq!(assigns(&out), vec![(a, 5, 0), (a, 6, 0), (a, 7, 0)]);
+        out.clear();
+        c.builder_lost(a, &mut out);
+        c.credit(b, 4, 0, &mut out);
+        let r = ASSIGN_REBUILD;
+        assert_eq!(
+            assigns(&out),
+            vec![(b, 5, r), (b, 6, r), (b, 7, r), (b, 8, 0)]
+        );
+    }
+
     #[test]
     fn a_clear_group_goes_when_full_or_when_nothing_else_is_in_flight() {
         let mut c = Core::new(settings(), &[], &[], 0);

@@ -15,8 +15,10 @@
 //!
 //! Threads: an accept thread; per connection a reader and a writer (a bounded queue); a ticker
 //! for heartbeat timeouts, clear groups and the end of the run. The decisions live in
-//! [`core::Core`], a pure state machine under one lock; messages go out after the lock is
-//! released, so a slow peer holds only the thread that writes to it.
+//! [`core::Core`], a pure state machine under one lock. Assignments are queued before the lock
+//! is released (never blocking: credit bounds them), so each builder gets its events in the
+//! order the core gave them; clears and BUSY go out after, so a slow readout unit holds only the
+//! thread that writes to it.
 
 pub mod core;
 
@@ -176,60 +178,91 @@ impl Shared {
         }
     }
 
-    /// Sends what the core decided. Never called with the core locked.
-    fn dispatch(&self, mut outs: Vec<Out>) {
+    /// Runs `decide` on the core, queues its assignments before the core is unlocked, then
+    /// sends the rest. Queued after the unlock, as they once were, two threads' assignments
+    /// reached a builder in either order, and builders must ask for their events in ascending
+    /// order (request-protocol §4.3): with small read buffers, a builder stood still until its
+    /// event timeout and built the events incomplete.
+    fn decide<T>(&self, decide: impl FnOnce(&mut core::Core, &mut Vec<Out>) -> T) -> T {
+        let mut outs = Vec::new();
+        let (r, rest) = {
+            let mut c = self.core.lock();
+            let r = decide(&mut c, &mut outs);
+            (r, self.queue_assignments(&mut c, outs))
+        };
+        self.dispatch(rest);
+        r
+    }
+
+    /// Queues the assignments among `outs` (never blocking: they are bounded by the builders'
+    /// credit) and returns the other outputs.
+    fn queue_assignments(&self, c: &mut core::Core, mut outs: Vec<Out>) -> Vec<Out> {
+        let mut rest = Vec::new();
         while !outs.is_empty() {
             let mut more = Vec::new();
             for o in outs {
-                match o {
-                    Out::Assign(slot, events) => {
-                        let tx = self.builders.lock()[slot].tx.clone();
-                        let sent = match tx {
-                            // Assignments are bounded by the builder's credit; a builder whose
-                            // queue is full anyway is not reading: it is declared dead.
-                            Some(tx) => match tx.try_send(Message::Assign { events }) {
-                                Ok(()) => true,
-                                Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
-                                    false
-                                }
-                            },
-                            None => false,
-                        };
-                        if !sent {
-                            self.core.lock().builder_lost(slot, &mut more);
-                        }
-                    }
-                    Out::Clear(ids) => {
-                        let txs: Vec<Sender<Message>> =
-                            self.ru_tx.lock().iter().map(|t| t.1.clone()).collect();
-                        for tx in txs {
-                            // Blocking: a readout unit slow to take clears holds the builder
-                            // reports behind it, so credit stops and the manager throttles.
-                            let _ = tx.send(Message::Clear {
-                                event_ids: ids.clone(),
-                            });
-                        }
-                    }
-                    Out::Throttle(busy) => {
-                        let txs: Vec<Sender<Message>> =
-                            self.ru_tx.lock().iter().map(|t| t.1.clone()).collect();
-                        for tx in txs {
-                            let _ = tx.send(Message::Throttle { busy });
-                        }
-                    }
-                    Out::Drop(slot) => {
-                        let mut b = self.builders.lock();
-                        b[slot].tx = None;
-                        b[slot].dropped.store(true, Ordering::Relaxed);
-                        let id = self.core.lock().builder_id(slot);
-                        drop(b);
-                        self.error(format!(
-                            "builder {id} declared dead; its unfinished events go to the others"
-                        ));
-                    }
+                let Out::Assign(slot, events) = o else {
+                    rest.push(o);
+                    continue;
+                };
+                let tx = self.builders.lock()[slot].tx.clone();
+                let sent = match tx {
+                    // A builder whose queue is full anyway is not reading: it is declared dead.
+                    Some(tx) => match tx.try_send(Message::Assign { events }) {
+                        Ok(()) => true,
+                        Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => false,
+                    },
+                    None => false,
+                };
+                if !sent {
+                    c.builder_lost(slot, &mut more);
                 }
             }
             outs = more;
+        }
+        rest
+    }
+
+    /// Sends what the core decided, its assignments already queued ([`Shared::decide`]). Never
+    /// called with the core locked.
+    fn dispatch(&self, outs: Vec<Out>) {
+        let mut outs = std::collections::VecDeque::from(outs);
+        while let Some(o) = outs.pop_front() {
+            match o {
+                // Not made by `decide`'s callers; queued here all the same rather than lost.
+                Out::Assign(..) => {
+                    let rest = self.queue_assignments(&mut self.core.lock(), vec![o]);
+                    outs.extend(rest);
+                }
+                Out::Clear(ids) => {
+                    let txs: Vec<Sender<Message>> =
+                        self.ru_tx.lock().iter().map(|t| t.1.clone()).collect();
+                    for tx in txs {
+                        // Blocking: a readout unit slow to take clears holds the builder
+                        // reports behind it, so credit stops and the manager throttles.
+                        let _ = tx.send(Message::Clear {
+                            event_ids: ids.clone(),
+                        });
+                    }
+                }
+                Out::Throttle(busy) => {
+                    let txs: Vec<Sender<Message>> =
+                        self.ru_tx.lock().iter().map(|t| t.1.clone()).collect();
+                    for tx in txs {
+                        let _ = tx.send(Message::Throttle { busy });
+                    }
+                }
+                Out::Drop(slot) => {
+                    let id = self.core.lock().builder_id(slot);
+                    let mut b = self.builders.lock();
+                    b[slot].tx = None;
+                    b[slot].dropped.store(true, Ordering::Relaxed);
+                    drop(b);
+                    self.error(format!(
+                        "builder {id} declared dead; its unfinished events go to the others"
+                    ));
+                }
+            }
         }
     }
 }
@@ -320,19 +353,16 @@ fn readout_unit(sh: &Arc<Shared>, stream: TcpStream, id: u32) -> Vec<std::thread
         // A unit connecting again (it lost this manager's connection, or this manager takes
         // the run over) replaces its old queue, announces again what it holds, and says its
         // end again if its links had ended.
-        let mut outs = Vec::new();
-        let mut c = sh.core.lock();
-        let mut t = sh.ru_tx.lock();
-        t.retain(|x| x.0 != id);
-        if c.busy() {
-            let _ = tx.try_send(Message::Throttle { busy: true });
-        }
-        t.push((id, tx));
-        sh.ended.lock().remove(&id);
-        c.readout_unit_joined(id, sh.now_ns(), &mut outs);
-        drop(t);
-        drop(c);
-        sh.dispatch(outs);
+        sh.decide(|c, outs| {
+            let mut t = sh.ru_tx.lock();
+            t.retain(|x| x.0 != id);
+            if c.busy() {
+                let _ = tx.try_send(Message::Throttle { busy: true });
+            }
+            t.push((id, tx));
+            sh.ended.lock().remove(&id);
+            c.readout_unit_joined(id, sh.now_ns(), outs);
+        });
     }
     let sh2 = sh.clone();
     let writer = spawn(format!("em-to-ru{id}"), move || {
@@ -348,11 +378,7 @@ fn readout_unit(sh: &Arc<Shared>, stream: TcpStream, id: u32) -> Vec<std::thread
         loop {
             match r.next(&mut stream, &sh3.abort) {
                 Ok(Message::Announce { event_ids }) => {
-                    let mut outs = Vec::new();
-                    sh3.core
-                        .lock()
-                        .announce(&event_ids, sh3.now_ns(), &mut outs);
-                    sh3.dispatch(outs);
+                    sh3.decide(|c, outs| c.announce(&event_ids, sh3.now_ns(), outs))
                 }
                 Ok(Message::End { .. }) => {
                     said_end = true;
@@ -394,8 +420,8 @@ fn builder(
     let (tx, rx) = bounded::<Message>(1024);
     let dropped = Arc::new(AtomicBool::new(false));
     let slot = {
-        let mut b = sh.builders.lock();
         let mut c = sh.core.lock();
+        let mut b = sh.builders.lock();
         if c.builder_alive(id) {
             return None;
         }
@@ -428,20 +454,15 @@ fn builder(
             if dropped.load(Ordering::Relaxed) {
                 break;
             }
-            let mut outs = Vec::new();
             match r.next(&mut stream, &dropped) {
                 Ok(Message::Credit { credits }) => {
-                    sh2.core
-                        .lock()
-                        .credit(slot, credits, sh2.now_ns(), &mut outs)
+                    sh2.decide(|c, outs| c.credit(slot, credits, sh2.now_ns(), outs))
                 }
                 Ok(Message::Done { events }) => {
-                    sh2.core.lock().done(slot, &events, sh2.now_ns(), &mut outs)
+                    sh2.decide(|c, outs| c.done(slot, &events, sh2.now_ns(), outs))
                 }
                 Ok(Message::Rejoin { held, done }) => {
-                    sh2.core
-                        .lock()
-                        .rejoin(slot, &held, &done, sh2.now_ns(), &mut outs)
+                    sh2.decide(|c, outs| c.rejoin(slot, &held, &done, sh2.now_ns(), outs))
                 }
                 Ok(Message::Heartbeat { .. }) => sh2.core.lock().heartbeat(slot, sh2.now_ns()),
                 Ok(Message::End { .. }) => {
@@ -458,12 +479,9 @@ fn builder(
                     break;
                 }
             }
-            sh2.dispatch(outs);
         }
         if !clean || !sh2.finished.load(Ordering::Relaxed) {
-            let mut outs = Vec::new();
-            sh2.core.lock().builder_lost(slot, &mut outs);
-            sh2.dispatch(outs);
+            sh2.decide(|c, outs| c.builder_lost(slot, outs));
         }
         let _ = stream.shutdown(std::net::Shutdown::Both);
     });
@@ -473,20 +491,17 @@ fn builder(
 fn tick(sh: &Arc<Shared>) {
     loop {
         std::thread::sleep(Duration::from_millis(5));
-        let mut outs = Vec::new();
         let now = sh.now_ns();
-        let done = {
-            let mut c = sh.core.lock();
-            c.tick(now, &mut outs);
+        let done = sh.decide(|c, outs| {
+            c.tick(now, outs);
             let all_ended = sh.ended.lock().len() >= sh.readout_units.len();
             if all_ended && c.in_flight() == 0 && !c.gathering() {
-                c.flush_clears(&mut outs);
+                c.flush_clears(outs);
                 true
             } else {
                 false
             }
-        };
-        sh.dispatch(outs);
+        });
         if done || sh.abort.load(Ordering::Relaxed) {
             break;
         }

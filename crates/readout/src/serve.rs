@@ -393,21 +393,26 @@ impl Unit {
             return;
         }
         let rs = &self.stats.requests;
-        let fresh: Vec<u64> = {
+        {
+            // Queued under the lock that picks them: two links' threads announcing at once
+            // could otherwise queue a later event before an earlier one, and the event manager
+            // assigns in the order announced (request-protocol §4.3).
             let mut a = self.announced.lock();
-            stored.iter().copied().filter(|&e| a.insert(e)).collect()
-        };
-        if !fresh.is_empty() {
-            rs.announced
-                .fetch_add(fresh.len() as u64, Ordering::Relaxed);
-            self.to_manager(Message::Announce { event_ids: fresh });
+            let fresh: Vec<u64> = stored.iter().copied().filter(|&e| a.insert(e)).collect();
+            if !fresh.is_empty() {
+                rs.announced
+                    .fetch_add(fresh.len() as u64, Ordering::Relaxed);
+                self.to_manager(Message::Announce { event_ids: fresh });
+            }
         }
-        let answers: Vec<Answer> = {
+        {
+            // Routed under the table's lock, for the same reason: the table releases each
+            // builder's answers in event-ID order, and that order must reach the wire.
             let mut t = self.requests.lock();
-            stored.iter().flat_map(|&e| t.arrived(e, slot)).collect()
-        };
+            let answers: Vec<Answer> = stored.iter().flat_map(|&e| t.arrived(e, slot)).collect();
+            self.route(answers);
+        }
         stored.clear();
-        self.route(answers);
     }
 
     fn publish_pages(&self) {
@@ -665,16 +670,14 @@ fn take_requests(u: &Arc<Unit>, builder: u32, mut stream: TcpStream) {
         };
         let mut req = Some(req);
         while let Some(q) = req.take() {
-            let s = {
-                let mut t = u.requests.lock();
-                t.submit(q, u.now_ns(), |l| u.has(l, event_id))
-            };
-            match s {
-                Submit::Ready(a) => u.route(vec![a]),
-                Submit::Pending => {}
+            let mut t = u.requests.lock();
+            match t.submit(q, u.now_ns(), |l| u.has(l, event_id)) {
+                // Routed under the lock, so answers reach the queue in the table's order.
+                Submit::Taken(answers) => u.route(answers),
                 // The shares add up to the pool, so this waits only in a race with answers
                 // being freed.
                 Submit::NoDescriptor(q) => {
+                    drop(t);
                     std::thread::sleep(Duration::from_millis(1));
                     req = Some(q);
                 }
@@ -811,8 +814,11 @@ fn sweep(u: &Arc<Unit>) {
     let mut end_sent = false;
     loop {
         std::thread::sleep(Duration::from_millis(2));
-        let answers = u.requests.lock().expire(u.now_ns());
-        u.route(answers);
+        {
+            let mut t = u.requests.lock();
+            let answers = t.expire(u.now_ns());
+            u.route(answers);
+        }
         // The page gauge is refreshed here and on clears, not on every read: it takes every
         // link's lock.
         u.publish_pages();
@@ -834,8 +840,11 @@ fn sweep(u: &Arc<Unit>) {
     }
     // The event manager has ended the run (or is gone): no clear will come. Pending requests
     // are answered now with what there is, so no builder waits for them.
-    let rest = u.requests.lock().expire(u64::MAX);
-    u.route(rest);
+    {
+        let mut t = u.requests.lock();
+        let rest = t.expire(u64::MAX);
+        u.route(rest);
+    }
     for l in &u.stats.links {
         if l.state() == LinkState::Waiting {
             l.set_state(LinkState::NeverConnected);
