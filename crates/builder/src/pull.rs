@@ -30,6 +30,7 @@ use tessera_format::request::{
 };
 use tessera_format::wire::FragmentHeader;
 use tessera_net::control::{open, write_loop, MessageReader, ReadEnd};
+use tessera_net::line::{Line, Ticket};
 use tessera_net::reader::Fill;
 use tessera_net::role::RoleThreads;
 use tessera_net::{ChunkReader, ChunkSlice};
@@ -105,6 +106,10 @@ struct Pull {
     /// asked of it and no event waits for it: its sources are named missing at once. Changed
     /// and read under the `events` lock, so that no event is left waiting on a lost unit.
     lost: Vec<AtomicBool>,
+    /// Places in line of the events whose RoI step completed, taken under `events`: the rest of
+    /// accepted events is requested in that order (request-protocol §4.3), whichever answer
+    /// reader completed them.
+    roi_done: Line,
 }
 
 impl BuilderUnit {
@@ -191,6 +196,7 @@ impl BuilderUnit {
             abort: role.abort.clone(),
             ended: AtomicBool::new(false),
             lost: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            roi_done: Line::default(),
         });
         for (i, (mut s, rx)) in request_queues.into_iter().enumerate() {
             let p = pull.clone();
@@ -316,7 +322,7 @@ impl Pull {
         }
         self.send_requests(sends);
         for (e, b) in unasked {
-            self.step_done(e, b);
+            self.step_done(e, b, None);
         }
     }
 
@@ -329,7 +335,7 @@ impl Pull {
         if self.ended.load(Ordering::Relaxed) || self.abort.load(Ordering::Relaxed) {
             return;
         }
-        let ready: Vec<(u64, Building)> = {
+        let ready: Vec<(u64, Building, Option<Ticket>)> = {
             let mut map = self.events.lock();
             if self.lost[slot].swap(true, Ordering::AcqRel) {
                 return;
@@ -339,19 +345,24 @@ impl Pull {
                 readout_unit = self.rus[slot].0,
                 "readout unit lost: its sources are missing from every event from now on"
             );
-            let ids: Vec<u64> = map
+            let mut ids: Vec<u64> = map
                 .iter_mut()
                 .filter_map(|(e, b)| {
                     b.pending.retain(|&s| s != slot);
                     b.pending.is_empty().then_some(*e)
                 })
                 .collect();
+            ids.sort_unstable();
             ids.into_iter()
                 .filter_map(|e| map.remove(&e).map(|b| (e, b)))
+                .map(|(e, b)| {
+                    let place = (b.step == STEP_ROI).then(|| self.roi_done.ticket());
+                    (e, b, place)
+                })
                 .collect()
         };
-        for (e, b) in ready {
-            self.step_done(e, b);
+        for (e, b, place) in ready {
+            self.step_done(e, b, place);
         }
     }
 
@@ -392,6 +403,15 @@ impl Pull {
 
     fn answered(&self, slot: usize, h: AnswerHeader, body: ChunkSlice) {
         let e = h.event_id;
+        // An RoI answer is copied out of the link's read chunk: kept there until the rest of
+        // its event arrived, it would hold the chunk while later events' RoI answers fill the
+        // link ahead of that rest, and a link of a few chunks could then never read it. The
+        // copies are bounded by the credits times the RoI's size.
+        let body = if h.tag == STEP_ROI {
+            ChunkSlice::copy_from(&body)
+        } else {
+            body
+        };
         let step_done = {
             let mut map = self.events.lock();
             match map.get_mut(&e) {
@@ -399,7 +419,10 @@ impl Pull {
                     b.pending.retain(|&s| s != slot);
                     b.parts.push((h, body));
                     if b.pending.is_empty() {
-                        map.remove(&e)
+                        map.remove(&e).map(|b| {
+                            let place = (b.step == STEP_ROI).then(|| self.roi_done.ticket());
+                            (b, place)
+                        })
                     } else {
                         None
                     }
@@ -413,16 +436,19 @@ impl Pull {
                 }
             }
         };
-        if let Some(b) = step_done {
-            self.step_done(e, b);
+        if let Some((b, place)) = step_done {
+            self.step_done(e, b, place);
         }
     }
 
-    fn step_done(&self, e: u64, mut b: Building) {
+    /// A step of event `e` has all its answers. `place`: its place among RoI steps completed,
+    /// in which order the rest of accepted events is requested.
+    fn step_done(&self, e: u64, mut b: Building, place: Option<Ticket>) {
         let roi = self.filter.roi();
         // The filter decides after the RoI step, or after the only step when there is no RoI.
         let deciding = b.step == STEP_ROI || roi.is_empty();
         if deciding && !self.accepts(e, &b.parts) {
+            drop(place);
             let n: u64 = b.parts.iter().map(|p| p.0.fragment_count as u64).sum();
             self.stats.events_rejected.fetch_add(1, Ordering::Relaxed);
             self.stats
@@ -453,10 +479,14 @@ impl Pull {
                     .collect();
                 map.insert(e, b);
                 drop(map);
+                if let Some(p) = &place {
+                    p.wait_turn();
+                }
                 self.send_requests(sends);
                 return;
             }
         }
+        drop(place);
         self.build(e, b);
     }
 

@@ -26,10 +26,10 @@ mod serve;
 mod stats;
 
 use crossbeam_channel::Receiver;
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,6 +38,7 @@ use tessera_config::AssignmentSection;
 use tessera_format::link::{PeerHello, PeerRole, SuperFragmentHeader};
 use tessera_format::wire::{Hello, HELLO_SIZE};
 use tessera_format::{Decoded, StreamDecoder};
+use tessera_net::line::Line;
 use tessera_net::reader::Fill;
 use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::{ChunkReader, ChunkSlice};
@@ -159,36 +160,30 @@ struct Shared {
     /// assembler lock, so a progress message computed under that lock while this is zero
     /// cannot overtake an event that already left the assembler.
     in_dispatch: AtomicUsize,
-    /// The next batch's place in line, handed out under the assembler lock.
-    next_ticket: AtomicU64,
-    /// The batch whose turn it is to enter the builder queues.
-    turn: Mutex<u64>,
-    turn_passed: Condvar,
+    /// Batches' places in line, handed out under the assembler lock.
+    leaving: Line,
 }
 
 /// A batch's place in the order batches left the assembler: it enters the builder queues in
-/// that order (see [`Shared::dispatch`]). Dropped, it lets the next batch go, also when its own
-/// never went (a panic on the way), so that one failure cannot hold every later batch.
+/// that order (see [`Shared::dispatch`]). Dropped, it lets the next batch go (also when its own
+/// never went) and counts the batch out of `in_dispatch`.
 #[must_use]
 struct Ticket<'a> {
-    n: u64,
+    place: Option<tessera_net::line::Ticket<'a>>,
     sh: &'a Shared,
 }
 
 impl Ticket<'_> {
     fn wait_turn(&self) {
-        let mut turn = self.sh.turn.lock();
-        while *turn != self.n {
-            self.sh.turn_passed.wait(&mut turn);
+        if let Some(p) = &self.place {
+            p.wait_turn();
         }
     }
 }
 
 impl Drop for Ticket<'_> {
     fn drop(&mut self) {
-        self.wait_turn();
-        *self.sh.turn.lock() += 1;
-        self.sh.turn_passed.notify_all();
+        drop(self.place.take());
         self.sh.in_dispatch.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -249,7 +244,7 @@ impl Shared {
         }
         self.in_dispatch.fetch_add(1, Ordering::AcqRel);
         Some(Ticket {
-            n: self.next_ticket.fetch_add(1, Ordering::Relaxed),
+            place: Some(self.leaving.ticket()),
             sh: self,
         })
     }
@@ -417,9 +412,7 @@ impl ReadoutUnit {
             to_builders,
             assignment: cfg.assignment.clone(),
             in_dispatch: AtomicUsize::new(0),
-            next_ticket: AtomicU64::new(0),
-            turn: Mutex::new(0),
-            turn_passed: Condvar::new(),
+            leaving: Line::default(),
         });
         let senders = Arc::new(tessera_net::reactor::Tally::default());
         for (b, rail, rails, stream, rx, bell) in builder_links {

@@ -288,15 +288,45 @@ readout_ms = 3000
 
 /// Found profiling request mode with small buffers (issue 14): two units of 4 sources with 2 MiB
 /// each, two builders with 1 MiB and two read chunks per link. The units announced events, and
-/// so the event manager assigned them, in the order their reader threads happened to run, and
-/// answered whatever was ready: a builder's two links brought their answers in different orders,
-/// one link's chunks filled with answers whose other halves were behind the other link's, and
-/// neither could read. Every stall ended at the builders' event timeout, with the events then
-/// built incomplete: 20-34 events lost in every run of 20 000, without a fault anywhere.
+/// so the event manager assigned them, in the order their threads happened to run, the manager's
+/// threads queued assignments in either order, and the units answered whatever was ready: a
+/// builder's two links brought their answers in different orders, one link's chunks filled with
+/// answers whose other halves were behind the other link's, and neither could read. Every stall
+/// ended at the builders' event timeout, with the events then built incomplete: 20-60 events lost
+/// in every run of 20 000, without a fault anywhere.
 #[test]
 fn builders_with_two_read_chunks_per_link_build_every_event_of_units_with_small_pages() {
+    let events = 20_000;
+    let rep = run_with_small_buffers(events, "");
+    assert_eq!(rep.events_complete, events, "{}", rep.summary());
+    assert_eq!(rep.balance.rejected_total, 0, "{}", rep.summary());
+}
+
+/// The same buffers with a filter RoI (one source per unit, one event in two accepted). The RoI
+/// answers of the events in flight (64 per builder) stayed in the builder's read chunks until the
+/// rest of their events came, and that rest came behind them on the same links: 1 632 of the
+/// first 1 643 events were built incomplete, at 5 events/s.
+#[test]
+fn builders_with_two_read_chunks_per_link_build_every_accepted_event_fetched_roi_first() {
+    let events = 20_000;
+    let rep = run_with_small_buffers(
+        events,
+        r#"
+[filter]
+decision = "prescale"
+prescale = 2
+roi = [0, 4]
+"#,
+    );
+    assert_eq!(rep.events_complete, events / 2, "{}", rep.summary());
+    let m = rep.event_manager.as_ref().unwrap();
+    assert_eq!(m.rejected_by_filter, events / 2, "{}", rep.summary());
+}
+
+/// 16 KiB x 8 in request mode, 2 MiB per readout unit and 1 MiB per builder (two read chunks
+/// per link), recorder and monitor off; checks that nothing is lost or left in the pages.
+fn run_with_small_buffers(events: u64, extra: &str) -> Report {
     let dir = tempfile::tempdir().unwrap();
-    let events = 20_000u64;
     let t = topology(&format!(
         r#"
 [run]
@@ -326,15 +356,12 @@ read_chunk = "256 KiB"
 id = 1
 buffer = "1 MiB"
 read_chunk = "256 KiB"
+{extra}
 "#
     ));
     let rep = run(&t, dir.path());
-    assert_eq!(rep.events_complete, events, "{}", rep.summary());
     assert_eq!(rep.events_incomplete, 0, "{}", rep.summary());
-    assert!(
-        rep.balance.holds && rep.balance.rejected_total == 0,
-        "{}",
-        rep.summary()
-    );
+    assert!(rep.balance.holds, "{}", rep.summary());
     pages_all_back(&rep);
+    rep
 }
