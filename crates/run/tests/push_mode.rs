@@ -1221,23 +1221,9 @@ fn rails_are_refused_where_they_cannot_work() {
 /// proven silent. Unit 0's budget holds what it queues instead; this run takes 4 s.
 #[test]
 fn a_pausing_source_on_one_unit_does_not_stop_the_poller_that_reads_it() {
-    // One poller per stage (the reactors are made on first use, in this test's own process).
-    std::env::set_var("TESSERA_IO_THREADS", "1");
-    const EVENTS: u64 = 20_000;
-    let dir = tempfile::tempdir().unwrap();
-    let t = topology(&format!(
+    pausing_source_on_one_of_two_units(
+        "push",
         r#"
-[run]
-events = {EVENTS}
-io_moderation_us = 0
-max_fragment_size = "1 KiB"
-[sources]
-count = 4
-external = [77]
-fragment_size = 256
-trigger = "periodic"
-rate_hz = 5000
-trigger_types = 1
 [[readout]]
 id = 0
 sources = "0-3"
@@ -1256,6 +1242,65 @@ id = 1
 buffer = "512 KiB"
 read_chunk = "128 KiB"
 event_timeout_ms = 120000
+"#,
+    );
+}
+
+/// The same pause in request mode, with request timeouts longer than the pause: unit 0's answers
+/// for the events from 1000 on wait at the builders, its pages fill with events nobody can
+/// clear yet, and every request to unit 1 waits in a descriptor; when the source resumes, every
+/// event is built complete.
+#[test]
+fn in_request_mode_a_pausing_source_on_one_unit_holds_the_run_and_loses_nothing() {
+    pausing_source_on_one_of_two_units(
+        "request",
+        r#"
+[request]
+timeout_ms = 60000
+builder_timeout_ms = 120000
+[[readout]]
+id = 0
+sources = "0-3"
+buffer = "2 MiB"
+[[readout]]
+id = 1
+sources = [77]
+buffer = "2 MiB"
+[[builder]]
+id = 0
+buffer = "512 KiB"
+read_chunk = "128 KiB"
+[[builder]]
+id = 1
+buffer = "512 KiB"
+read_chunk = "128 KiB"
+"#,
+    );
+}
+
+/// One poller per stage; unit 1 reads one external source (written from the spec) that stops for
+/// 2 s after event 999, while unit 0's four sources go on at 5 kHz. Every event must be built
+/// complete. `units` gives the units, the builders and anything else the mode needs.
+fn pausing_source_on_one_of_two_units(mode: &str, units: &str) {
+    // One poller per stage (the reactors are made on first use, in this test's own process).
+    std::env::set_var("TESSERA_IO_THREADS", "1");
+    const EVENTS: u64 = 20_000;
+    let dir = tempfile::tempdir().unwrap();
+    let t = topology(&format!(
+        r#"
+[run]
+mode = "{mode}"
+events = {EVENTS}
+io_moderation_us = 0
+max_fragment_size = "1 KiB"
+[sources]
+count = 4
+external = [77]
+fragment_size = 256
+trigger = "periodic"
+rate_hz = 5000
+trigger_types = 1
+{units}
 "#
     ));
     let rep = run_with_external(&t, dir.path(), 77, |addr| {
