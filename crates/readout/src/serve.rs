@@ -298,6 +298,13 @@ impl LinkSink for Unit {
                         // the link has pages, and pages full of events nobody has been told of
                         // would never be cleared.
                         self.publish(slot, &mut stored);
+                        // And it says it is full (an announcement of no event): events in
+                        // flight may wait for what this link cannot read, and the event
+                        // manager would otherwise hold finished events' clears for a group or
+                        // its delay (request-protocol §3.5).
+                        self.to_manager(Message::Announce {
+                            event_ids: Vec::new(),
+                        });
                         let t = Instant::now();
                         rs.links_waiting.fetch_add(1, Ordering::Relaxed);
                         let mut g = self.space_lock.lock();

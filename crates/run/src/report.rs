@@ -132,6 +132,10 @@ pub struct ManagerReport {
     pub stale_done: u64,
     pub clear_messages: u64,
     pub cleared_events: u64,
+    /// Times a readout unit said its pages were full (request-protocol §3.5); each sent the
+    /// clears held at once.
+    #[serde(default)]
+    pub units_full: u64,
     pub dead_builders: u64,
     pub busy_transitions: u64,
     /// Taking a run over from a lost manager: events left with the builder that held them.
@@ -593,6 +597,7 @@ pub(crate) fn manager(m: &tessera_manager::EventManager, p: &mut Parts) {
         stale_done: v.counts.stale_done,
         clear_messages: v.counts.clears_sent,
         cleared_events: v.counts.cleared_events,
+        units_full: v.counts.units_full,
         dead_builders: v.counts.dead_builders,
         busy_transitions: v.counts.busy_transitions,
         adopted: v.counts.adopted,
@@ -983,12 +988,17 @@ impl Report {
                 });
             let _ = writeln!(
                 s,
-                "  request mode: {} events assigned, {} recorded, {} rejected by the filter; {req} answers ({partial} partial), {sent} fragments moved; {} clear messages for {} events; {} builder(s) declared dead, {} events re-assigned{}",
+                "  request mode: {} events assigned, {} recorded, {} rejected by the filter; {req} answers ({partial} partial), {sent} fragments moved; {} clear messages for {} events{}; {} builder(s) declared dead, {} events re-assigned{}",
                 m.assigned,
                 m.recorded,
                 m.rejected_by_filter,
                 m.clear_messages,
                 m.cleared_events,
+                if m.units_full > 0 {
+                    format!(" (units full {} times)", m.units_full)
+                } else {
+                    String::new()
+                },
                 m.dead_builders,
                 m.reassigned,
                 if waits > 0 {

@@ -300,6 +300,9 @@ fn builders_with_two_read_chunks_per_link_build_every_event_of_units_with_small_
     let rep = run_with_small_buffers(events, "");
     assert_eq!(rep.events_complete, events, "{}", rep.summary());
     assert_eq!(rep.balance.rejected_total, 0, "{}", rep.summary());
+    // About 40 fragments per link's pages: the units fill, and say so (request-protocol §3.5).
+    let m = rep.event_manager.as_ref().unwrap();
+    assert!(m.units_full > 0, "{}", rep.summary());
 }
 
 /// The same buffers with a filter RoI (one source per unit, one event in two accepted). The RoI
