@@ -413,8 +413,8 @@ impl Unit {
             }
         }
         {
-            // Routed under the table's lock, for the same reason: the table releases each
-            // builder's answers in event-ID order, and that order must reach the wire.
+            // Routed under the table's lock, for the same reason: the table completes requests
+            // in the order the links delivered, and that order must reach the wire.
             let mut t = self.requests.lock();
             let answers: Vec<Answer> = stored.iter().flat_map(|&e| t.arrived(e, slot)).collect();
             self.route(answers);
@@ -680,7 +680,8 @@ fn take_requests(u: &Arc<Unit>, builder: u32, mut stream: TcpStream) {
             let mut t = u.requests.lock();
             match t.submit(q, u.now_ns(), |l| u.has(l, event_id)) {
                 // Routed under the lock, so answers reach the queue in the table's order.
-                Submit::Taken(answers) => u.route(answers),
+                Submit::Ready(a) => u.route(vec![a]),
+                Submit::Pending => {}
                 // The shares add up to the pool, so this waits only in a race with answers
                 // being freed.
                 Submit::NoDescriptor(q) => {
