@@ -335,7 +335,14 @@ impl LinkSink for Unit {
         self.publish(slot, &mut stored);
     }
 
-    fn close_link(&self, _slot: usize) {
+    fn close_link(&self, slot: usize) {
+        // Everything the link stored is reported already (each read is published before the
+        // next); what its requests still wait for will never come.
+        {
+            let mut t = self.requests.lock();
+            let answers = t.link_closed(slot);
+            self.route(answers);
+        }
         self.open_links.fetch_sub(1, Ordering::AcqRel);
     }
 

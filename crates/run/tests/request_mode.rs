@@ -349,7 +349,31 @@ fn a_source_skipping_events_costs_builders_with_two_read_chunks_only_those_event
         .iter()
         .map(|b| b.missing_by_source.values().sum::<u64>())
         .sum();
-    assert_eq!(named, n, "source 2 alone, once per event: {}", rep.summary());
+    assert_eq!(
+        named,
+        n,
+        "source 2 alone, once per event: {}",
+        rep.summary()
+    );
+    assert!(rep
+        .builders
+        .iter()
+        .all(|b| b.missing_by_source.keys().all(|&s| s == 2)));
+}
+
+/// The same buffers with a source whose connection drops at event 2000 (without its end). Each
+/// later event's request waited for the request timeout for a link that would never deliver
+/// again: 25 events/s, the run cut by its time limit. A unit now answers a closed link missing
+/// at once.
+#[test]
+fn a_source_lost_mid_run_costs_builders_with_two_read_chunks_only_its_fragments() {
+    let events = 10_000u64;
+    let rep = run_with_small_buffers(
+        events,
+        "[[inject]]\nsource = 2\nkind = \"disconnect\"\nat = [2000]\n",
+    );
+    assert_eq!(rep.events_complete, 2000, "{}", rep.summary());
+    assert_eq!(rep.events_incomplete, events - 2000, "{}", rep.summary());
     assert!(rep
         .builders
         .iter()
