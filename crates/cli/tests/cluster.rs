@@ -1199,7 +1199,8 @@ impl Drop for CpuLimit {
 /// Issue 14, diagnosis: one host of a run over hosts given a fifth of a core, the sources on a
 /// host of their own sending as fast as back-pressure lets them; the run control must name the
 /// stage on that host as the bottleneck, and as CPU-bound (its process used all the CPU it may),
-/// for most of the run: what a profiler of that host would say.
+/// for most of the run: what a profiler of that host would say. Ten seconds of samples, one a
+/// second: with six, a sample or two named otherwise could tie the count.
 fn cpu_starved_drill(starved: &str, want: &str) {
     let names = ["src", "fe1", "bu", "be"];
     let Some((_net, hosts)) = make_net(&names) else {
@@ -1229,7 +1230,7 @@ fn cpu_starved_drill(starved: &str, want: &str) {
     let i = names.iter().position(|n| *n == starved).unwrap();
     limit.add(agents[i].id());
     let mut t = format!(
-        "[run]\noutput = \"{}\"\nduration_s = 6\nmax_fragment_size = \"16 KiB\"\n\
+        "[run]\noutput = \"{}\"\nduration_s = 10\nmax_fragment_size = \"16 KiB\"\n\
          [sources]\nhost = \"src\"\ncount = 4\nfragment_size = 4096\ntrigger = \"unlimited\"\n\
          [control]\nagent_timeout_ms = 10000\nsample_interval_ms = 1000\n\
          [security]\nallow = [\"10.78.0.0/24\"]\n\

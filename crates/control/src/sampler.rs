@@ -760,8 +760,15 @@ pub fn named(stages: &[StageView], hold: &Hold) -> (String, String) {
     };
     // Between a blocked stage and the next: bytes the blocked one has written wait in its send
     // queues while the next one's receive queues hold little: neither end is what is slow, the
-    // network between them is (a link narrower than both ends' CPUs).
+    // network between them is (a link narrower than both ends' CPUs). Not when the next stage
+    // uses most of its CPU allowance: a reader starved by its quota leaves its receive windows
+    // small, so little waits unread while the sends pile up, and a slow link would leave the
+    // reader idle instead (a builder held to a fifth of a core was named "network" in half the
+    // samples of its drill).
     let network = |i: usize| -> Option<(u64, u64)> {
+        if at(order[i + 1]).1.is_some_and(|c| c.used > NEAR_ALLOWANCE) {
+            return None;
+        }
         let sent: u64 = stages
             .iter()
             .filter(|s| s.stage == order[i] && s.condition == "blocked")
@@ -917,6 +924,21 @@ mod tests {
         // The builder's receive queues as full as the sends: the builder is slow to read.
         assert_eq!(with(4 << 20, 3 << 20, true).1, "builders on bu1 (cpu)");
         assert_eq!(with(4 << 20, 3 << 20, false).1, "builders on bu1");
+        // Little unread because the builder uses all the CPU it may, not because of the link.
+        let mut ru = on("readout", "ru1", "blocked", 0.99);
+        ru.unsent = Some(4 << 20);
+        let mut bu = on("builders", "bu1", "busy", 0.02);
+        bu.unread = Some(40 << 10);
+        bu.cpu = Some(Cpu {
+            used: 0.95,
+            allowance: 0.2,
+            waited: 0.0,
+        });
+        let hold = Hold {
+            cause: "unknown",
+            words: String::new(),
+        };
+        assert_eq!(named(&[ru, bu], &hold).1, "builders on bu1 (cpu)");
         // A few windows' worth in flight is any link's normal state.
         assert_eq!(with(100 << 10, 0, false).1, "builders on bu1");
         // No receive queues measured (request mode): no judgement of the network.
