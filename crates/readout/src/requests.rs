@@ -141,8 +141,6 @@ impl RequestTable {
         for &l in &waiting {
             self.waits.entry(l).or_default().insert((e, slot));
         }
-        waiting.shrink_to_fit();
-        skipped.shrink_to_fit();
         self.pending.insert(
             slot,
             Pending {
