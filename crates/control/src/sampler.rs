@@ -760,13 +760,15 @@ pub fn named(stages: &[StageView], hold: &Hold) -> (String, String) {
     };
     // Between a blocked stage and the next: bytes the blocked one has written wait in its send
     // queues while the next one's receive queues hold little: neither end is what is slow, the
-    // network between them is (a link narrower than both ends' CPUs). Not when the next stage
-    // uses most of its CPU allowance: a reader starved by its quota leaves its receive windows
-    // small, so little waits unread while the sends pile up, and a slow link would leave the
-    // reader idle instead (a builder held to a fifth of a core was named "network" in half the
-    // samples of its drill).
+    // network between them is (a link narrower than both ends' CPUs). Not when either end
+    // uses most of its CPU allowance, as a slow link would leave both idle instead: a reader
+    // starved by its quota leaves its receive windows small, so little waits unread while the
+    // sends pile up (a builder held to a fifth of a core was named "network" in half the
+    // samples of its drill); a sender throttled inside a send call holds its socket, so the
+    // acknowledgements that would let the kernel send what is queued wait for it.
     let network = |i: usize| -> Option<(u64, u64)> {
-        if at(order[i + 1]).1.is_some_and(|c| c.used > NEAR_ALLOWANCE) {
+        let near = |name: &str| at(name).1.is_some_and(|c| c.used > NEAR_ALLOWANCE);
+        if near(order[i]) || near(order[i + 1]) {
             return None;
         }
         let sent: u64 = stages
@@ -939,6 +941,25 @@ mod tests {
             words: String::new(),
         };
         assert_eq!(named(&[ru, bu], &hold).1, "builders on bu1 (cpu)");
+        // Much unsent because the readout unit uses all the CPU it may: a sender throttled
+        // inside a send call holds its socket, so the acknowledgements that would let the
+        // kernel send more wait for it (a starved unit was named "network" in two samples of
+        // its drill in nine).
+        let mut ru = on("readout", "ru1", "blocked", 0.99);
+        ru.unsent = Some(4 << 20);
+        ru.cpu = Some(Cpu {
+            used: 0.95,
+            allowance: 0.2,
+            waited: 0.0,
+        });
+        let mut bu = on("builders", "bu1", "busy", 0.02);
+        bu.unread = Some(40 << 10);
+        bu.cpu = Some(Cpu {
+            used: 0.1,
+            allowance: 2.0,
+            waited: 0.0,
+        });
+        assert_eq!(named(&[ru, bu], &hold).1, "readout on ru1 (cpu)");
         // A few windows' worth in flight is any link's normal state.
         assert_eq!(with(100 << 10, 0, false).1, "builders on bu1");
         // No receive queues measured (request mode): no judgement of the network.
