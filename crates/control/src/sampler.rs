@@ -926,40 +926,42 @@ mod tests {
         // The builder's receive queues as full as the sends: the builder is slow to read.
         assert_eq!(with(4 << 20, 3 << 20, true).1, "builders on bu1 (cpu)");
         assert_eq!(with(4 << 20, 3 << 20, false).1, "builders on bu1");
-        // Little unread because the builder uses all the CPU it may, not because of the link.
-        let mut ru = on("readout", "ru1", "blocked", 0.99);
-        ru.unsent = Some(4 << 20);
-        let mut bu = on("builders", "bu1", "busy", 0.02);
-        bu.unread = Some(40 << 10);
-        bu.cpu = Some(Cpu {
-            used: 0.95,
-            allowance: 0.2,
-            waited: 0.0,
-        });
-        let hold = Hold {
-            cause: "unknown",
-            words: String::new(),
+        // 4 MiB unsent and 40 KiB unread, the unit's and the builder's CPU use of their
+        // allowances given.
+        let quota = |ru_cpu: Cpu, bu_cpu: Cpu| {
+            let mut ru = on("readout", "ru1", "blocked", 0.99);
+            ru.unsent = Some(4 << 20);
+            ru.cpu = Some(ru_cpu);
+            let mut bu = on("builders", "bu1", "busy", 0.02);
+            bu.unread = Some(40 << 10);
+            bu.cpu = Some(bu_cpu);
+            let hold = Hold {
+                cause: "unknown",
+                words: String::new(),
+            };
+            named(&[ru, bu], &hold).1
         };
-        assert_eq!(named(&[ru, bu], &hold).1, "builders on bu1 (cpu)");
+        let (starved, idle) = (
+            Cpu {
+                used: 0.95,
+                allowance: 0.2,
+                waited: 0.0,
+            },
+            Cpu {
+                used: 0.1,
+                allowance: 2.0,
+                waited: 0.0,
+            },
+        );
+        // Little unread because the builder uses all the CPU it may, not because of the link.
+        assert_eq!(quota(idle, starved), "builders on bu1 (cpu)");
         // Much unsent because the readout unit uses all the CPU it may: a sender throttled
         // inside a send call holds its socket, so the acknowledgements that would let the
         // kernel send more wait for it (a starved unit was named "network" in two samples of
         // its drill in nine).
-        let mut ru = on("readout", "ru1", "blocked", 0.99);
-        ru.unsent = Some(4 << 20);
-        ru.cpu = Some(Cpu {
-            used: 0.95,
-            allowance: 0.2,
-            waited: 0.0,
-        });
-        let mut bu = on("builders", "bu1", "busy", 0.02);
-        bu.unread = Some(40 << 10);
-        bu.cpu = Some(Cpu {
-            used: 0.1,
-            allowance: 2.0,
-            waited: 0.0,
-        });
-        assert_eq!(named(&[ru, bu], &hold).1, "readout on ru1 (cpu)");
+        assert_eq!(quota(starved, idle), "readout on ru1 (cpu)");
+        // Neither near its allowance: the link.
+        assert_eq!(quota(idle, idle), "network from readout on ru1 to builders");
         // A few windows' worth in flight is any link's normal state.
         assert_eq!(with(100 << 10, 0, false).1, "builders on bu1");
         // No receive queues measured (request mode): no judgement of the network.
