@@ -5,10 +5,12 @@
 //! contributor has delivered its item or is closed (will never deliver again). Ready events come
 //! out complete or incomplete with the list of contributors that are missing.
 //!
-//! An event that waits longer than the timeout leaves incomplete only when every contributor it
-//! lacks *could have delivered and did not*: it is closed, it has moved past the event (its
-//! floor, the lowest event ID it may still deliver, is above the event's), or it was read and
-//! stayed silent for a whole timeout while the event waited. A contributor that Tessera itself
+//! An event leaves incomplete only when every contributor it lacks *could have delivered and did
+//! not*: at once when each of them is closed or, in an ordered assembler, has moved past the
+//! event (an item of a later event came from it: its stream is in ascending order, so it
+//! skipped this one, and its item for it could only ever be late); after the timeout when one
+//! of them was read and stayed silent for a whole timeout while the event waited, or was
+//! promised past it by its peer. A contributor that Tessera itself
 //! stopped reading (its buffer full because downstream holds the data, or its reader starved of
 //! CPU) is none of these, so back-pressure turns into dead time, never into incomplete events.
 //! Silence is reported by the reader ([`Assembler::quiet`]) from reads that came back empty, so
@@ -76,22 +78,27 @@ pub enum Offer<T> {
 struct Pending<T> {
     parts: Vec<Option<T>>,
     have: usize,
+    /// Contributors of an ordered assembler that moved past this event without delivering it
+    /// (each counted once, when its floor passed the event or when the event opened above it).
+    passed: usize,
     first_seen_ns: u64,
 }
 
 impl<T> Pending<T> {
-    /// Every contributor delivered, or those that did not are closed. `any_closed`: whether
-    /// any contributor is; while none is (every run until its end), the count decides alone.
-    /// The walk over the parts it saves ran at every item: O(contributors) per item, and at
-    /// 256 B x 32 (16 links a unit) 23 % of the readout unit's `offer` (`perf annotate`).
-    fn ready(&self, closed: &[bool], any_closed: bool) -> bool {
-        self.have == self.parts.len()
+    /// Every contributor delivered, or moved past the event, or those that did neither are
+    /// closed. `any_closed`: whether any contributor is; while none is (every run until its
+    /// end), the counts decide alone. The walk over the parts it saves ran at every item:
+    /// O(contributors) per item, and at 256 B x 32 (16 links a unit) 23 % of the readout
+    /// unit's `offer` (`perf annotate`).
+    fn ready(&self, closed: &[bool], any_closed: bool, past: impl Fn(usize) -> bool) -> bool {
+        self.have + self.passed == self.parts.len()
             || (any_closed
                 && self
                     .parts
                     .iter()
                     .zip(closed)
-                    .all(|(x, &closed)| x.is_some() || closed))
+                    .enumerate()
+                    .all(|(i, (x, &closed))| x.is_some() || closed || past(i)))
     }
 }
 
@@ -223,6 +230,12 @@ pub struct Assembler<T> {
     /// Items of an ordered contributor raise its floor (source links, read in order).
     ordered: bool,
     max_open: usize,
+    /// The highest floor of any contributor: an event that opens at or above it has nobody
+    /// past it, which spares the look at every contributor when it opens.
+    top_floor: u64,
+    /// Events that left because an ordered contributor moved past them, ascending, for the
+    /// caller to take ([`Assembler::take_passed`]) before the offer's own ready event.
+    passed: Vec<Assembled<T>>,
     /// The contributor that kept the last aged event waiting: checked first by the next sweep,
     /// so a long backlog behind one lagging link costs one look per event.
     last_blocker: usize,
@@ -264,6 +277,8 @@ impl<T> Assembler<T> {
             progress: vec![Progress::default(); contributors],
             ordered: false,
             max_open: usize::MAX,
+            top_floor: 0,
+            passed: Vec::new(),
             last_blocker: 0,
             spare: Vec::new(),
             stats: AssemblyStats::default(),
@@ -305,6 +320,57 @@ impl<T> Assembler<T> {
     pub fn promise_floor(&mut self, c: usize, floor: u64) {
         let p = &mut self.progress[c];
         p.floor = Some(p.floor.map_or(floor, |f| f.max(floor)));
+        self.top_floor = self.top_floor.max(floor);
+    }
+
+    /// Whether ordered contributor `c` has moved past event `ev` (delivered a later one).
+    fn past(&self, c: usize, ev: u64) -> bool {
+        self.ordered && self.progress[c].floor.is_some_and(|f| f > ev)
+    }
+
+    /// Events that left because a contributor moved past them (ordered assemblers), since the
+    /// last call, in ascending event-ID order: take them after every [`Assembler::offer`], and
+    /// send them before the offer's own ready event, whose ID is higher.
+    pub fn take_passed(&mut self) -> impl Iterator<Item = Assembled<T>> + '_ {
+        self.passed.drain(..)
+    }
+
+    /// Whether [`Assembler::take_passed`] has anything: one load, for the caller's every offer.
+    #[inline]
+    pub fn has_passed(&self) -> bool {
+        !self.passed.is_empty()
+    }
+
+    /// Ordered contributor `c`, whose floor was `from`, delivered `to`: it skipped every event
+    /// in between. Those open ones count it as past, and leave if nothing else lacks.
+    fn pass(&mut self, c: usize, from: u64, to: u64) {
+        let start = self.lowest.partition_point(|&x| x < from);
+        let ids: Vec<u64> = self
+            .lowest
+            .range(start..)
+            .take_while(|&&x| x < to)
+            .copied()
+            .collect();
+        let n = self.contributors;
+        let any_closed = self.any_closed();
+        for ev in ids {
+            let Some(p) = self.pending.get_mut(ev) else {
+                continue;
+            };
+            if p.parts[c].is_some() {
+                continue;
+            }
+            p.passed += 1;
+            let ready = p.have + p.passed == n
+                || (any_closed && {
+                    let p = self.pending.get(ev).expect("open");
+                    p.ready(&self.closed, any_closed, |i| self.past(i, ev))
+                });
+            if ready {
+                let e = self.depart(ev, false);
+                self.passed.push(e);
+            }
+        }
     }
 
     /// Whether `c` has been silent for at least a timeout (then it could have delivered).
@@ -403,10 +469,42 @@ impl<T> Assembler<T> {
         if self.closed[c] {
             return Offer::Closed(item);
         }
+        let mut skipped = false;
         if self.ordered {
             let p = &mut self.progress[c];
+            let before = p.floor;
+            if before.is_some_and(|f| event_id < f) {
+                // Below what it already delivered: the same item again, or one that comes
+                // after its successor, read as late (wire-format §1.6): the event went on
+                // without it, or will, since this contributor counts as past it.
+                let again = self
+                    .done
+                    .get(event_id)
+                    .map(|bits| has(bits, c))
+                    .unwrap_or_else(|| {
+                        self.pending
+                            .get(event_id)
+                            .is_some_and(|p| p.parts[c].is_some())
+                    });
+                return if again {
+                    self.stats.duplicates += 1;
+                    Offer::Duplicate(item)
+                } else {
+                    self.stats.late += 1;
+                    Offer::Late(item)
+                };
+            }
             let next = event_id.saturating_add(1);
-            p.floor = Some(p.floor.map_or(next, |f| f.max(next)));
+            p.floor = Some(next);
+            let prior_top = self.top_floor;
+            self.top_floor = self.top_floor.max(next);
+            let from = before.unwrap_or(0);
+            if event_id > from && !self.lowest.is_empty() {
+                self.pass(c, from, event_id);
+            }
+            // Others may be past this event already, if it opens now: looked for only when
+            // some contributor's floor is above it.
+            skipped = prior_top > event_id;
         }
         self.progress[c].quiet_since = None;
         if let Some(bits) = self.done.get(event_id) {
@@ -430,6 +528,8 @@ impl<T> Assembler<T> {
         if self.ordered {
             self.prefetch_part(event_id.wrapping_add(PREFETCH_AHEAD), c);
         }
+        let (ordered, progress) = (self.ordered, &self.progress);
+        let past = |d: usize| ordered && progress[d].floor.is_some_and(|f| f > event_id);
         let p = self.pending.get_or_insert_with(event_id, || {
             self.order.push_back((event_id, now_ns));
             ascending_insert(&mut self.lowest, event_id);
@@ -440,9 +540,17 @@ impl<T> Assembler<T> {
                 }
                 None => (0..n).map(|_| None).collect(),
             };
+            // Nobody delivered this event before (it was not open), so every other
+            // contributor whose floor is above it skipped it.
+            let passed = if skipped {
+                (0..n).filter(|&d| d != c && past(d)).count()
+            } else {
+                0
+            };
             Pending {
                 parts,
                 have: 0,
+                passed,
                 first_seen_ns: now_ns,
             }
         });
@@ -453,7 +561,7 @@ impl<T> Assembler<T> {
         p.parts[c] = Some(item);
         p.have += 1;
         self.held_items += 1;
-        if p.ready(&self.closed, any_closed) {
+        if p.ready(&self.closed, any_closed, past) {
             Offer::Ready(self.depart(event_id, false))
         } else {
             Offer::Held
@@ -484,7 +592,7 @@ impl<T> Assembler<T> {
     fn ready(&self, event_id: u64) -> bool {
         self.pending
             .get(event_id)
-            .is_some_and(|p| p.ready(&self.closed, self.any_closed()))
+            .is_some_and(|p| p.ready(&self.closed, self.any_closed(), |i| self.past(i, event_id)))
     }
 
     fn depart(&mut self, event_id: u64, timed_out: bool) -> Assembled<T> {
@@ -865,16 +973,32 @@ mod tests {
     }
 
     #[test]
-    fn an_ordered_link_past_the_event_makes_it_incomplete_after_the_timeout() {
-        let mut a = Assembler::new(2, 1000, 100).ordered(true);
-        a.offer(0, 3, (), 0);
-        a.offer(1, 4, (), 10); // link 1 skipped event 3
-        assert!(a.expire(999).is_empty());
-        let out = a.expire(1000);
-        assert_eq!(out.iter().map(|e| e.event_id).collect::<Vec<_>>(), vec![3]);
-        assert_eq!(out[0].missing, vec![1]);
-        // Event 4 waits for link 0, which has not moved past it.
+    fn an_ordered_link_past_the_event_makes_it_incomplete_at_once() {
+        let mut a = Assembler::new(3, 1000, 100).ordered(true);
+        assert!(matches!(a.offer(0, 3, 'a', 0), Offer::Held));
+        assert!(matches!(a.offer(1, 4, 'b', 10), Offer::Held)); // link 1 skipped event 3
+        assert_eq!(a.take_passed().count(), 0, "event 3 still waits for link 2");
+        assert!(matches!(a.offer(2, 3, 'c', 20), Offer::Ready(e) if e.missing == vec![1]));
+        assert_eq!(a.stats.timed_out, 0);
+        // Link 2 skips 4 and 5: event 4 lacked only it, so it leaves with the offer of 6,
+        // before it (its ID is lower).
+        assert!(matches!(a.offer(0, 4, 'd', 30), Offer::Held));
+        assert!(matches!(a.offer(2, 6, 'e', 40), Offer::Held));
+        let out: Vec<_> = a.take_passed().collect();
+        assert_eq!(out.iter().map(|e| e.event_id).collect::<Vec<_>>(), vec![4]);
+        assert_eq!(out[0].missing, vec![2]);
+        // Event 5 opens above link 2's floor: link 2 counts as past it from the start.
+        assert!(matches!(a.offer(0, 5, 'f', 50), Offer::Held));
+        assert!(matches!(a.offer(1, 5, 'g', 50), Offer::Ready(e) if e.missing == vec![2]));
+        // Event 6 waits for links 0 and 1, which have not moved past it.
         assert!(a.expire(1_000_000).is_empty());
+        assert_eq!(a.pending_events(), 1);
+        // An item below its link's floor is late (wire-format 1.6), the same one again a
+        // duplicate; neither opens or joins an event.
+        assert!(matches!(a.offer(1, 3, 'h', 60), Offer::Late('h')));
+        assert!(matches!(a.offer(2, 6, 'i', 60), Offer::Duplicate('i')));
+        assert!(matches!(a.offer(2, 5, 'j', 60), Offer::Late('j')));
+        assert_eq!((a.stats.late, a.stats.duplicates), (2, 1));
     }
 
     #[test]
@@ -957,11 +1081,14 @@ mod tests {
         let mut a = Assembler::new(2, 1000, 100).ordered(true);
         assert_eq!(a.floor(), None, "nobody has said where it is");
         a.offer(0, 5, (), 0);
+        a.offer(0, 6, (), 0);
         assert_eq!(a.floor(), None);
-        a.offer(1, 7, (), 0);
-        assert_eq!(a.floor(), Some(5), "event 5 is still open");
         a.offer(1, 5, (), 0);
-        assert_eq!(a.floor(), Some(6), "link 0 may still send 6");
+        assert_eq!(a.floor(), Some(6), "event 6 is still open");
+        a.offer(1, 7, (), 0);
+        let passed: Vec<u64> = a.take_passed().map(|e| e.event_id).collect();
+        assert_eq!(passed, vec![6], "link 1 skipped event 6");
+        assert_eq!(a.floor(), Some(7), "link 0 may still send 7");
         a.quiet(0, 0, 1000);
         assert_eq!(a.floor(), Some(7), "a long-silent link makes no claim");
         a.close(1);

@@ -104,6 +104,15 @@ impl<V> Table<V> {
         }
     }
 
+    pub fn get_mut(&mut self, id: u64) -> Option<&mut V> {
+        let s = self.slot(id);
+        match &self.ring[s] {
+            Some((k, _)) if *k == id => self.ring[s].as_mut().map(|(_, v)| v),
+            _ if self.overflow.is_empty() => None,
+            _ => self.overflow.get_mut(&id),
+        }
+    }
+
     /// The event `id`, opened with `open` if it is not open.
     pub fn get_or_insert_with(&mut self, id: u64, open: impl FnOnce() -> V) -> &mut V {
         // An event already in its slot (every fragment of an event but its first) skips the

@@ -58,7 +58,16 @@ proptest! {
                 Op::Offer { c, ev } => {
                     let c = c % n;
                     offered += 1;
-                    match a.offer(c, ev, (c, ev), now) {
+                    let o = a.offer(c, ev, (c, ev), now);
+                    // Events the contributor moved past, out before the offer's own.
+                    for e in a.take_passed() {
+                        prop_assert!(ordered);
+                        prop_assert!(e.event_id < ev);
+                        prop_assert!(e.missing.contains(&c));
+                        open.remove(&e.event_id);
+                        out_in_events += e.parts.iter().flatten().count();
+                    }
+                    match o {
                         Offer::Held => {
                             open.insert(ev);
                         }

@@ -742,7 +742,8 @@ pub struct ReadoutSection {
     /// but no read waits for the kernel to find and zero a page.
     pub reserve: bool,
     /// How long an event may wait for a link that could deliver and does not, in ms: a link
-    /// that stays silent while it is read, or that has moved past the event. A link the unit
+    /// that stays silent while it is read, or never connected (one that moved past the event
+    /// or closed costs no wait). A link the unit
     /// itself stops reading (its buffer full: back-pressure) never times an event out.
     pub event_timeout_ms: u64,
     /// Most events open (waiting for links) at once. A fragment that would open one more waits,

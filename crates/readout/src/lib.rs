@@ -839,7 +839,15 @@ fn offer(sh: &Shared, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
         let mut items = good.drain(..);
         for (ev, frag) in items.by_ref() {
             n += 1;
-            match a.offer(slot, ev, frag, now) {
+            let o = a.offer(slot, ev, frag, now);
+            // Events this link moved past (it skipped them) leave at once, before the offer's
+            // own, whose ID is higher: waiting out the event timeout for them held their other
+            // fragments' read chunks, and with two chunks a link the unit stood still for each
+            // skip (16 KiB x 8, 2 MiB units: 2 s without an event built at every skipped one).
+            if a.has_passed() {
+                ready.extend(a.take_passed());
+            }
+            match o {
                 Offer::Held => {}
                 Offer::Ready(e) => {
                     if ready.capacity() == 0 {

@@ -135,7 +135,10 @@ at = [70]
     assert_eq!(r.get("bad_marker"), Some(&2), "{r:?}");
     assert_eq!(r.get("bad_end_marker"), Some(&2), "{r:?}");
     assert_eq!(r.get("duplicate_event_id"), Some(&3), "{r:?}");
-    assert_eq!(rep.balance.rejected_total, 12, "{r:?}");
+    // Event 60 of source 4 came after 61: read as a skip then a late fragment (wire-format
+    // 1.6), so event 60 left without it at once.
+    assert_eq!(r.get("late"), Some(&1), "{r:?}");
+    assert_eq!(rep.balance.rejected_total, 13, "{r:?}");
     // Sent counts the duplicates and not the skipped.
     assert_eq!(rep.balance.sent, 6 * 3000 + 3 - 2);
     // Each rejected or skipped fragment leaves its event incomplete, naming the source.
@@ -143,14 +146,14 @@ at = [70]
     assert_eq!(missing.get(&0), Some(&5));
     assert_eq!(missing.get(&1), Some(&2));
     assert_eq!(missing.get(&2), Some(&2));
-    assert_eq!(missing.get(&4), Some(&2));
+    assert_eq!(missing.get(&4), Some(&3));
     assert_eq!(missing.get(&3), None);
     // 500, 1000, 1500, 2000, 2500 (bad CRC; 2000 also a bad marker, 2500 also truncated),
-    // 100 (bad marker), 150 (truncated), 40 and 41 (skipped): nine events.
-    assert_eq!(rep.events_incomplete, 9);
-    assert_eq!(rep.events_complete, 3000 - 9);
+    // 100 (bad marker), 150 (truncated), 40 and 41 (skipped), 60 (swapped): ten events.
+    assert_eq!(rep.events_incomplete, 10);
+    assert_eq!(rep.events_complete, 3000 - 10);
     let v = verify(dir.path());
-    assert_eq!(v.incomplete_events, 9);
+    assert_eq!(v.incomplete_events, 10);
     // Quarantine holds the evidence.
     let dump = std::fs::read(dir.path().join("quarantine/run000001_ru0.dump")).unwrap();
     let text = String::from_utf8_lossy(&dump);
@@ -1321,4 +1324,65 @@ trigger_types = 1
     assert_eq!(rep.events_complete, EVENTS, "{}", rep.summary());
     assert_eq!(rep.events_incomplete, 0, "{}", rep.summary());
     assert!(rep.balance.holds, "{}", rep.summary());
+}
+
+/// A source that skips events, with buffers of a few read chunks a link: each skipped event
+/// leaves at once, missing that source alone. It used to wait out `readout.event_timeout_ms`
+/// although its link had moved past it (an item of a later event came), holding a read chunk of
+/// each other link meanwhile; with two chunks a link and the emulated sources' drivers shared
+/// over links, no link could read and the run stood still for the timeout at every skip
+/// (16 KiB x 8, one skip in 200: 21 events/s). Here the timeout is ten minutes: a skipped event
+/// that waited for it would hold the run past the test's time limit.
+#[test]
+fn a_source_skipping_events_costs_units_with_small_buffers_only_those_events() {
+    const EVENTS: u64 = 20_000;
+    let dir = tempfile::tempdir().unwrap();
+    let t = topology(&format!(
+        r#"
+[run]
+events = {EVENTS}
+max_fragment_size = "16 KiB"
+[sources]
+count = 8
+fragment_size = 16384
+threads = 2
+[recorder]
+enabled = false
+[monitor]
+enabled = false
+[[readout]]
+id = 0
+buffer = "2 MiB"
+event_timeout_ms = 600000
+[[readout]]
+id = 1
+buffer = "2 MiB"
+event_timeout_ms = 600000
+[[builder]]
+id = 0
+buffer = "1 MiB"
+read_chunk = "256 KiB"
+event_timeout_ms = 1200000
+[[builder]]
+id = 1
+buffer = "1 MiB"
+read_chunk = "256 KiB"
+event_timeout_ms = 1200000
+[[inject]]
+source = 2
+kind = "skip"
+every = 200
+"#
+    ));
+    let rep = run(&t, dir.path());
+    assert!(rep.balance.holds, "{}", rep.summary());
+    let skipped = (1..EVENTS).filter(|e| e % 200 == 0).count() as u64;
+    assert_eq!(rep.events_incomplete, skipped, "{}", rep.summary());
+    assert_eq!(rep.events_complete, EVENTS - skipped, "{}", rep.summary());
+    assert_eq!(rep.balance.rejected_total, 0, "{}", rep.summary());
+    let missing: u64 = rep.builders.iter().map(|b| b.missing_by_source[&2]).sum();
+    assert_eq!(missing, skipped, "{}", rep.summary());
+    for b in &rep.builders {
+        assert_eq!(b.missing_by_source.len(), 1, "{}", rep.summary());
+    }
 }
