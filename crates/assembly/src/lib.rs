@@ -351,8 +351,6 @@ impl<T> Assembler<T> {
             .take_while(|&&x| x < to)
             .copied()
             .collect();
-        let n = self.contributors;
-        let any_closed = self.any_closed();
         for ev in ids {
             let Some(p) = self.pending.get_mut(ev) else {
                 continue;
@@ -361,12 +359,7 @@ impl<T> Assembler<T> {
                 continue;
             }
             p.passed += 1;
-            let ready = p.have + p.passed == n
-                || (any_closed && {
-                    let p = self.pending.get(ev).expect("open");
-                    p.ready(&self.closed, any_closed, |i| self.past(i, ev))
-                });
-            if ready {
+            if self.ready(ev) {
                 let e = self.depart(ev, false);
                 self.passed.push(e);
             }
@@ -469,33 +462,12 @@ impl<T> Assembler<T> {
         if self.closed[c] {
             return Offer::Closed(item);
         }
+        let before = self.progress[c].floor;
+        let below = self.ordered && before.is_some_and(|f| event_id < f);
         let mut skipped = false;
-        if self.ordered {
-            let p = &mut self.progress[c];
-            let before = p.floor;
-            if before.is_some_and(|f| event_id < f) {
-                // Below what it already delivered: the same item again, or one that comes
-                // after its successor, read as late (wire-format §1.6): the event went on
-                // without it, or will, since this contributor counts as past it.
-                let again = self
-                    .done
-                    .get(event_id)
-                    .map(|bits| has(bits, c))
-                    .unwrap_or_else(|| {
-                        self.pending
-                            .get(event_id)
-                            .is_some_and(|p| p.parts[c].is_some())
-                    });
-                return if again {
-                    self.stats.duplicates += 1;
-                    Offer::Duplicate(item)
-                } else {
-                    self.stats.late += 1;
-                    Offer::Late(item)
-                };
-            }
+        if self.ordered && !below {
             let next = event_id.saturating_add(1);
-            p.floor = Some(next);
+            self.progress[c].floor = Some(next);
             let prior_top = self.top_floor;
             self.top_floor = self.top_floor.max(next);
             let from = before.unwrap_or(0);
@@ -509,6 +481,22 @@ impl<T> Assembler<T> {
         self.progress[c].quiet_since = None;
         if let Some(bits) = self.done.get(event_id) {
             return if has(bits, c) {
+                self.stats.duplicates += 1;
+                Offer::Duplicate(item)
+            } else {
+                self.stats.late += 1;
+                Offer::Late(item)
+            };
+        }
+        if below {
+            // Below what it already delivered: the same item again, or one that comes after
+            // its successor, read as late (wire-format §1.6): the event went on without it, or
+            // will, since this contributor counts as past it.
+            return if self
+                .pending
+                .get(event_id)
+                .is_some_and(|p| p.parts[c].is_some())
+            {
                 self.stats.duplicates += 1;
                 Offer::Duplicate(item)
             } else {
