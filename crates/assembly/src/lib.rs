@@ -6,11 +6,12 @@
 //! out complete or incomplete with the list of contributors that are missing.
 //!
 //! An event leaves incomplete only when every contributor it lacks *could have delivered and did
-//! not*: at once when each of them is closed or, in an ordered assembler, has moved past the
-//! event (an item of a later event came from it: its stream is in ascending order, so it
-//! skipped this one, and its item for it could only ever be late); after the timeout when one
-//! of them was read and stayed silent for a whole timeout while the event waited, or was
-//! promised past it by its peer. A contributor that Tessera itself
+//! not*: at once when each of them is closed, or has moved past the event (in an ordered
+//! assembler an item of a later event came from it: its stream is in ascending order, so it
+//! skipped this one, and its item for it could only ever be late; in any assembler its peer
+//! promised a floor above the event, after everything below it); after the timeout when one of
+//! them was read and stayed silent for a whole timeout while the event waited. A contributor
+//! that Tessera itself
 //! stopped reading (its buffer full because downstream holds the data, or its reader starved of
 //! CPU) is none of these, so back-pressure turns into dead time, never into incomplete events.
 //! Silence is reported by the reader ([`Assembler::quiet`]) from reads that came back empty, so
@@ -78,8 +79,7 @@ pub enum Offer<T> {
 struct Pending<T> {
     parts: Vec<Option<T>>,
     have: usize,
-    /// Contributors of an ordered assembler that moved past this event without delivering it
-    /// (each counted once, when its floor passed the event or when the event opened above it).
+    /// Contributors that moved past this event without delivering it (each counted once, when its floor passed the event or when the event opened above it).
     passed: usize,
     first_seen_ns: u64,
 }
@@ -316,21 +316,33 @@ impl<T> Assembler<T> {
     }
 
     /// Contributor `c` promises it will deliver no event below `floor` (a readout unit's
-    /// progress message). Promises only ever raise the floor.
+    /// progress message, read after everything the unit sent before it). Promises only ever
+    /// raise the floor. Open events that lack only contributors past them leave, incomplete,
+    /// through [`Assembler::take_passed`]: the promise says their items will never come, and
+    /// waiting out the timeout held the other contributors' items (their read chunks) for
+    /// nothing.
     pub fn promise_floor(&mut self, c: usize, floor: u64) {
-        let p = &mut self.progress[c];
-        p.floor = Some(p.floor.map_or(floor, |f| f.max(floor)));
+        let before = self.progress[c].floor;
+        if before.is_some_and(|f| f >= floor) {
+            return;
+        }
+        self.progress[c].floor = Some(floor);
         self.top_floor = self.top_floor.max(floor);
+        if !self.lowest.is_empty() {
+            self.pass(c, before.unwrap_or(0), floor);
+        }
     }
 
-    /// Whether ordered contributor `c` has moved past event `ev` (delivered a later one).
+    /// Whether contributor `c` has moved past event `ev`: an ordered one delivered a later
+    /// event, or the peer promised a floor above it.
     fn past(&self, c: usize, ev: u64) -> bool {
-        self.ordered && self.progress[c].floor.is_some_and(|f| f > ev)
+        self.progress[c].floor.is_some_and(|f| f > ev)
     }
 
-    /// Events that left because a contributor moved past them (ordered assemblers), since the
-    /// last call, in ascending event-ID order: take them after every [`Assembler::offer`], and
-    /// send them before the offer's own ready event, whose ID is higher.
+    /// Events that left because a contributor moved past them (an ordered one's later item, or
+    /// a promised floor), since the last call, in ascending event-ID order: take them after
+    /// every [`Assembler::offer`] and [`Assembler::promise_floor`], and send them before the
+    /// offer's own ready event, whose ID is higher.
     pub fn take_passed(&mut self) -> impl Iterator<Item = Assembled<T>> + '_ {
         self.passed.drain(..)
     }
@@ -341,16 +353,20 @@ impl<T> Assembler<T> {
         !self.passed.is_empty()
     }
 
-    /// Ordered contributor `c`, whose floor was `from`, delivered `to`: it skipped every event
-    /// in between. Those open ones count it as past, and leave if nothing else lacks.
+    /// Contributor `c`, whose floor was `from`, is now past every event below `to` (an ordered
+    /// one delivered `to`, or a promise): it skipped every event in between. Those open ones
+    /// count it as past, and leave if nothing else lacks.
     fn pass(&mut self, c: usize, from: u64, to: u64) {
         let start = self.lowest.partition_point(|&x| x < from);
-        let ids: Vec<u64> = self
+        let mut ids: Vec<u64> = self
             .lowest
             .range(start..)
             .take_while(|&&x| x < to)
             .copied()
             .collect();
+        // An event that left and opened again (its ID forgotten by the bounded memory of
+        // departed events) may still have its first entry here: it is counted past once.
+        ids.dedup();
         for ev in ids {
             let Some(p) = self.pending.get_mut(ev) else {
                 continue;
@@ -391,13 +407,27 @@ impl<T> Assembler<T> {
     /// of every contributor that is open and not long silent. `None` while such a contributor
     /// has not said where it is (it has delivered nothing yet). What a readout unit promises its
     /// builders in its progress messages.
+    ///
+    /// A contributor left out for its silence caps the floor at the highest any contributor
+    /// reached: the assembler promises nothing about events nobody has reached. Without the
+    /// cap, a unit whose sources had not connected for a timeout promised `u64::MAX`, and a
+    /// builder that trusts promises at once sent the events of sources that connected late on
+    /// without them.
     pub fn floor(&self) -> Option<u64> {
         let mut f = u64::MAX;
+        let mut left_out = false;
         for (c, p) in self.progress.iter().enumerate() {
-            if self.closed[c] || self.long_silent(c) {
+            if self.closed[c] {
+                continue;
+            }
+            if self.long_silent(c) {
+                left_out = true;
                 continue;
             }
             f = f.min(p.floor?);
+        }
+        if left_out {
+            f = f.min(self.top_floor);
         }
         if let Some(m) = self.lowest_open() {
             f = f.min(m);
@@ -463,20 +493,18 @@ impl<T> Assembler<T> {
             return Offer::Closed(item);
         }
         let before = self.progress[c].floor;
-        let below = self.ordered && before.is_some_and(|f| event_id < f);
-        let mut skipped = false;
+        let below = before.is_some_and(|f| event_id < f);
+        // Others may be past this event already, if it opens now: looked for only when some
+        // contributor's floor is above it.
+        let skipped = self.top_floor > event_id;
         if self.ordered && !below {
             let next = event_id.saturating_add(1);
             self.progress[c].floor = Some(next);
-            let prior_top = self.top_floor;
             self.top_floor = self.top_floor.max(next);
             let from = before.unwrap_or(0);
             if event_id > from && !self.lowest.is_empty() {
                 self.pass(c, from, event_id);
             }
-            // Others may be past this event already, if it opens now: looked for only when
-            // some contributor's floor is above it.
-            skipped = prior_top > event_id;
         }
         self.progress[c].quiet_since = None;
         if let Some(bits) = self.done.get(event_id) {
@@ -488,7 +516,7 @@ impl<T> Assembler<T> {
                 Offer::Late(item)
             };
         }
-        if below {
+        if below && self.ordered {
             // Below what it already delivered: the same item again, or one that comes after
             // its successor, read as late (wire-format §1.6): the event went on without it, or
             // will, since this contributor counts as past it.
@@ -504,6 +532,8 @@ impl<T> Assembler<T> {
                 Offer::Late(item)
             };
         }
+        // Whether an item below its promise finds its event open (counting it as past).
+        let below_open = below && self.pending.contains_key(event_id);
         let n = self.contributors;
         let any_closed = self.any_closed();
         if self.pending.len() >= self.max_open && !self.pending.contains_key(event_id) {
@@ -516,8 +546,8 @@ impl<T> Assembler<T> {
         if self.ordered {
             self.prefetch_part(event_id.wrapping_add(PREFETCH_AHEAD), c);
         }
-        let (ordered, progress) = (self.ordered, &self.progress);
-        let past = |d: usize| ordered && progress[d].floor.is_some_and(|f| f > event_id);
+        let progress = &self.progress;
+        let past = |d: usize| progress[d].floor.is_some_and(|f| f > event_id);
         let p = self.pending.get_or_insert_with(event_id, || {
             self.order.push_back((event_id, now_ns));
             ascending_insert(&mut self.lowest, event_id);
@@ -545,6 +575,12 @@ impl<T> Assembler<T> {
         if p.parts[c].is_some() {
             self.stats.duplicates += 1;
             return Offer::Duplicate(item);
+        }
+        if below_open {
+            // Below what its peer promised (wire-format §2.3: a source of that unit came back
+            // from a silence): the event counted it as past, and now it delivered. A promise
+            // is only the word of a peer, so the item still joins an event that has not left.
+            p.passed -= 1;
         }
         p.parts[c] = Some(item);
         p.have += 1;
@@ -990,15 +1026,42 @@ mod tests {
     }
 
     #[test]
-    fn a_promised_floor_releases_events_the_peer_will_never_send() {
-        let mut a = Assembler::new(2, 1000, 100);
+    fn a_promised_floor_releases_at_once_events_the_peer_will_never_send() {
+        let mut a = Assembler::new(3, 1000, 100);
         a.offer(0, 10, (), 0);
         a.offer(0, 20, (), 0);
-        a.promise_floor(1, 15);
+        a.offer(2, 10, (), 0);
+        a.offer(0, 30, (), 0);
+        a.promise_floor(1, 25);
+        assert!(a.has_passed());
+        // Event 10 lacked only contributor 1; 20 still lacks 2, which promised nothing.
+        let out: Vec<u64> = a.take_passed().map(|e| e.event_id).collect();
+        assert_eq!(out, vec![10]);
         a.promise_floor(1, 12); // promises never go back
-        let out = a.expire(1000);
-        assert_eq!(out.iter().map(|e| e.event_id).collect::<Vec<_>>(), vec![10]);
-        assert_eq!(a.pending_events(), 1);
+        assert!(!a.has_passed());
+        assert!(a.expire(1000).is_empty(), "2 is not silent: event 20 waits");
+        // Event 20 leaves once 2 delivers, without 1: no timeout.
+        match a.offer(2, 20, (), 5) {
+            Offer::Ready(e) => assert_eq!(e.missing, vec![1]),
+            o => panic!("{o:?}"),
+        }
+        // An event that opens below a promise leaves as soon as the rest delivered.
+        a.offer(0, 22, (), 6);
+        match a.offer(2, 22, (), 6) {
+            Offer::Ready(e) => assert_eq!(e.missing, vec![1]),
+            o => panic!("{o:?}"),
+        }
+        // An item below its promise broke it: late if its event left, else it joins it.
+        assert!(matches!(a.offer(1, 20, (), 7), Offer::Late(())));
+        assert!(matches!(a.offer(0, 24, (), 7), Offer::Held));
+        assert!(matches!(a.offer(1, 24, (), 7), Offer::Held));
+        match a.offer(2, 24, (), 7) {
+            Offer::Ready(e) => assert!(e.is_complete()),
+            o => panic!("{o:?}"),
+        }
+        assert_eq!(a.pending_events(), 1, "event 30 waits for 1 and 2");
+        // Event 30 lacks 1 (promised to 25 only) and 2: it waits, without a timeout's help.
+        assert!(a.expire(1000).is_empty());
     }
 
     #[test]
@@ -1081,5 +1144,21 @@ mod tests {
         assert_eq!(a.floor(), Some(7), "a long-silent link makes no claim");
         a.close(1);
         assert_eq!(a.floor(), Some(7), "event 7 waits for link 0");
+    }
+
+    /// Links that never connected (silent from the start) promise nothing about events no
+    /// link has reached: a unit whose sources connect late sent `u64::MAX`.
+    #[test]
+    fn silent_links_leave_the_floor_at_what_was_reached() {
+        let mut a = Assembler::<()>::new(2, 1000, 100).ordered(true);
+        a.quiet(0, 0, 2000);
+        a.quiet(1, 0, 2000);
+        assert_eq!(a.floor(), Some(0));
+        a.offer(1, 3, (), 2000);
+        a.quiet(0, 0, 4000);
+        a.quiet(1, 2000, 4000);
+        assert_eq!(a.floor(), Some(3), "event 3 is open");
+        assert_eq!(a.expire(4000).len(), 1);
+        assert_eq!(a.floor(), Some(4), "nobody reached 4");
     }
 }

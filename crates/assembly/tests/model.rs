@@ -53,14 +53,28 @@ proptest! {
         let mut returned = 0usize;
         // The events the model knows to be open, to check the assembler's lowest one.
         let mut open = std::collections::BTreeSet::new();
+        // What the model knows of each contributor: closed, and its floor (items of an ordered
+        // one, promises). An event that leaves without timing out lacks only contributors
+        // closed or past it.
+        let mut closed = vec![false; n];
+        let mut floor = vec![0u64; n];
         for o in ops {
             match o {
                 Op::Offer { c, ev } => {
                     let c = c % n;
                     offered += 1;
                     let o = a.offer(c, ev, (c, ev), now);
-                    // Events the contributor moved past, out before the offer's own.
-                    for e in a.take_passed() {
+                    if ordered && !closed[c] && ev >= floor[c] {
+                        floor[c] = ev + 1;
+                    }
+                    let excused = |e: &tessera_assembly::Assembled<(usize, u64)>| {
+                        e.missing.iter().all(|&m| closed[m] || floor[m] > e.event_id)
+                    };
+                    if let Offer::Ready(e) = &o {
+                        prop_assert!(excused(e), "{:?}", e.missing);
+                    }
+                    for e in a.take_passed().collect::<Vec<_>>() {
+                        prop_assert!(excused(&e), "{:?}", e.missing);
                         prop_assert!(ordered);
                         prop_assert!(e.event_id < ev);
                         prop_assert!(e.missing.contains(&c));
@@ -93,7 +107,9 @@ proptest! {
                     }
                 }
                 Op::Close(c) => {
+                    closed[c % n] = true;
                     for e in a.close(c % n) {
+                        prop_assert!(e.missing.iter().all(|&m| closed[m] || floor[m] > e.event_id));
                         open.remove(&e.event_id);
                         out_in_events += e.parts.iter().flatten().count();
                     }
@@ -103,7 +119,19 @@ proptest! {
                     now += d;
                 }
                 Op::Heard(c) => a.heard(c % n),
-                Op::Promise(c, f) => a.promise_floor(c % n, f),
+                Op::Promise(c, f) => {
+                    let c = c % n;
+                    a.promise_floor(c, f);
+                    floor[c] = floor[c].max(f);
+                    // Events that lacked only contributors past them leave at once.
+                    for e in a.take_passed() {
+                        prop_assert!(e.missing.iter().all(|&m| closed[m] || floor[m] > e.event_id));
+                        prop_assert!(e.event_id < f);
+                        prop_assert!(e.missing.contains(&c));
+                        open.remove(&e.event_id);
+                        out_in_events += e.parts.iter().flatten().count();
+                    }
+                }
             }
             prop_assert_eq!(offered, out_in_events + returned + a.held_items());
             prop_assert_eq!(a.lowest_open(), open.first().copied());

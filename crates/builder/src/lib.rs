@@ -261,8 +261,14 @@ impl Shared {
             }
             let r = match floor {
                 Some(f) => {
+                    // Events that lacked only units promised past them leave now: waiting out
+                    // the timeout held the other units' parts in their read chunks, and with
+                    // two chunks a link two such events stood the builder still for good
+                    // (wire-format §2.3).
                     a.promise_floor(slot, f);
-                    a.expire(now)
+                    let mut r: Vec<_> = a.take_passed().collect();
+                    r.extend(a.expire(now));
+                    r
                 }
                 None => Vec::new(),
             };

@@ -800,7 +800,7 @@ pub struct BuilderSection {
     /// How long an event may wait for a readout unit that has gone silent (no super-fragment
     /// and no progress message, which a live unit sends every 100 ms), in ms. A unit that is
     /// alive but held never times an event out; an event one says it moved past is built
-    /// incomplete after this time too. Must exceed the readout units' own timeout (and so
+    /// incomplete at once. Must exceed the readout units' own timeout (and so
     /// is at least four times `run.io_moderation_us`, the grid event timeouts are resolved to).
     pub event_timeout_ms: u64,
     /// Most events open (waiting for readout units) at once; a super-fragment that would open

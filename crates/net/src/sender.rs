@@ -34,6 +34,11 @@ pub trait Outgoing: Send {
     fn fragment_count(&self) -> u64 {
         self.fragments().len() as u64
     }
+    /// Whether it counts as one of the link's units (super-fragments, event records: the
+    /// peer end's count); false for a message that only travels in order with them.
+    fn is_unit(&self) -> bool {
+        true
+    }
 }
 
 /// What happened to one batch, for the sender's counters.
@@ -208,7 +213,7 @@ fn report<T: Outgoing>(
             _ => 0,
         };
         BatchOutcome {
-            units: units.len() as u64,
+            units: units.iter().filter(|u| u.is_unit()).count() as u64,
             fragments: units.iter().map(|u| u.fragment_count()).sum(),
             bytes: headers
                 + units

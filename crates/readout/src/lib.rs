@@ -29,7 +29,7 @@ use crossbeam_channel::Receiver;
 use parking_lot::Mutex;
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -86,7 +86,40 @@ struct SuperFragment {
     readout_unit: u32,
 }
 
-impl tessera_net::sender::Outgoing for SuperFragment {
+/// What a unit queues for a builder link: its super-fragments, and now and then a progress
+/// message that must travel in order with them (see [`Shared::promise_after`]).
+enum ToBuilder {
+    Event(SuperFragment),
+    Floor(tessera_format::link::Progress),
+}
+
+impl tessera_net::sender::Outgoing for ToBuilder {
+    fn encode_header(&self, out: &mut Vec<u8>) {
+        match self {
+            ToBuilder::Event(sf) => sf.encode_header(out),
+            ToBuilder::Floor(p) => out.extend_from_slice(&p.encode()),
+        }
+    }
+
+    fn fragments(&self) -> &[ChunkSlice] {
+        match self {
+            ToBuilder::Event(sf) => &sf.fragments,
+            ToBuilder::Floor(_) => &[],
+        }
+    }
+
+    fn prefetch(&self) {
+        if let ToBuilder::Event(sf) = self {
+            tessera_assembly::hint::prefetch_all(&sf.fragments);
+        }
+    }
+
+    fn is_unit(&self) -> bool {
+        matches!(self, ToBuilder::Event(_))
+    }
+}
+
+impl SuperFragment {
     fn encode_header(&self, out: &mut Vec<u8>) {
         let body = self.body;
         let mut h = SuperFragmentHeader {
@@ -98,14 +131,6 @@ impl tessera_net::sender::Outgoing for SuperFragment {
         };
         h.total_size = (h.header_size() + body) as u32;
         h.encode_into(out);
-    }
-
-    fn fragments(&self) -> &[ChunkSlice] {
-        &self.fragments
-    }
-
-    fn prefetch(&self) {
-        tessera_assembly::hint::prefetch_all(&self.fragments);
     }
 }
 
@@ -152,7 +177,7 @@ struct Shared {
     ctx: LinkCtx,
     assembler: Mutex<Assembler<ChunkSlice>>,
     /// Per builder, one queue per rail.
-    to_builders: Vec<Vec<tessera_net::sender::Queue<SuperFragment>>>,
+    to_builders: Vec<Vec<tessera_net::sender::Queue<ToBuilder>>>,
     /// Per builder, super-fragments dispatched so far: the next one's rail.
     next_rail: Vec<AtomicUsize>,
     assignment: AssignmentSection,
@@ -162,6 +187,13 @@ struct Shared {
     in_dispatch: AtomicUsize,
     /// Batches' places in line, handed out under the assembler lock.
     leaving: Line,
+    /// One more than the highest event ID that left the assembler (0: none yet). Written under
+    /// the assembler lock.
+    departed_top: AtomicU64,
+    /// One more than the highest event ID this unit moved past without ever having it (none of
+    /// its sources sent it) and has not yet promised its builders it will not send (0: none).
+    /// Written under the assembler lock.
+    unpromised: AtomicU64,
 }
 
 /// A batch's place in the order batches left the assembler: it enters the builder queues in
@@ -171,6 +203,8 @@ struct Shared {
 struct Ticket<'a> {
     place: Option<tessera_net::line::Ticket<'a>>,
     sh: &'a Shared,
+    /// A floor to promise every builder link right after the batch.
+    promise: Option<u64>,
 }
 
 impl Ticket<'_> {
@@ -231,28 +265,80 @@ impl Shared {
             return;
         };
         ticket.wait_turn();
-        self.dispatch_batch(ready);
+        self.dispatch_batch(ready, ticket.promise);
         // The ticket's drop lets the next batch go.
         drop(ticket);
     }
 
-    /// Marks, under the assembler lock, that `ready` is on its way to [`Self::dispatch`], and
-    /// gives it its place in line.
-    fn leaving(&self, ready: &[Assembled<ChunkSlice>]) -> Option<Ticket<'_>> {
+    /// Marks, under the assembler lock (`a`), that `ready` is on its way to [`Self::dispatch`],
+    /// and gives it its place in line.
+    fn leaving(
+        &self,
+        a: &Assembler<ChunkSlice>,
+        ready: &[Assembled<ChunkSlice>],
+    ) -> Option<Ticket<'_>> {
         if ready.is_empty() {
             return None;
         }
+        let promise = self.promise_after(a, ready);
         self.in_dispatch.fetch_add(1, Ordering::AcqRel);
         Some(Ticket {
             place: Some(self.leaving.ticket()),
             sh: self,
+            promise,
         })
     }
 
-    fn dispatch_batch(&self, ready: Vec<Assembled<ChunkSlice>>) {
+    /// The floor to promise every builder right after `ready` (under the assembler lock `a`),
+    /// when the unit moved past an event it never had and has not promised so yet.
+    ///
+    /// Another unit's super-fragment of such an event waits at its builder until this unit's
+    /// promise says it will never come (wire-format §2.3), and meanwhile holds the read chunk
+    /// it lies in. The heartbeat's promise, every 100 ms and only when nothing is queued for
+    /// the link, came too late: with two read chunks a link at the builder, two such events
+    /// pinned both, the builder read nothing more from the other unit, this unit's link filled
+    /// with events waiting for it, and the promise queued behind them. The run stood still for
+    /// good. Sent in the queue, the promise reaches the builder right after the super-fragment
+    /// that came next: true, since every event below the floor has left the assembler, in this
+    /// batch or one queued before it. A unit whose sources number events densely sends one per
+    /// event it never had; one whose IDs step by more sends one per batch.
+    fn promise_after(
+        &self,
+        a: &Assembler<ChunkSlice>,
+        ready: &[Assembled<ChunkSlice>],
+    ) -> Option<u64> {
+        let mut top = self.departed_top.load(Ordering::Relaxed);
+        let mut gap = self.unpromised.load(Ordering::Relaxed);
+        for ev in ready {
+            if ev.event_id > top {
+                // IDs `top..event_id` never left this unit.
+                gap = ev.event_id;
+            }
+            top = top.max(ev.event_id.saturating_add(1));
+        }
+        self.departed_top.store(top, Ordering::Relaxed);
+        if gap == 0 {
+            return None;
+        }
+        // `gap` is one more than the highest such ID: a floor of `gap` covers it.
+        match a.floor() {
+            Some(f) if f >= gap => {
+                self.unpromised.store(0, Ordering::Relaxed);
+                Some(f)
+            }
+            // An event below it is still open (it left by the timeout, out of order): the next
+            // batch tries again.
+            _ => {
+                self.unpromised.store(gap, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    fn dispatch_batch(&self, ready: Vec<Assembled<ChunkSlice>>, promise: Option<u64>) {
         let n = self.to_builders.len();
         let count = ready.len();
-        let mut per_rail: Vec<Vec<Vec<SuperFragment>>> = self
+        let mut per_rail: Vec<Vec<Vec<ToBuilder>>> = self
             .to_builders
             .iter()
             .map(|r| r.iter().map(|_| Vec::new()).collect())
@@ -284,13 +370,22 @@ impl Shared {
                 rails[rail].reserve(each);
             }
             let body = fragments.iter().map(|f| f.len()).sum();
-            rails[rail].push(SuperFragment {
+            rails[rail].push(ToBuilder::Event(SuperFragment {
                 event_id: ev.event_id,
                 fragments,
                 body,
                 missing,
                 readout_unit: self.id,
-            });
+            }));
+        }
+        if let Some(floor) = promise {
+            let p = tessera_format::link::Progress {
+                readout_unit: self.id,
+                floor,
+            };
+            for batch in per_rail.iter_mut().flatten() {
+                batch.push(ToBuilder::Floor(p));
+            }
         }
         for (b, rails) in per_rail.into_iter().enumerate() {
             for (rail, batch) in rails.into_iter().enumerate() {
@@ -317,7 +412,7 @@ impl Shared {
             let mut a = self.assembler.lock();
             let r = a.close(slot);
             self.publish_held(&a);
-            let ticket = self.leaving(&r);
+            let ticket = self.leaving(&a, &r);
             (r, ticket)
         };
         let (ready, ticket) = ready;
@@ -383,7 +478,7 @@ impl ReadoutUnit {
                 // Bounded by the link budgets (every super-fragment is slices of their chunks),
                 // not in batches: a poller that waited on a full queue here would stop the other
                 // units' links it serves, which the builder may need before it reads this one.
-                let (tx, rx, bell) = tessera_net::sender::queue_unbounded::<SuperFragment>();
+                let (tx, rx, bell) = tessera_net::sender::queue_unbounded::<ToBuilder>();
                 txs.push(tx);
                 builder_links.push((b, rail, rails.len(), s, rx, bell));
             }
@@ -413,6 +508,8 @@ impl ReadoutUnit {
             assignment: cfg.assignment.clone(),
             in_dispatch: AtomicUsize::new(0),
             leaving: Line::default(),
+            departed_top: AtomicU64::new(0),
+            unpromised: AtomicU64::new(0),
         });
         let senders = Arc::new(tessera_net::reactor::Tally::default());
         for (b, rail, rails, stream, rx, bell) in builder_links {
@@ -869,7 +966,7 @@ fn offer(sh: &Shared, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
         }
         left.extend(items);
         sh.publish_held(&a);
-        ticket = sh.leaving(&ready);
+        ticket = sh.leaving(&a, &ready);
     }
     // Kept in `good` itself (drained, so empty, its capacity kept for the link's next read:
     // replacing it would make every read grow a new vector from nothing).
@@ -900,7 +997,7 @@ fn sweep(sh: &Shared) -> bool {
         }
         let r = a.sweep(now);
         sh.publish_held(&a);
-        let ticket = sh.leaving(&r.0);
+        let ticket = sh.leaving(&a, &r.0);
         (r.0, r.1, ticket)
     };
     sh.dispatch(ready, ticket);
@@ -916,7 +1013,7 @@ fn sender_to_builder(
     id: u32,
     b: String,
     stream: TcpStream,
-    rx: Receiver<Vec<SuperFragment>>,
+    rx: Receiver<Vec<ToBuilder>>,
     bell: tessera_net::reactor::Doorbell,
     st: Arc<ReadoutStats>,
     unit: std::sync::Weak<Shared>,
@@ -929,8 +1026,19 @@ fn sender_to_builder(
     };
     let st2 = st.clone();
     let st3 = st.clone();
-    let on_batch = move |o: tessera_net::sender::BatchOutcome, _: &[SuperFragment]| {
+    // The highest floor promised in the queue and written: the heartbeat never says less, so
+    // floors never decrease on the link (wire-format §2.3).
+    let promised = Arc::new(AtomicU64::new(0));
+    let promised2 = promised.clone();
+    let on_batch = move |o: tessera_net::sender::BatchOutcome, units: &[ToBuilder]| {
         let st = &st2;
+        if o.written && o.units < units.len() as u64 {
+            for u in units {
+                if let ToBuilder::Floor(p) = u {
+                    promised2.fetch_max(p.floor, Ordering::Relaxed);
+                }
+            }
+        }
         if o.written {
             st.super_fragments.fetch_add(o.units, Ordering::Relaxed);
             st.fragments_forwarded
@@ -951,7 +1059,7 @@ fn sender_to_builder(
     // events still queued for this builder): then the last floor is said again, which stays
     // true (everything below it had been sent when it was first said).
     let mut last_floor = 0u64;
-    let progress = move |rx: &Receiver<Vec<SuperFragment>>| {
+    let progress = move |rx: &Receiver<Vec<ToBuilder>>| {
         let sh = unit.upgrade()?;
         let floor = {
             let a = sh.assembler.lock();
@@ -962,6 +1070,7 @@ fn sender_to_builder(
                 last_floor = last_floor.max(f.unwrap_or(0));
             }
         }
+        last_floor = last_floor.max(promised.load(Ordering::Relaxed));
         let p = tessera_format::link::Progress {
             readout_unit: id,
             floor: last_floor,

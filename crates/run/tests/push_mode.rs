@@ -1386,3 +1386,66 @@ every = 200
         assert_eq!(b.missing_by_source.len(), 1, "{}", rep.summary());
     }
 }
+
+/// Every source of one unit skips the same events, so that unit never has them, with builders
+/// of two read chunks a unit: only those events are incomplete, and the run goes on. Each such
+/// event's super-fragment from the other unit used to pin one of its link's two chunks at the
+/// builder until the unit's promise (its progress floor) said the event would never come; two
+/// such events close together pinned both, the builder read nothing more of that link, the
+/// other link filled with events waiting for it, and the promise queued behind them: the run
+/// stood still for good (event 404 of 20 000), with no timeout able to fire since every link was
+/// alive and held. Event timeouts are ten minutes here, so a regression hangs past the test's
+/// limit rather than passing slowly.
+#[test]
+fn a_unit_that_never_had_events_costs_builders_with_small_buffers_only_those_events() {
+    const EVENTS: u64 = 20_000;
+    let dir = tempfile::tempdir().unwrap();
+    let skip: String = (0..4)
+        .map(|s| format!("[[inject]]\nsource = {s}\nkind = \"skip\"\nevery = 200\n"))
+        .collect();
+    let t = topology(&format!(
+        r#"
+[run]
+events = {EVENTS}
+max_fragment_size = "16 KiB"
+[sources]
+count = 8
+fragment_size = 16384
+threads = 2
+[recorder]
+enabled = false
+[monitor]
+enabled = false
+[[readout]]
+id = 0
+sources = "0-3"
+buffer = "2 MiB"
+event_timeout_ms = 600000
+[[readout]]
+id = 1
+sources = "4-7"
+buffer = "2 MiB"
+event_timeout_ms = 600000
+[[builder]]
+id = 0
+buffer = "1 MiB"
+read_chunk = "256 KiB"
+event_timeout_ms = 1200000
+[[builder]]
+id = 1
+buffer = "1 MiB"
+read_chunk = "256 KiB"
+event_timeout_ms = 1200000
+{skip}"#
+    ));
+    let rep = run(&t, dir.path());
+    assert!(rep.balance.holds, "{}", rep.summary());
+    let skipped = (1..EVENTS).filter(|e| e % 200 == 0).count() as u64;
+    assert_eq!(rep.events_incomplete, skipped, "{}", rep.summary());
+    assert_eq!(rep.events_complete, EVENTS - skipped, "{}", rep.summary());
+    assert_eq!(rep.balance.rejected_total, 0, "{}", rep.summary());
+    for s in 0..4 {
+        let missing: u64 = rep.builders.iter().map(|b| b.missing_by_source[&s]).sum();
+        assert_eq!(missing, skipped, "source {s}: {}", rep.summary());
+    }
+}
