@@ -22,7 +22,8 @@
 //! repeated one (a duplicated event ID) is reported as such instead of opening a new event
 //! that could only time out. The table of open events is
 //! capped ([`Assembler::with_max_open`]): an item that would open one more is handed back
-//! ([`Offer::Full`]) and its contributor waits, which holds its link (back-pressure).
+//! ([`Offer::Full`]) and its contributor waits, which holds its link (back-pressure), unless its
+//! event would leave at once (every other contributor closed or past it), which needs no room.
 
 pub mod hint;
 mod recent;
@@ -71,8 +72,9 @@ pub enum Offer<T> {
     Late(T),
     /// The contributor is closed; nothing more is taken from it.
     Closed(T),
-    /// The item would open an event past the cap on open events: nothing was taken. Offer it
-    /// again once events have left (the contributor waits meanwhile: back-pressure).
+    /// The item would open an event past the cap on open events, and the event would not leave
+    /// at once: nothing was taken. Offer it again once events have left (the contributor waits
+    /// meanwhile: back-pressure).
     Full(T),
 }
 
@@ -536,7 +538,17 @@ impl<T> Assembler<T> {
         let below_open = below && self.pending.contains_key(event_id);
         let n = self.contributors;
         let any_closed = self.any_closed();
-        if self.pending.len() >= self.max_open && !self.pending.contains_key(event_id) {
+        if self.pending.len() >= self.max_open
+            && !self.pending.contains_key(event_id)
+            && !self.leaves_at_once(c, event_id)
+            && !self.oldest_needed(event_id)
+        {
+            if self.ordered && !below {
+                // Past every lower event (its passing stands: those left, or wait for others),
+                // but not past this one, which it offers again: with its floor above it, the
+                // retry read as late, and back-pressure lost the fragment.
+                self.progress[c].floor = Some(event_id);
+            }
             self.stats.full += 1;
             return Offer::Full(item);
         }
@@ -611,6 +623,25 @@ impl<T> Assembler<T> {
         } else if let Some(x) = p.parts.get(c) {
             hint::prefetch(x);
         }
+    }
+
+    /// Whether an item of `c` that opens event `event_id` completes it at once: every other
+    /// contributor is closed or past it. Such an item needs no room in a full table; refusing
+    /// it would hold `c`, and the events in the table may be waiting for `c`'s later items.
+    fn leaves_at_once(&self, c: usize, event_id: u64) -> bool {
+        (0..self.contributors).all(|d| d == c || self.closed[d] || self.past(d, event_id))
+    }
+
+    /// Whether an item that would open event `event_id` in a full table must be taken for the
+    /// assembler to go on: its event is older than every open one. The open events then all
+    /// wait for later items of their contributors (an open event older than it, lacking a
+    /// contributor whose next item is this, would count it as past), so refusing it could hold
+    /// every link for good: two links lagging at an event the others skipped, the table full
+    /// of later events. Bounded: such events take at most one slot per contributor beyond the
+    /// cap (each contributor's items rise, and these only fall below the lowest open event).
+    fn oldest_needed(&self, event_id: u64) -> bool {
+        self.pending.len() < self.max_open.saturating_add(self.contributors)
+            && self.lowest_open().is_none_or(|l| event_id < l)
     }
 
     fn ready(&self, event_id: u64) -> bool {
@@ -1075,6 +1106,49 @@ mod tests {
         let out = a.expire(2000);
         assert_eq!(out.iter().map(|e| e.event_id).collect::<Vec<_>>(), vec![2]);
         assert_eq!(a.pending_events(), 1);
+    }
+
+    /// With the table full, an item whose event every other contributor has moved past (or
+    /// promised past) still goes in: it leaves at once, needing no room. Refused, it held its
+    /// contributor, whose later items the full table's events wait for: every link alive and
+    /// held, nothing could time out, and the unit stood still for good.
+    #[test]
+    fn a_full_table_takes_an_item_that_leaves_at_once() {
+        let mut a = Assembler::new(2, 1000, 100).ordered(true).with_max_open(2);
+        // Link 1 skipped event 1 and is ahead: events 2 and 3 wait for link 0.
+        assert!(matches!(a.offer(1, 2, 'b', 0), Offer::Held));
+        assert!(matches!(a.offer(1, 3, 'c', 0), Offer::Held));
+        match a.offer(0, 1, 'a', 0) {
+            Offer::Ready(e) => assert_eq!((e.event_id, e.missing), (1, vec![1])),
+            o => panic!("{o:?}"),
+        }
+        assert!(matches!(a.offer(0, 2, 'x', 0), Offer::Ready(_)));
+        // The same for a promise (a builder's readout units).
+        let mut b = Assembler::new(2, 1000, 100).with_max_open(1);
+        assert!(matches!(b.offer(1, 5, 'b', 0), Offer::Held));
+        b.promise_floor(1, 4);
+        match b.offer(0, 3, 'a', 0) {
+            Offer::Ready(e) => assert_eq!((e.event_id, e.missing), (3, vec![1])),
+            o => panic!("{o:?}"),
+        }
+        assert!(matches!(b.offer(0, 6, 'c', 0), Offer::Full('c')));
+        assert_eq!(b.stats.full, 1);
+    }
+
+    /// An item handed back by a full table, offered again once there is room, goes in: it is
+    /// not read as below its contributor's floor (late), which lost it.
+    #[test]
+    fn an_item_handed_back_by_a_full_table_goes_in_when_offered_again() {
+        let mut a = Assembler::new(2, 1000, 100).ordered(true).with_max_open(1);
+        assert!(matches!(a.offer(0, 1, 'a', 0), Offer::Held));
+        assert!(matches!(a.offer(0, 2, 'b', 0), Offer::Full('b')));
+        assert!(matches!(a.offer(1, 1, 'c', 0), Offer::Ready(_)));
+        assert!(matches!(a.offer(0, 2, 'b', 0), Offer::Held));
+        match a.offer(1, 2, 'd', 0) {
+            Offer::Ready(e) => assert!(e.is_complete()),
+            o => panic!("{o:?}"),
+        }
+        assert_eq!(a.stats.late, 0);
     }
 
     #[test]

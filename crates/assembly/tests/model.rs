@@ -96,7 +96,8 @@ proptest! {
                             returned += 1
                         }
                     }
-                    prop_assert!(a.pending_events() <= max_open);
+                    // The cap, and one event per contributor older than every open one.
+                    prop_assert!(a.pending_events() <= max_open + n);
                 }
                 Op::Tick(dt) => {
                     now += dt;
@@ -169,5 +170,83 @@ proptest! {
         }
         prop_assert_eq!(a.stats.late, 0);
         prop_assert_eq!(a.stats.incomplete, 0);
+    }
+}
+
+proptest! {
+    /// Back-pressure is not loss, and the table's cap never stands the assembler still: each
+    /// contributor offers its own ascending events (skipping some), an item handed back by the
+    /// full table is offered again later, and no timeout or silence ever happens; a contributor
+    /// of an unordered assembler promises, after each item, that it is past it (a readout unit
+    /// whose every super-fragment is followed by its floor; while the table hands the item back,
+    /// the builder applies that promise as far as the item), and one that has offered everything
+    /// closes (the end of its stream). No item is ever late or a duplicate, every item goes in,
+    /// and the table stays within its cap plus one event per contributor.
+    #[test]
+    fn a_full_table_holds_links_but_never_stands_them_still(
+        n in 2usize..5,
+        max_open in 1usize..6,
+        streams in proptest::collection::vec(
+            proptest::collection::btree_set(0u64..40, 0..30), 5),
+        order in proptest::collection::vec(0usize..5, 0..400),
+        ordered in any::<bool>(),
+    ) {
+        let mut a = Assembler::new(n, u64::MAX, 256).ordered(ordered).with_max_open(max_open);
+        let mut queues: Vec<std::collections::VecDeque<u64>> =
+            streams.into_iter().take(n).map(|s| s.into_iter().collect()).collect();
+        let offer = |a: &mut Assembler<()>, c: usize, q: &mut std::collections::VecDeque<u64>|
+            -> Result<bool, TestCaseError> {
+            let Some(&ev) = q.front() else { return Ok(false) };
+            let o = a.offer(c, ev, (), 0);
+            // Events an item handed back still let go (its contributor is past them) are
+            // progress too.
+            let released = a.take_passed().count() > 0;
+            match o {
+                Offer::Full(()) => {
+                    if !ordered {
+                        // The promise read behind the held item, as far as the item: everything
+                        // below it was sent before (the builder applies it so).
+                        a.promise_floor(c, ev);
+                        return Ok(a.take_passed().count() > 0 || released);
+                    }
+                    Ok(released)
+                }
+                Offer::Held | Offer::Ready(_) => {
+                    q.pop_front();
+                    if !ordered {
+                        a.promise_floor(c, ev + 1);
+                        let _ = a.take_passed().count();
+                    }
+                    Ok(true)
+                }
+                other => Err(TestCaseError::fail(format!("{other:?} for {c}'s event {ev}"))),
+            }
+        };
+        for c in order {
+            let c = c % n;
+            offer(&mut a, c, &mut queues[c])?;
+            prop_assert!(a.pending_events() <= max_open + n);
+        }
+        // Then every link offers until all is in: a round in which nobody's item goes in, with
+        // items left, is a stand-still.
+        loop {
+            let mut moved = false;
+            for (c, q) in queues.iter_mut().enumerate() {
+                if q.is_empty() {
+                    if !a.is_closed(c) {
+                        a.close(c);
+                        moved = true;
+                    }
+                    continue;
+                }
+                moved |= offer(&mut a, c, q)?;
+                prop_assert!(a.pending_events() <= max_open + n);
+            }
+            if queues.iter().all(|q| q.is_empty()) {
+                break;
+            }
+            prop_assert!(moved, "stood still: {:?}", queues.iter().map(|q| q.front()).collect::<Vec<_>>());
+        }
+        prop_assert_eq!(a.stats.late + a.stats.duplicates, 0);
     }
 }

@@ -600,17 +600,39 @@ impl PolledRail {
             offer(&self.sh, self.slot, &mut self.got);
             if !self.got.is_empty() {
                 self.count_held(now, true);
+                // The table of open events is full. A floor read behind the super-fragments it
+                // handed back still holds as far as the lowest of them (everything below that
+                // was offered): applied so, it lets go the events the unit never had, which may
+                // be what the table waits on. Kept for its whole value once they are in.
+                if !self.progress.is_empty() {
+                    let lowest = self.got.iter().map(|(ev, _)| *ev).min();
+                    self.apply_floor(lowest);
+                }
                 return false;
             }
         }
         self.count_held(now, false);
         // A floor applies after the super-fragments that came before it.
-        if let Some(&floor) = self.progress.iter().max() {
-            self.progress.clear();
-            self.sh.rails[self.slot].lock()[self.rail].floor = Some(floor);
-            self.sh.rails_changed(self.slot);
-        }
+        self.apply_floor(None);
+        self.progress.clear();
         true
+    }
+
+    /// Raises this rail's floor to the highest read, at most `cap`.
+    fn apply_floor(&self, cap: Option<u64>) {
+        let Some(&floor) = self.progress.iter().max() else {
+            return;
+        };
+        let floor = cap.map_or(floor, |c| floor.min(c));
+        {
+            let mut rs = self.sh.rails[self.slot].lock();
+            let r = &mut rs[self.rail];
+            if r.floor.is_some_and(|f| f >= floor) {
+                return;
+            }
+            r.floor = Some(floor);
+        }
+        self.sh.rails_changed(self.slot);
     }
 
     fn finish(&mut self) -> tessera_net::reactor::Next {

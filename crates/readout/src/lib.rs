@@ -74,7 +74,7 @@ pub struct ReadoutConfig {
     pub dial: Vec<String>,
 }
 
-/// One event's fragments from this unit, on its way to its builder.
+/// One event's fragments from this unit on its way to its builder, or a promise (`promise`).
 struct SuperFragment {
     event_id: u64,
     fragments: Vec<ChunkSlice>,
@@ -84,43 +84,53 @@ struct SuperFragment {
     body: usize,
     missing: Vec<u32>,
     readout_unit: u32,
+    /// Not a super-fragment: a progress message whose floor is `event_id`, sent in order with
+    /// the super-fragments (a flag rather than an enum: every access of the sender's write loop
+    /// would match on it).
+    promise: bool,
 }
 
-/// What a unit queues for a builder link: its super-fragments, and now and then a progress
-/// message that must travel in order with them (see [`Shared::promise_after`]).
-enum ToBuilder {
-    Event(SuperFragment),
-    Floor(tessera_format::link::Progress),
-}
-
-impl tessera_net::sender::Outgoing for ToBuilder {
+impl tessera_net::sender::Outgoing for SuperFragment {
     fn encode_header(&self, out: &mut Vec<u8>) {
-        match self {
-            ToBuilder::Event(sf) => sf.encode_header(out),
-            ToBuilder::Floor(p) => out.extend_from_slice(&p.encode()),
+        if self.promise {
+            let p = tessera_format::link::Progress {
+                readout_unit: self.readout_unit,
+                floor: self.event_id,
+            };
+            out.extend_from_slice(&p.encode());
+        } else {
+            self.encode_super_fragment_header(out);
         }
     }
 
     fn fragments(&self) -> &[ChunkSlice] {
-        match self {
-            ToBuilder::Event(sf) => &sf.fragments,
-            ToBuilder::Floor(_) => &[],
-        }
+        &self.fragments
     }
 
     fn prefetch(&self) {
-        if let ToBuilder::Event(sf) = self {
-            tessera_assembly::hint::prefetch_all(&sf.fragments);
-        }
+        tessera_assembly::hint::prefetch_all(&self.fragments);
     }
 
     fn is_unit(&self) -> bool {
-        matches!(self, ToBuilder::Event(_))
+        !self.promise
     }
 }
 
 impl SuperFragment {
-    fn encode_header(&self, out: &mut Vec<u8>) {
+    /// A progress message with floor `floor`, to travel in the queue with the super-fragments
+    /// (see [`Shared::promise_after`]).
+    fn promise(readout_unit: u32, floor: u64) -> SuperFragment {
+        SuperFragment {
+            event_id: floor,
+            fragments: Vec::new(),
+            body: 0,
+            missing: Vec::new(),
+            readout_unit,
+            promise: true,
+        }
+    }
+
+    fn encode_super_fragment_header(&self, out: &mut Vec<u8>) {
         let body = self.body;
         let mut h = SuperFragmentHeader {
             readout_unit: self.readout_unit,
@@ -177,7 +187,7 @@ struct Shared {
     ctx: LinkCtx,
     assembler: Mutex<Assembler<ChunkSlice>>,
     /// Per builder, one queue per rail.
-    to_builders: Vec<Vec<tessera_net::sender::Queue<ToBuilder>>>,
+    to_builders: Vec<Vec<tessera_net::sender::Queue<SuperFragment>>>,
     /// Per builder, super-fragments dispatched so far: the next one's rail.
     next_rail: Vec<AtomicUsize>,
     assignment: AssignmentSection,
@@ -338,7 +348,7 @@ impl Shared {
     fn dispatch_batch(&self, ready: Vec<Assembled<ChunkSlice>>, promise: Option<u64>) {
         let n = self.to_builders.len();
         let count = ready.len();
-        let mut per_rail: Vec<Vec<Vec<ToBuilder>>> = self
+        let mut per_rail: Vec<Vec<Vec<SuperFragment>>> = self
             .to_builders
             .iter()
             .map(|r| r.iter().map(|_| Vec::new()).collect())
@@ -370,21 +380,18 @@ impl Shared {
                 rails[rail].reserve(each);
             }
             let body = fragments.iter().map(|f| f.len()).sum();
-            rails[rail].push(ToBuilder::Event(SuperFragment {
+            rails[rail].push(SuperFragment {
                 event_id: ev.event_id,
                 fragments,
                 body,
                 missing,
                 readout_unit: self.id,
-            }));
+                promise: false,
+            });
         }
         if let Some(floor) = promise {
-            let p = tessera_format::link::Progress {
-                readout_unit: self.id,
-                floor,
-            };
             for batch in per_rail.iter_mut().flatten() {
-                batch.push(ToBuilder::Floor(p));
+                batch.push(SuperFragment::promise(self.id, floor));
             }
         }
         for (b, rails) in per_rail.into_iter().enumerate() {
@@ -478,7 +485,7 @@ impl ReadoutUnit {
                 // Bounded by the link budgets (every super-fragment is slices of their chunks),
                 // not in batches: a poller that waited on a full queue here would stop the other
                 // units' links it serves, which the builder may need before it reads this one.
-                let (tx, rx, bell) = tessera_net::sender::queue_unbounded::<ToBuilder>();
+                let (tx, rx, bell) = tessera_net::sender::queue_unbounded::<SuperFragment>();
                 txs.push(tx);
                 builder_links.push((b, rail, rails.len(), s, rx, bell));
             }
@@ -1013,7 +1020,7 @@ fn sender_to_builder(
     id: u32,
     b: String,
     stream: TcpStream,
-    rx: Receiver<Vec<ToBuilder>>,
+    rx: Receiver<Vec<SuperFragment>>,
     bell: tessera_net::reactor::Doorbell,
     st: Arc<ReadoutStats>,
     unit: std::sync::Weak<Shared>,
@@ -1030,12 +1037,12 @@ fn sender_to_builder(
     // floors never decrease on the link (wire-format §2.3).
     let promised = Arc::new(AtomicU64::new(0));
     let promised2 = promised.clone();
-    let on_batch = move |o: tessera_net::sender::BatchOutcome, units: &[ToBuilder]| {
+    let on_batch = move |o: tessera_net::sender::BatchOutcome, units: &[SuperFragment]| {
         let st = &st2;
         if o.written && o.units < units.len() as u64 {
             for u in units {
-                if let ToBuilder::Floor(p) = u {
-                    promised2.fetch_max(p.floor, Ordering::Relaxed);
+                if u.promise {
+                    promised2.fetch_max(u.event_id, Ordering::Relaxed);
                 }
             }
         }
@@ -1059,7 +1066,7 @@ fn sender_to_builder(
     // events still queued for this builder): then the last floor is said again, which stays
     // true (everything below it had been sent when it was first said).
     let mut last_floor = 0u64;
-    let progress = move |rx: &Receiver<Vec<ToBuilder>>| {
+    let progress = move |rx: &Receiver<Vec<SuperFragment>>| {
         let sh = unit.upgrade()?;
         let floor = {
             let a = sh.assembler.lock();
