@@ -1326,21 +1326,17 @@ trigger_types = 1
     assert!(rep.balance.holds, "{}", rep.summary());
 }
 
-/// A source that skips events, with buffers of a few read chunks a link: each skipped event
-/// leaves at once, missing that source alone. It used to wait out `readout.event_timeout_ms`
-/// although its link had moved past it (an item of a later event came), holding a read chunk of
-/// each other link meanwhile; with two chunks a link and the emulated sources' drivers shared
-/// over links, no link could read and the run stood still for the timeout at every skip
-/// (16 KiB x 8, one skip in 200: 21 events/s). Here the timeout is ten minutes: a skipped event
-/// that waited for it would hold the run past the test's time limit.
-#[test]
-fn a_source_skipping_events_costs_units_with_small_buffers_only_those_events() {
-    const EVENTS: u64 = 20_000;
+/// Two readout units of four 16 KiB sources (`[[readout]]` tables by `units`: `sources` and any
+/// buffers or caps) and two builders (`builders`: anything beyond their IDs), recorder and monitor
+/// off, event timeouts of ten minutes (twenty at the builders), so that an event that waited for
+/// one instead of leaving at once would hold the run past the test's time limit rather than
+/// pass slowly; `extra`: the faults. Returns the report of `events` events.
+fn small_buffer_run(events: u64, units: [&str; 2], builders: &str, extra: &str) -> Report {
     let dir = tempfile::tempdir().unwrap();
     let t = topology(&format!(
         r#"
 [run]
-events = {EVENTS}
+events = {events}
 max_fragment_size = "16 KiB"
 [sources]
 count = 8
@@ -1352,36 +1348,64 @@ enabled = false
 enabled = false
 [[readout]]
 id = 0
-buffer = "2 MiB"
 event_timeout_ms = 600000
+{}
 [[readout]]
 id = 1
-buffer = "2 MiB"
 event_timeout_ms = 600000
+{}
 [[builder]]
 id = 0
-buffer = "1 MiB"
-read_chunk = "256 KiB"
 event_timeout_ms = 1200000
+{builders}
 [[builder]]
 id = 1
-buffer = "1 MiB"
-read_chunk = "256 KiB"
 event_timeout_ms = 1200000
-[[inject]]
-source = 2
-kind = "skip"
-every = 200
-"#
+{builders}
+{extra}"#,
+        units[0], units[1]
     ));
-    let rep = run(&t, dir.path());
+    run(&t, dir.path())
+}
+
+/// `skip` faults on each of `sources`, every `every` events.
+fn skips(sources: std::ops::Range<u32>, every: u64) -> String {
+    sources
+        .map(|s| format!("[[inject]]\nsource = {s}\nkind = \"skip\"\nevery = {every}\n"))
+        .collect()
+}
+
+/// Events below `events` that are multiples of `every` (event 0 never is skipped).
+fn multiples(events: u64, every: u64) -> u64 {
+    (1..events).filter(|e| e % every == 0).count() as u64
+}
+
+/// How many events the builders built without `source`.
+fn missing(rep: &Report, source: u32) -> u64 {
+    rep.builders
+        .iter()
+        .map(|b| b.missing_by_source.get(&source).copied().unwrap_or(0))
+        .sum()
+}
+
+/// A source that skips events, with buffers of a few read chunks a link: each skipped event
+/// leaves at once, missing that source alone. It used to wait out `readout.event_timeout_ms`
+/// although its link had moved past it (an item of a later event came), holding a read chunk of
+/// each other link meanwhile; with two chunks a link and the emulated sources' drivers shared
+/// over links, no link could read and the run stood still for the timeout at every skip
+/// (16 KiB x 8, one skip in 200: 21 events/s).
+#[test]
+fn a_source_skipping_events_costs_units_with_small_buffers_only_those_events() {
+    const EVENTS: u64 = 20_000;
+    let unit = r#"buffer = "2 MiB""#;
+    let builders = "buffer = \"1 MiB\"\nread_chunk = \"256 KiB\"";
+    let rep = small_buffer_run(EVENTS, [unit, unit], builders, &skips(2..3, 200));
     assert!(rep.balance.holds, "{}", rep.summary());
-    let skipped = (1..EVENTS).filter(|e| e % 200 == 0).count() as u64;
+    let skipped = multiples(EVENTS, 200);
     assert_eq!(rep.events_incomplete, skipped, "{}", rep.summary());
     assert_eq!(rep.events_complete, EVENTS - skipped, "{}", rep.summary());
     assert_eq!(rep.balance.rejected_total, 0, "{}", rep.summary());
-    let missing: u64 = rep.builders.iter().map(|b| b.missing_by_source[&2]).sum();
-    assert_eq!(missing, skipped, "{}", rep.summary());
+    assert_eq!(missing(&rep, 2), skipped, "{}", rep.summary());
     for b in &rep.builders {
         assert_eq!(b.missing_by_source.len(), 1, "{}", rep.summary());
     }
@@ -1394,59 +1418,27 @@ every = 200
 /// such events close together pinned both, the builder read nothing more of that link, the
 /// other link filled with events waiting for it, and the promise queued behind them: the run
 /// stood still for good (event 404 of 20 000), with no timeout able to fire since every link was
-/// alive and held. Event timeouts are ten minutes here, so a regression hangs past the test's
-/// limit rather than passing slowly.
+/// alive and held.
 #[test]
 fn a_unit_that_never_had_events_costs_builders_with_small_buffers_only_those_events() {
     const EVENTS: u64 = 20_000;
-    let dir = tempfile::tempdir().unwrap();
-    let skip: String = (0..4)
-        .map(|s| format!("[[inject]]\nsource = {s}\nkind = \"skip\"\nevery = 200\n"))
-        .collect();
-    let t = topology(&format!(
-        r#"
-[run]
-events = {EVENTS}
-max_fragment_size = "16 KiB"
-[sources]
-count = 8
-fragment_size = 16384
-threads = 2
-[recorder]
-enabled = false
-[monitor]
-enabled = false
-[[readout]]
-id = 0
-sources = "0-3"
-buffer = "2 MiB"
-event_timeout_ms = 600000
-[[readout]]
-id = 1
-sources = "4-7"
-buffer = "2 MiB"
-event_timeout_ms = 600000
-[[builder]]
-id = 0
-buffer = "1 MiB"
-read_chunk = "256 KiB"
-event_timeout_ms = 1200000
-[[builder]]
-id = 1
-buffer = "1 MiB"
-read_chunk = "256 KiB"
-event_timeout_ms = 1200000
-{skip}"#
-    ));
-    let rep = run(&t, dir.path());
+    let builders = "buffer = \"1 MiB\"\nread_chunk = \"256 KiB\"";
+    let rep = small_buffer_run(
+        EVENTS,
+        [
+            "sources = \"0-3\"\nbuffer = \"2 MiB\"",
+            "sources = \"4-7\"\nbuffer = \"2 MiB\"",
+        ],
+        builders,
+        &skips(0..4, 200),
+    );
     assert!(rep.balance.holds, "{}", rep.summary());
-    let skipped = (1..EVENTS).filter(|e| e % 200 == 0).count() as u64;
+    let skipped = multiples(EVENTS, 200);
     assert_eq!(rep.events_incomplete, skipped, "{}", rep.summary());
     assert_eq!(rep.events_complete, EVENTS - skipped, "{}", rep.summary());
     assert_eq!(rep.balance.rejected_total, 0, "{}", rep.summary());
     for s in 0..4 {
-        let missing: u64 = rep.builders.iter().map(|b| b.missing_by_source[&s]).sum();
-        assert_eq!(missing, skipped, "source {s}: {}", rep.summary());
+        assert_eq!(missing(&rep, s), skipped, "source {s}: {}", rep.summary());
     }
 }
 
@@ -1459,49 +1451,17 @@ event_timeout_ms = 1200000
 #[test]
 fn tables_of_open_events_at_their_cap_cost_time_never_data() {
     const EVENTS: u64 = 8_000;
-    let dir = tempfile::tempdir().unwrap();
-    let mut skip: String = (0..4)
-        .map(|s| format!("[[inject]]\nsource = {s}\nkind = \"skip\"\nevery = 200\n"))
-        .collect();
-    skip.push_str("[[inject]]\nsource = 5\nkind = \"skip\"\nevery = 300\n");
-    let t = topology(&format!(
-        r#"
-[run]
-events = {EVENTS}
-max_fragment_size = "16 KiB"
-[sources]
-count = 8
-fragment_size = 16384
-threads = 2
-[recorder]
-enabled = false
-[monitor]
-enabled = false
-[[readout]]
-id = 0
-sources = "0-3"
-max_open_events = 4
-event_timeout_ms = 600000
-[[readout]]
-id = 1
-sources = "4-7"
-max_open_events = 4
-event_timeout_ms = 600000
-[[builder]]
-id = 0
-max_open_events = 4
-event_timeout_ms = 1200000
-[[builder]]
-id = 1
-max_open_events = 4
-event_timeout_ms = 1200000
-{skip}"#
-    ));
-    let rep = run(&t, dir.path());
+    let rep = small_buffer_run(
+        EVENTS,
+        [
+            "sources = \"0-3\"\nmax_open_events = 4",
+            "sources = \"4-7\"\nmax_open_events = 4",
+        ],
+        "max_open_events = 4",
+        &(skips(0..4, 200) + &skips(5..6, 300)),
+    );
     assert!(rep.balance.holds, "{}", rep.summary());
     assert_eq!(rep.balance.rejected_total, 0, "{}", rep.summary());
-    let by_unit = (1..EVENTS).filter(|e| e % 200 == 0).count() as u64;
-    let by_source = (1..EVENTS).filter(|e| e % 300 == 0).count() as u64;
     let incomplete = (1..EVENTS).filter(|e| e % 200 == 0 || e % 300 == 0).count() as u64;
     assert_eq!(rep.events_incomplete, incomplete, "{}", rep.summary());
     assert_eq!(
@@ -1510,14 +1470,18 @@ event_timeout_ms = 1200000
         "{}",
         rep.summary()
     );
-    let missing = |s: u32| -> u64 {
-        rep.builders
-            .iter()
-            .map(|b| b.missing_by_source.get(&s).copied().unwrap_or(0))
-            .sum()
-    };
     for s in 0..4 {
-        assert_eq!(missing(s), by_unit, "source {s}: {}", rep.summary());
+        assert_eq!(
+            missing(&rep, s),
+            multiples(EVENTS, 200),
+            "source {s}: {}",
+            rep.summary()
+        );
     }
-    assert_eq!(missing(5), by_source, "{}", rep.summary());
+    assert_eq!(
+        missing(&rep, 5),
+        multiples(EVENTS, 300),
+        "{}",
+        rep.summary()
+    );
 }
