@@ -204,6 +204,11 @@ struct Shared {
     /// its sources sent it) and has not yet promised its builders it will not send (0: none).
     /// Written under the assembler lock.
     unpromised: AtomicU64,
+    /// The highest floor computed for a promise, in the queue or by a heartbeat (written under
+    /// the assembler lock). Every later promise says at least this: it stays true (everything
+    /// below it has left the assembler), and the unit's own floor can fall (a source back from
+    /// a silence counts again), while floors must never decrease on a link (wire-format §2.3).
+    floor_said: AtomicU64,
 }
 
 /// A batch's place in the order batches left the assembler: it enters the builder queues in
@@ -299,6 +304,19 @@ impl Shared {
         })
     }
 
+    /// The floor a promise says now (under the assembler lock `a`), never below one said
+    /// before: the assembler's floor, or the last said if that is higher.
+    fn floor_to_say(&self, a: &Assembler<ChunkSlice>) -> Option<u64> {
+        let said = self.floor_said.load(Ordering::Relaxed);
+        let f = match a.floor() {
+            Some(f) => f.max(said),
+            None if said > 0 => said,
+            None => return None,
+        };
+        self.floor_said.store(f, Ordering::Relaxed);
+        Some(f)
+    }
+
     /// The floor to promise every builder right after `ready` (under the assembler lock `a`),
     /// when the unit moved past an event it never had and has not promised so yet.
     ///
@@ -331,7 +349,7 @@ impl Shared {
             return None;
         }
         // `gap` is one more than the highest such ID: a floor of `gap` covers it.
-        match a.floor() {
+        match self.floor_to_say(a) {
             Some(f) if f >= gap => {
                 self.unpromised.store(0, Ordering::Relaxed);
                 Some(f)
@@ -517,6 +535,7 @@ impl ReadoutUnit {
             leaving: Line::default(),
             departed_top: AtomicU64::new(0),
             unpromised: AtomicU64::new(0),
+            floor_said: AtomicU64::new(0),
         });
         let senders = Arc::new(tessera_net::reactor::Tally::default());
         for (b, rail, rails, stream, rx, bell) in builder_links {
@@ -1070,7 +1089,7 @@ fn sender_to_builder(
         let sh = unit.upgrade()?;
         let floor = {
             let a = sh.assembler.lock();
-            (sh.in_dispatch.load(Ordering::Acquire) == 0).then(|| a.floor())
+            (sh.in_dispatch.load(Ordering::Acquire) == 0).then(|| sh.floor_to_say(&a))
         };
         if let Some(f) = floor {
             if rx.is_empty() {
