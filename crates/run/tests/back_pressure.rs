@@ -148,3 +148,83 @@ queue = 4
         rep.balance.holds,
     );
 }
+
+/// A run paused for longer than every event timeout builds every event complete once it
+/// resumes. While paused, every source of a readout unit is silent past its timeout, so the
+/// unit's floor leaves them all out: it used to promise its builders `u64::MAX`, and a builder
+/// that trusts a promise at once would then send on incomplete every event whose other unit's
+/// part came first after the resume. The floor stays at what the sources reached.
+#[test]
+fn a_run_paused_past_its_timeouts_builds_every_event_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let events = 20_000u64;
+    let t = Topology::parse(
+        &format!(
+            r#"
+[run]
+events = {events}
+max_fragment_size = "16 KiB"
+[sources]
+count = 4
+fragment_size = 2048
+trigger = "periodic"
+rate_hz = 5000
+[[readout]]
+id = 0
+sources = "0-1"
+event_timeout_ms = 200
+[[readout]]
+id = 1
+sources = "2-3"
+event_timeout_ms = 200
+[[builder]]
+id = 0
+event_timeout_ms = 400
+[[builder]]
+id = 1
+event_timeout_ms = 400
+[recorder]
+enabled = false
+[monitor]
+enabled = false
+"#
+        ),
+        "test.toml",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let opts = Options {
+        output: Some(dir.path().to_path_buf()),
+        status: StatusMode::Off,
+        ..Default::default()
+    };
+    let s = Session::start(&t, &opts).unwrap();
+    let t0 = Instant::now();
+    while sent(&s) < 4 * 2_000 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the run never began"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    s.pause();
+    // Paused until nothing has been sent for well past both timeouts.
+    while !stalled_for(&s, Duration::from_millis(1500)) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the pause never held"
+        );
+    }
+    s.resume();
+    let stop_reason = loop {
+        if let Some(r) = s.end_reason() {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stop = s.stop(&StopDeadlines::from(&t.topology.stop));
+    let rep = s.finish(stop_reason, stop).unwrap();
+    assert!(rep.ok(), "{}", rep.summary());
+    assert!(rep.balance.holds, "{}", rep.summary());
+    assert_eq!(rep.events_complete, events, "{}", rep.summary());
+    assert_eq!(rep.events_incomplete, 0, "{}", rep.summary());
+}
