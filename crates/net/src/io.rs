@@ -48,8 +48,10 @@ pub fn tune(stream: &TcpStream, read_timeout: Option<Duration>) -> io::Result<()
     Ok(())
 }
 
-/// Connects to `addr`, retrying refused connections until `patience` runs out: the peer role may
-/// still be starting (on another host, or a restarted daemon).
+/// Connects to `addr`, trying again every 50 ms after any failure until `patience` runs out: the
+/// peer role may still be starting (refused, on another host, or a restarted daemon), or its
+/// host's network coming up (unreachable). The node agents' `dial` retries refusals only, since
+/// an operator is waiting on a configure there.
 pub fn connect_retry(addr: &str, patience: Duration) -> io::Result<TcpStream> {
     let t0 = Instant::now();
     let addrs: Vec<SocketAddr> = addr.to_socket_addrs()?.collect();
