@@ -50,8 +50,8 @@ pub fn tune(stream: &TcpStream, read_timeout: Option<Duration>) -> io::Result<()
 
 /// Connects to `addr`, trying again every 50 ms after any failure until `patience` runs out: the
 /// peer role may still be starting (refused, on another host, or a restarted daemon), or its
-/// host's network coming up (unreachable). The node agents' `dial` retries refusals only, since
-/// an operator is waiting on a configure there.
+/// host's network coming up (unreachable). (The run control's `dial` to node agents retries
+/// refusals only and reports any other failure at once.)
 pub fn connect_retry(addr: &str, patience: Duration) -> io::Result<TcpStream> {
     let t0 = Instant::now();
     let addrs: Vec<SocketAddr> = addr.to_socket_addrs()?.collect();
