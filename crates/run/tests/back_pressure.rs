@@ -31,13 +31,17 @@ fn stalled_for(s: &Session, window: Duration) -> bool {
     true
 }
 
-#[test]
-fn a_run_held_far_past_its_timeouts_loses_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let events = 20_000u64;
-    // Timeouts of 200 and 400 ms against a hold of several seconds; two builders, so that a
-    // readout unit held by one builder is still heard by the other.
-    let t = Topology::parse(
+/// Four sources of 2 KiB over two readout units and two builders, with event timeouts of 200 ms
+/// at the units and 400 ms at the builders. `trigger`: the trigger's lines; `unit` and
+/// `builder`: each unit's and each builder's further lines; `rest`: further tables.
+fn two_units_two_builders(
+    events: u64,
+    trigger: &str,
+    unit: &str,
+    builder: &str,
+    rest: &str,
+) -> tessera_config::Resolved {
+    Topology::parse(
         &format!(
             r#"
 [run]
@@ -46,29 +50,53 @@ max_fragment_size = "16 KiB"
 [sources]
 count = 4
 fragment_size = 2048
-trigger = "unlimited"
+{trigger}
 [[readout]]
 id = 0
 sources = "0-1"
-buffer = "1 MiB"
-read_chunk = "64 KiB"
 event_timeout_ms = 200
+{unit}
 [[readout]]
 id = 1
 sources = "2-3"
-buffer = "1 MiB"
-read_chunk = "64 KiB"
 event_timeout_ms = 200
+{unit}
 [[builder]]
 id = 0
-buffer = "2 MiB"
-read_chunk = "128 KiB"
 event_timeout_ms = 400
+{builder}
 [[builder]]
 id = 1
-buffer = "2 MiB"
-read_chunk = "128 KiB"
 event_timeout_ms = 400
+{builder}
+{rest}"#
+        ),
+        "test.toml",
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn start(t: &tessera_config::Resolved, out: &std::path::Path) -> Session {
+    let opts = Options {
+        output: Some(out.to_path_buf()),
+        status: StatusMode::Off,
+        ..Default::default()
+    };
+    Session::start(t, &opts).unwrap()
+}
+
+#[test]
+fn a_run_held_far_past_its_timeouts_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let events = 20_000u64;
+    // Timeouts of 200 and 400 ms against a hold of several seconds; two builders, so that a
+    // readout unit held by one builder is still heard by the other.
+    let t = two_units_two_builders(
+        events,
+        r#"trigger = "unlimited""#,
+        "buffer = \"1 MiB\"\nread_chunk = \"64 KiB\"",
+        "buffer = \"2 MiB\"\nread_chunk = \"128 KiB\"",
+        r#"
 [recorder]
 queue = "2 MiB"
 fsync = false
@@ -77,17 +105,9 @@ fsync = false
 name = "hold"
 mode = "blocking"
 queue = 4
-"#
-        ),
-        "test.toml",
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    let opts = Options {
-        output: Some(dir.path().to_path_buf()),
-        status: StatusMode::Off,
-        ..Default::default()
-    };
-    let s = Session::start(&t, &opts).unwrap();
+"#,
+    );
+    let s = start(&t, dir.path());
     let consumer = s.monitor().unwrap().attach("hold", "held").unwrap();
     // Hold until the whole system has stood still for well over every timeout, twice over.
     let t0 = Instant::now();
@@ -158,46 +178,14 @@ queue = 4
 fn a_run_paused_past_its_timeouts_builds_every_event_complete() {
     let dir = tempfile::tempdir().unwrap();
     let events = 20_000u64;
-    let t = Topology::parse(
-        &format!(
-            r#"
-[run]
-events = {events}
-max_fragment_size = "16 KiB"
-[sources]
-count = 4
-fragment_size = 2048
-trigger = "periodic"
-rate_hz = 5000
-[[readout]]
-id = 0
-sources = "0-1"
-event_timeout_ms = 200
-[[readout]]
-id = 1
-sources = "2-3"
-event_timeout_ms = 200
-[[builder]]
-id = 0
-event_timeout_ms = 400
-[[builder]]
-id = 1
-event_timeout_ms = 400
-[recorder]
-enabled = false
-[monitor]
-enabled = false
-"#
-        ),
-        "test.toml",
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    let opts = Options {
-        output: Some(dir.path().to_path_buf()),
-        status: StatusMode::Off,
-        ..Default::default()
-    };
-    let s = Session::start(&t, &opts).unwrap();
+    let t = two_units_two_builders(
+        events,
+        "trigger = \"periodic\"\nrate_hz = 5000",
+        "",
+        "",
+        "[recorder]\nenabled = false\n[monitor]\nenabled = false\n",
+    );
+    let s = start(&t, dir.path());
     let t0 = Instant::now();
     while sent(&s) < 4 * 2_000 {
         assert!(
