@@ -81,7 +81,8 @@ pub enum Offer<T> {
 struct Pending<T> {
     parts: Vec<Option<T>>,
     have: usize,
-    /// Contributors that moved past this event without delivering it (each counted once, when its floor passed the event or when the event opened above it).
+    /// Contributors that moved past this event without delivering it (each counted once, when
+    /// its floor passed the event or when the event opened above it).
     passed: usize,
     first_seen_ns: u64,
 }
@@ -235,8 +236,8 @@ pub struct Assembler<T> {
     /// The highest floor of any contributor: an event that opens at or above it has nobody
     /// past it, which spares the look at every contributor when it opens.
     top_floor: u64,
-    /// Events that left because an ordered contributor moved past them, ascending, for the
-    /// caller to take ([`Assembler::take_passed`]) before the offer's own ready event.
+    /// Events that left because a contributor moved past them (an ordered one's later item, or
+    /// a promise), ascending, for the caller to take ([`Assembler::take_passed`]).
     passed: Vec<Assembled<T>>,
     /// The contributor that kept the last aged event waiting: checked first by the next sweep,
     /// so a long backlog behind one lagging link costs one look per event.

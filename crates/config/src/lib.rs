@@ -743,8 +743,8 @@ pub struct ReadoutSection {
     pub reserve: bool,
     /// How long an event may wait for a link that could deliver and does not, in ms: a link
     /// that stays silent while it is read, or never connected (one that moved past the event
-    /// or closed costs no wait). A link the unit
-    /// itself stops reading (its buffer full: back-pressure) never times an event out.
+    /// or closed costs no wait). A link the unit itself stops reading (its buffer full:
+    /// back-pressure) never times an event out.
     pub event_timeout_ms: u64,
     /// Most events open (waiting for links) at once. A fragment that would open one more waits,
     /// holding its link (back-pressure); the wait counts as busy time.
@@ -800,8 +800,8 @@ pub struct BuilderSection {
     /// How long an event may wait for a readout unit that has gone silent (no super-fragment
     /// and no progress message, which a live unit sends every 100 ms), in ms. A unit that is
     /// alive but held never times an event out; an event one says it moved past is built
-    /// incomplete at once. Must exceed the readout units' own timeout (and so
-    /// is at least four times `run.io_moderation_us`, the grid event timeouts are resolved to).
+    /// incomplete at once. Must exceed the readout units' own timeout (and so is at least four
+    /// times `run.io_moderation_us`, the grid event timeouts are resolved to).
     pub event_timeout_ms: u64,
     /// Most events open (waiting for readout units) at once; a super-fragment that would open
     /// one more waits, holding its link (back-pressure).
