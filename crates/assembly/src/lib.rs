@@ -797,6 +797,15 @@ impl<T> Assembler<T> {
         ids.into_iter().map(|ev| self.depart(ev, false)).collect()
     }
 
+    /// Lets the lowest open event go as it is, incomplete and counted as timed out. For a
+    /// consumer that found its open events waiting on each other's items that it cannot read
+    /// (every contributor held for memory that those same events hold): nothing else can end
+    /// that, and the oldest event is the one every later one waits behind.
+    pub fn let_go_oldest(&mut self) -> Option<Assembled<T>> {
+        let ev = self.lowest_open()?;
+        Some(self.depart(ev, true))
+    }
+
     /// Sends every pending event out as it is (at the end of a run, or an abort).
     pub fn flush(&mut self) -> Vec<Assembled<T>> {
         let mut ids: Vec<u64> = self.pending.keys().collect();
@@ -1026,6 +1035,25 @@ mod tests {
         );
         a.quiet(1, 1399, 1400);
         assert_eq!(a.expire(1400).len(), 1);
+    }
+
+    #[test]
+    fn letting_the_oldest_go_takes_the_lowest_open_event_only() {
+        let mut a = Assembler::new(2, 1000, 100);
+        assert!(a.let_go_oldest().is_none());
+        for ev in [7, 3, 9] {
+            assert!(matches!(a.offer(0, ev, ev, 0), Offer::Held));
+        }
+        let e = a.let_go_oldest().unwrap();
+        assert_eq!(
+            (e.event_id, e.missing.as_slice(), e.timed_out),
+            (3, &[1][..], true)
+        );
+        assert_eq!(a.pending_events(), 2);
+        assert_eq!(a.lowest_open(), Some(7));
+        // Its other part comes too late, and the rest still completes.
+        assert!(matches!(a.offer(1, 3, 3, 1), Offer::Late(_)));
+        assert!(matches!(a.offer(1, 7, 7, 1), Offer::Ready(_)));
     }
 
     #[test]

@@ -94,6 +94,8 @@ struct Rail {
     ended: Option<u64>,
     /// Silent from .0, still silent at .1 (ns since the start).
     silent: Option<(u64, u64)>,
+    /// Its reader has found no memory since then (ns since the start), without a read between.
+    starved_since: Option<u64>,
 }
 
 struct Shared {
@@ -109,6 +111,7 @@ struct Shared {
     abort: Arc<AtomicBool>,
     max_message: usize,
     read_chunk: usize,
+    event_timeout_ns: u64,
 }
 
 pub struct BuilderUnit {
@@ -168,6 +171,7 @@ impl BuilderUnit {
             abort: abort.clone(),
             max_message: cfg.max_message,
             read_chunk: cfg.read_chunk,
+            event_timeout_ns: cfg.event_timeout.as_nanos() as u64,
         });
         {
             let sh = shared.clone();
@@ -416,6 +420,7 @@ fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener, role: &mut RoleT
                     .receive_queues
                     .gauge(tessera_net::queued::Side::Unread),
                 bell: tessera_net::reactor::Doorbell::default(),
+                starved: false,
                 _live: live.enter(),
             };
             tessera_net::reactor::Reactor::stage(tessera_net::reactor::Stage::Builder)
@@ -524,6 +529,8 @@ struct PolledRail {
     unread: tessera_net::queued::QueueGauge,
     /// Rung by the link's budget when memory comes back after a read found none.
     bell: tessera_net::reactor::Doorbell,
+    /// The last read found no memory (mirrored in the rail's `starved_since` for the sweeper).
+    starved: bool,
     _live: tessera_net::reactor::TallyGuard,
 }
 
@@ -585,6 +592,23 @@ impl PolledRail {
                     return;
                 }
             }
+        }
+    }
+
+    /// Notes for the sweeper that this rail's reader found no memory (kept from the first time
+    /// until it reads again, or until the sweeper lets an event go and wants a new proof).
+    fn starve(&mut self) {
+        self.starved = true;
+        let now = self.sh.now_ns();
+        self.sh.rails[self.slot].lock()[self.rail]
+            .starved_since
+            .get_or_insert(now);
+    }
+
+    /// The rail read again: one lock when it leaves a starved spell, none otherwise.
+    fn fed(&mut self) {
+        if std::mem::take(&mut self.starved) {
+            self.sh.rails[self.slot].lock()[self.rail].starved_since = None;
         }
     }
 
@@ -696,6 +720,7 @@ impl tessera_net::reactor::Conn for PolledRail {
                 .try_fill(&mut self.stream, self.want, &self.bell)
             {
                 Ok(Fill::Data(0)) => {
+                    self.fed();
                     // Nothing, not even a progress message, since `since`: silence.
                     let now = Instant::now();
                     if let Some(since) = self.silence.empty_read(self.reader.read_started, now) {
@@ -706,13 +731,18 @@ impl tessera_net::reactor::Conn for PolledRail {
                     return Next::Readable(now + SILENCE_PROOF);
                 }
                 Ok(Fill::Data(_)) => {
+                    self.fed();
                     drained = self.reader.drained();
                     if self.silence.data(drained) {
                         self.sh.rail_silent(self.slot, self.rail, None);
                     }
                 }
-                Ok(Fill::Eof) => self.eof = true,
+                Ok(Fill::Eof) => {
+                    self.fed();
+                    self.eof = true;
+                }
                 Ok(Fill::NoMemory) => {
+                    self.starve();
                     self.silence.not_read();
                     let now = Instant::now();
                     self.count_held(now, true);
@@ -795,12 +825,71 @@ fn sweep(sh: &Shared) -> bool {
                 a.quiet(slot, 0, now);
             }
         }
-        let r = a.sweep(now);
+        let (mut ready, all_closed) = a.sweep(now);
+        if ready.is_empty() && stood_still(sh, &a, now) {
+            if let Some(ev) = a.let_go_oldest() {
+                let_go(sh, &ev);
+                ready.push(ev);
+            }
+        }
         sh.publish_held(&a);
-        r
+        (ready, all_closed)
     };
     sh.finish(ready);
     !all_closed
+}
+
+/// Whether the builder stands still for good: every open rail of every open unit has found no
+/// memory for a whole event timeout, and nothing built waits for the recorder. Its memory is
+/// then held by open events alone, each waiting for a part that lies unread behind a rail that
+/// has no memory to read it into, which only those events can give back: a unit that promises
+/// only in its periodic heartbeat (wire-format §2.3) brings that about with two events it never
+/// had and two read chunks a link. Nothing that could still arrive is refused by this test:
+/// with one rail readable, or a built event still on its way to the recorder (whose memory
+/// comes back), it is false, so back-pressure costs dead time, never an event.
+fn stood_still(sh: &Shared, a: &Assembler<Part>, now: u64) -> bool {
+    if a.pending_events() == 0 || sh.stats.queued_fragments.load(Ordering::Relaxed) > 0 {
+        return false;
+    }
+    let mut any = false;
+    for (slot, rails) in sh.rails.iter().enumerate() {
+        if a.is_closed(slot) {
+            continue;
+        }
+        for r in rails.lock().iter().filter(|r| !r.closed) {
+            match r.starved_since {
+                Some(t) if now.saturating_sub(t) >= sh.event_timeout_ns => any = true,
+                _ => return false,
+            }
+        }
+    }
+    any
+}
+
+/// Counts and logs an event let go to end a stand-still, and asks for a new proof before the
+/// next: every rail must find no memory again for a whole timeout, so an event is let go only
+/// while the builder still stands still after the last one left (its memory may have freed the
+/// rails, whose next reads then complete the events behind it).
+fn let_go(sh: &Shared, ev: &Assembled<Part>) {
+    sh.stats.stall_releases.fetch_add(1, Ordering::Relaxed);
+    let lacking: Vec<u32> = ev
+        .parts
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.is_none())
+        .map(|(slot, _)| sh.rus[slot].0)
+        .collect();
+    tracing::warn!(
+        builder = sh.id,
+        event_id = ev.event_id,
+        readout_units = ?lacking,
+        "every readout-unit link held for memory by events waiting on each other for a whole event timeout: the oldest leaves incomplete (a unit that promises only in its heartbeat, wire-format 2.3)"
+    );
+    for rails in &sh.rails {
+        for r in rails.lock().iter_mut() {
+            r.starved_since = None;
+        }
+    }
 }
 
 /// The link to the recorder, served by the pollers of the sending stage.

@@ -59,6 +59,9 @@ pub struct BuilderStats {
     pub bytes_built: AtomicU64,
     /// Fragments in super-fragments that arrived after their event was built.
     pub late_fragments: AtomicU64,
+    /// Events let go incomplete because every link was held for memory by open events waiting
+    /// on each other for a whole event timeout (a stand-still nothing else could end).
+    pub stall_releases: AtomicU64,
     pub duplicate_fragments: AtomicU64,
     /// Fragments in super-fragments that contradicted themselves.
     pub malformed_fragments: AtomicU64,
@@ -226,6 +229,7 @@ impl BuilderStats {
             fragments_in_incomplete: AtomicU64::new(0),
             bytes_built: AtomicU64::new(0),
             late_fragments: AtomicU64::new(0),
+            stall_releases: AtomicU64::new(0),
             duplicate_fragments: AtomicU64::new(0),
             malformed_fragments: AtomicU64::new(0),
             held_fragments: AtomicU64::new(0),

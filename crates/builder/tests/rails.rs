@@ -1,6 +1,7 @@
-//! A builder on two rails, fed by readout units written here from docs/wire-format.md's link
-//! messages over real sockets: its promises follow the slowest open rail, and a rail that
-//! breaks loses only what was sent its way.
+//! A builder fed by readout units written here from docs/wire-format.md's link messages over
+//! real sockets. On two rails: its promises follow the slowest open rail, and a rail that breaks
+//! loses only what was sent its way. With small buffers: a unit that promises only in its
+//! periodic heartbeat (the spec's "should" not followed) costs time, never a stand-still.
 
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
@@ -78,7 +79,18 @@ impl Rail {
 }
 
 fn builder(event_timeout: Duration) -> (BuilderUnit, Vec<std::net::SocketAddr>) {
-    let listeners: Vec<TcpListener> = (0..2)
+    builder_with(2, 16 << 20, 1 << 16, event_timeout)
+}
+
+/// A builder of units 0 and 1 on `rails` rails, `buffer` bytes shared by its links (each rail
+/// at least two read chunks of `read_chunk`).
+fn builder_with(
+    rails: usize,
+    buffer: u64,
+    read_chunk: usize,
+    event_timeout: Duration,
+) -> (BuilderUnit, Vec<std::net::SocketAddr>) {
+    let listeners: Vec<TcpListener> = (0..rails)
         .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
         .collect();
     let addrs = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
@@ -87,8 +99,8 @@ fn builder(event_timeout: Duration) -> (BuilderUnit, Vec<std::net::SocketAddr>) 
         listeners,
         readout_units: vec![(0, vec![0]), (1, vec![1])],
         recorder: None,
-        buffer: 16 << 20,
-        read_chunk: 1 << 16,
+        buffer,
+        read_chunk,
         reserve: true,
         event_timeout,
         max_open_events: 1024,
@@ -102,7 +114,17 @@ fn builder(event_timeout: Duration) -> (BuilderUnit, Vec<std::net::SocketAddr>) 
 fn until(st: &BuilderStats, what: &str, f: impl Fn(&BuilderStats) -> bool) {
     let t = Instant::now();
     while !f(st) {
-        assert!(t.elapsed() < Duration::from_secs(60), "never: {what}");
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "never: {what} (built {} complete, {} incomplete, {} open; links' memory {:?})",
+            count(&st.events_complete),
+            count(&st.events_incomplete),
+            count(&st.pending_events),
+            st.links
+                .iter()
+                .map(|l| (l.used(), l.limit()))
+                .collect::<Vec<_>>()
+        );
         std::thread::sleep(Duration::from_millis(2));
     }
 }
@@ -204,4 +226,61 @@ fn a_rail_that_breaks_loses_only_what_went_its_way() {
         s.links.iter().all(|l| l.closed.load(Ordering::Acquire))
     });
     b.join();
+}
+
+/// A unit that never had two events and says so only in its heartbeat, which it sends between
+/// batches (wire-format §2.3: the promise right behind the batch is a "should"). Each of the
+/// other unit's super-fragments of those events held one of its link's two read chunks, so the
+/// builder read nothing more from that link; the first unit's link then filled both its chunks
+/// with events waiting for what the other link had not been read for, and its heartbeat lay
+/// behind them. Nothing could ever be read again: the builder stood still for good, every unit
+/// alive and held, no event timed out (a unit the builder is not reading is never silent). Now
+/// a builder whose every open link is held for memory by events that wait on each other lets
+/// the oldest of them go once they have waited out its event timeout: here exactly the two
+/// events the unit never had are incomplete, as the promise would have made them.
+#[test]
+fn a_unit_that_promises_only_in_its_heartbeat_costs_time_never_a_stand_still() {
+    const EVENTS: u64 = 3000;
+    const NEVER: [u64; 2] = [5, 700];
+    // Two read chunks of 64 KiB a link: about 500 super-fragments of 132 bytes each.
+    let (b, addrs) = builder_with(1, 256 << 10, 1 << 16, Duration::from_millis(300));
+    let other = std::thread::spawn({
+        let addr = addrs[0];
+        move || {
+            let mut u1 = Rail::open(1, addr);
+            for start in (0..EVENTS).step_by(1000) {
+                u1.events(start..start + 1000);
+                u1.floor(start + 1000);
+            }
+            u1.end();
+        }
+    });
+    let never_had = std::thread::spawn({
+        let addr = addrs[0];
+        move || {
+            let mut u0 = Rail::open(0, addr);
+            for start in (0..EVENTS).step_by(1500) {
+                u0.events((start..start + 1500).filter(|e| !NEVER.contains(e)));
+                u0.floor(start + 1500);
+            }
+            u0.end();
+        }
+    });
+    until(&b.stats, "the builder finished", |s| {
+        s.links.iter().all(|l| l.closed.load(Ordering::Acquire))
+    });
+    other.join().unwrap();
+    never_had.join().unwrap();
+    let st = b.stats.clone();
+    b.join();
+    assert_eq!(count(&st.events_incomplete), NEVER.len() as u64);
+    assert_eq!(count(&st.events_complete), EVENTS - NEVER.len() as u64);
+    assert_eq!(st.missing_by_source.lock().get(&0), Some(&2));
+    assert_eq!(count(&st.late_fragments), 0);
+    // Event 5 let go; event 700 may have gone by the heartbeat or a second release.
+    assert!(
+        (1..=2).contains(&count(&st.stall_releases)),
+        "{}",
+        count(&st.stall_releases)
+    );
 }

@@ -363,6 +363,13 @@ pub fn live_series(e: &mut Enc<'_, '_>, live: &Live) -> std::fmt::Result {
         &[(vec![], bus.iter().map(|b| b.events_incomplete).sum::<u64>())],
     )?;
     e.counter(
+        "tessera_builder_stall_releases",
+        "incomplete events each builder let go to end a stand-still: every link held for memory by open events waiting on each other for a whole event timeout",
+        &bus.iter()
+            .map(|b| (bu(b.id), b.stall_releases))
+            .collect::<Vec<_>>(),
+    )?;
+    e.counter(
         "tessera_builder_bytes",
         "bytes of events each builder built",
         &bus.iter()

@@ -85,6 +85,10 @@ pub struct LiveBuilder {
     /// links, as last sampled (push mode).
     #[serde(default)]
     pub receive_queued: u64,
+    /// Incomplete events let go to end a stand-still (every link held for memory by events
+    /// waiting on each other for a whole event timeout).
+    #[serde(default)]
+    pub stall_releases: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

@@ -186,6 +186,10 @@ pub struct BuilderReport {
     /// Bytes of its buffer taken and touched before any readout unit sent (`builder.reserve`).
     #[serde(default)]
     pub reserved_bytes: u64,
+    /// Of its incomplete events, those let go to end a stand-still: every link held for memory
+    /// by open events waiting on each other for a whole event timeout (wire-format §2.3).
+    #[serde(default)]
+    pub stall_releases: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -520,6 +524,7 @@ pub(crate) fn builder(b: &tessera_builder::BuilderUnit, cx: &Cx, p: &mut Parts) 
         fragments_in_incomplete: st.fragments_in_incomplete.load(Ordering::Relaxed),
         bytes_built: st.bytes_built.load(Ordering::Relaxed),
         late_fragments: st.late_fragments.load(Ordering::Relaxed),
+        stall_releases: st.stall_releases.load(Ordering::Relaxed),
         duplicate_fragments: st.duplicate_fragments.load(Ordering::Relaxed),
         malformed_fragments: st.malformed_fragments.load(Ordering::Relaxed),
         busy_fraction: frac_per(st.busy_ns(), cx.secs, st.links.len()),
@@ -933,6 +938,13 @@ impl Report {
                 "  incomplete events by missing source: {}{}",
                 list.join(", "),
                 if missing.len() > 12 { ", ..." } else { "" }
+            );
+        }
+        let released: u64 = self.builders.iter().map(|b| b.stall_releases).sum();
+        if released > 0 {
+            let _ = writeln!(
+                s,
+                "  of those, {released} let go by a builder that stood still (every link held for memory by events waiting on each other; a readout unit that promises only in its heartbeat)"
             );
         }
         if let Some(r) = &self.recorder {

@@ -362,6 +362,7 @@ impl RunRole for tessera_builder::BuilderUnit {
             queued_fragments: s.queued_fragments.load(Relaxed),
             latency: crate::live::histogram(&s.latency),
             receive_queued: s.receive_queues.total(),
+            stall_releases: s.stall_releases.load(Relaxed),
         });
     }
     fn note(&self, run: &Running) -> Option<String> {
