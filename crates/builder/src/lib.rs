@@ -872,13 +872,7 @@ fn stood_still(sh: &Shared, a: &Assembler<Part>, now: u64) -> bool {
 /// rails, whose next reads then complete the events behind it).
 fn let_go(sh: &Shared, ev: &Assembled<Part>) {
     sh.stats.stall_releases.fetch_add(1, Ordering::Relaxed);
-    let lacking: Vec<u32> = ev
-        .parts
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| p.is_none())
-        .map(|(slot, _)| sh.rus[slot].0)
-        .collect();
+    let lacking: Vec<u32> = ev.missing.iter().map(|&slot| sh.rus[slot].0).collect();
     tracing::warn!(
         builder = sh.id,
         event_id = ev.event_id,
