@@ -3,7 +3,7 @@
 //! 1. Events of 5 KiB to one TCP consumer that reads every byte, at 100 and at 1 per call,
 //!    against raw TCP moving the same bytes between the same two threads in the same run.
 //! 2. The data path's recorded rate with three sampling consumers attached against none, runs
-//!    alternated in the same invocation.
+//!    alternated in the same invocation, in push mode and in request mode.
 //! 3. A consumer process killed with SIGKILL while it holds a blocking station's events: how long
 //!    the producer stays blocked.
 
@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tessera_config::{MonitorSection, StationMode, StationSection};
+use tessera_config::{Mode as RunMode, MonitorSection, StationMode, StationSection};
 use tessera_format::event::{EventFlags, EventRecordHeader};
 use tessera_monitor::{ClientOptions, Consumer, Monitor, Server, ServerOptions, Wait};
 use tessera_run::{Options, StatusMode};
@@ -218,6 +218,8 @@ fn raw_round_trips(secs: f64) -> Result<(f64, u64)> {
 #[derive(Serialize)]
 struct DataPathPoint {
     test: &'static str,
+    /// "push" or "request".
+    run_mode: &'static str,
     consumers: usize,
     events: u64,
     events_per_s_without: f64,
@@ -228,17 +230,25 @@ struct DataPathPoint {
 }
 
 /// Runs the bench topology once, with `consumers` sampling consumers attached over TCP (each on
-/// its own sampling station, reading every byte of what it gets). Returns recorded events/s and
-/// what each consumer got.
-fn data_path_run(events: u64, consumers: usize, reading: bool) -> Result<(f64, Vec<u64>)> {
-    let mut r = bench_topology(Mode::Record, 640, 8, events)?;
-    r.topology.monitor.listen = "127.0.0.1:0".into();
-    r.topology.monitor.stations = (0..3)
+/// its own sampling station, reading every byte of what it gets), in push or request mode.
+/// Returns recorded events/s and what each consumer got.
+fn data_path_run(
+    run_mode: RunMode,
+    events: u64,
+    consumers: usize,
+    reading: bool,
+) -> Result<(f64, Vec<u64>)> {
+    let mut t = bench_topology(Mode::Record, 640, 8, events)?.topology;
+    t.run.mode = run_mode;
+    t.monitor.listen = "127.0.0.1:0".into();
+    t.monitor.stations = (0..3)
         .map(|i| StationSection {
             name: format!("display{i}"),
             ..Default::default()
         })
         .collect();
+    let text = format!("{t:?}");
+    let r = t.resolve("<bench>", text)?;
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().to_path_buf();
     let addr_file = dir.join("monitor.addr");
@@ -461,45 +471,51 @@ pub fn run_monitor(a: &BenchArgs) -> Result<()> {
     }
 
     let events = a.events.unwrap_or(if a.quick { 100_000 } else { 300_000 });
-    let (mut without, mut with, mut asleep) = (Vec::new(), Vec::new(), Vec::new());
-    let mut sampled = Vec::new();
-    for _ in 0..repeat {
-        without.push(data_path_run(events, 0, false)?.0);
-        let (r, got) = data_path_run(events, 3, true)?;
-        with.push(r);
-        sampled = got;
-        asleep.push(data_path_run(events, 3, false)?.0);
-    }
-    let (w0, w3, ws) = (median(&mut without), median(&mut with), median(&mut asleep));
-    for (test, rate, got, what) in [
-        (
-            "data_path_with_sampling_consumers",
-            w3,
-            sampled.clone(),
-            "3 sampling consumers reading all they can",
-        ),
-        (
-            "data_path_with_sleeping_consumers",
-            ws,
-            vec![0, 0, 0],
-            "3 sampling consumers attached and asleep",
-        ),
-    ] {
-        let p = DataPathPoint {
-            test,
-            consumers: 3,
-            events,
-            events_per_s_without: w0,
-            events_per_s_with: rate,
-            ratio: rate / w0,
-            sampled_per_consumer: got,
-            repeats: repeat,
-        };
-        let text = format!(
-            "  data path (8 sources x 640 B, recorded): {:>7.0} events/s with no consumer, {:>7.0} with {what} (ratio {:.3}); sampled {:?}",
-            p.events_per_s_without, p.events_per_s_with, p.ratio, p.sampled_per_consumer
-        );
-        emit(&p, text);
+    // Request mode too: there a builder holds its credit until the recorder says the event is
+    // in its file, so anything that delays that word (it once waited for the recorder's read
+    // timeout whenever a consumer slowed the writer) shows here and not in push mode.
+    for (run_mode, mode_name) in [(RunMode::Push, "push"), (RunMode::Request, "request")] {
+        let (mut without, mut with, mut asleep) = (Vec::new(), Vec::new(), Vec::new());
+        let mut sampled = Vec::new();
+        for _ in 0..repeat {
+            without.push(data_path_run(run_mode, events, 0, false)?.0);
+            let (r, got) = data_path_run(run_mode, events, 3, true)?;
+            with.push(r);
+            sampled = got;
+            asleep.push(data_path_run(run_mode, events, 3, false)?.0);
+        }
+        let (w0, w3, ws) = (median(&mut without), median(&mut with), median(&mut asleep));
+        for (test, rate, got, what) in [
+            (
+                "data_path_with_sampling_consumers",
+                w3,
+                sampled.clone(),
+                "3 sampling consumers reading all they can",
+            ),
+            (
+                "data_path_with_sleeping_consumers",
+                ws,
+                vec![0, 0, 0],
+                "3 sampling consumers attached and asleep",
+            ),
+        ] {
+            let p = DataPathPoint {
+                test,
+                run_mode: mode_name,
+                consumers: 3,
+                events,
+                events_per_s_without: w0,
+                events_per_s_with: rate,
+                ratio: rate / w0,
+                sampled_per_consumer: got,
+                repeats: repeat,
+            };
+            let text = format!(
+                "  data path, {mode_name} mode (8 sources x 640 B, recorded): {:>7.0} events/s with no consumer, {:>7.0} with {what} (ratio {:.3}); sampled {:?}",
+                p.events_per_s_without, p.events_per_s_with, p.ratio, p.sampled_per_consumer
+            );
+            emit(&p, text);
+        }
     }
 
     let mut blocked = Vec::new();

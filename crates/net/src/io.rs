@@ -39,6 +39,34 @@ pub fn write_all_vectored_counted(
     (done, Ok(()))
 }
 
+/// Writes what `stream` takes of `buf` now, without waiting, even on a blocking socket: 0 when
+/// its send buffer is full. For a thread that must never wait on a peer (a recorder's writer
+/// telling builders what is in its file) on a socket another thread reads and writes blocking.
+pub fn send_now(stream: &TcpStream, buf: &[u8]) -> io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    loop {
+        // SAFETY: `buf` is valid for `buf.len()` bytes for the call; the descriptor is open for
+        // as long as `stream` is borrowed.
+        let n = unsafe {
+            libc::send(
+                stream.as_raw_fd(),
+                buf.as_ptr().cast(),
+                buf.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => {}
+            io::ErrorKind::WouldBlock => return Ok(0),
+            _ => return Err(e),
+        }
+    }
+}
+
 /// Sets up a data-path socket. Nagle is off: every role coalesces its own writes (whole batches
 /// of fragments per write), so the kernel's coalescing would only add delay to the last segment.
 /// A read timeout lets blocked readers notice a stop and check their timers.

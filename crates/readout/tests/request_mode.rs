@@ -227,8 +227,19 @@ fn answers_name_exactly_the_missing_links_and_move_only_what_was_asked() {
     assert_eq!(sources_in(&body), vec![10, 11]);
     let q = &ru.stats.requests;
     assert_eq!(q.fragments_sent.load(Ordering::Relaxed), 5);
-    assert_eq!(ru.stats.refused_connections.load(Ordering::Relaxed), 2);
     assert_eq!(q.partial_answers.load(Ordering::Relaxed), 1);
+    // The stranger's two connections are refused on the unit's acceptor thread once it has read
+    // their hellos, which nothing above waits for: waited for here (a loaded host once counted
+    // one of the two at this point).
+    let t0 = std::time::Instant::now();
+    while ru.stats.refused_connections.load(Ordering::Relaxed) < 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the stranger's connections were not refused"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(ru.stats.refused_connections.load(Ordering::Relaxed), 2);
     // Clears free every page; the unsent fragments of event 4 are counted, as are odd clears.
     em.send(Message::Clear {
         event_ids: vec![4, 5, 6, 99],
@@ -260,6 +271,16 @@ fn answers_name_exactly_the_missing_links_and_move_only_what_was_asked() {
         })
         .sum();
     assert_eq!(unsent, 3, "event 4 was never requested");
+    // Announcements reach the fake manager on its own reading thread: waited for as well.
+    let t0 = std::time::Instant::now();
+    while em.announced.lock().unwrap().len() < 3 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "announced only {:?}",
+            em.announced.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let mut announced = em.announced.lock().unwrap().clone();
     announced.sort_unstable();
     assert_eq!(announced, vec![4, 5, 6]);

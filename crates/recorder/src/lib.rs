@@ -131,10 +131,96 @@ type Record = (ChunkSlice, u32, bool, u64, bool);
 #[derive(Default)]
 struct Written {
     per_link: Vec<AtomicU64>,
+    /// Per builder slot that asked for acknowledgements: its link's sending side. The writer
+    /// tells a builder as soon as its records are in the file; left to the link's reader, an
+    /// acknowledgement waited for the builder's next write or the reader's read timeout (100 ms),
+    /// and a request-mode builder holds its credit until then (measured: 1 400 events/s instead
+    /// of 16 000 once a monitor consumer made the writer lose the race with the reader).
+    ack_links: Vec<Mutex<Option<AckSender>>>,
+    /// Per slot: the writer found the link's sender in use by its reader, which must then look
+    /// again once it lets go, or a count that came in between would wait for its next wake.
+    ack_again: Vec<AtomicBool>,
     /// A link waits for its last acknowledgement: write the partial block now.
     flush_wanted: AtomicBool,
     /// Some builder asked for acknowledgements (request mode).
     acks_wanted: AtomicBool,
+}
+
+/// The sending side of a builder link that wants acknowledgements. The acknowledgement is a
+/// running count, so only the newest matters; an encoded one is finished before a newer starts.
+struct AckSender {
+    stream: TcpStream,
+    /// The count last encoded.
+    acked: u64,
+    /// What is left to send of the last encoded acknowledgement.
+    unsent: Vec<u8>,
+}
+
+impl AckSender {
+    /// Sends the acknowledgement of `now` records if it is news. `wait`: the link's reader, which
+    /// may block on the peer; the writer never does (what the socket does not take now is left
+    /// for the next call of either). False when the link failed.
+    fn send(&mut self, now: u64, wait: bool) -> bool {
+        loop {
+            if self.unsent.is_empty() {
+                if now <= self.acked {
+                    return true;
+                }
+                self.acked = now;
+                self.unsent = Ack { records: now }.encode().to_vec();
+            }
+            if wait {
+                if std::io::Write::write_all(&mut self.stream, &self.unsent).is_err() {
+                    return false;
+                }
+                self.unsent.clear();
+                continue;
+            }
+            match tessera_net::io::send_now(&self.stream, &self.unsent) {
+                Ok(0) => return true,
+                Ok(n) => {
+                    self.unsent.drain(..n);
+                }
+                Err(_) => return false,
+            }
+        }
+    }
+}
+
+impl Written {
+    /// Tells every builder that wants acknowledgements what is in the file now, without waiting
+    /// for any of them: a link whose reader is using it, or whose socket is full, gets it from
+    /// its reader instead.
+    fn tell_builders(&self) {
+        for (slot, link) in self.ack_links.iter().enumerate() {
+            // Raised before the lock is tried, and looked at by the reader after it lets go
+            // (fences on both sides): either the writer gets the lock or the reader sees this.
+            self.ack_again[slot].store(true, Ordering::SeqCst);
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if let Some(mut g) = link.try_lock() {
+                if let Some(a) = g.as_mut() {
+                    // A failure is the reader's to find and report.
+                    a.send(self.per_link[slot].load(Ordering::Acquire), false);
+                }
+            }
+        }
+    }
+
+    /// The link reader's turn: sends what is due, waiting on the peer if it must, and again
+    /// while the writer found the sender in use meanwhile. False when the link failed.
+    fn tell_builder(&self, slot: usize) -> bool {
+        loop {
+            if let Some(a) = self.ack_links[slot].lock().as_mut() {
+                if !a.send(self.per_link[slot].load(Ordering::Acquire), true) {
+                    return false;
+                }
+            }
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if !self.ack_again[slot].swap(false, Ordering::SeqCst) {
+                return true;
+            }
+        }
+    }
 }
 
 /// Event IDs remembered for deduplication. A builder that fails after handing an event over gets
@@ -182,6 +268,8 @@ impl Recorder {
         };
         let written = Arc::new(Written {
             per_link: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            ack_links: (0..n).map(|_| Mutex::new(None)).collect(),
+            ack_again: (0..n).map(|_| AtomicBool::new(false)).collect(),
             flush_wanted: AtomicBool::new(false),
             acks_wanted: AtomicBool::new(false),
         });
@@ -343,16 +431,23 @@ fn read_builder(
 ) -> bool {
     let mut clean = false;
     let mut received = 0u64;
-    let mut acked = 0u64;
-    let ack = |s: &mut TcpStream, acked: &mut u64| -> bool {
-        let Some(w) = &link.acks else { return true };
-        let now = w.per_link[link.slot].load(Ordering::Acquire);
-        if now > *acked {
-            *acked = now;
-            return std::io::Write::write_all(s, &Ack { records: now }.encode()).is_ok();
+    if let Some(w) = &link.acks {
+        match s.try_clone() {
+            Ok(stream) => {
+                *w.ack_links[link.slot].lock() = Some(AckSender {
+                    stream,
+                    acked: 0,
+                    unsent: Vec::new(),
+                })
+            }
+            Err(e) => {
+                *st.error.lock() = Some(format!("builder link: {e}"));
+                return false;
+            }
         }
-        true
-    };
+    }
+    // Whatever the writer could not send without waiting.
+    let ack = || -> bool { link.acks.as_ref().is_none_or(|w| w.tell_builder(link.slot)) };
     let mut reader = ChunkReader::new(budget, RECORDER_CHUNK.max(max));
     let mut want = 0;
     loop {
@@ -405,7 +500,7 @@ fn read_builder(
         if done {
             break;
         }
-        if !ack(&mut s, &mut acked) {
+        if !ack() {
             break;
         }
         match reader.fill(&mut s, want, abort) {
@@ -425,8 +520,11 @@ fn read_builder(
                 w.flush_wanted.store(true, Ordering::Release);
                 std::thread::sleep(Duration::from_millis(2));
             }
-            ack(&mut s, &mut acked);
+            ack();
         }
+    }
+    if let Some(w) = &link.acks {
+        w.ack_links[link.slot].lock().take();
     }
     let _ = s.shutdown(std::net::Shutdown::Both);
     clean
@@ -464,6 +562,7 @@ impl InFlight {
         written: &Written,
         st: &RecorderStats,
     ) {
+        let mut news = false;
         while let Some(&(slot, stream)) = self.queue.front() {
             if let Some(s) = stream {
                 if self.appended[s] <= pending(s) {
@@ -474,6 +573,10 @@ impl InFlight {
             self.queue.pop_front();
             written.per_link[slot].fetch_add(1, Ordering::AcqRel);
             st.records_written.fetch_add(1, Ordering::AcqRel);
+            news = true;
+        }
+        if news && written.acks_wanted.load(Ordering::Acquire) {
+            written.tell_builders();
         }
     }
 }

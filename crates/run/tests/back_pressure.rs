@@ -35,6 +35,7 @@ fn stalled_for(s: &Session, window: Duration) -> bool {
 /// at the units and 400 ms at the builders. `trigger`: the trigger's lines; `unit` and
 /// `builder`: each unit's and each builder's further lines; `rest`: further tables.
 fn two_units_two_builders(
+    mode: &str,
     events: u64,
     trigger: &str,
     unit: &str,
@@ -45,6 +46,7 @@ fn two_units_two_builders(
         &format!(
             r#"
 [run]
+mode = "{mode}"
 events = {events}
 max_fragment_size = "16 KiB"
 [sources]
@@ -87,11 +89,24 @@ fn start(t: &tessera_config::Resolved, out: &std::path::Path) -> Session {
 
 #[test]
 fn a_run_held_far_past_its_timeouts_loses_nothing() {
+    held_far_past_the_timeouts("push");
+}
+
+/// The same hold in request mode, where builders ask for each event and time out an event by its
+/// age: a builder whose memory is held by built events waiting for the recorder must not count
+/// the hold against the events whose answers it cannot read.
+#[test]
+fn a_request_mode_run_held_far_past_its_timeouts_loses_nothing() {
+    held_far_past_the_timeouts("request");
+}
+
+fn held_far_past_the_timeouts(mode: &str) {
     let dir = tempfile::tempdir().unwrap();
     let events = 20_000u64;
     // Timeouts of 200 and 400 ms against a hold of several seconds; two builders, so that a
     // readout unit held by one builder is still heard by the other.
     let t = two_units_two_builders(
+        mode,
         events,
         r#"trigger = "unlimited""#,
         "buffer = \"1 MiB\"\nread_chunk = \"64 KiB\"",
@@ -161,7 +176,7 @@ queue = 4
     assert_eq!(v.events, events);
     assert_eq!(v.incomplete_events, 0);
     drill(
-        "hold the data path past every timeout",
+        &format!("hold the data path past every timeout ({mode} mode)"),
         events,
         v.events,
         0,
@@ -179,6 +194,7 @@ fn a_run_paused_past_its_timeouts_builds_every_event_complete() {
     let dir = tempfile::tempdir().unwrap();
     let events = 20_000u64;
     let t = two_units_two_builders(
+        "push",
         events,
         "trigger = \"periodic\"\nrate_hz = 5000",
         "",
