@@ -1,8 +1,10 @@
 //! Pending data requests of request mode (issue 3; ATLAS ROS, seeds/004 §5.3 and §6.2): a builder
 //! asks a readout unit for one event's fragments from all links or a listed subset (RoI). The
 //! unit answers at once when it has them; otherwise the request waits in one of a fixed number of
-//! descriptors until the missing fragments arrive or its timeout passes, and is then answered with
-//! what there is plus the list of links still missing. With every descriptor in use, new requests
+//! descriptors until the missing fragments arrive, or until every link it still waits for has
+//! been silent for its timeout, and is then answered with what there is plus the list of links
+//! still missing. A link that keeps delivering, however far behind, is waited for: dead time,
+//! never a fragment lost. With every descriptor in use, new requests
 //! are not taken (the caller stops reading requests: back-pressure), never queued without bound.
 //!
 //! A link that reports a later event than one a request waits for has skipped it (its source
@@ -204,14 +206,54 @@ impl RequestTable {
         done.into_iter().map(|slot| self.finish(slot)).collect()
     }
 
-    /// Requests whose deadline passed by `now_ns`, answered with their missing links.
-    pub fn expire(&mut self, now_ns: u64) -> Vec<Answer> {
+    /// Requests whose deadline passed by `now_ns` and whose every awaited link has been silent
+    /// for the timeout, answered with their missing links. `silent_since(link)`: since when the
+    /// link is proven silent (a read found nothing, or it never connected); `None` while it
+    /// delivers, or is held by the unit (pages full, throttled), which proves nothing. A request
+    /// waiting for a link that is not silent waits on and is looked at again later: a source
+    /// that runs behind the others but keeps delivering costs time, never its fragments (it used
+    /// to be answered missing at the timeout, and its fragments came late to be rejected).
+    pub fn expire(
+        &mut self,
+        now_ns: u64,
+        silent_since: impl Fn(usize) -> Option<u64>,
+    ) -> Vec<Answer> {
         let due: Vec<u64> = self
             .deadlines
             .range(..(now_ns.saturating_add(1), 0))
             .map(|(&(_, slot), _)| slot)
             .collect();
-        due.into_iter().map(|slot| self.finish(slot)).collect()
+        let mut answers = Vec::new();
+        for slot in due {
+            let p = &self.pending[&slot];
+            // When the last awaited link can have been silent for the timeout, if not yet.
+            let mut again: Option<u64> = None;
+            for &l in &p.waiting {
+                let given_up_at = match silent_since(l) {
+                    Some(s) => s.saturating_add(self.timeout_ns),
+                    None => now_ns.saturating_add(self.timeout_ns),
+                };
+                if given_up_at > now_ns {
+                    again = Some(again.map_or(given_up_at, |a: u64| a.max(given_up_at)));
+                }
+            }
+            match again {
+                None => answers.push(self.finish(slot)),
+                Some(d) => {
+                    let p = self.pending.get_mut(&slot).expect("a due slot is pending");
+                    self.deadlines.remove(&(p.deadline_ns, slot));
+                    p.deadline_ns = d;
+                    self.deadlines.insert((d, slot), ());
+                }
+            }
+        }
+        answers
+    }
+
+    /// Answers every pending request with what there is, silent or not: the run is over.
+    pub fn expire_all(&mut self) -> Vec<Answer> {
+        let all: Vec<u64> = self.deadlines.keys().map(|&(_, slot)| slot).collect();
+        all.into_iter().map(|slot| self.finish(slot)).collect()
     }
 
     /// Link `link`'s connection ended, everything it delivered reported: the requests waiting for
@@ -315,7 +357,7 @@ mod tests {
             }]
         );
         assert_eq!(t.in_use(), 0);
-        assert!(t.expire(10_000).is_empty());
+        assert!(t.expire(10_000, |_| Some(0)).is_empty());
     }
 
     #[test]
@@ -324,15 +366,60 @@ mod tests {
         t.arrived(5, 0);
         t.submit(req(1, 5, &[0, 1, 2, 3]), 100, |l| l == 0);
         t.arrived(5, 2);
-        assert!(t.expire(1099).is_empty());
+        assert!(t.expire(1099, |_| Some(0)).is_empty());
         assert_eq!(t.next_deadline(), Some(1100));
         assert_eq!(
-            t.expire(1100),
+            t.expire(1100, |_| Some(0)),
             vec![Answer {
                 request: req(1, 5, &[0, 1, 2, 3]),
                 missing: vec![1, 3]
             }]
         );
+    }
+
+    #[test]
+    fn a_link_that_keeps_delivering_is_waited_for_past_the_timeout() {
+        let mut t = RequestTable::new(4, 1000);
+        t.submit(req(1, 5, &[0, 1]), 0, |_| false);
+        t.arrived(5, 0);
+        // Link 1 delivers (earlier events) or is held by the unit: no silence, no answer.
+        assert!(t.expire(1000, |_| None).is_empty());
+        assert_eq!(
+            t.next_deadline(),
+            Some(2000),
+            "looked at again a timeout later"
+        );
+        assert!(t.expire(5000, |_| None).is_empty());
+        assert_eq!(t.in_use(), 1);
+        // Then it goes silent at 5 500: given up a whole timeout after that, not before.
+        let silent = |l: usize| (l == 1).then_some(5500);
+        assert!(t.expire(6000, silent).is_empty());
+        assert_eq!(t.next_deadline(), Some(6500));
+        assert!(t.expire(6499, silent).is_empty());
+        assert_eq!(
+            t.expire(6500, silent),
+            vec![Answer {
+                request: req(1, 5, &[0, 1]),
+                missing: vec![1]
+            }]
+        );
+        assert_eq!(t.in_use(), 0);
+    }
+
+    #[test]
+    fn a_late_fragment_of_a_link_waited_for_completes_the_request() {
+        let mut t = RequestTable::new(4, 1000);
+        t.submit(req(1, 5, &[0]), 0, |_| false);
+        assert!(t.expire(3000, |_| None).is_empty());
+        assert_eq!(
+            t.arrived(5, 0),
+            vec![Answer {
+                request: req(1, 5, &[0]),
+                missing: vec![]
+            }]
+        );
+        assert_eq!(t.next_deadline(), None);
+        assert!(t.expire_all().is_empty());
     }
 
     #[test]
@@ -536,11 +623,12 @@ mod tests {
                     }
                     _ => {
                         now += x * 10;
-                        for a in t.expire(now) { check(&a, &present)?; }
+                        // Every link silent from the start: the plain timeout.
+                        for a in t.expire(now, |_| Some(0)) { check(&a, &present)?; }
                     }
                 }
             }
-            for a in t.expire(u64::MAX) { check(&a, &present)?; }
+            for a in t.expire_all() { check(&a, &present)?; }
             prop_assert_eq!(accepted, answered);
             prop_assert_eq!(t.in_use(), 0);
         }

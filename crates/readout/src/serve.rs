@@ -23,7 +23,7 @@ use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::io::IoSlice;
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -110,6 +110,10 @@ struct Unit {
     manager_ended: AtomicBool,
     /// Link readers still running.
     open_links: AtomicUsize,
+    /// Per link, since when a read has found it silent ([`NOT_SILENT`] while it delivers, is
+    /// held, or has not been read since data came): a request stops waiting for a link only
+    /// after a whole timeout of this.
+    silent_since: Vec<AtomicU64>,
     /// The builder connections open now, by (builder, channel): one each. A second hello for
     /// one is refused, never allowed to take the first one's place.
     claimed: Mutex<std::collections::HashSet<(u32, u8)>>,
@@ -124,6 +128,9 @@ impl std::ops::Deref for Unit {
 
 /// Most recent event IDs remembered as announced or cleared.
 const MEMORY: usize = 1 << 20;
+
+/// [`Unit::silent_since`] of a link not proven silent.
+const NOT_SILENT: u64 = u64::MAX;
 
 pub(crate) fn start(
     ctx: LinkCtx,
@@ -169,6 +176,7 @@ pub(crate) fn start(
         }),
         manager_ended: AtomicBool::new(false),
         open_links: AtomicUsize::new(n),
+        silent_since: (0..n).map(|_| AtomicU64::new(NOT_SILENT)).collect(),
         claimed: Mutex::new(std::collections::HashSet::new()),
         ctx,
     });
@@ -272,6 +280,20 @@ impl LinkSink for Unit {
         &self.ctx
     }
 
+    fn quiet(&self, slot: usize, since_ns: u64, _until_ns: u64) {
+        // The first empty read of a silence says since when; the later ones extend it.
+        let _ = self.silent_since[slot].compare_exchange(
+            NOT_SILENT,
+            since_ns,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    fn heard(&self, slot: usize) {
+        self.silent_since[slot].store(NOT_SILENT, Ordering::Release);
+    }
+
     fn offer(&self, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
         let link = &self.stats.links[slot];
         let rs = &self.stats.requests;
@@ -373,6 +395,16 @@ impl LinkSink for Unit {
 }
 
 impl Unit {
+    /// Since when link `slot` is proven silent: a source that never connected is silent from
+    /// the start; a connected one once a read found nothing, until it delivers again.
+    fn silent_since(&self, slot: usize) -> Option<u64> {
+        if self.stats.links[slot].state() == LinkState::Waiting {
+            return Some(0);
+        }
+        let s = self.silent_since[slot].load(Ordering::Acquire);
+        (s != NOT_SILENT).then_some(s)
+    }
+
     /// Queues a message for the event manager; dropped while it is lost (what is held is
     /// announced again to the one that takes over).
     fn to_manager(&self, m: Message) {
@@ -844,7 +876,7 @@ fn sweep(u: &Arc<Unit>) {
         std::thread::sleep(Duration::from_millis(2));
         {
             let mut t = u.requests.lock();
-            let answers = t.expire(u.now_ns());
+            let answers = t.expire(u.now_ns(), |l| u.silent_since(l));
             u.route(answers);
         }
         // The page gauge is refreshed here and on clears, not on every read: it takes every
@@ -870,7 +902,7 @@ fn sweep(u: &Arc<Unit>) {
     // are answered now with what there is, so no builder waits for them.
     {
         let mut t = u.requests.lock();
-        let rest = t.expire(u64::MAX);
+        let rest = t.expire_all();
         u.route(rest);
     }
     for l in &u.stats.links {

@@ -429,3 +429,84 @@ read_chunk = "256 KiB"
     pages_all_back(&rep);
     rep
 }
+
+/// Writes the wire format by hand from docs/wire-format.md, without the project's encoder.
+#[path = "support/spec_source.rs"]
+mod spec_source;
+
+/// A source that delivers all the time but runs behind the others, by more than
+/// `request.timeout_ms`: its fragments come late, never not at all, so it must cost time, never
+/// events. Unit 0's four emulated sources run free and fill its pages (2 048 events a link) while
+/// unit 1's one source, written from the spec, sends an event every millisecond: the events unit
+/// 0 announces are requested from unit 1 about two seconds before its source gets to them. Each
+/// such request used to be answered at its timeout (500 ms) naming that live source missing: the
+/// run built events incomplete, and rejected their fragments as late when they came, without a
+/// fault anywhere. A request now waits while every link it waits for keeps delivering.
+#[test]
+fn a_source_running_behind_the_others_costs_time_never_events() {
+    const EVENTS: u64 = 4000;
+    let dir = tempfile::tempdir().unwrap();
+    let t = topology(&format!(
+        r#"
+[run]
+mode = "request"
+events = {EVENTS}
+max_fragment_size = "1 KiB"
+[sources]
+count = 4
+external = [77]
+fragment_size = 256
+trigger = "unlimited"
+[request]
+timeout_ms = 500
+builder_timeout_ms = 600000
+credits = 1024
+[recorder]
+enabled = false
+[monitor]
+enabled = false
+[[readout]]
+id = 0
+sources = "0-3"
+buffer = "32 MiB"
+[[readout]]
+id = 1
+sources = [77]
+buffer = "32 MiB"
+"#
+    ));
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(u32, String)>>(1);
+    let ext = std::thread::spawn(move || {
+        let addrs = rx.recv().unwrap();
+        let addr = addrs.into_iter().find(|(s, _)| *s == 77).unwrap().1;
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        let mut send = |b: &[u8]| std::io::Write::write_all(&mut s, b).unwrap();
+        send(&spec_source::hello(77));
+        for ev in 0..EVENTS {
+            send(&spec_source::fragment(77, ev, 1, &[ev as u8; 100]));
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        send(&spec_source::end(77, EVENTS));
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let _ = std::io::Read::read(&mut s, &mut [0u8; 8]);
+    });
+    let opts = Options {
+        output: Some(dir.path().to_path_buf()),
+        status: StatusMode::Off,
+        ready: Some(tx),
+        ..Default::default()
+    };
+    let rep = tessera_run::run(&t, &opts).unwrap();
+    ext.join().unwrap();
+    assert!(rep.ok(), "{}", rep.summary());
+    assert!(rep.balance.holds, "{}", rep.summary());
+    assert_eq!(rep.events_incomplete, 0, "{}", rep.summary());
+    assert_eq!(rep.events_complete, EVENTS, "{}", rep.summary());
+    assert_eq!(rep.balance.rejected_total, 0, "{}", rep.summary());
+    let partial: u64 = rep
+        .readout_units
+        .iter()
+        .map(|u| u.requests.as_ref().unwrap().partial_answers)
+        .sum();
+    assert_eq!(partial, 0, "{}", rep.summary());
+}
