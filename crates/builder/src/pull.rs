@@ -18,7 +18,7 @@ use crossbeam_channel::{bounded, Sender};
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -99,6 +99,11 @@ struct Pull {
     recording: bool,
     t0: Instant,
     timeout_ns: u64,
+    /// Per readout unit, when it last answered this builder (ns from `t0`). An event gives up
+    /// on a unit only once the unit has answered nothing for a whole timeout while the event
+    /// waited: a unit waiting for a source that runs behind but keeps delivering answers each
+    /// event as that source delivers it, and must not have its events cut by their age.
+    last_answer_ns: Vec<AtomicU64>,
     abort: Arc<AtomicBool>,
     /// The event manager ended the run.
     ended: AtomicBool,
@@ -193,6 +198,7 @@ impl BuilderUnit {
             recording: to_recorder.is_some(),
             t0: Instant::now(),
             timeout_ns: cfg.event_timeout.as_nanos() as u64,
+            last_answer_ns: (0..n).map(|_| AtomicU64::new(0)).collect(),
             abort: role.abort.clone(),
             ended: AtomicBool::new(false),
             lost: (0..n).map(|_| AtomicBool::new(false)).collect(),
@@ -402,6 +408,7 @@ impl Pull {
     }
 
     fn answered(&self, slot: usize, h: AnswerHeader, body: ChunkSlice) {
+        self.last_answer_ns[slot].store(self.now_ns(), Ordering::Release);
         let e = h.event_id;
         // An RoI answer is copied out of the link's read chunk: kept there until the rest of
         // its event arrived, it would hold the chunk while later events' RoI answers fill the
@@ -686,9 +693,16 @@ fn sweep(p: &Pull, heartbeat: Duration) {
         let now = p.now_ns();
         let late: Vec<(u64, Building)> = {
             let mut map = p.events.lock();
+            // Late: some unit it waits for has answered nothing since the event asked, or
+            // since its last answer, for a whole timeout (a unit that stopped answering).
             let ids: Vec<u64> = map
                 .iter()
-                .filter(|(_, b)| now.saturating_sub(b.since_ns) > p.timeout_ns)
+                .filter(|(_, b)| {
+                    b.pending.iter().any(|&r| {
+                        let heard = p.last_answer_ns[r].load(Ordering::Acquire);
+                        now.saturating_sub(b.since_ns.max(heard)) > p.timeout_ns
+                    })
+                })
                 .map(|(e, _)| *e)
                 .collect();
             ids.into_iter()

@@ -867,8 +867,9 @@ pub struct RequestSection {
     pub timeout_ms: u64,
     /// Events a builder takes at once from the event manager (its credits).
     pub credits: u32,
-    /// How long a builder waits for all answers of an event before building it incomplete, in
-    /// ms; must exceed `timeout_ms`.
+    /// How long a readout unit may answer a builder nothing while an event of that builder
+    /// waits for it, before the event is built incomplete without that unit, in ms; must exceed
+    /// `timeout_ms`.
     pub builder_timeout_ms: u64,
 }
 

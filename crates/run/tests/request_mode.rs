@@ -459,7 +459,7 @@ fragment_size = 256
 trigger = "unlimited"
 [request]
 timeout_ms = 500
-builder_timeout_ms = 600000
+builder_timeout_ms = 700
 credits = 1024
 [recorder]
 enabled = false
