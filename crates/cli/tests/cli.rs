@@ -358,7 +358,13 @@ fn report_of(c: Proc) -> serde_json::Value {
 /// readout unit is serving builders (an open file alone says nothing: it is opened at the start,
 /// before any unit may have connected).
 fn wait_for_recorded_data(out: &Path) {
-    let complete_in = |part: &Path| -> bool {
+    wait_for_recorded(out, false);
+}
+
+/// Waits until an event, incomplete or not as `incomplete` says, is in a whole block of the
+/// recorder's open file.
+fn wait_for_recorded(out: &Path, incomplete: bool) {
+    let found_in = |part: &Path| -> bool {
         let Ok(mut r) = tessera_verify::FileReader::open(part) else {
             return false;
         };
@@ -366,25 +372,26 @@ fn wait_for_recorded_data(out: &Path) {
         while let Ok(Some((_, raw))) = r.next_block() {
             if tessera_verify::events_in(raw)
                 .flatten()
-                .any(|e| !e.header.flags.has(tessera_format::EventFlags::INCOMPLETE))
+                .any(|e| e.header.flags.has(tessera_format::EventFlags::INCOMPLETE) == incomplete)
             {
                 return true;
             }
         }
         false
     };
-    let complete_event = || {
+    let found = || {
         std::fs::read_dir(out)
             .map(|d| {
                 d.flatten()
                     .filter(|e| e.file_name().to_string_lossy().ends_with(".part"))
-                    .any(|e| complete_in(&e.path()))
+                    .any(|e| found_in(&e.path()))
             })
             .unwrap_or(false)
     };
     assert!(
-        support::eventually(std::time::Duration::from_secs(60), complete_event),
-        "no complete event reached the recorder's file"
+        support::eventually(std::time::Duration::from_secs(60), found),
+        "no {} event reached the recorder's file",
+        if incomplete { "incomplete" } else { "complete" }
     );
 }
 
@@ -1061,6 +1068,72 @@ fn a_readout_unit_killed_mid_run_leaves_events_incomplete_naming_its_sources() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
     println!(
         "DRILL|request mode, a readout unit SIGKILLed mid-run|{events}|{}|0|0|per process (its sources named missing)",
+        r["events_in_files"]
+    );
+}
+
+/// A readout unit frozen (SIGSTOP) mid-run in request mode, every role its own process: it stays
+/// connected and answers nothing, so the builders build the events that wait for it without its
+/// sources once it has answered them nothing for `request.builder_timeout_ms` (the guard left
+/// since a builder stopped cutting events by their age, so that a unit waiting for a source that
+/// runs behind is not taken for a stopped one). Thawed, it answers what it held, late, and the
+/// run ends with every event recorded once and only its sources ever missing.
+#[test]
+fn a_readout_unit_frozen_mid_run_is_given_up_once_it_has_answered_nothing_for_the_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let ports = Ports::bind(4);
+    let events = 6000u64;
+    let cfg = request_mode_processes(
+        dir.path(),
+        &ports,
+        9,
+        events,
+        4,
+        512,
+        ["sources = [0, 1]\n", "sources = [2, 3]\n"],
+        2,
+        "[request]\ntimeout_ms = 500\nbuilder_timeout_ms = 1000\n",
+    );
+    let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
+    let rec = spawn(&["recorder"], Some(3));
+    let em = spawn(&["manager"], Some(2));
+    let ru0 = spawn(&["readout", "--id", "0"], Some(0));
+    let ru1 = spawn(&["readout", "--id", "1"], Some(1));
+    let bu = [
+        spawn(&["builder", "--id", "0"], None),
+        spawn(&["builder", "--id", "1"], None),
+    ];
+    let src = spawn(&["sources"], None);
+    wait_for_recorded_data(&out);
+    ru1.signal("STOP");
+    // Held until the builders have given up on it at least once: an incomplete event on file.
+    wait_for_recorded(&out, true);
+    ru1.signal("CONT");
+    let ru = [report_of(ru0), report_of(ru1)];
+    let _ = report_of(src);
+    let bu = bu.map(report_of);
+    let em = report_of(em);
+    let rec = report_of(rec);
+    let all = serde_json::json!({ "readout": ru, "builders": bu, "manager": em, "recorder": rec });
+    let r = &rec["recorder"];
+    assert_eq!(r["events_in_files"], events, "{all:#}");
+    assert!(r["incomplete_events"].as_u64().unwrap() > 0, "{all:#}");
+    let mut seen = vec![0u32; events as usize];
+    let mut incomplete = 0u64;
+    for h in event_headers(&out) {
+        seen[h.event_id as usize] += 1;
+        if !h.missing.is_empty() {
+            assert_eq!(h.missing, vec![2, 3], "event {}: {all:#}", h.event_id);
+            incomplete += 1;
+        }
+    }
+    assert!(seen.iter().all(|&n| n == 1), "{all:#}");
+    assert_eq!(Some(incomplete), r["incomplete_events"].as_u64(), "{all:#}");
+    let o = tessera(&["verify", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    println!(
+        "DRILL|request mode, a readout unit frozen mid-run, then thawed|{events}|{}|0|0|per process (its sources named missing while frozen)",
         r["events_in_files"]
     );
 }
