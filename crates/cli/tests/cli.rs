@@ -977,6 +977,69 @@ fn a_builder_wrongly_declared_dead_rejoins_and_the_run_goes_on() {
     );
 }
 
+/// The roles of a request-mode run over two readout units (sources 0-1 and 2-3) and two
+/// builders, each its own process, started in the order they listen, and returned once a
+/// complete event is on file.
+struct TwoUnitRun {
+    rec: Proc,
+    em: Proc,
+    ru: [Proc; 2],
+    bu: [Proc; 2],
+    src: Proc,
+}
+
+fn two_unit_request_run(
+    dir: &Path,
+    ports: &Ports,
+    run: u64,
+    events: u64,
+    extra: &str,
+) -> TwoUnitRun {
+    let cfg = request_mode_processes(
+        dir,
+        ports,
+        run,
+        events,
+        4,
+        512,
+        ["sources = [0, 1]\n", "sources = [2, 3]\n"],
+        2,
+        extra,
+    );
+    let spawn = |r: &[&str], port: Option<usize>| serve(ports, &cfg, r, port);
+    let rec = spawn(&["recorder"], Some(3));
+    let em = spawn(&["manager"], Some(2));
+    let ru = [
+        spawn(&["readout", "--id", "0"], Some(0)),
+        spawn(&["readout", "--id", "1"], Some(1)),
+    ];
+    let bu = [
+        spawn(&["builder", "--id", "0"], None),
+        spawn(&["builder", "--id", "1"], None),
+    ];
+    let src = spawn(&["sources"], None);
+    wait_for_recorded_data(&dir.join("out"));
+    TwoUnitRun {
+        rec,
+        em,
+        ru,
+        bu,
+        src,
+    }
+}
+
+/// Counts the incomplete events on file, checking that each lacks exactly unit 1's sources.
+fn incomplete_lacking_unit_1(out: &Path, all: &serde_json::Value) -> u64 {
+    let mut incomplete = 0u64;
+    for h in event_headers(out) {
+        if !h.missing.is_empty() {
+            assert_eq!(h.missing, vec![2, 3], "event {}: {all:#}", h.event_id);
+            incomplete += 1;
+        }
+    }
+    incomplete
+}
+
 /// Issue 11, item 7: a readout unit killed (SIGKILL) in the middle of a request-mode run,
 /// every role its own process. The run goes on without it: its sources are named missing in
 /// every event built after its death (at once, not after a timeout per event), no builder is
@@ -988,28 +1051,19 @@ fn a_readout_unit_killed_mid_run_leaves_events_incomplete_naming_its_sources() {
     let out = dir.path().join("out");
     let ports = Ports::bind(4);
     let events = 8000u64;
-    let cfg = request_mode_processes(
+    let TwoUnitRun {
+        rec,
+        em,
+        ru: [ru0, mut ru1],
+        bu,
+        src,
+    } = two_unit_request_run(
         dir.path(),
         &ports,
         8,
         events,
-        4,
-        512,
-        ["sources = [0, 1]\n", "sources = [2, 3]\n"],
-        2,
         "[request]\ntimeout_ms = 10000\nbuilder_timeout_ms = 20000\n",
     );
-    let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
-    let rec = spawn(&["recorder"], Some(3));
-    let em = spawn(&["manager"], Some(2));
-    let ru0 = spawn(&["readout", "--id", "0"], Some(0));
-    let mut ru1 = spawn(&["readout", "--id", "1"], Some(1));
-    let bu = [
-        spawn(&["builder", "--id", "0"], None),
-        spawn(&["builder", "--id", "1"], None),
-    ];
-    let src = spawn(&["sources"], None);
-    wait_for_recorded_data(&out);
     ru1.kill();
     let ru0 = report_of(ru0);
     let _ = report_of(src);
@@ -1056,13 +1110,7 @@ fn a_readout_unit_killed_mid_run_leaves_events_incomplete_naming_its_sources() {
         "the surviving unit read every event: {all:#}"
     );
     assert_eq!(r["events_in_files"], events, "{all:#}");
-    let mut incomplete = 0u64;
-    for h in event_headers(&out) {
-        if !h.missing.is_empty() {
-            assert_eq!(h.missing, vec![2, 3], "event {}: {all:#}", h.event_id);
-            incomplete += 1;
-        }
-    }
+    let incomplete = incomplete_lacking_unit_1(&out, &all);
     assert_eq!(Some(incomplete), r["incomplete_events"].as_u64(), "{all:#}");
     let o = tessera(&["verify", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
@@ -1084,28 +1132,19 @@ fn a_readout_unit_frozen_mid_run_is_given_up_once_it_has_answered_nothing_for_th
     let out = dir.path().join("out");
     let ports = Ports::bind(4);
     let events = 6000u64;
-    let cfg = request_mode_processes(
+    let TwoUnitRun {
+        rec,
+        em,
+        ru: [ru0, ru1],
+        bu,
+        src,
+    } = two_unit_request_run(
         dir.path(),
         &ports,
         9,
         events,
-        4,
-        512,
-        ["sources = [0, 1]\n", "sources = [2, 3]\n"],
-        2,
         "[request]\ntimeout_ms = 500\nbuilder_timeout_ms = 1000\n",
     );
-    let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
-    let rec = spawn(&["recorder"], Some(3));
-    let em = spawn(&["manager"], Some(2));
-    let ru0 = spawn(&["readout", "--id", "0"], Some(0));
-    let ru1 = spawn(&["readout", "--id", "1"], Some(1));
-    let bu = [
-        spawn(&["builder", "--id", "0"], None),
-        spawn(&["builder", "--id", "1"], None),
-    ];
-    let src = spawn(&["sources"], None);
-    wait_for_recorded_data(&out);
     ru1.signal("STOP");
     // Held until the builders have given up on it at least once: an incomplete event on file.
     wait_for_recorded(&out, true);
@@ -1120,15 +1159,11 @@ fn a_readout_unit_frozen_mid_run_is_given_up_once_it_has_answered_nothing_for_th
     assert_eq!(r["events_in_files"], events, "{all:#}");
     assert!(r["incomplete_events"].as_u64().unwrap() > 0, "{all:#}");
     let mut seen = vec![0u32; events as usize];
-    let mut incomplete = 0u64;
     for h in event_headers(&out) {
         seen[h.event_id as usize] += 1;
-        if !h.missing.is_empty() {
-            assert_eq!(h.missing, vec![2, 3], "event {}: {all:#}", h.event_id);
-            incomplete += 1;
-        }
     }
     assert!(seen.iter().all(|&n| n == 1), "{all:#}");
+    let incomplete = incomplete_lacking_unit_1(&out, &all);
     assert_eq!(Some(incomplete), r["incomplete_events"].as_u64(), "{all:#}");
     let o = tessera(&["verify", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));

@@ -26,29 +26,9 @@ fn verify(out: &Path) -> tessera_verify::VerifyReport {
     v
 }
 
-/// Runs `t` with the external source `id` driven by `source`, which gets the address to connect
-/// to once everything listens.
-fn run_with_external(
-    t: &Resolved,
-    out: &Path,
-    id: u32,
-    source: impl FnOnce(String) + Send + 'static,
-) -> Report {
-    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(u32, String)>>(1);
-    let ext = std::thread::spawn(move || {
-        let addrs = rx.recv().unwrap();
-        source(addrs.into_iter().find(|(s, _)| *s == id).unwrap().1);
-    });
-    let opts = Options {
-        output: Some(out.to_path_buf()),
-        status: StatusMode::Off,
-        ready: Some(tx),
-        ..Default::default()
-    };
-    let rep = tessera_run::run(t, &opts).unwrap();
-    ext.join().unwrap();
-    rep
-}
+#[path = "support/external.rs"]
+mod external;
+use external::run_with_external;
 
 #[test]
 fn demo_topology_runs_clean() {

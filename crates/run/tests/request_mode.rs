@@ -430,18 +430,23 @@ read_chunk = "256 KiB"
     rep
 }
 
+#[path = "support/external.rs"]
+mod external;
 /// Writes the wire format by hand from docs/wire-format.md, without the project's encoder.
 #[path = "support/spec_source.rs"]
 mod spec_source;
+use external::run_with_external;
 
-/// A source that delivers all the time but runs behind the others, by more than
-/// `request.timeout_ms`: its fragments come late, never not at all, so it must cost time, never
-/// events. Unit 0's four emulated sources run free and fill its pages (2 048 events a link) while
-/// unit 1's one source, written from the spec, sends an event every millisecond: the events unit
-/// 0 announces are requested from unit 1 about two seconds before its source gets to them. Each
-/// such request used to be answered at its timeout (500 ms) naming that live source missing: the
-/// run built events incomplete, and rejected their fragments as late when they came, without a
-/// fault anywhere. A request now waits while every link it waits for keeps delivering.
+/// A source that delivers all the time but runs behind the others, by more than both request
+/// timeouts: its fragments come late, never not at all, so it must cost time, never events. Unit
+/// 0's four emulated sources run free while unit 1's one source, written from the spec, sends an
+/// event every millisecond; with 1 024 credits the events unit 0 announces are requested from
+/// unit 1 about a second before its source gets to them. Such a request used to be answered at
+/// `request.timeout_ms` (500 ms) naming that live source missing (3 591 of 4 000 events
+/// incomplete), and, with that fixed, its event was built without the unit at
+/// `request.builder_timeout_ms` (700 ms) counted from the request (3 622 of 4 000); the
+/// fragments then came late and were rejected, without a fault anywhere. Now a request waits while
+/// every link it waits for keeps delivering, and a builder while the unit keeps answering.
 #[test]
 fn a_source_running_behind_the_others_costs_time_never_events() {
     const EVENTS: u64 = 4000;
@@ -475,10 +480,7 @@ sources = [77]
 buffer = "32 MiB"
 "#
     ));
-    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(u32, String)>>(1);
-    let ext = std::thread::spawn(move || {
-        let addrs = rx.recv().unwrap();
-        let addr = addrs.into_iter().find(|(s, _)| *s == 77).unwrap().1;
+    let rep = run_with_external(&t, dir.path(), 77, |addr| {
         let mut s = std::net::TcpStream::connect(addr).unwrap();
         let mut send = |b: &[u8]| std::io::Write::write_all(&mut s, b).unwrap();
         send(&spec_source::hello(77));
@@ -490,14 +492,6 @@ buffer = "32 MiB"
         s.shutdown(std::net::Shutdown::Write).unwrap();
         let _ = std::io::Read::read(&mut s, &mut [0u8; 8]);
     });
-    let opts = Options {
-        output: Some(dir.path().to_path_buf()),
-        status: StatusMode::Off,
-        ready: Some(tx),
-        ..Default::default()
-    };
-    let rep = tessera_run::run(&t, &opts).unwrap();
-    ext.join().unwrap();
     assert!(rep.ok(), "{}", rep.summary());
     assert!(rep.balance.holds, "{}", rep.summary());
     assert_eq!(rep.events_incomplete, 0, "{}", rep.summary());
