@@ -178,9 +178,9 @@ pub(crate) trait LinkSink: Send + Sync + 'static {
     fn heard(&self, _slot: usize) {}
     /// The link will deliver nothing more.
     fn close_link(&self, slot: usize);
-    /// Called before each read: returns once the link may be read (request mode waits while
-    /// the event manager throttles).
-    fn before_read(&self) {}
+    /// Called before each read of link `slot`: returns once it may be read (request mode waits
+    /// while the event manager throttles, unless a request waits for the link).
+    fn before_read(&self, _slot: usize) {}
 }
 
 struct Shared {
@@ -868,7 +868,7 @@ pub(crate) fn read_link<S: LinkSink>(sink: &S, slot: usize, mut stream: TcpStrea
         if ended || eof {
             break;
         }
-        sink.before_read();
+        sink.before_read(slot);
         if sh.abort.load(Ordering::Relaxed) {
             link.set_state(LinkState::Aborted);
             break;

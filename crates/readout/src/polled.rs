@@ -199,7 +199,7 @@ impl<S: LinkSink> Conn for PolledLink<S> {
             if reads == READS_PER_TURN {
                 return Next::Again;
             }
-            sink.before_read();
+            sink.before_read(self.slot);
             reads += 1;
             match self
                 .reader

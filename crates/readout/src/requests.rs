@@ -278,6 +278,11 @@ impl RequestTable {
         done.into_iter().map(|slot| self.finish(slot)).collect()
     }
 
+    /// Whether some pending request waits for `link`.
+    pub fn waits_for(&self, link: usize) -> bool {
+        self.waits.get(&link).is_some_and(|w| !w.is_empty())
+    }
+
     /// When the next request times out, if any.
     pub fn next_deadline(&self) -> Option<u64> {
         self.deadlines.keys().next().map(|&(d, _)| d)

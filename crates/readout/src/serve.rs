@@ -380,13 +380,21 @@ impl LinkSink for Unit {
         self.open_links.fetch_sub(1, Ordering::AcqRel);
     }
 
-    fn before_read(&self) {
+    fn before_read(&self, slot: usize) {
         let rs = &self.stats.requests;
-        if !rs.throttled.load(Ordering::Relaxed) {
+        // A link that requests wait for is read through BUSY: what it brings can only finish
+        // events in flight, which is what gives the builders credit back. Held with the rest,
+        // it stood a run still whose credits all waited for it (a source running behind).
+        let held = || {
+            rs.throttled.load(Ordering::Relaxed)
+                && !self.abort.load(Ordering::Relaxed)
+                && !self.requests.lock().waits_for(slot)
+        };
+        if !held() {
             return;
         }
         let t = Instant::now();
-        while rs.throttled.load(Ordering::Relaxed) && !self.abort.load(Ordering::Relaxed) {
+        while held() {
             std::thread::sleep(Duration::from_millis(1));
         }
         rs.throttled_ns

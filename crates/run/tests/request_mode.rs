@@ -449,6 +449,24 @@ use external::run_with_external;
 /// every link it waits for keeps delivering, and a builder while the unit keeps answering.
 #[test]
 fn a_source_running_behind_the_others_costs_time_never_events() {
+    running_behind("credits = 1024\n");
+}
+
+/// The same lagging source with the builders' usual credits and a low BUSY threshold: their
+/// credits all wait for it, unit 0 announces events far beyond, and the event manager says BUSY
+/// (no builder has credit, many events unassigned). A unit under BUSY stops reading its links;
+/// stopping the one link that events in flight wait for stood the run still for good (no event
+/// could finish, so no credit could come back) once a request stopped being cut at its timeout.
+/// A link some request waits for is read through BUSY: it can only finish events.
+#[test]
+fn a_source_running_behind_is_read_through_busy() {
+    running_behind("[event_manager]\nbusy_threshold = 100\n");
+}
+
+/// Unit 0: four emulated sources at an unlimited trigger; unit 1: one source written from the
+/// spec, an event a millisecond. Request timeouts of 500 ms at the units and 700 ms at the
+/// builders; `extra`: further lines after `[request]`.
+fn running_behind(extra: &str) {
     const EVENTS: u64 = 4000;
     let dir = tempfile::tempdir().unwrap();
     let t = topology(&format!(
@@ -462,10 +480,6 @@ count = 4
 external = [77]
 fragment_size = 256
 trigger = "unlimited"
-[request]
-timeout_ms = 500
-builder_timeout_ms = 700
-credits = 1024
 [recorder]
 enabled = false
 [monitor]
@@ -478,7 +492,10 @@ buffer = "32 MiB"
 id = 1
 sources = [77]
 buffer = "32 MiB"
-"#
+[request]
+timeout_ms = 500
+builder_timeout_ms = 700
+{extra}"#
     ));
     let rep = run_with_external(&t, dir.path(), 77, |addr| {
         let mut s = std::net::TcpStream::connect(addr).unwrap();
