@@ -225,22 +225,22 @@ impl RequestTable {
             .collect();
         let mut answers = Vec::new();
         for slot in due {
-            let p = &self.pending[&slot];
+            let Some(p) = self.pending.get_mut(&slot) else {
+                continue;
+            };
             // When the last awaited link can have been silent for the timeout, if not yet.
-            let mut again: Option<u64> = None;
-            for &l in &p.waiting {
-                let given_up_at = match silent_since(l) {
+            let again = p
+                .waiting
+                .iter()
+                .map(|&l| match silent_since(l) {
                     Some(s) => s.saturating_add(self.timeout_ns),
                     None => now_ns.saturating_add(self.timeout_ns),
-                };
-                if given_up_at > now_ns {
-                    again = Some(again.map_or(given_up_at, |a: u64| a.max(given_up_at)));
-                }
-            }
+                })
+                .filter(|&at| at > now_ns)
+                .max();
             match again {
                 None => answers.push(self.finish(slot)),
                 Some(d) => {
-                    let p = self.pending.get_mut(&slot).expect("a due slot is pending");
                     self.deadlines.remove(&(p.deadline_ns, slot));
                     p.deadline_ns = d;
                     self.deadlines.insert((d, slot), ());

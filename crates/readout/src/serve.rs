@@ -384,7 +384,8 @@ impl LinkSink for Unit {
         let rs = &self.stats.requests;
         // A link that requests wait for is read through BUSY: what it brings can only finish
         // events in flight, which is what gives the builders credit back. Held with the rest,
-        // it stood a run still whose credits all waited for it (a source running behind).
+        // the events every credit waited for were built without it once the builders gave up
+        // on the unit (a source running behind: 2 432 of 4 000 events in the test).
         let held = || {
             rs.throttled.load(Ordering::Relaxed)
                 && !self.abort.load(Ordering::Relaxed)
