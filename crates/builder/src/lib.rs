@@ -725,8 +725,11 @@ impl tessera_net::reactor::Conn for PolledRail {
                     let now = Instant::now();
                     if let Some(since) = self.silence.empty_read(self.reader.read_started, now) {
                         let s = since.saturating_duration_since(self.sh.t0).as_nanos() as u64;
-                        self.sh
-                            .rail_silent(self.slot, self.rail, Some((s, self.sh.now_ns())));
+                        // Silent up to the read (which did not wait), not up to whenever this
+                        // thread got here: a stall in between proves nothing of the unit.
+                        let read = self.reader.read_started.unwrap_or(now);
+                        let until = read.saturating_duration_since(self.sh.t0).as_nanos() as u64;
+                        self.sh.rail_silent(self.slot, self.rail, Some((s, until)));
                     }
                     return Next::Readable(now + SILENCE_PROOF);
                 }

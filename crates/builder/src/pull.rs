@@ -104,6 +104,15 @@ struct Pull {
     /// waited: a unit waiting for a source that runs behind but keeps delivering answers each
     /// event as that source delivers it, and must not have its events cut by their age.
     last_answer_ns: Vec<AtomicU64>,
+    /// Per readout unit, when the latest read of its answers that found nothing began (ns
+    /// from `t0`): a unit has answered nothing for a timeout only once a read proves it, never
+    /// by the clock alone. Time in which this builder did not read (stalled, starved of a
+    /// core) says nothing of the unit, whose answers may be waiting in the socket.
+    looked_ns: Vec<AtomicU64>,
+    /// Per readout unit: its answer reader is waiting for memory, held by this builder's own
+    /// budget. The unit's answers cannot be read; cutting the events that wait for it is what
+    /// gives memory back (the old rule, by the clock).
+    held: Vec<AtomicBool>,
     abort: Arc<AtomicBool>,
     /// The event manager ended the run.
     ended: AtomicBool,
@@ -199,6 +208,8 @@ impl BuilderUnit {
             t0: Instant::now(),
             timeout_ns: cfg.event_timeout.as_nanos() as u64,
             last_answer_ns: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            looked_ns: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            held: (0..n).map(|_| AtomicBool::new(false)).collect(),
             abort: role.abort.clone(),
             ended: AtomicBool::new(false),
             lost: (0..n).map(|_| AtomicBool::new(false)).collect(),
@@ -652,8 +663,17 @@ fn read_answers(p: &Pull, slot: usize, mut stream: TcpStream, chunk: usize, max:
         if done {
             break;
         }
-        match reader.fill(&mut stream, want, &p.abort) {
-            Ok(Fill::Data(_)) => {}
+        match reader.fill_marking_waits(&mut stream, want, &p.abort, Some(&p.held[slot])) {
+            Ok(Fill::Data(0)) => {
+                if let Some(t) = reader.read_started {
+                    let at = t.saturating_duration_since(p.t0).as_nanos() as u64;
+                    p.looked_ns[slot].fetch_max(at, Ordering::AcqRel);
+                }
+            }
+            Ok(Fill::Data(_)) => {
+                // Part of an answer is an answer under way: the unit is not silent.
+                p.last_answer_ns[slot].store(p.now_ns(), Ordering::Release);
+            }
             Ok(Fill::Eof) => {
                 if !reader.window().is_empty() {
                     lost = Some("connection closed inside an answer".into());
@@ -694,13 +714,20 @@ fn sweep(p: &Pull, heartbeat: Duration) {
         let late: Vec<(u64, Building)> = {
             let mut map = p.events.lock();
             // Late: some unit it waits for has answered nothing since the event asked, or
-            // since its last answer, for a whole timeout (a unit that stopped answering).
+            // since its last answer, for a whole timeout (a unit that stopped answering), as
+            // proven by a read that found nothing; or by the clock while this builder's own
+            // memory keeps the unit's answers unread.
             let ids: Vec<u64> = map
                 .iter()
                 .filter(|(_, b)| {
                     b.pending.iter().any(|&r| {
                         let heard = p.last_answer_ns[r].load(Ordering::Acquire);
-                        now.saturating_sub(b.since_ns.max(heard)) > p.timeout_ns
+                        let looked = if p.held[r].load(Ordering::Acquire) {
+                            now
+                        } else {
+                            p.looked_ns[r].load(Ordering::Acquire)
+                        };
+                        gave_nothing_for(b.since_ns.max(heard), looked, p.timeout_ns)
                     })
                 })
                 .map(|(e, _)| *e)
@@ -717,6 +744,12 @@ fn sweep(p: &Pull, heartbeat: Duration) {
             .pending_events
             .store(p.events.lock().len() as u64, Ordering::Relaxed);
     }
+}
+
+/// Whether a unit that last answered (or was last asked) at `from` has answered nothing for
+/// more than `timeout`, as seen by a look at `looked` that found nothing new.
+fn gave_nothing_for(from: u64, looked: u64, timeout: u64) -> bool {
+    looked.saturating_sub(from) > timeout
 }
 
 /// Event IDs written to the recorder link and not yet reported done, in order, and how many

@@ -1,5 +1,7 @@
 //! The `tessera` command as a user meets it: real processes, real files.
 
+#[path = "../../run/tests/support/spec_source.rs"]
+mod spec_source;
 mod support;
 use std::path::Path;
 use std::process::{Command, Output};
@@ -1171,6 +1173,161 @@ fn a_readout_unit_frozen_mid_run_is_given_up_once_it_has_answered_nothing_for_th
         "DRILL|request mode, a readout unit frozen mid-run, then thawed|{events}|{}|0|0|per process (its sources named missing while frozen)",
         r["events_in_files"]
     );
+}
+
+/// A readout unit stalled while a request waits for a quiet link, its source delivering during
+/// the stall: thawed, the unit must read that link before it may call it silent. A stall (SIGSTOP
+/// here; a starved process or a loaded host alike) is time in which the unit did not look, so it
+/// proves nothing about the source. The unit used to count a link silent from its last empty read
+/// to its own clock, and its request sweep could run before the link's reader after the thaw:
+/// the waiting events were answered without the source, whose fragments then came late (seen in
+/// CI as one event of the frozen-unit test lacking one of the frozen unit's two sources; here
+/// 63 and 64 of 240 events in two of four runs before the change).
+#[test]
+fn a_stalled_readout_unit_reads_its_links_before_calling_them_silent() {
+    stalled_mid_silence(Stalled::ReadoutUnit);
+}
+
+/// The builder's side of the same: a builder stalled while its events wait for a unit that
+/// answers during the stall. Thawed, its sweep used to give up on the unit by the clock before
+/// the answer reader had read what the unit sent.
+#[test]
+fn a_stalled_builder_reads_its_answers_before_giving_up_on_a_unit() {
+    stalled_mid_silence(Stalled::Builder);
+}
+
+/// The event manager's side: stalled past the builders' heartbeat timeout, it used to declare
+/// them dead by its clock on thawing, their heartbeats waiting unread in its sockets.
+#[test]
+fn a_stalled_event_manager_reads_its_builders_before_declaring_them_dead() {
+    stalled_mid_silence(Stalled::Manager);
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Stalled {
+    ReadoutUnit,
+    Builder,
+    Manager,
+}
+
+/// Request mode, every role its own process; readout unit 1 reads one source written from the
+/// spec, driven here, and `who` is frozen (SIGSTOP) longer than every timeout in each of
+/// `ROUNDS` rounds while the source delivers, then thawed. Frozen a readout unit: the source
+/// pauses first, with requests waiting for it (unit 0 runs ahead), well within the unit's
+/// timeout, and sends its next event during the stall. Frozen a builder or the event manager:
+/// the source delivers an event every 20 ms throughout, so the unit answers (and the builder
+/// sends heartbeats) during the stall. Not one event may be incomplete, no builder declared dead.
+fn stalled_mid_silence(who: Stalled) {
+    const ROUNDS: u64 = 6;
+    // Events per round: the readout unit's case sends them at once after the stall; the
+    // others', 60 during the stall and 15 after it, 20 ms apart.
+    const PER_ROUND: u64 = 75;
+    const PACE: std::time::Duration = std::time::Duration::from_millis(20);
+    let events = ROUNDS * PER_ROUND;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let ports = Ports::bind(4);
+    let p: Vec<u16> = (0..4).map(|i| ports.port(i)).collect();
+    // A readout unit is frozen 1.2 s, past its 600 ms timeout (the builder's is out of reach);
+    // a builder 60 paces, past its 800 ms.
+    // A manager, 60 paces, past the builders' heartbeat timeout of 800 ms.
+    let (timeouts, heartbeats) = match who {
+        Stalled::ReadoutUnit => ("timeout_ms = 600\nbuilder_timeout_ms = 30000\n", 30000),
+        Stalled::Builder => ("timeout_ms = 600\nbuilder_timeout_ms = 800\n", 30000),
+        Stalled::Manager => ("timeout_ms = 600\nbuilder_timeout_ms = 30000\n", 800),
+    };
+    let cfg = write(
+        dir.path(),
+        "stall.toml",
+        &format!(
+            "[run]\nnumber = 11\nmode = \"request\"\nevents = {events}\noutput = \"{}\"\n\
+             [sources]\ncount = 2\nexternal = [9]\nfragment_size = 256\ntrigger = \"periodic\"\nrate_hz = 2000\n\
+             [[readout]]\nid = 0\nlisten = \"127.0.0.1:{}\"\nsources = [0, 1]\n\
+             [[readout]]\nid = 1\nlisten = \"127.0.0.1:{}\"\nsources = [9]\n\
+             [[builder]]\nid = 0\n\
+             [recorder]\nlisten = \"127.0.0.1:{}\"\nfsync = false\nblock_size = \"64 KiB\"\n\
+             [event_manager]\nlisten = \"127.0.0.1:{}\"\nheartbeat_timeout_ms = {heartbeats}\n\
+             [request]\n{timeouts}",
+            out.display(),
+            p[0],
+            p[1],
+            p[3],
+            p[2]
+        ),
+    );
+    let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
+    let rec = spawn(&["recorder"], Some(3));
+    let em = spawn(&["manager"], Some(2));
+    let ru0 = spawn(&["readout", "--id", "0"], Some(0));
+    let ru1 = spawn(&["readout", "--id", "1"], Some(1));
+    let bu = spawn(&["builder", "--id", "0"], None);
+    let src = spawn(&["sources"], None);
+    let frozen = match who {
+        Stalled::ReadoutUnit => &ru1,
+        Stalled::Builder => &bu,
+        Stalled::Manager => &em,
+    };
+    // The unit's socket was bound by the test and handed over: it takes the connection at once.
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", p[1])).unwrap();
+    let mut send = |b: &[u8]| std::io::Write::write_all(&mut s, b).unwrap();
+    send(&spec_source::hello(9));
+    let fragment = |ev: u64| spec_source::fragment(9, ev, 1, &[ev as u8; 100]);
+    for round in 0..ROUNDS {
+        let first = round * PER_ROUND;
+        match who {
+            Stalled::ReadoutUnit => {
+                if round > 0 {
+                    // Requests wait for the next event: the link is read empty for a while,
+                    // though not for the timeout.
+                    std::thread::sleep(std::time::Duration::from_millis(150));
+                    frozen.signal("STOP");
+                    // Delivered while the unit cannot look: held for it by TCP.
+                    send(&fragment(first));
+                    std::thread::sleep(std::time::Duration::from_millis(1200));
+                    frozen.signal("CONT");
+                } else {
+                    send(&fragment(first));
+                }
+                for ev in first + 1..first + PER_ROUND {
+                    send(&fragment(ev));
+                }
+            }
+            Stalled::Builder | Stalled::Manager => {
+                // The unit answers throughout; its answers wait in TCP for a frozen builder,
+                // the builder's heartbeats for a frozen manager.
+                frozen.signal("STOP");
+                for ev in first..first + PER_ROUND {
+                    if ev == first + 60 {
+                        frozen.signal("CONT");
+                    }
+                    send(&fragment(ev));
+                    std::thread::sleep(PACE);
+                }
+            }
+        }
+    }
+    send(&spec_source::end(9, events));
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    let ru = [report_of(ru0), report_of(ru1)];
+    let _ = report_of(src);
+    let bu = report_of(bu);
+    let em = report_of(em);
+    let rec = report_of(rec);
+    let all = serde_json::json!({ "readout": ru, "builder": bu, "manager": em, "recorder": rec });
+    let r = &rec["recorder"];
+    assert_eq!(r["events_in_files"], events, "{all:#}");
+    assert_eq!(r["incomplete_events"], 0, "{all:#}");
+    let partial = ru[1]["readout_units"][0]["requests"]["partial_answers"].as_u64();
+    assert_eq!(
+        partial,
+        Some(0),
+        "unit 1 answered without its source: {all:#}"
+    );
+    let m = &em["event_manager"];
+    assert_eq!(m["dead_builders"], 0, "{all:#}");
+    assert_eq!(m["reassigned"], 0, "{all:#}");
+    let o = tessera(&["verify", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
 }
 
 /// Over hosts, `tessera check` names each unit's host and what each host's roles may hold.

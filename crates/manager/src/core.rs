@@ -48,6 +48,11 @@ struct Builder {
     alive: bool,
     credits: u64,
     last_heard_ns: u64,
+    /// When the latest read of its connection that found nothing began: a builder is silent
+    /// for the heartbeat timeout only once a read proves it. Time in which the manager did not
+    /// read (stalled, starved of a core) says nothing of the builder, whose heartbeats may be
+    /// waiting in the socket.
+    looked_ns: u64,
     /// Events given to it and not finished.
     holding: HashSet<u64>,
     /// It has sent its credit or its rejoin.
@@ -146,6 +151,7 @@ impl Core {
             alive: true,
             credits: 0,
             last_heard_ns: now_ns,
+            looked_ns: now_ns,
             holding: HashSet::new(),
             spoke: false,
         });
@@ -368,6 +374,12 @@ impl Core {
         self.builders[slot].last_heard_ns = now_ns;
     }
 
+    /// A read of the builder's connection that began at `at_ns` found nothing.
+    pub fn looked(&mut self, slot: usize, at_ns: u64) {
+        let b = &mut self.builders[slot];
+        b.looked_ns = b.looked_ns.max(at_ns);
+    }
+
     pub fn done(
         &mut self,
         slot: usize,
@@ -420,12 +432,13 @@ impl Core {
         self.assign(out);
     }
 
-    /// Periodic work: heartbeat timeouts, clear groups that waited long enough, BUSY.
+    /// Periodic work: heartbeat timeouts (proven by reads, [`Self::looked`]), clear groups that
+    /// waited long enough, BUSY.
     pub fn tick(&mut self, now_ns: u64, out: &mut Vec<Out>) {
         let dead: Vec<usize> = (0..self.builders.len())
             .filter(|&i| {
                 let b = &self.builders[i];
-                b.alive && now_ns.saturating_sub(b.last_heard_ns) > self.s.heartbeat_timeout_ns
+                b.alive && b.looked_ns.saturating_sub(b.last_heard_ns) > self.s.heartbeat_timeout_ns
             })
             .collect();
         for slot in dead {
@@ -646,6 +659,8 @@ mod tests {
         // b never heard from: it has no credit, so it got nothing; a misses its heartbeats.
         c.credit(b, 10, 200, &mut out);
         out.clear();
+        c.looked(a, 20_000);
+        c.looked(b, 20_000);
         c.tick(20_000, &mut out);
         // Both went silent by then: a and b are dead. Nothing is lost; a third builder takes
         // the rest as rebuilds.
@@ -784,6 +799,31 @@ mod tests {
         assert_eq!(c.counts.stale_done, 0);
     }
 
+    /// The manager stalled (SIGSTOP, a starved process) past the heartbeat timeout: by the
+    /// clock every builder went silent, but no read proves it; their heartbeats wait in the
+    /// sockets. Only a read that finds a connection empty a timeout after its last message
+    /// declares a builder dead.
+    #[test]
+    fn a_stall_of_the_manager_declares_no_builder_dead() {
+        let mut c = Core::new(settings(), &[], &[], 0);
+        let mut out = Vec::new();
+        let a = c.builder_joined(10, 0);
+        c.credit(a, 3, 0, &mut out);
+        c.looked(a, 500);
+        out.clear();
+        c.tick(50_000, &mut out);
+        assert!(!out.contains(&Out::Drop(a)), "{out:?}");
+        // The first read after the stall brings its heartbeat: alive.
+        c.heartbeat(a, 50_001);
+        c.looked(a, 50_100);
+        c.tick(50_200, &mut out);
+        assert!(c.builder_alive(10));
+        // Reads that keep finding nothing for the timeout: dead.
+        c.looked(a, 60_002);
+        c.tick(60_003, &mut out);
+        assert!(out.contains(&Out::Drop(a)), "{out:?}");
+    }
+
     #[test]
     fn a_builder_wrongly_declared_dead_rejoins_without_an_event_built_twice_in_its_queue() {
         let mut c = Core::new(settings(), &[], &[], 0);
@@ -796,6 +836,7 @@ mod tests {
         out.clear();
         // Builder 10 was only slow: declared dead, its events queued for rebuilding; builder
         // 11 has no credit, so they wait.
+        c.looked(a, 15_000);
         c.tick(15_000, &mut out);
         assert!(out.contains(&Out::Drop(a)));
         assert!(!c.builder_alive(10));

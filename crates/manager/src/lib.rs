@@ -454,7 +454,11 @@ fn builder(
             if dropped.load(Ordering::Relaxed) {
                 break;
             }
-            match r.next(&mut stream, &dropped) {
+            let looked = |t: std::time::Instant| {
+                let at = t.saturating_duration_since(sh2.t0).as_nanos() as u64;
+                sh2.core.lock().looked(slot, at);
+            };
+            match r.next_noting(&mut stream, &dropped, looked) {
                 Ok(Message::Credit { credits }) => {
                     sh2.decide(|c, outs| c.credit(slot, credits, sh2.now_ns(), outs))
                 }

@@ -42,6 +42,17 @@ impl MessageReader {
 
     /// The next message. Read timeouts on the socket are ridden over, checking `stop` each time.
     pub fn next(&mut self, stream: &mut TcpStream, stop: &AtomicBool) -> Result<Message, ReadEnd> {
+        self.next_noting(stream, stop, |_| {})
+    }
+
+    /// [`Self::next`], telling `empty` when each read that timed out with nothing began: what
+    /// proves the peer silent, where the clock alone would count time this thread did not run.
+    pub fn next_noting(
+        &mut self,
+        stream: &mut TcpStream,
+        stop: &AtomicBool,
+        mut empty: impl FnMut(std::time::Instant),
+    ) -> Result<Message, ReadEnd> {
         loop {
             let want = match decode(&self.buf[self.start..self.end], self.max_message) {
                 Ok(Decoded::Message(m, n)) => {
@@ -59,6 +70,7 @@ impl MessageReader {
             if want > self.buf.len() {
                 self.buf.resize(want, 0);
             }
+            let began = std::time::Instant::now();
             match stream.read(&mut self.buf[self.end..]) {
                 Ok(0) if self.start == self.end => return Err(ReadEnd::Closed),
                 Ok(0) => return Err(ReadEnd::Failed("connection closed inside a message".into())),
@@ -71,6 +83,9 @@ impl MessageReader {
                             | io::ErrorKind::Interrupted
                     ) =>
                 {
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        empty(began);
+                    }
                     if stop.load(Ordering::Relaxed) {
                         return Err(ReadEnd::Stopped);
                     }

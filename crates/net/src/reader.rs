@@ -99,8 +99,31 @@ impl ChunkReader {
     /// its start (the size of the message being assembled); a new chunk is started when the
     /// current one cannot hold that, taking memory from the budget and waiting for it if needed.
     pub fn fill(&mut self, r: &mut impl Read, want: usize, stop: &AtomicBool) -> io::Result<Fill> {
+        self.fill_marking_waits(r, want, stop, None)
+    }
+
+    /// [`Self::fill`] that raises `waiting` for as long as it waits for memory, so that other
+    /// threads can tell a reader held by its own budget from one that has not run.
+    pub fn fill_marking_waits(
+        &mut self,
+        r: &mut impl Read,
+        want: usize,
+        stop: &AtomicBool,
+        waiting: Option<&AtomicBool>,
+    ) -> io::Result<Fill> {
         let budget = self.budget.clone();
-        if !self.ensure_room(want, |min, n| budget.take_buffer(min, n, stop)) {
+        let take = |min, n| {
+            let mark = |on| {
+                if let Some(w) = waiting {
+                    w.store(on, std::sync::atomic::Ordering::Release);
+                }
+            };
+            mark(true);
+            let got = budget.take_buffer(min, n, stop);
+            mark(false);
+            got
+        };
+        if !self.ensure_room(want, take) {
             return Ok(Fill::Stopped);
         }
         self.read_into(r)

@@ -860,6 +860,13 @@ pub(crate) fn read_link<S: LinkSink>(sink: &S, slot: usize, mut stream: TcpStrea
     let mut ended;
     let mut eof = false;
     let mut silent = false;
+    // An empty read proves the link silent from its start for as long as it waited, never up
+    // to whenever this thread next ran: a thread stalled after the read proves nothing more.
+    let waits = stream
+        .read_timeout()
+        .ok()
+        .flatten()
+        .map_or(0, |t| t.as_nanos() as u64);
     loop {
         Parsed { want, ended } = parse(sh, slot, &mut dec, &mut reader, &mut good);
         if !good.is_empty() {
@@ -879,7 +886,7 @@ pub(crate) fn read_link<S: LinkSink>(sink: &S, slot: usize, mut stream: TcpStrea
                 // for memory before the read is not silence, so it is not counted.
                 if let Some(t) = reader.read_started {
                     let since = t.saturating_duration_since(sh.t0).as_nanos() as u64;
-                    sink.quiet(slot, since, sh.now_ns());
+                    sink.quiet(slot, since, sh.now_ns().min(since.saturating_add(waits)));
                     silent = true;
                 }
             }

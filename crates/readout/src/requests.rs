@@ -57,6 +57,20 @@ pub enum Submit {
     NoDescriptor(Request),
 }
 
+/// What a link's reads have proven about its source: every read from `since_ns` to `until_ns`
+/// found nothing (`until_ns`: when the latest of them began). A link proven silent for a
+/// request's timeout is answered missing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Silent {
+    pub since_ns: u64,
+    pub until_ns: u64,
+}
+
+/// How soon a request is looked at again once its links' silence has lasted the timeout by the
+/// clock but the read that proves it has not come yet: reads of a silent link come back empty
+/// every 100 ms at most (their timeout).
+const PROOF_LOOK_NS: u64 = 10_000_000;
+
 struct Pending {
     request: Request,
     /// Requested links still without a fragment.
@@ -206,37 +220,41 @@ impl RequestTable {
         done.into_iter().map(|slot| self.finish(slot)).collect()
     }
 
-    /// Requests whose deadline passed by `now_ns` and whose every awaited link has been silent
-    /// for the timeout, answered with their missing links. `silent_since(link)`: since when the
-    /// link is proven silent (a read found nothing, or it never connected); `None` while it
-    /// delivers, or is held by the unit (pages full, throttled), which proves nothing. A request
-    /// waiting for a link that is not silent waits on and is looked at again later: a source
-    /// that runs behind the others but keeps delivering costs time, never its fragments (it used
-    /// to be answered missing at the timeout, and its fragments came late to be rejected).
-    pub fn expire(
-        &mut self,
-        now_ns: u64,
-        silent_since: impl Fn(usize) -> Option<u64>,
-    ) -> Vec<Answer> {
+    /// Requests whose deadline passed by `now_ns` and whose every awaited link has been proven
+    /// silent for the timeout, answered with their missing links. `silent(link)`: what the
+    /// link's reads have proven ([`Silent`]); `None` while it delivers, or is held by the unit
+    /// (pages full, throttled), which proves nothing. A request waiting for a link that is not
+    /// proven silent waits on and is looked at again later: a source that runs behind the others
+    /// but keeps delivering costs time, never its fragments (it used to be answered missing at
+    /// the timeout, and its fragments came late to be rejected). The proof is the reads' and
+    /// never the clock's: time in which the unit did not read the link (the unit stalled, its
+    /// reader starved of a core) proves nothing about the source.
+    pub fn expire(&mut self, now_ns: u64, silent: impl Fn(usize) -> Option<Silent>) -> Vec<Answer> {
         let due: Vec<u64> = self
             .deadlines
             .range(..(now_ns.saturating_add(1), 0))
             .map(|(&(_, slot), _)| slot)
             .collect();
+        let t = self.timeout_ns;
         let mut answers = Vec::new();
         for slot in due {
             let Some(p) = self.pending.get_mut(&slot) else {
                 continue;
             };
-            // When the last awaited link can have been silent for the timeout, if not yet.
+            // When the last awaited link not yet proven silent for the timeout is next worth
+            // a look: a timeout from now while it delivers; a timeout after its silence began,
+            // or soon when that has passed and only the read that proves it is still to come.
             let again = p
                 .waiting
                 .iter()
-                .map(|&l| match silent_since(l) {
-                    Some(s) => s.saturating_add(self.timeout_ns),
-                    None => now_ns.saturating_add(self.timeout_ns),
+                .filter_map(|&l| match silent(l) {
+                    Some(q) if q.until_ns.saturating_sub(q.since_ns) >= t => None,
+                    Some(q) => Some(match q.since_ns.saturating_add(t) {
+                        at if at > now_ns => at,
+                        _ => now_ns.saturating_add(t.min(PROOF_LOOK_NS)),
+                    }),
+                    None => Some(now_ns.saturating_add(t)),
                 })
-                .filter(|&at| at > now_ns)
                 .max();
             match again {
                 None => answers.push(self.finish(slot)),
@@ -362,7 +380,7 @@ mod tests {
             }]
         );
         assert_eq!(t.in_use(), 0);
-        assert!(t.expire(10_000, |_| Some(0)).is_empty());
+        assert!(t.expire(10_000, |_| quiet(0, 10_000)).is_empty());
     }
 
     #[test]
@@ -371,10 +389,10 @@ mod tests {
         t.arrived(5, 0);
         t.submit(req(1, 5, &[0, 1, 2, 3]), 100, |l| l == 0);
         t.arrived(5, 2);
-        assert!(t.expire(1099, |_| Some(0)).is_empty());
+        assert!(t.expire(1099, |_| quiet(0, 1099)).is_empty());
         assert_eq!(t.next_deadline(), Some(1100));
         assert_eq!(
-            t.expire(1100, |_| Some(0)),
+            t.expire(1100, |_| quiet(0, 1100)),
             vec![Answer {
                 request: req(1, 5, &[0, 1, 2, 3]),
                 missing: vec![1, 3]
@@ -397,18 +415,65 @@ mod tests {
         assert!(t.expire(5000, |_| None).is_empty());
         assert_eq!(t.in_use(), 1);
         // Then it goes silent at 5 500: given up a whole timeout after that, not before.
-        let silent = |l: usize| (l == 1).then_some(5500);
-        assert!(t.expire(6000, silent).is_empty());
+        let silent = |now: u64| move |l: usize| if l == 1 { quiet(5500, now) } else { None };
+        assert!(t.expire(6000, silent(6000)).is_empty());
         assert_eq!(t.next_deadline(), Some(6500));
-        assert!(t.expire(6499, silent).is_empty());
+        assert!(t.expire(6499, silent(6499)).is_empty());
         assert_eq!(
-            t.expire(6500, silent),
+            t.expire(6500, silent(6500)),
             vec![Answer {
                 request: req(1, 5, &[0, 1]),
                 missing: vec![1]
             }]
         );
         assert_eq!(t.in_use(), 0);
+    }
+
+    /// A silence proven by reads from `since` to `until`.
+    fn quiet(since: u64, until: u64) -> Option<Silent> {
+        Some(Silent {
+            since_ns: since,
+            until_ns: until,
+        })
+    }
+
+    /// The unit stalled (SIGSTOP, a starved process) with the link last read empty 300 ns into
+    /// a silence: by the clock the silence has lasted past the timeout, but nothing read proves
+    /// it, and the source may well have sent during the stall. Only a read that finds the link
+    /// still empty a timeout after the silence began proves it.
+    #[test]
+    fn a_stall_of_the_unit_proves_no_silence_of_its_links() {
+        let mut t = RequestTable::new(4, 1000);
+        t.submit(req(1, 5, &[0, 1]), 0, |_| false);
+        t.arrived(5, 0);
+        let before_the_stall = |l: usize| if l == 1 { quiet(0, 300) } else { None };
+        assert!(t.expire(5000, before_the_stall).is_empty());
+        assert_eq!(t.in_use(), 1);
+        assert!(
+            t.next_deadline().is_some_and(|d| d > 5000),
+            "looked at again once a read may have proven it"
+        );
+        // The link's first read after the stall brings the fragment: answered whole.
+        assert_eq!(
+            t.arrived(5, 1),
+            vec![Answer {
+                request: req(1, 5, &[0, 1]),
+                missing: vec![]
+            }]
+        );
+        // Had that read found the link still empty, the silence is proven: answered missing.
+        t.submit(req(2, 6, &[0, 1]), 5000, |_| false);
+        t.arrived(6, 0);
+        assert!(t
+            .expire(6000, |l| if l == 1 { quiet(0, 300) } else { None })
+            .is_empty());
+        assert_eq!(
+            t.expire(7000, |l| if l == 1 { quiet(0, 6005) } else { None }),
+            vec![Answer {
+                request: req(2, 6, &[0, 1]),
+                missing: vec![1]
+            }]
+        );
     }
 
     #[test]
@@ -629,7 +694,7 @@ mod tests {
                     _ => {
                         now += x * 10;
                         // Every link silent from the start: the plain timeout.
-                        for a in t.expire(now, |_| Some(0)) { check(&a, &present)?; }
+                        for a in t.expire(now, |_| quiet(0, now)) { check(&a, &present)?; }
                     }
                 }
             }

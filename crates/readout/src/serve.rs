@@ -23,7 +23,7 @@ use parking_lot::{Condvar, Mutex};
 use std::collections::HashMap;
 use std::io::IoSlice;
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,7 +34,7 @@ use tessera_net::role::{spawn, RoleThreads};
 use tessera_net::ChunkSlice;
 
 use crate::paged::{Hold, Lent, PagedBuffer, StoreError};
-use crate::requests::{Answer, Request, RequestTable, Submit};
+use crate::requests::{Answer, Request, RequestTable, Silent, Submit};
 use crate::{LinkCtx, LinkSink, LinkState, Rejection};
 use tessera_assembly::RecentSet;
 
@@ -110,10 +110,11 @@ struct Unit {
     manager_ended: AtomicBool,
     /// Link readers still running.
     open_links: AtomicUsize,
-    /// Per link, since when a read has found it silent ([`NOT_SILENT`] while it delivers, is
-    /// held, or has not been read since data came): a request stops waiting for a link only
-    /// after a whole timeout of this.
-    silent_since: Vec<AtomicU64>,
+    /// Per link, what its reads have proven silent (`None` while it delivers, is held, or has
+    /// not been read since data came): a request stops waiting for a link only once this spans
+    /// a whole timeout. Written by the link's reader only on the edges of a silence and on its
+    /// empty reads, so the lock is seldom taken.
+    silence: Vec<Mutex<Option<Silent>>>,
     /// The builder connections open now, by (builder, channel): one each. A second hello for
     /// one is refused, never allowed to take the first one's place.
     claimed: Mutex<std::collections::HashSet<(u32, u8)>>,
@@ -128,9 +129,6 @@ impl std::ops::Deref for Unit {
 
 /// Most recent event IDs remembered as announced or cleared.
 const MEMORY: usize = 1 << 20;
-
-/// [`Unit::silent_since`] of a link not proven silent.
-const NOT_SILENT: u64 = u64::MAX;
 
 pub(crate) fn start(
     ctx: LinkCtx,
@@ -176,7 +174,7 @@ pub(crate) fn start(
         }),
         manager_ended: AtomicBool::new(false),
         open_links: AtomicUsize::new(n),
-        silent_since: (0..n).map(|_| AtomicU64::new(NOT_SILENT)).collect(),
+        silence: (0..n).map(|_| Mutex::new(None)).collect(),
         claimed: Mutex::new(std::collections::HashSet::new()),
         ctx,
     });
@@ -280,18 +278,15 @@ impl LinkSink for Unit {
         &self.ctx
     }
 
-    fn quiet(&self, slot: usize, since_ns: u64, _until_ns: u64) {
+    fn quiet(&self, slot: usize, since_ns: u64, until_ns: u64) {
         // The first empty read of a silence says since when; the later ones extend it.
-        let _ = self.silent_since[slot].compare_exchange(
-            NOT_SILENT,
-            since_ns,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        );
+        let mut s = self.silence[slot].lock();
+        let q = s.get_or_insert(Silent { since_ns, until_ns });
+        q.until_ns = q.until_ns.max(until_ns);
     }
 
     fn heard(&self, slot: usize) {
-        self.silent_since[slot].store(NOT_SILENT, Ordering::Release);
+        *self.silence[slot].lock() = None;
     }
 
     fn offer(&self, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
@@ -404,14 +399,17 @@ impl LinkSink for Unit {
 }
 
 impl Unit {
-    /// Since when link `slot` is proven silent: a source that never connected is silent from
-    /// the start; a connected one once a read found nothing, until it delivers again.
-    fn silent_since(&self, slot: usize) -> Option<u64> {
+    /// What link `slot`'s reads have proven silent: a source that never connected is silent
+    /// from the start to now; a connected one from its first empty read to the start of its
+    /// latest, until it delivers again.
+    fn silence(&self, slot: usize, now_ns: u64) -> Option<Silent> {
         if self.stats.links[slot].state() == LinkState::Waiting {
-            return Some(0);
+            return Some(Silent {
+                since_ns: 0,
+                until_ns: now_ns,
+            });
         }
-        let s = self.silent_since[slot].load(Ordering::Acquire);
-        (s != NOT_SILENT).then_some(s)
+        *self.silence[slot].lock()
     }
 
     /// Queues a message for the event manager; dropped while it is lost (what is held is
@@ -885,7 +883,8 @@ fn sweep(u: &Arc<Unit>) {
         std::thread::sleep(Duration::from_millis(2));
         {
             let mut t = u.requests.lock();
-            let answers = t.expire(u.now_ns(), |l| u.silent_since(l));
+            let now = u.now_ns();
+            let answers = t.expire(now, |l| u.silence(l, now));
             u.route(answers);
         }
         // The page gauge is refreshed here and on clears, not on every read: it takes every
