@@ -721,12 +721,14 @@ fn sweep(p: &Pull, heartbeat: Duration) {
                 .iter()
                 .filter(|(_, b)| {
                     b.pending.iter().any(|&r| {
-                        let heard = p.last_answer_ns[r].load(Ordering::Acquire);
+                        // The look first: an empty read that began after bytes came is seen
+                        // with those bytes' time (the reader stores that before it reads on).
                         let looked = if p.held[r].load(Ordering::Acquire) {
                             now
                         } else {
                             p.looked_ns[r].load(Ordering::Acquire)
                         };
+                        let heard = p.last_answer_ns[r].load(Ordering::Acquire);
                         gave_nothing_for(b.since_ns.max(heard), looked, p.timeout_ns)
                     })
                 })
