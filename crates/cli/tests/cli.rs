@@ -1032,13 +1032,32 @@ fn two_unit_request_run(
 
 /// Counts the incomplete events on file, checking that each lacks exactly unit 1's sources.
 fn incomplete_lacking_unit_1(out: &Path, all: &serde_json::Value) -> u64 {
-    let mut incomplete = 0u64;
+    incomplete_lacking_unit_1_or_part(out, all, 0)
+}
+
+/// [`incomplete_lacking_unit_1`], where up to `partial` events may lack only one of unit 1's
+/// sources: those unit 1 answered itself naming it missing (its `partial_answers`), a source
+/// starved of a core on a loaded host being, for the unit, a silent one.
+fn incomplete_lacking_unit_1_or_part(out: &Path, all: &serde_json::Value, partial: u64) -> u64 {
+    let (mut incomplete, mut part) = (0u64, 0u64);
     for h in event_headers(out) {
-        if !h.missing.is_empty() {
-            assert_eq!(h.missing, vec![2, 3], "event {}: {all:#}", h.event_id);
-            incomplete += 1;
+        if h.missing.is_empty() {
+            continue;
+        }
+        incomplete += 1;
+        if h.missing != vec![2, 3] {
+            assert!(
+                h.missing == vec![2] || h.missing == vec![3],
+                "event {}: {all:#}",
+                h.event_id
+            );
+            part += 1;
         }
     }
+    assert!(
+        part <= partial,
+        "{part} events lack one of unit 1's sources, unit 1 answered {partial} so: {all:#}"
+    );
     incomplete
 }
 
@@ -1165,7 +1184,13 @@ fn a_readout_unit_frozen_mid_run_is_given_up_once_it_has_answered_nothing_for_th
         seen[h.event_id as usize] += 1;
     }
     assert!(seen.iter().all(|&n| n == 1), "{all:#}");
-    let incomplete = incomplete_lacking_unit_1(&out, &all);
+    // Only the frozen unit's sources are ever missing. One of them alone only where the unit
+    // answered so itself: a source starved of a core for its timeout (500 ms) while the host is
+    // loaded is silent as far as the unit can know (seen once in a parallel drill run).
+    let partial = ru[1]["readout_units"][0]["requests"]["partial_answers"]
+        .as_u64()
+        .unwrap_or(0);
+    let incomplete = incomplete_lacking_unit_1_or_part(&out, &all, partial);
     assert_eq!(Some(incomplete), r["incomplete_events"].as_u64(), "{all:#}");
     let o = tessera(&["verify", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
@@ -1218,24 +1243,31 @@ enum Stalled {
 /// the source delivers an event every 20 ms throughout, so the unit answers (and the builder
 /// sends heartbeats) during the stall. Not one event may be incomplete, no builder declared dead.
 fn stalled_mid_silence(who: Stalled) {
-    const ROUNDS: u64 = 6;
+    const ROUNDS: u64 = 5;
     // Events per round: the readout unit's case sends them at once after the stall; the
-    // others', 60 during the stall and 15 after it, 20 ms apart.
-    const PER_ROUND: u64 = 75;
+    // others', `paces` during the stall and 15 after it, 20 ms apart.
     const PACE: std::time::Duration = std::time::Duration::from_millis(20);
-    let events = ROUNDS * PER_ROUND;
+    // The timeouts leave a source (this thread) a second and more of slack on a loaded host:
+    // a source starved that long is silent as far as a readout unit can know, and its events
+    // are rightly incomplete.
+    //   - A readout unit is frozen 2 s, past its 1.5 s timeout (the builder's is out of reach).
+    //   - A builder 120 paces (2.4 s), past its 2 s.
+    //   - A manager 60 paces (1.2 s), past the builders' heartbeat timeout of 800 ms.
+    let (timeouts, heartbeats, paces) = match who {
+        Stalled::ReadoutUnit => ("timeout_ms = 1500\nbuilder_timeout_ms = 30000\n", 30000, 0),
+        Stalled::Builder => ("timeout_ms = 1500\nbuilder_timeout_ms = 2000\n", 30000, 120),
+        Stalled::Manager => ("timeout_ms = 1500\nbuilder_timeout_ms = 30000\n", 800, 60),
+    };
+    let per_round: u64 = if who == Stalled::ReadoutUnit {
+        75
+    } else {
+        paces + 15
+    };
+    let events = ROUNDS * per_round;
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let ports = Ports::bind(4);
     let p: Vec<u16> = (0..4).map(|i| ports.port(i)).collect();
-    // A readout unit is frozen 1.2 s, past its 600 ms timeout (the builder's is out of reach);
-    // a builder 60 paces, past its 800 ms.
-    // A manager, 60 paces, past the builders' heartbeat timeout of 800 ms.
-    let (timeouts, heartbeats) = match who {
-        Stalled::ReadoutUnit => ("timeout_ms = 600\nbuilder_timeout_ms = 30000\n", 30000),
-        Stalled::Builder => ("timeout_ms = 600\nbuilder_timeout_ms = 800\n", 30000),
-        Stalled::Manager => ("timeout_ms = 600\nbuilder_timeout_ms = 30000\n", 800),
-    };
     let cfg = write(
         dir.path(),
         "stall.toml",
@@ -1273,7 +1305,7 @@ fn stalled_mid_silence(who: Stalled) {
     send(&spec_source::hello(9));
     let fragment = |ev: u64| spec_source::fragment(9, ev, 1, &[ev as u8; 100]);
     for round in 0..ROUNDS {
-        let first = round * PER_ROUND;
+        let first = round * per_round;
         match who {
             Stalled::ReadoutUnit => {
                 if round > 0 {
@@ -1283,12 +1315,12 @@ fn stalled_mid_silence(who: Stalled) {
                     frozen.signal("STOP");
                     // Delivered while the unit cannot look: held for it by TCP.
                     send(&fragment(first));
-                    std::thread::sleep(std::time::Duration::from_millis(1200));
+                    std::thread::sleep(std::time::Duration::from_millis(2000));
                     frozen.signal("CONT");
                 } else {
                     send(&fragment(first));
                 }
-                for ev in first + 1..first + PER_ROUND {
+                for ev in first + 1..first + per_round {
                     send(&fragment(ev));
                 }
             }
@@ -1296,8 +1328,8 @@ fn stalled_mid_silence(who: Stalled) {
                 // The unit answers throughout; its answers wait in TCP for a frozen builder,
                 // the builder's heartbeats for a frozen manager.
                 frozen.signal("STOP");
-                for ev in first..first + PER_ROUND {
-                    if ev == first + 60 {
+                for ev in first..first + per_round {
+                    if ev == first + paces {
                         frozen.signal("CONT");
                     }
                     send(&fragment(ev));
@@ -1328,6 +1360,17 @@ fn stalled_mid_silence(who: Stalled) {
     assert_eq!(m["reassigned"], 0, "{all:#}");
     let o = tessera(&["verify", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    assert_eq!(r["duplicate_events"], 0, "{all:#}");
+    let role = match who {
+        Stalled::ReadoutUnit => "a readout unit",
+        Stalled::Builder => "a builder",
+        Stalled::Manager => "the event manager",
+    };
+    println!(
+        "DRILL|request mode, {role} stalled (SIGSTOP) {} times past its timeouts|{events}|{}|0|0|per process (nothing incomplete)",
+        ROUNDS - u64::from(who == Stalled::ReadoutUnit),
+        r["events_in_files"]
+    );
 }
 
 /// Over hosts, `tessera check` names each unit's host and what each host's roles may hold.
