@@ -103,6 +103,9 @@ struct Shared {
     rus: Vec<(u32, Vec<u32>)>,
     /// Per readout unit, its rails.
     rails: Vec<Mutex<Vec<Rail>>>,
+    /// Per rail, its accepting's latest proof that no unit was on its way in: a rail that never
+    /// connected is silent up to it, not up to the sweep's clock.
+    none_waiting: Vec<tessera_net::io::NoneWaiting>,
     assembler: Mutex<Assembler<Part>>,
     to_recorder: Option<tessera_net::sender::Queue<Built>>,
     stats: Arc<BuilderStats>,
@@ -157,6 +160,7 @@ impl BuilderUnit {
             rails: (0..n)
                 .map(|_| Mutex::new(vec![Rail::default(); rails]))
                 .collect(),
+            none_waiting: vec![Default::default(); rails],
             rus: cfg.readout_units,
             // Readout units send events in the order they finish them, not by event ID: where
             // they are comes from their progress messages instead.
@@ -471,6 +475,8 @@ fn accept(sh: &Arc<Shared>, rail: usize, listener: TcpListener, role: &mut RoleT
             on_hello: Box::new(on_hello),
             on_end: Box::new(on_end),
             dialled: None,
+            none_waiting: Some(sh.none_waiting[rail].clone()),
+            dial_hellos: None,
         },
         &accepting,
     );
@@ -822,10 +828,18 @@ fn sweep(sh: &Shared) -> bool {
     let (ready, all_closed) = {
         let mut a = sh.assembler.lock();
         let now = sh.now_ns();
-        // A rail that has not connected is listened for and says nothing: silence.
+        // A rail that has not connected is listened for and says nothing: silence, up to its
+        // accepting's last look that found nobody on the way in.
         for (slot, rails) in sh.rails.iter().enumerate() {
-            if rails.lock().iter().any(|r| !r.connected) {
-                a.quiet(slot, 0, now);
+            let until = rails
+                .lock()
+                .iter()
+                .zip(&sh.none_waiting)
+                .filter(|(r, _)| !r.connected)
+                .map(|(_, w)| w.until_ns(sh.t0).unwrap_or(0))
+                .min();
+            if let Some(until) = until {
+                a.quiet(slot, 0, until);
             }
         }
         let (mut ready, all_closed) = a.sweep(now);

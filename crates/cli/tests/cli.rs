@@ -1228,9 +1228,20 @@ fn a_stalled_event_manager_reads_its_builders_before_declaring_them_dead() {
     stalled_mid_silence(Stalled::Manager);
 }
 
+/// A source that first connects while its readout unit is stalled: its connection and its
+/// fragments wait in the unit's listening socket. Thawed, the unit used to take the link for
+/// silent from the start to its clock, and could answer the waiting requests without the source
+/// before its accepting took the connection; now the accepting's last look that found nobody on
+/// the way in bounds that silence (the push-mode units and builders do the same).
+#[test]
+fn a_source_connecting_while_its_unit_is_stalled_is_taken_before_its_events_are_given_up() {
+    stalled_mid_silence(Stalled::ReadoutUnitBeforeItsSource);
+}
+
 #[derive(Clone, Copy, PartialEq)]
 enum Stalled {
     ReadoutUnit,
+    ReadoutUnitBeforeItsSource,
     Builder,
     Manager,
 }
@@ -1254,14 +1265,16 @@ fn stalled_mid_silence(who: Stalled) {
     //   - A builder 120 paces (2.4 s), past its 2 s.
     //   - A manager 60 paces (1.2 s), past the builders' heartbeat timeout of 800 ms.
     let (timeouts, heartbeats, paces) = match who {
-        Stalled::ReadoutUnit => ("timeout_ms = 1500\nbuilder_timeout_ms = 30000\n", 30000, 0),
+        Stalled::ReadoutUnit | Stalled::ReadoutUnitBeforeItsSource => {
+            ("timeout_ms = 1500\nbuilder_timeout_ms = 30000\n", 30000, 0)
+        }
         Stalled::Builder => ("timeout_ms = 1500\nbuilder_timeout_ms = 2000\n", 30000, 120),
         Stalled::Manager => ("timeout_ms = 1500\nbuilder_timeout_ms = 30000\n", 800, 60),
     };
-    let per_round: u64 = if who == Stalled::ReadoutUnit {
-        75
-    } else {
-        paces + 15
+    let per_round: u64 = match who {
+        Stalled::ReadoutUnit => 75,
+        Stalled::ReadoutUnitBeforeItsSource => 15,
+        Stalled::Builder | Stalled::Manager => paces + 15,
     };
     let events = ROUNDS * per_round;
     let dir = tempfile::tempdir().unwrap();
@@ -1295,18 +1308,34 @@ fn stalled_mid_silence(who: Stalled) {
     let bu = spawn(&["builder", "--id", "0"], None);
     let src = spawn(&["sources"], None);
     let frozen = match who {
-        Stalled::ReadoutUnit => &ru1,
+        Stalled::ReadoutUnit | Stalled::ReadoutUnitBeforeItsSource => &ru1,
         Stalled::Builder => &bu,
         Stalled::Manager => &em,
     };
-    // The unit's socket was bound by the test and handed over: it takes the connection at once.
+    let late = who == Stalled::ReadoutUnitBeforeItsSource;
+    if late {
+        // Requests wait for the source that has not connected (unit 0 runs ahead), well within
+        // the unit's timeout; then the unit stalls and the source connects.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        frozen.signal("STOP");
+    }
+    // The unit's socket was bound by the test and handed over: the kernel takes the connection
+    // at once, stalled unit or not.
     let mut s = std::net::TcpStream::connect(("127.0.0.1", p[1])).unwrap();
     let mut send = |b: &[u8]| std::io::Write::write_all(&mut s, b).unwrap();
     send(&spec_source::hello(9));
     let fragment = |ev: u64| spec_source::fragment(9, ev, 1, &[ev as u8; 100]);
+    if late {
+        for ev in 0..events {
+            send(&fragment(ev));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2000));
+        frozen.signal("CONT");
+    }
     for round in 0..ROUNDS {
         let first = round * per_round;
         match who {
+            Stalled::ReadoutUnitBeforeItsSource => {}
             Stalled::ReadoutUnit => {
                 if round > 0 {
                     // Requests wait for the next event: the link is read empty for a while,
@@ -1363,12 +1392,17 @@ fn stalled_mid_silence(who: Stalled) {
     assert_eq!(r["duplicate_events"], 0, "{all:#}");
     let role = match who {
         Stalled::ReadoutUnit => "a readout unit",
+        Stalled::ReadoutUnitBeforeItsSource => "a readout unit, its source connecting then,",
         Stalled::Builder => "a builder",
         Stalled::Manager => "the event manager",
     };
     println!(
         "DRILL|request mode, {role} stalled (SIGSTOP) {} times past its timeouts|{events}|{}|0|0|per process (nothing incomplete)",
-        ROUNDS - u64::from(who == Stalled::ReadoutUnit),
+        match who {
+            Stalled::ReadoutUnit => ROUNDS - 1,
+            Stalled::ReadoutUnitBeforeItsSource => 1,
+            Stalled::Builder | Stalled::Manager => ROUNDS,
+        },
         r["events_in_files"]
     );
 }

@@ -72,6 +72,11 @@ pub struct Accepting {
     /// like the accepted ones'. The registration does not end before this channel is closed
     /// (the dialler has ended). Wake the acceptor ([`Acceptor::wake`]) after each.
     pub dialled: Option<Receiver<Dialled>>,
+    /// Told of every look that found no connection waiting and no hello under way (of the
+    /// accepted ones, and of `dial_hellos`, the dialler's, which it holds from its connect
+    /// until the hello is read here).
+    pub none_waiting: Option<crate::io::NoneWaiting>,
+    pub dial_hellos: Option<crate::io::Hellos>,
 }
 
 /// A connection the role opened to a peer that listens, with its hello under way.
@@ -158,6 +163,9 @@ struct Thread {
     poll: Poll,
     regs: Vec<Option<Registration>>,
     greetings: Vec<Option<Greeting>>,
+    /// When the last wait for readiness began: a listener it did not report had nobody come
+    /// from then (edge-triggered, and each turn drains the backlog).
+    polled_at: Option<Instant>,
 }
 
 /// A callback of a role panicked: the role ends as if stopped, alone, and the other roles of the
@@ -170,6 +178,7 @@ impl Thread {
             poll,
             regs: Vec::new(),
             greetings: Vec::new(),
+            polled_at: None,
         }
     }
 
@@ -193,6 +202,7 @@ impl Thread {
             for slot in 0..self.regs.len() {
                 self.turn(slot);
             }
+            self.polled_at = Some(Instant::now());
             let _ = self.poll.poll(&mut events, Some(ACCEPT_RECHECK));
         }
     }
@@ -218,9 +228,16 @@ impl Thread {
         let Some(r) = self.regs[slot].as_mut() else {
             return;
         };
+        // Since when this turn knows the backlog empty, if it drains it or nobody came.
+        let mut looked = None;
         if r.ended.is_none() {
             let mut taken = Vec::new();
             let pending = r.pending || !r.watched;
+            looked = if pending {
+                Some(Instant::now())
+            } else {
+                self.polled_at
+            };
             let a = &mut r.a;
             let (end, pending) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 // Nothing came since the backlog was drained: only the stop and the peers
@@ -238,7 +255,10 @@ impl Thread {
                     // failing one at the next recheck too (edge-triggered: a listener that
                     // stays readable after a failure wakes nobody early).
                     Backlog::Drained => (None, false),
-                    Backlog::Failed => (None, true),
+                    Backlog::Failed => {
+                        looked = None;
+                        (None, true)
+                    }
                 }
             }))
             .unwrap_or_else(|_| {
@@ -260,6 +280,12 @@ impl Thread {
         let Some(r) = self.regs[slot].as_ref() else {
             return;
         };
+        if let (Some(at), Some(w)) = (looked, &r.a.none_waiting) {
+            let dialling = r.a.dial_hellos.as_ref().is_some_and(|h| !h.idle());
+            if r.ended.is_none() && r.greeting == 0 && !dialling {
+                w.saw(at);
+            }
+        }
         if r.ended.is_some() && r.greeting == 0 && r.a.dialled.is_none() {
             let Some(Registration {
                 a, ended, _live, ..
@@ -504,6 +530,8 @@ mod tests {
                         let _ = tx.send(end);
                     }),
                     dialled: None,
+                    none_waiting: None,
+                    dial_hellos: None,
                 },
                 &live,
             );
@@ -548,6 +576,8 @@ mod tests {
                         let _ = tx.send(end);
                     }),
                     dialled: None,
+                    none_waiting: None,
+                    dial_hellos: None,
                 },
                 &live,
             );
@@ -619,6 +649,8 @@ mod tests {
                     let _ = tx2.send(Seen::End(end));
                 }),
                 dialled,
+                none_waiting: None,
+                dial_hellos: None,
             },
             &live,
         );

@@ -279,17 +279,36 @@ pub fn accept_backlog(
 pub fn accept_until(
     listener: &std::net::TcpListener,
     stop: &std::sync::atomic::AtomicBool,
+    missing: impl FnMut() -> bool,
+    on_connection: impl FnMut(TcpStream, SocketAddr),
+) -> AcceptEnd {
+    accept_until_looking(listener, stop, missing, on_connection, |_| {})
+}
+
+/// [`accept_until`], telling `empty` when each look that found no connection waiting began
+/// (the accept that drained the backlog, or a wait that saw nobody come): for [`NoneWaiting`].
+pub fn accept_until_looking(
+    listener: &std::net::TcpListener,
+    stop: &std::sync::atomic::AtomicBool,
     mut missing: impl FnMut() -> bool,
     mut on_connection: impl FnMut(TcpStream, SocketAddr),
+    mut empty: impl FnMut(std::time::Instant),
 ) -> AcceptEnd {
     let _ = listener.set_nonblocking(true);
     loop {
+        let drained_from = std::time::Instant::now();
         match accept_backlog(listener, stop, &mut missing, &mut on_connection) {
             Backlog::Ended(end) => return end,
             // A recheck with no peer come looks at the stop and at `missing()` only: an
             // `accept` on an empty backlog still makes and frees a socket file in the kernel.
             Backlog::Drained => {
-                while !wait_for_peer(listener) && !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                empty(drained_from);
+                loop {
+                    let waited_from = std::time::Instant::now();
+                    if wait_for_peer(listener) || stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        break;
+                    }
+                    empty(waited_from);
                     if !missing() {
                         return AcceptEnd::AllConnected;
                     }
@@ -465,6 +484,29 @@ mod tests {
     }
 }
 
+/// When a role's accepting last proved that no peer of it was on its way in: its listener found
+/// with no connection waiting while none of its hellos was under way. A peer that has not
+/// connected by then had sent nothing by then (its bytes would sit in an accepted socket or in
+/// the backlog), so a link that never connected is silent up to that moment and no further:
+/// time in which the role did not look (stalled, starved of a core) proves nothing.
+#[derive(Clone, Default)]
+pub struct NoneWaiting(std::sync::Arc<parking_lot::Mutex<Option<std::time::Instant>>>);
+
+impl NoneWaiting {
+    /// A look that began at `at` found no connection waiting and no hello under way.
+    pub fn saw(&self, at: std::time::Instant) {
+        let mut g = self.0.lock();
+        *g = Some(g.map_or(at, |t| t.max(at)));
+    }
+
+    /// The latest such look, in ns after `t0`; `None` before the first.
+    pub fn until_ns(&self, t0: std::time::Instant) -> Option<u64> {
+        self.0
+            .lock()
+            .map(|t| t.saturating_duration_since(t0).as_nanos() as u64)
+    }
+}
+
 /// Connections that have been accepted and not yet said their hello, each read on its own thread
 /// with its own deadline. Bounded, so a flood of silent connections costs descriptors, not the
 /// unit; and a stop can wait for the hellos under way before it takes the peers still missing
@@ -496,6 +538,11 @@ impl Hellos {
         }
         self.0.fetch_add(1, Ordering::AcqRel);
         Ok(HelloUnderWay(self.0.clone()))
+    }
+
+    /// Whether no hello is under way now.
+    pub fn idle(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire) == 0
     }
 
     /// Waits until no hello is under way (each has its own deadline, so this is bounded).

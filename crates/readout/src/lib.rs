@@ -157,11 +157,20 @@ pub(crate) struct LinkCtx {
     pub quarantine: Option<quarantine::Quarantine>,
     pub max_payload: usize,
     pub read_chunk: usize,
+    /// The accepting's latest proof that no source was on its way in: links that never
+    /// connected are silent up to it, not up to the sweep's clock.
+    pub none_waiting: tessera_net::io::NoneWaiting,
 }
 
 impl LinkCtx {
     pub fn now_ns(&self) -> u64 {
         self.t0.elapsed().as_nanos() as u64
+    }
+
+    /// Until when a link that never connected is proven silent (from the start): the last look
+    /// of the accepting that found nobody on the way in; 0 before the first.
+    pub fn never_connected_until_ns(&self) -> u64 {
+        self.none_waiting.until_ns(self.t0).unwrap_or(0)
     }
 }
 
@@ -485,6 +494,7 @@ impl ReadoutUnit {
                 quarantine,
                 max_payload: cfg.max_payload,
                 read_chunk: cfg.read_chunk,
+                none_waiting: Default::default(),
             };
             serve::start(ctx, cfg.listener, cfg.dial, mode, per_link, &mut role)?;
             return Ok(ReadoutUnit { stats, role });
@@ -520,6 +530,7 @@ impl ReadoutUnit {
                 quarantine,
                 max_payload: cfg.max_payload,
                 read_chunk: cfg.read_chunk,
+                none_waiting: Default::default(),
             },
             // Sources send their fragments in event-ID order, so a link's fragment for a
             // later event means it will not send the earlier ones.
@@ -617,11 +628,12 @@ fn accept<S: LinkSink>(
     // Sources that listen are dialled beside the accepting (at most `Hellos::MAX` saying hello
     // at once, the dialler waiting beyond); their hellos are read by the acceptor like the
     // accepted ones', and the accepting does not end before the dialler has.
+    let dial_hellos = tessera_net::io::Hellos::default();
     let dialled = (!dial.is_empty()).then(|| {
         let (tx, rx) = crossbeam_channel::unbounded::<tessera_net::acceptor::Dialled>();
         let stop = c.stop.clone();
+        let hellos = dial_hellos.clone();
         spawn(format!("ru{id}-dial"), move || {
-            let hellos = tessera_net::io::Hellos::default();
             let acceptor =
                 tessera_net::acceptor::Acceptor::stage(tessera_net::reactor::Stage::Readout);
             tessera_net::io::dial_until(&dial, &stop, &hellos, |stream, peer, hello| {
@@ -676,6 +688,8 @@ fn accept<S: LinkSink>(
             on_hello: Box::new(on_hello),
             on_end: Box::new(on_end),
             dialled,
+            none_waiting: Some(c.none_waiting.clone()),
+            dial_hellos: Some(dial_hellos),
         },
         &accepting,
     );
@@ -1025,7 +1039,7 @@ fn sweep(sh: &Shared) -> bool {
         // A source that has not connected is listened for and says nothing: silence.
         for (slot, l) in sh.stats.links.iter().enumerate() {
             if l.state() == LinkState::Waiting {
-                a.quiet(slot, 0, now);
+                a.quiet(slot, 0, sh.never_connected_until_ns());
             }
         }
         let r = a.sweep(now);

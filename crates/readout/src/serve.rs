@@ -400,13 +400,14 @@ impl LinkSink for Unit {
 
 impl Unit {
     /// What link `slot`'s reads have proven silent: a source that never connected is silent
-    /// from the start to now; a connected one from its first empty read to the start of its
+    /// from the start to the accepting's last look that found nobody on the way in; a connected
+    /// one from its first empty read to the start of its
     /// latest, until it delivers again.
-    fn silence(&self, slot: usize, now_ns: u64) -> Option<Silent> {
+    fn silence(&self, slot: usize) -> Option<Silent> {
         if self.stats.links[slot].state() == LinkState::Waiting {
             return Some(Silent {
                 since_ns: 0,
-                until_ns: now_ns,
+                until_ns: self.never_connected_until_ns(),
             });
         }
         *self.silence[slot].lock()
@@ -564,7 +565,7 @@ fn accept(u: &Arc<Unit>, listener: TcpListener, dial: Vec<String>) {
             }
         })
     });
-    let end = tessera_net::io::accept_until(
+    let end = tessera_net::io::accept_until_looking(
         &listener,
         &u.stop,
         || !u.manager_ended.load(Ordering::Relaxed),
@@ -579,6 +580,12 @@ fn accept(u: &Arc<Unit>, listener: TcpListener, dial: Vec<String>) {
             v.push(spawn(format!("ru{}-conn", u.id), move || {
                 serve_connection(&u2, stream, peer, hello)
             }));
+        },
+        // Nobody on the way in, dialled or accepted: the links still waiting are silent so far.
+        |at| {
+            if hellos.idle() {
+                u.none_waiting.saw(at);
+            }
         },
     );
     if end == tessera_net::io::AcceptEnd::Stopped {
@@ -612,6 +619,9 @@ fn serve_connection(
         Ok(()) if is_builder => builder_hello(&mut stream, &h).map(Some),
         Ok(()) => Ok(None),
     };
+    // A source's link is claimed before its hello stops counting as under way, so that the
+    // accepting never finds nobody on the way in while the link still waits.
+    let source = matches!(builder, Ok(None)).then(|| crate::source_slot(u, &h));
     drop(hello_under_way);
     match builder {
         Err(why) => crate::refused(u, peer, why),
@@ -639,7 +649,7 @@ fn serve_connection(
             }
             u.claimed.lock().remove(&key);
         }
-        Ok(None) => match crate::source_slot(u, &h) {
+        Ok(None) => match source.unwrap_or_else(|| Err("no hello".into())) {
             Ok(slot) => crate::read_link(&**u, slot, stream),
             Err(why) => crate::refused(u, peer, why),
         },
@@ -883,8 +893,7 @@ fn sweep(u: &Arc<Unit>) {
         std::thread::sleep(Duration::from_millis(2));
         {
             let mut t = u.requests.lock();
-            let now = u.now_ns();
-            let answers = t.expire(now, |l| u.silence(l, now));
+            let answers = t.expire(u.now_ns(), |l| u.silence(l));
             u.route(answers);
         }
         // The page gauge is refreshed here and on clears, not on every read: it takes every
