@@ -1396,13 +1396,13 @@ fn stalled_mid_silence(who: Stalled) {
         Stalled::Builder => "a builder",
         Stalled::Manager => "the event manager",
     };
+    let times = match who {
+        Stalled::ReadoutUnit => format!("{} times", ROUNDS - 1),
+        Stalled::ReadoutUnitBeforeItsSource => "once".to_string(),
+        Stalled::Builder | Stalled::Manager => format!("{ROUNDS} times"),
+    };
     println!(
-        "DRILL|request mode, {role} stalled (SIGSTOP) {} times past its timeouts|{events}|{}|0|0|per process (nothing incomplete)",
-        match who {
-            Stalled::ReadoutUnit => ROUNDS - 1,
-            Stalled::ReadoutUnitBeforeItsSource => 1,
-            Stalled::Builder | Stalled::Manager => ROUNDS,
-        },
+        "DRILL|request mode, {role} stalled (SIGSTOP) {times} past its timeouts|{events}|{}|0|0|per process (nothing incomplete)",
         r["events_in_files"]
     );
 }
