@@ -99,10 +99,10 @@ struct Pull {
     recording: bool,
     t0: Instant,
     timeout_ns: u64,
-    /// Per readout unit, when it last answered this builder (ns from `t0`). An event gives up
-    /// on a unit only once the unit has answered nothing for a whole timeout while the event
-    /// waited: a unit waiting for a source that runs behind but keeps delivering answers each
-    /// event as that source delivers it, and must not have its events cut by their age.
+    /// Per readout unit, when a read last brought bytes of its answers (ns from `t0`). An event
+    /// gives up on a unit only once the unit has answered nothing for a whole timeout while the
+    /// event waited: a unit waiting for a source that runs behind but keeps delivering answers
+    /// each event as that source delivers it, and must not have its events cut by their age.
     last_answer_ns: Vec<AtomicU64>,
     /// Per readout unit, when the latest read of its answers that found nothing began (ns
     /// from `t0`): a unit has answered nothing for a timeout only once a read proves it, never
@@ -419,7 +419,6 @@ impl Pull {
     }
 
     fn answered(&self, slot: usize, h: AnswerHeader, body: ChunkSlice) {
-        self.last_answer_ns[slot].store(self.now_ns(), Ordering::Release);
         let e = h.event_id;
         // An RoI answer is copied out of the link's read chunk: kept there until the rest of
         // its event arrived, it would hold the chunk while later events' RoI answers fill the
@@ -671,7 +670,8 @@ fn read_answers(p: &Pull, slot: usize, mut stream: TcpStream, chunk: usize, max:
                 }
             }
             Ok(Fill::Data(_)) => {
-                // Part of an answer is an answer under way: the unit is not silent.
+                // Stored once per read, not per answer: the answers parsed from it are timed by
+                // it, and part of an answer is an answer under way (the unit is not silent).
                 p.last_answer_ns[slot].store(p.now_ns(), Ordering::Release);
             }
             Ok(Fill::Eof) => {
