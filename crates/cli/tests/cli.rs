@@ -348,6 +348,12 @@ fn request_mode_processes(
     )
 }
 
+/// `tessera verify` on the files in `out` passes (every block's checksum, every event once).
+fn assert_verifies(out: &Path) {
+    let o = tessera(&["verify", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+}
+
 /// A role's end: its JSON report (null if it printed none) with what it logged as `stderr`.
 fn report_of(c: Proc) -> serde_json::Value {
     let o = c.finish(LIMIT);
@@ -469,8 +475,7 @@ fn every_role_as_its_own_process() {
     );
     assert_eq!(bu0["events_incomplete"], 0);
     assert_eq!(rec["recorder"]["events_in_files"], 3000);
-    let o = tessera(&["verify", out.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    assert_verifies(&out);
 }
 
 #[test]
@@ -587,8 +592,7 @@ fn a_builder_killed_mid_run_loses_no_event() {
         rebuilt, reassigned,
         "the survivors rebuilt what was re-assigned"
     );
-    let o = tessera(&["verify", out.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    assert_verifies(&out);
     // A row of the drill table (scripts/drills): verify found no event twice.
     let recorded = r["events_in_files"].as_u64().unwrap();
     println!(
@@ -781,8 +785,7 @@ fn an_event_manager_killed_mid_run_ends_every_role_with_the_reason() {
         rec["recorder"]["events_in_files"],
         format_args!("{lost} fragments built after it, named")
     );
-    let o = tessera(&["verify", out.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    assert_verifies(&out);
 }
 
 /// Issue 11, item 6, second half: the event manager killed (SIGKILL) in the middle of a
@@ -879,8 +882,7 @@ fn a_restarted_event_manager_takes_the_run_over_and_nothing_is_lost_or_doubled()
         .take(10)
         .collect();
     assert!(wrong.is_empty(), "(event, copies): {wrong:?}\n{all:#}");
-    let o = tessera(&["verify", out.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    assert_verifies(&out);
     println!(
         "DRILL|request mode, the event manager SIGKILLed and restarted|{events}|{}|0|0|per process; {} events adopted, {} finished before",
         r["events_in_files"], m["adopted"], m["finished_before"]
@@ -971,8 +973,7 @@ fn a_builder_wrongly_declared_dead_rejoins_and_the_run_goes_on() {
         seen[h.event_id as usize] += 1;
     }
     assert!(seen.iter().all(|&n| n == 1), "{all:#}");
-    let o = tessera(&["verify", out.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    assert_verifies(&out);
     println!(
         "DRILL|request mode, a builder frozen past its heartbeats, then thawed|{events}|{}|0|{}|per process (second copies dropped, counted)",
         r["events_in_files"], r["duplicate_events"]
@@ -1133,8 +1134,7 @@ fn a_readout_unit_killed_mid_run_leaves_events_incomplete_naming_its_sources() {
     assert_eq!(r["events_in_files"], events, "{all:#}");
     let incomplete = incomplete_lacking_unit_1(&out, &all);
     assert_eq!(Some(incomplete), r["incomplete_events"].as_u64(), "{all:#}");
-    let o = tessera(&["verify", out.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    assert_verifies(&out);
     println!(
         "DRILL|request mode, a readout unit SIGKILLed mid-run|{events}|{}|0|0|per process (its sources named missing)",
         r["events_in_files"]
@@ -1192,8 +1192,7 @@ fn a_readout_unit_frozen_mid_run_is_given_up_once_it_has_answered_nothing_for_th
         .unwrap_or(0);
     let incomplete = incomplete_lacking_unit_1_or_part(&out, &all, partial);
     assert_eq!(Some(incomplete), r["incomplete_events"].as_u64(), "{all:#}");
-    let o = tessera(&["verify", out.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    assert_verifies(&out);
     println!(
         "DRILL|request mode, a readout unit frozen mid-run, then thawed|{events}|{}|0|0|per process (its sources named missing while frozen)",
         r["events_in_files"]
@@ -1387,8 +1386,7 @@ fn stalled_mid_silence(who: Stalled) {
     let m = &em["event_manager"];
     assert_eq!(m["dead_builders"], 0, "{all:#}");
     assert_eq!(m["reassigned"], 0, "{all:#}");
-    let o = tessera(&["verify", out.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    assert_verifies(&out);
     assert_eq!(r["duplicate_events"], 0, "{all:#}");
     let role = match who {
         Stalled::ReadoutUnit => "a readout unit",
