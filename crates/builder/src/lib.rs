@@ -67,6 +67,39 @@ struct Built {
     fragments: record::Pieces,
     fragment_count: u32,
     event_id: u64,
+    /// Declared after the fragments, so dropped after them: see [`Queued`].
+    _queued: Option<Queued>,
+}
+
+/// A built event's fragments, counted in `queued_fragments` from when it is built until its
+/// memory is back in the links' budgets. Counted down when its write was done instead, the
+/// count fell to zero a moment before the memory came back, and a builder that looked in that
+/// moment took itself for standing still and let an event go incomplete (seen in CI, a run held
+/// by its recorder: [`stood_still`]).
+struct Queued {
+    stats: Arc<BuilderStats>,
+    fragments: u64,
+}
+
+impl Queued {
+    fn new(stats: &Arc<BuilderStats>, fragments: u64) -> Queued {
+        stats
+            .queued_fragments
+            .fetch_add(fragments, Ordering::Relaxed);
+        Queued {
+            stats: stats.clone(),
+            fragments,
+        }
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        // Release: whoever reads the count down sees the budgets this event's memory went to.
+        self.stats
+            .queued_fragments
+            .fetch_sub(self.fragments, Ordering::Release);
+    }
 }
 
 impl tessera_net::sender::Outgoing for Built {
@@ -358,15 +391,15 @@ impl Shared {
             }
         }
         let (header, fragments, fragment_count) = rec.finish(ev.event_id, self.id, missing, st);
-        if self.to_recorder.is_some() {
-            st.queued_fragments
-                .fetch_add(fragment_count as u64, Ordering::Relaxed);
-        }
         let built = Built {
             header,
             fragments,
             fragment_count,
             event_id: ev.event_id,
+            _queued: self
+                .to_recorder
+                .is_some()
+                .then(|| Queued::new(&self.stats, fragment_count as u64)),
         };
         (built, parts)
     }
@@ -857,15 +890,19 @@ fn sweep(sh: &Shared) -> bool {
 }
 
 /// Whether the builder stands still for good: every open rail of every open unit has found no
-/// memory for a whole event timeout, and nothing built waits for the recorder. Its memory is
-/// then held by open events alone, each waiting for a part that lies unread behind a rail that
-/// has no memory to read it into, which only those events can give back: a unit that promises
-/// only in its periodic heartbeat (wire-format §2.3) brings that about with two events it never
-/// had and two read chunks a link. Nothing that could still arrive is refused by this test:
-/// with one rail readable, or a built event still on its way to the recorder (whose memory
-/// comes back), it is false, so back-pressure costs dead time, never an event.
+/// memory for a whole event timeout, its latest look was refused with no memory given back
+/// since, and nothing built still holds memory on its way to the recorder. Its memory is then
+/// held by open events alone, each waiting for a part that lies unread behind a rail that has no
+/// memory to read it into, which only those events can give back: a unit that promises only in
+/// its periodic heartbeat (wire-format §2.3) brings that about with two events it never had and
+/// two read chunks a link. Nothing that could still arrive is refused by this test: with one
+/// rail readable, memory back that its rail has not looked for yet, or a built event not yet
+/// written and dropped, it is false, so back-pressure costs dead time, never an event. (A run
+/// held by its recorder once lost an event here: the rails had starved for seconds, the last
+/// built events' memory had just come back, and the sweep ran before the rails read again.)
 fn stood_still(sh: &Shared, a: &Assembler<Part>, now: u64) -> bool {
-    if a.pending_events() == 0 || sh.stats.queued_fragments.load(Ordering::Relaxed) > 0 {
+    // Acquire: pairs with `Queued`'s release, so the budgets are seen with that memory back.
+    if a.pending_events() == 0 || sh.stats.queued_fragments.load(Ordering::Acquire) > 0 {
         return false;
     }
     let mut any = false;
@@ -873,14 +910,22 @@ fn stood_still(sh: &Shared, a: &Assembler<Part>, now: u64) -> bool {
         if a.is_closed(slot) {
             continue;
         }
-        for r in rails.lock().iter().filter(|r| !r.closed) {
-            match r.starved_since {
-                Some(t) if now.saturating_sub(t) >= sh.event_timeout_ns => any = true,
-                _ => return false,
+        let budgets = &sh.stats.links[slot].budgets;
+        for (r, budget) in rails.lock().iter().zip(budgets).filter(|(r, _)| !r.closed) {
+            if !starved_for(r.starved_since, budget.refused_since_given(), now, sh) {
+                return false;
             }
+            any = true;
         }
     }
     any
+}
+
+/// Whether a rail that has found no memory since `since` has been held for a whole event
+/// timeout, as its reader's own looks prove: `refused` says its latest look was refused and no
+/// memory has come back since it.
+fn starved_for(since: Option<u64>, refused: bool, now: u64, sh: &Shared) -> bool {
+    refused && since.is_some_and(|t| now.saturating_sub(t) >= sh.event_timeout_ns)
 }
 
 /// Counts and logs an event let go to end a stand-still, and asks for a new proof before the
@@ -918,12 +963,11 @@ fn sender_to_recorder(
         flags: 0,
     };
     let st2 = st.clone();
+    // Queued fragments are counted down by the events themselves, once their memory is back.
     let on_batch = move |o: tessera_net::sender::BatchOutcome, _: &[Built]| {
         if !o.written {
             st2.recorder_lost.fetch_add(o.fragments, Ordering::Relaxed);
         }
-        st2.queued_fragments
-            .fetch_sub(o.fragments, Ordering::Relaxed);
     };
     let on_error = move |e: &std::io::Error| {
         tracing::error!(builder = id, error = %e, "recorder link failed; events are dropped and counted");
@@ -932,4 +976,53 @@ fn sender_to_recorder(
     tessera_net::sender::PolledSender::new(
         stream, rx, bell, hello, on_batch, on_error, None, true, live,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_net::reader::ChunkReader;
+
+    /// A built event counts as queued for the recorder until its memory is back in its link's
+    /// budget, never the other way round: the stand-still test reads "nothing queued" as "no
+    /// memory still on its way back", and an event let go on that word is lost to the run.
+    #[test]
+    fn a_built_event_is_queued_until_its_memory_is_back() {
+        let stats = Arc::new(BuilderStats::new(0, [0u32].into_iter(), 1 << 16, 1));
+        let budget = stats.links[0].budgets[0].clone();
+        let mut reader = ChunkReader::new(budget.clone(), 4096);
+        let stop = AtomicBool::new(false);
+        let mut bytes: &[u8] = &[7u8; 100];
+        assert!(matches!(
+            reader.fill(&mut bytes, 100, &stop).unwrap(),
+            Fill::Data(100)
+        ));
+        let fragment = reader.take(100);
+        drop(reader);
+        let built = Built {
+            header: Default::default(),
+            fragments: [fragment].into_iter().collect(),
+            fragment_count: 1,
+            event_id: 1,
+            _queued: Some(Queued::new(&stats, 1)),
+        };
+        assert_eq!(stats.queued_fragments.load(Ordering::Relaxed), 1);
+        assert!(budget.used() > 0, "the event holds its read chunk");
+        // What `stood_still` relies on: once the count reads zero, the memory is back.
+        let watcher = {
+            let (stats, budget) = (stats.clone(), budget.clone());
+            std::thread::spawn(move || {
+                while stats.queued_fragments.load(Ordering::Acquire) > 0 {
+                    std::hint::spin_loop();
+                }
+                budget.used()
+            })
+        };
+        drop(built);
+        assert_eq!(
+            watcher.join().unwrap(),
+            0,
+            "counted down before its memory was back"
+        );
+    }
 }

@@ -35,7 +35,7 @@ use tessera_net::reader::Fill;
 use tessera_net::role::RoleThreads;
 use tessera_net::{ChunkReader, ChunkSlice};
 
-use crate::{BuilderStats, BuilderUnit, Built};
+use crate::{BuilderStats, BuilderUnit, Built, Queued};
 
 /// Everything a request-mode builder needs to start.
 pub struct PullConfig {
@@ -583,15 +583,14 @@ impl Pull {
         let tx = self.to_recorder.lock().clone();
         match tx {
             Some(tx) => {
-                st.queued_fragments.fetch_add(nf, Ordering::Relaxed);
                 let built = Built {
                     header,
                     fragments,
                     fragment_count,
                     event_id: e,
+                    _queued: Some(Queued::new(&self.stats, nf)),
                 };
                 if tx.send(vec![built]).is_err() {
-                    st.queued_fragments.fetch_sub(nf, Ordering::Relaxed);
                     st.recorder_lost.fetch_add(nf, Ordering::Relaxed);
                     self.forget([e]);
                 }
@@ -807,9 +806,8 @@ fn send_to_recorder(
         id: p.id as u32,
         flags: PeerHello::WANTS_ACKS,
     };
+    // Queued fragments are counted down by the events themselves, once their memory is back.
     let on_batch = |o: tessera_net::sender::BatchOutcome, batch: &[Built]| {
-        st.queued_fragments
-            .fetch_sub(o.fragments, Ordering::Relaxed);
         if o.written {
             // On the link, not yet done: an event is done (and then cleared from the readout
             // units) only once the recorder says it is in its file (`read_acks`), so a recorder

@@ -113,6 +113,14 @@ impl Budget {
         None
     }
 
+    /// Whether a poller-served reader's latest look was refused ([`Self::try_take_buffer`]) and
+    /// no memory has come back since: then that look, not a guess, says the reader cannot read.
+    /// Memory given back rings the reader and clears this until it looks and is refused again,
+    /// so a reader that has memory waiting for it but has not run yet is never taken for held.
+    pub fn refused_since_given(&self) -> bool {
+        !self.state.lock().waiters.is_empty()
+    }
+
     /// [`Self::take_buffer`] if memory is there now: never waits and leaves no doorbell. For a
     /// reader that can still let go of what it holds and ask again the waiting way.
     pub fn take_now(&self, min: usize, n: usize) -> Option<Box<[u8]>> {
@@ -422,6 +430,30 @@ mod tests {
         );
         b.give_buffer(all);
         assert!(waiter.join().unwrap());
+    }
+
+    /// A refusal stands as the reader's proof only until memory comes back: from then until the
+    /// reader looks again, it is not held, whatever its state says.
+    #[test]
+    fn a_refusal_stands_only_until_memory_comes_back() {
+        let b = Budget::new(100);
+        let stop = AtomicBool::new(false);
+        let bell = Doorbell::default();
+        assert!(!b.refused_since_given(), "nobody looked yet");
+        let all = b.take_buffer(100, 100, &stop).unwrap();
+        assert!(b.try_take_buffer(60, 60, &bell).is_none());
+        assert!(b.refused_since_given(), "the look found nothing");
+        b.give_buffer(all);
+        assert!(
+            !b.refused_since_given(),
+            "memory came back after the look: the reader is owed a new look"
+        );
+        // The kept chunk of 100 is taken whole.
+        let again = b.try_take_buffer(60, 60, &bell).unwrap();
+        assert!(!b.refused_since_given(), "the new look was given memory");
+        assert!(b.try_take_buffer(60, 60, &bell).is_none());
+        assert!(b.refused_since_given(), "refused again");
+        b.give_buffer(again);
     }
 
     /// A poller-served link refused memory is turned again as soon as memory is given back,
