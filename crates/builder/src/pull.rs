@@ -256,8 +256,12 @@ impl BuilderUnit {
         }
         {
             let p = pull.clone();
+            role.spawn(format!("bu{id}-sweep"), move || sweep(&p));
+        }
+        {
+            let p = pull.clone();
             let hb = cfg.heartbeat;
-            role.spawn(format!("bu{id}-sweep"), move || sweep(&p, hb));
+            role.spawn(format!("bu{id}-beat"), move || beat(&p, hb));
         }
         {
             let p = pull;
@@ -694,35 +698,58 @@ fn read_answers(p: &Pull, slot: usize, mut stream: TcpStream, chunk: usize, max:
     }
 }
 
-fn sweep(p: &Pull, heartbeat: Duration) {
-    let mut last_beat = Instant::now();
+/// Beats to the event manager every `every` until the run ends, on a thread that does nothing
+/// else: every other thread of the builder may wait for the recorder's queue (the sweep builds
+/// late events), and a builder held by its recorder is alive. Beating from the sweep, builders
+/// of a run held by its recorder for a few seconds were declared dead and their events built
+/// again.
+fn beat(p: &Pull, every: Duration) {
+    let mut last = Instant::now();
     let mut seq = 0u64;
+    loop {
+        std::thread::sleep(Duration::from_millis(5).min(every));
+        if p.ended.load(Ordering::Relaxed) || p.abort.load(Ordering::Relaxed) {
+            break;
+        }
+        if last.elapsed() >= every {
+            seq += 1;
+            if let Some(tx) = &p.manager.lock().tx {
+                let _ = tx.try_send(Message::Heartbeat { sequence: seq });
+            }
+            last = Instant::now();
+        }
+    }
+}
+
+fn sweep(p: &Pull) {
     loop {
         std::thread::sleep(Duration::from_millis(5));
         if p.ended.load(Ordering::Relaxed) || p.abort.load(Ordering::Relaxed) {
             break;
         }
-        if last_beat.elapsed() >= heartbeat {
-            seq += 1;
-            if let Some(tx) = &p.manager.lock().tx {
-                let _ = tx.try_send(Message::Heartbeat { sequence: seq });
-            }
-            last_beat = Instant::now();
-        }
         let now = p.now_ns();
+        // Acquire: pairs with `Queued`'s release, so the budgets are seen with that memory back.
+        let nothing_queued = p.stats.queued_fragments.load(Ordering::Acquire) == 0;
         let late: Vec<(u64, Building)> = {
             let mut map = p.events.lock();
             // Late: some unit it waits for has answered nothing since the event asked, or
             // since its last answer, for a whole timeout (a unit that stopped answering), as
             // proven by a read that found nothing; or by the clock while this builder's own
-            // memory keeps the unit's answers unread.
+            // memory keeps the unit's answers unread and only the events waiting can give it
+            // back: the reader's wait was refused with no memory given back since, and no
+            // built event holds any on its way to the recorder. Memory held by built events is
+            // the recorder's back-pressure and costs time only; by the clock, a run held by its
+            // recorder for seconds built a thousand events incomplete.
             let ids: Vec<u64> = map
                 .iter()
                 .filter(|(_, b)| {
                     b.pending.iter().any(|&r| {
                         // The look first: an empty read that began after bytes came is seen
                         // with those bytes' time (the reader stores that before it reads on).
-                        let looked = if p.held[r].load(Ordering::Acquire) {
+                        let held = p.held[r].load(Ordering::Acquire)
+                            && nothing_queued
+                            && p.stats.links[r].budgets[0].refused_since_given();
+                        let looked = if held {
                             now
                         } else {
                             p.looked_ns[r].load(Ordering::Acquire)

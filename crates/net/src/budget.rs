@@ -22,6 +22,8 @@ struct State {
     /// it): rung when memory comes back, so a held link reads again at once instead of at its
     /// next timed look.
     waiters: Vec<Doorbell>,
+    /// A take found the budget exhausted, and no memory has been given back since.
+    refused: bool,
 }
 
 enum Taken {
@@ -85,6 +87,7 @@ impl Budget {
                 drop(s);
                 return Some(t.buffer(n));
             }
+            s.refused = true;
             if stop.load(Ordering::Relaxed) {
                 return None;
             }
@@ -107,18 +110,19 @@ impl Budget {
             drop(s);
             return Some(t.buffer(n));
         }
+        s.refused = true;
         if !s.waiters.iter().any(|w| w.same(bell)) {
             s.waiters.push(bell.clone());
         }
         None
     }
 
-    /// Whether a poller-served reader's latest look was refused ([`Self::try_take_buffer`]) and
-    /// no memory has come back since: then that look, not a guess, says the reader cannot read.
-    /// Memory given back rings the reader and clears this until it looks and is refused again,
-    /// so a reader that has memory waiting for it but has not run yet is never taken for held.
+    /// Whether a reader's latest take was refused (waiting, or told to come back) and no memory
+    /// has been given back since: then that take, not a guess, says the reader cannot read.
+    /// Memory given back clears this until a take is refused again, so a reader that has memory
+    /// waiting for it but has not run yet is never taken for held.
     pub fn refused_since_given(&self) -> bool {
-        !self.state.lock().waiters.is_empty()
+        self.state.lock().refused
     }
 
     /// [`Self::take_buffer`] if memory is there now: never waits and leaves no doorbell. For a
@@ -205,6 +209,7 @@ impl Budget {
             s.pooled += n;
             s.pool.push(b);
         }
+        s.refused = false;
         let waiters = std::mem::take(&mut s.waiters);
         drop(s);
         self.freed.notify_all();
@@ -454,6 +459,22 @@ mod tests {
         assert!(b.try_take_buffer(60, 60, &bell).is_none());
         assert!(b.refused_since_given(), "refused again");
         b.give_buffer(again);
+        // A blocking take that waits is refused the same way, until memory comes back.
+        let all = b.take_buffer(100, 100, &stop).unwrap();
+        let b = Arc::new(b);
+        let waiter = {
+            let b = b.clone();
+            std::thread::spawn(move || b.take_buffer(60, 60, &AtomicBool::new(false)).is_some())
+        };
+        while !b.refused_since_given() {
+            std::thread::yield_now();
+        }
+        b.give_buffer(all);
+        assert!(
+            !b.refused_since_given(),
+            "given back: the waiter is owed its take"
+        );
+        assert!(waiter.join().unwrap());
     }
 
     /// A poller-served link refused memory is turned again as soon as memory is given back,

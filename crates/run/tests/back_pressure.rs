@@ -89,7 +89,7 @@ fn start(t: &tessera_config::Resolved, out: &std::path::Path) -> Session {
 
 #[test]
 fn a_run_held_far_past_its_timeouts_loses_nothing() {
-    held_far_past_the_timeouts("push");
+    held_far_past_the_timeouts("push", Depth::Shallow);
 }
 
 /// The same hold in request mode, where builders ask for each event and time out an event by its
@@ -97,21 +97,47 @@ fn a_run_held_far_past_its_timeouts_loses_nothing() {
 /// the hold against the events whose answers it cannot read.
 #[test]
 fn a_request_mode_run_held_far_past_its_timeouts_loses_nothing() {
-    held_far_past_the_timeouts("request");
+    held_far_past_the_timeouts("request", Depth::Shallow);
 }
 
-fn held_far_past_the_timeouts(mode: &str) {
+/// The same with readout units deep enough to hold thousands of events and builders given the
+/// credit to ask for them all: the hold then fills every queue between the roles (requests the
+/// units cannot serve yet, answers the builders cannot read), and must still cost time only.
+#[test]
+fn a_request_mode_run_with_deep_buffers_held_far_past_its_timeouts_loses_nothing() {
+    held_far_past_the_timeouts("request", Depth::Deep);
+}
+
+/// How much the roles of a held run can hold.
+#[derive(Clone, Copy, PartialEq)]
+enum Depth {
+    /// Units of 1 MiB, builders of 2 MiB, the default credit.
+    Shallow,
+    /// Units of 32 MiB and a credit of 4 096 events per builder.
+    Deep,
+}
+
+fn held_far_past_the_timeouts(mode: &str, depth: Depth) {
     let dir = tempfile::tempdir().unwrap();
     let events = 20_000u64;
+    let (unit, credits) = match depth {
+        Depth::Shallow => ("1 MiB", 64),
+        Depth::Deep => ("32 MiB", 4096),
+    };
     // Timeouts of 200 and 400 ms against a hold of several seconds; two builders, so that a
     // readout unit held by one builder is still heard by the other.
     let t = two_units_two_builders(
         mode,
         events,
         r#"trigger = "unlimited""#,
-        "buffer = \"1 MiB\"\nread_chunk = \"64 KiB\"",
+        &format!("buffer = \"{unit}\"\nread_chunk = \"64 KiB\""),
         "buffer = \"2 MiB\"\nread_chunk = \"128 KiB\"",
-        r#"
+        &format!(
+            r#"
+[request]
+timeout_ms = 200
+builder_timeout_ms = 400
+credits = {credits}
 [recorder]
 queue = "2 MiB"
 fsync = false
@@ -120,7 +146,8 @@ fsync = false
 name = "hold"
 mode = "blocking"
 queue = 4
-"#,
+"#
+        ),
     );
     let s = start(&t, dir.path());
     let consumer = s.monitor().unwrap().attach("hold", "held").unwrap();
