@@ -34,6 +34,9 @@ pub struct Settings {
     pub busy_threshold: usize,
     /// Finished event IDs remembered, so that a late announcement of one is ignored.
     pub done_memory: usize,
+    /// The credit a builder gives (`request.credits`): at most this many assignments wait for
+    /// a builder that does not read them, each using one.
+    pub builder_credits: u32,
 }
 
 /// Who the manager waits for before it assigns anything.
@@ -538,6 +541,7 @@ mod tests {
             heartbeat_timeout_ns: 10_000,
             busy_threshold: 4,
             done_memory: 1 << 16,
+            builder_credits: 64,
         }
     }
 

@@ -13,7 +13,8 @@
 //! same address takes a run over (request-protocol §4.2): the units announce again every event
 //! they hold, the builders rejoin with what they hold and what they finished.
 //!
-//! Threads: an accept thread; per connection a reader and a writer (a bounded queue); a ticker
+//! Threads: an accept thread; per connection a reader and a writer (a queue bounded by the peer's
+//! credit or by a fixed size); a ticker
 //! for heartbeat timeouts, clear groups and the end of the run. The decisions live in
 //! [`core::Core`], a pure state machine under one lock. Assignments are queued before the lock
 //! is released (never blocking: credit bounds them), so each builder gets its events in the
@@ -22,7 +23,7 @@
 
 pub mod core;
 
-use crossbeam_channel::{bounded, Sender, TrySendError};
+use crossbeam_channel::{bounded, unbounded, Sender};
 use parking_lot::Mutex;
 use std::collections::HashSet;
 use std::net::{TcpListener, TcpStream};
@@ -79,6 +80,8 @@ struct Shared {
     ru_open: Mutex<HashSet<u32>>,
     ended: Mutex<HashSet<u32>>,
     builders: Mutex<Vec<BuilderConn>>,
+    /// Assignment messages that may wait for one builder: its credit, and its end.
+    assignments_queued_max: usize,
     abort: Arc<AtomicBool>,
     finished: AtomicBool,
     errors: Mutex<Vec<String>>,
@@ -92,6 +95,7 @@ pub struct EventManager {
 impl EventManager {
     pub fn start(cfg: ManagerConfig) -> std::io::Result<EventManager> {
         let role = RoleThreads::default();
+        let assignments_queued_max = cfg.settings.builder_credits as usize + 1;
         let shared = Arc::new(Shared {
             core: Mutex::new(core::Core::new(
                 cfg.settings,
@@ -106,6 +110,7 @@ impl EventManager {
             ru_open: Mutex::new(HashSet::new()),
             ended: Mutex::new(HashSet::new()),
             builders: Mutex::new(Vec::new()),
+            assignments_queued_max,
             abort: role.abort.clone(),
             finished: AtomicBool::new(false),
             errors: Mutex::new(Vec::new()),
@@ -195,7 +200,7 @@ impl Shared {
     }
 
     /// Queues the assignments among `outs` (never blocking: they are bounded by the builders'
-    /// credit) and returns the other outputs.
+    /// credit, each message using at least one) and returns the other outputs.
     fn queue_assignments(&self, c: &mut core::Core, mut outs: Vec<Out>) -> Vec<Out> {
         let mut rest = Vec::new();
         while !outs.is_empty() {
@@ -207,12 +212,15 @@ impl Shared {
                 };
                 let tx = self.builders.lock()[slot].tx.clone();
                 let sent = match tx {
-                    // A builder whose queue is full anyway is not reading: it is declared dead.
-                    Some(tx) => match tx.try_send(Message::Assign { events }) {
-                        Ok(()) => true,
-                        Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => false,
-                    },
-                    None => false,
+                    // More unread than a builder's credit allows: it gave more credit than
+                    // `request.credits` (a peer breaking the protocol), and is declared dead
+                    // rather than queued for without bound. A builder that reads nothing for a
+                    // while within its credit (held by readout units that take no more
+                    // requests) is alive: a fixed queue of 1 024 had it declared dead.
+                    Some(tx) if tx.len() < self.assignments_queued_max => {
+                        tx.send(Message::Assign { events }).is_ok()
+                    }
+                    _ => false,
                 };
                 if !sent {
                     c.builder_lost(slot, &mut more);
@@ -417,7 +425,8 @@ fn builder(
     stream: TcpStream,
     id: u32,
 ) -> Option<Vec<std::thread::JoinHandle<()>>> {
-    let (tx, rx) = bounded::<Message>(1024);
+    // Bounded by the builder's credit (`Shared::queue_assignments`), not by its capacity.
+    let (tx, rx) = unbounded::<Message>();
     let dropped = Arc::new(AtomicBool::new(false));
     let slot = {
         let mut c = sh.core.lock();

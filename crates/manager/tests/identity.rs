@@ -22,6 +22,7 @@ fn manager() -> (EventManager, String) {
             heartbeat_timeout_ns: 600_000_000_000,
             busy_threshold: 1 << 20,
             done_memory: 1 << 10,
+            builder_credits: 64,
         },
     })
     .unwrap();
@@ -121,4 +122,64 @@ fn unknown_and_second_connections_are_refused_and_the_first_keeps_its_place() {
     assert_eq!(got, vec![7, 8]);
     m.abort();
     m.join();
+}
+
+/// A builder may read no assignment for a long while (its reader waits for readout units that
+/// take no more requests): the assignments wait for it, as many as its credit allows, and it is
+/// not taken for dead. With a queue of 1 024 messages behind the socket's buffers, a builder of
+/// large credit whose units held its requests was declared dead while it beat on. A builder that
+/// gives more credit than `request.credits` and reads nothing is declared dead once more than
+/// that waits for it, rather than queued for without bound.
+#[test]
+fn a_builder_that_reads_no_assignment_within_its_credit_is_not_declared_dead() {
+    const CREDIT: u32 = 200_000;
+    for (configured, alive) in [(CREDIT, true), (64, false)] {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let m = EventManager::start(ManagerConfig {
+            listener: l,
+            readout_units: vec![0],
+            builders: vec![0],
+            settings: Settings {
+                clear_group: 1,
+                clear_delay_ns: 1_000_000,
+                heartbeat_timeout_ns: 600_000_000_000,
+                busy_threshold: 1 << 20,
+                done_memory: 1 << 10,
+                builder_credits: configured,
+            },
+        })
+        .unwrap();
+        let b0 = connect(&addr, Role::BuilderUnit, 0);
+        let mut w = b0.try_clone().unwrap();
+        w.write_all(&Message::Credit { credits: CREDIT }.encode())
+            .unwrap();
+        let mut ru = connect(&addr, Role::ReadoutUnit, 0);
+        // One announcement per event: one assignment message per event, none read (200 000 of
+        // them are more than the sockets' buffers hold).
+        let mut out = Vec::new();
+        for e in 0..CREDIT as u64 {
+            out.extend_from_slice(&Message::Announce { event_ids: vec![e] }.encode());
+        }
+        ru.write_all(&out).unwrap();
+        until(|| m.view().counts.assigned == CREDIT as u64 || !m.view().errors.is_empty());
+        let v = m.view();
+        if alive {
+            assert!(v.errors.is_empty(), "{:?}", v.errors);
+            assert_eq!(v.counts.assigned, CREDIT as u64);
+            assert!(v.builders[0].1, "builder 0 is alive");
+        } else {
+            assert!(
+                v.errors
+                    .iter()
+                    .any(|e| e.contains("builder 0 declared dead")),
+                "{:?}",
+                v.errors
+            );
+            assert!(!v.builders[0].1);
+        }
+        drop(b0);
+        m.abort();
+        m.join();
+    }
 }

@@ -214,6 +214,7 @@ impl<'a> Starter<'a> {
                 heartbeat_timeout_ns: m.heartbeat_timeout_ms * 1_000_000,
                 busy_threshold: m.busy_threshold as usize,
                 done_memory: 1 << 20,
+                builder_credits: t.request.credits,
             },
         })
         .context("starting the event manager")?;
