@@ -203,7 +203,14 @@ queue = 4
     assert_eq!(v.events, events);
     assert_eq!(v.incomplete_events, 0);
     drill(
-        &format!("hold the data path past every timeout ({mode} mode)"),
+        &format!(
+            "hold the data path past every timeout ({mode} mode{})",
+            if depth == Depth::Deep {
+                ", deep buffers"
+            } else {
+                ""
+            }
+        ),
         events,
         v.events,
         0,
