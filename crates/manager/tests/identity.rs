@@ -10,19 +10,25 @@ use tessera_format::request::{decode, Channel, Decoded, Message, Role};
 use tessera_manager::{EventManager, ManagerConfig, Settings};
 
 fn manager() -> (EventManager, String) {
+    manager_of(&[0, 1], 64)
+}
+
+/// A manager of readout unit 0 and `builders`, each giving `builder_credits`, with heartbeat
+/// timeouts far beyond any test.
+fn manager_of(builders: &[u32], builder_credits: u32) -> (EventManager, String) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let m = EventManager::start(ManagerConfig {
         listener: l,
         readout_units: vec![0],
-        builders: vec![0, 1],
+        builders: builders.to_vec(),
         settings: Settings {
             clear_group: 1,
             clear_delay_ns: 1_000_000,
             heartbeat_timeout_ns: 600_000_000_000,
             busy_threshold: 1 << 20,
             done_memory: 1 << 10,
-            builder_credits: 64,
+            builder_credits,
         },
     })
     .unwrap();
@@ -134,22 +140,7 @@ fn unknown_and_second_connections_are_refused_and_the_first_keeps_its_place() {
 fn a_builder_that_reads_no_assignment_within_its_credit_is_not_declared_dead() {
     const CREDIT: u32 = 200_000;
     for (configured, alive) in [(CREDIT, true), (64, false)] {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let m = EventManager::start(ManagerConfig {
-            listener: l,
-            readout_units: vec![0],
-            builders: vec![0],
-            settings: Settings {
-                clear_group: 1,
-                clear_delay_ns: 1_000_000,
-                heartbeat_timeout_ns: 600_000_000_000,
-                busy_threshold: 1 << 20,
-                done_memory: 1 << 10,
-                builder_credits: configured,
-            },
-        })
-        .unwrap();
+        let (m, addr) = manager_of(&[0], configured);
         let b0 = connect(&addr, Role::BuilderUnit, 0);
         let mut w = b0.try_clone().unwrap();
         w.write_all(&Message::Credit { credits: CREDIT }.encode())
