@@ -212,10 +212,10 @@ fn a_builder_held_by_its_recorder_beats_on_while_it_cuts_late_events() {
             let _ = s.write_all(&answers(0, tag, 0..EVENTS, SIZE));
         })
     };
-    // Unit 0's answers fill the builder's queue to the recorder (its reader then waits
-    // there), well within unit 1's timeout.
+    // Unit 0's answers fill the builder's queue to the recorder (256 events of two fragments;
+    // its reader then waits there), well within unit 1's timeout.
     until("the recorder's queue full", || {
-        stats.queued_fragments.load(Ordering::Relaxed) >= 256
+        stats.queued_fragments.load(Ordering::Relaxed) >= 2 * 256
     });
     // The sweep cuts the events unit 1 never answered, and then waits for the recorder.
     until("an event cut for unit 1's silence", || {
