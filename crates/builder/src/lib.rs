@@ -912,20 +912,18 @@ fn stood_still(sh: &Shared, a: &Assembler<Part>, now: u64) -> bool {
         }
         let budgets = &sh.stats.links[slot].budgets;
         for (r, budget) in rails.lock().iter().zip(budgets).filter(|(r, _)| !r.closed) {
-            if !starved_for(r.starved_since, budget.refused_since_given(), now, sh) {
+            // Held for a whole timeout, as the rail's own looks prove: starved since then, and
+            // its latest look refused with no memory given back since.
+            let starved = r
+                .starved_since
+                .is_some_and(|t| now.saturating_sub(t) >= sh.event_timeout_ns);
+            if !starved || !budget.refused_since_given() {
                 return false;
             }
             any = true;
         }
     }
     any
-}
-
-/// Whether a rail that has found no memory since `since` has been held for a whole event
-/// timeout, as its reader's own looks prove: `refused` says its latest look was refused and no
-/// memory has come back since it.
-fn starved_for(since: Option<u64>, refused: bool, now: u64, sh: &Shared) -> bool {
-    refused && since.is_some_and(|t| now.saturating_sub(t) >= sh.event_timeout_ns)
 }
 
 /// Counts and logs an event let go to end a stand-still, and asks for a new proof before the

@@ -728,34 +728,39 @@ fn sweep(p: &Pull) {
             break;
         }
         let now = p.now_ns();
+        // Per unit, the latest look that found nothing; or now, by the clock, while this
+        // builder's own memory keeps the unit's answers unread and only the events waiting can
+        // give it back: the reader's wait was refused with no memory given back since, and no
+        // built event holds any on its way to the recorder. Memory held by built events is the
+        // recorder's back-pressure and costs time only; by the clock, a run held by its
+        // recorder for seconds built a thousand events incomplete. Loaded before the answer
+        // times below: an empty read that began after bytes came is then seen with those
+        // bytes' time (the reader stores that before it reads on).
         // Acquire: pairs with `Queued`'s release, so the budgets are seen with that memory back.
         let nothing_queued = p.stats.queued_fragments.load(Ordering::Acquire) == 0;
+        let looked: Vec<u64> = (0..p.rus.len())
+            .map(|r| {
+                let held = p.held[r].load(Ordering::Acquire)
+                    && nothing_queued
+                    && p.stats.links[r].budgets[0].refused_since_given();
+                if held {
+                    now
+                } else {
+                    p.looked_ns[r].load(Ordering::Acquire)
+                }
+            })
+            .collect();
         let late: Vec<(u64, Building)> = {
             let mut map = p.events.lock();
             // Late: some unit it waits for has answered nothing since the event asked, or
             // since its last answer, for a whole timeout (a unit that stopped answering), as
-            // proven by a read that found nothing; or by the clock while this builder's own
-            // memory keeps the unit's answers unread and only the events waiting can give it
-            // back: the reader's wait was refused with no memory given back since, and no
-            // built event holds any on its way to the recorder. Memory held by built events is
-            // the recorder's back-pressure and costs time only; by the clock, a run held by its
-            // recorder for seconds built a thousand events incomplete.
+            // proven by a look (above).
             let ids: Vec<u64> = map
                 .iter()
                 .filter(|(_, b)| {
                     b.pending.iter().any(|&r| {
-                        // The look first: an empty read that began after bytes came is seen
-                        // with those bytes' time (the reader stores that before it reads on).
-                        let held = p.held[r].load(Ordering::Acquire)
-                            && nothing_queued
-                            && p.stats.links[r].budgets[0].refused_since_given();
-                        let looked = if held {
-                            now
-                        } else {
-                            p.looked_ns[r].load(Ordering::Acquire)
-                        };
                         let heard = p.last_answer_ns[r].load(Ordering::Acquire);
-                        gave_nothing_for(b.since_ns.max(heard), looked, p.timeout_ns)
+                        gave_nothing_for(b.since_ns.max(heard), looked[r], p.timeout_ns)
                     })
                 })
                 .map(|(e, _)| *e)
