@@ -863,6 +863,11 @@ fn a_builder_host_lost_in_request_mode_fails_over_and_nothing_is_lost() {
     let rec = &report["recorder"];
     assert_eq!(rec["events_in_files"].as_u64(), Some(events), "{report}");
     assert_eq!(report["event_manager"]["dead_builders"], 2, "{report}");
+    // Every fragment accounted for: what the units sent bu2's builders is lost with the host,
+    // less what of it the recorder took from them; the answers given again to the others are
+    // copies, one of each event recorded and any other named.
+    let b = &report["balance"];
+    assert_eq!(b["holds"], true, "{b}");
     let v = Command::new(tessera())
         .args(["verify", "--json"])
         .arg(dir.path().join("evm"))

@@ -30,7 +30,19 @@ const NONE: u32 = u32::MAX;
 /// A fragment lent by [`PagedBuffer::hold`], to give back with [`PagedBuffer::release`].
 #[derive(Debug)]
 #[must_use = "a hold keeps the fragment's pages until it is released"]
-pub struct Hold(u32);
+pub struct Hold {
+    entry: u32,
+    again: bool,
+}
+
+impl Hold {
+    /// Whether the fragment had been lent to an answer before this one: a second answer of the
+    /// same fragment (request mode, an event asked again after a failover) puts a copy of it into
+    /// the system, which the accounting counts as such.
+    pub fn again(&self) -> bool {
+        self.again
+    }
+}
 
 /// One page's part of a lent fragment: valid, and unchanged, until its hold is released.
 #[derive(Clone, Copy, Debug)]
@@ -248,6 +260,7 @@ impl PagedBuffer {
     pub fn hold(&mut self, event_id: u64, out: &mut Vec<Lent>) -> Option<Hold> {
         let e = self.find(event_id)?;
         let entry = &mut self.entries[e as usize];
+        let again = entry.sent;
         entry.sent = true;
         entry.holds += 1;
         let entry = *entry;
@@ -262,18 +275,18 @@ impl PagedBuffer {
             left -= n;
             page = self.page_next[page as usize];
         }
-        Some(Hold(e))
+        Some(Hold { entry: e, again })
     }
 
     /// Gives back what [`Self::hold`] lent: every [`Lent`] piece of it must be out of use.
     /// True when that freed pages (the fragment was cleared while held).
     pub fn release(&mut self, hold: Hold) -> bool {
-        let entry = &mut self.entries[hold.0 as usize];
+        let entry = &mut self.entries[hold.entry as usize];
         debug_assert!(entry.holds > 0, "release without a hold");
         entry.holds = entry.holds.saturating_sub(1);
         if entry.holds == 0 && entry.cleared {
             let first = entry.first_page;
-            self.free_fragment(hold.0, first);
+            self.free_fragment(hold.entry, first);
             return true;
         }
         false
@@ -426,6 +439,11 @@ mod tests {
         assert_eq!(b.free_pages(), 2);
         // A hold given back before any clear frees nothing; the clear then frees at once.
         let hold = b.hold(2, &mut Vec::new()).unwrap();
+        assert!(!hold.again());
+        assert!(!b.release(hold));
+        // Lent a second time (asked again after a failover): a copy, said so.
+        let hold = b.hold(2, &mut Vec::new()).unwrap();
+        assert!(hold.again());
         assert!(!b.release(hold));
         assert!(b.clear(2));
         assert_eq!(b.free_pages(), 4);

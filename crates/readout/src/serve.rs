@@ -801,14 +801,22 @@ fn send_answers(u: &Arc<Unit>, builder: u32, mut stream: TcpStream) {
         headers.clear();
         spans.clear();
         lent.clear();
+        let sent_before = items;
         for a in &batch {
+            if !ok {
+                // Drained unwritten (below): nothing is lent, so nothing counts as sent. A
+                // fragment stays unsent until an answer that is written lends it (the event
+                // given to another builder), or its clear counts it `cleared_unsent`.
+                continue;
+            }
             let (hs, ls) = (headers.len(), lent.len());
             let ev = a.request.event_id;
             let mut missing = Vec::new();
-            let mut count = 0u32;
+            let (mut count, mut again) = (0u32, 0u64);
             for &l in &a.request.links {
                 match u.links[l].lock().hold(ev, &mut lent) {
                     Some(h) => {
+                        again += h.again() as u64;
                         holds.push((l, h));
                         count += 1;
                     }
@@ -830,10 +838,20 @@ fn send_answers(u: &Arc<Unit>, builder: u32, mut stream: TcpStream) {
                 rs.partial_answers.fetch_add(1, Ordering::Relaxed);
             }
             rs.fragments_sent.fetch_add(count as u64, Ordering::Relaxed);
+            if again > 0 {
+                rs.fragments_answered_again
+                    .fetch_add(again, Ordering::Relaxed);
+            }
             rs.bytes_sent.fetch_add(dlen as u64, Ordering::Relaxed);
             items += count as u64;
             h.encode_into(&mut headers, dlen);
             spans.push((hs, headers.len(), ls, lent.len()));
+        }
+        if items > sent_before {
+            *rs.fragments_sent_by_builder
+                .lock()
+                .entry(builder)
+                .or_default() += items - sent_before;
         }
         if ok {
             let mut io: Vec<IoSlice> = Vec::with_capacity(spans.len() + lent.len());

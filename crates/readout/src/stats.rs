@@ -228,6 +228,14 @@ pub struct RequestStats {
     pub partial_answers: AtomicU64,
     /// Fragments sent from the paged buffers in answers (internal transfers).
     pub fragments_sent: AtomicU64,
+    /// Of those, fragments lent to an answer before (an event asked again after its builder was
+    /// declared dead, or asked twice): each such answer puts a copy into the system, which the
+    /// builder that takes it counts like any other (built, late, ...), so the accounting adds
+    /// these to what the sources sent (`answered_again`).
+    pub fragments_answered_again: AtomicU64,
+    /// `fragments_sent` by builder: what a builder lost with its host took with it is what it
+    /// was sent less what of it the recorder took (the report of a run over hosts).
+    pub fragments_sent_by_builder: Mutex<std::collections::BTreeMap<u32, u64>>,
     pub bytes_sent: AtomicU64,
     pub descriptors_in_use: AtomicU64,
     /// Requests left unread because their builder's share of descriptors was in use.

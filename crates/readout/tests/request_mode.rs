@@ -297,6 +297,49 @@ fn answers_name_exactly_the_missing_links_and_move_only_what_was_asked() {
     }
 }
 
+/// An event asked again (by the builder it was given to after its first was declared dead, or
+/// by the same one) is answered again, and each fragment lent a second time is counted as a
+/// copy (`fragments_answered_again`), by builder as well: the balance adds the copies to what
+/// the sources sent, which the builders' counts then match.
+#[test]
+fn fragments_answered_again_are_counted_as_copies() {
+    let (em_addr, em) = fake_em();
+    let (ru, addr) = start_ru(&em_addr, &[10, 11], 16, 200, 4096, 4 << 20);
+    let mut em = em();
+    let s10 = source(&addr, 10, &[4], 100);
+    let s11 = source(&addr, 11, &[4], 100);
+    let mut first = Bu::connect(&addr, 1);
+    let mut second = Bu::connect(&addr, 2);
+    first.request(1, 4, &[]);
+    let (h, body) = first.answer();
+    assert_eq!(sources_in(&body), vec![10, 11], "{h:?}");
+    let q = &ru.stats.requests;
+    assert_eq!(q.fragments_answered_again.load(Ordering::Relaxed), 0);
+    second.request(1, 4, &[]);
+    let (h, body) = second.answer();
+    assert_eq!(sources_in(&body), vec![10, 11], "{h:?}");
+    assert_eq!(q.fragments_answered_again.load(Ordering::Relaxed), 2);
+    first.request(2, 4, &[10]);
+    let (_, body) = first.answer();
+    assert_eq!(sources_in(&body), vec![10]);
+    assert_eq!(q.fragments_sent.load(Ordering::Relaxed), 5);
+    assert_eq!(q.fragments_answered_again.load(Ordering::Relaxed), 3);
+    assert_eq!(
+        *q.fragments_sent_by_builder.lock(),
+        [(1, 3), (2, 2)].into_iter().collect()
+    );
+    end_source(s10, 10, 1);
+    end_source(s11, 11, 1);
+    em.send(Message::End { units: 0, items: 0 });
+    drop((first, second));
+    ru.stop();
+    let t0 = std::time::Instant::now();
+    while !ru.is_finished() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "unit did not end");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn descriptor_exhaustion_holds_requests_without_losing_any() {
     let (em_addr, em) = fake_em();

@@ -99,6 +99,9 @@ pub struct RecorderStats {
     pub duplicate_fragments: AtomicU64,
     /// Events recorded with the rebuilt flag.
     pub rebuilt_events: AtomicU64,
+    /// Fragments taken from each builder's link (first and second copies): set against what
+    /// the readout units sent a builder lost with its host (the report of a run over hosts).
+    pub fragments_by_builder: Mutex<std::collections::BTreeMap<u16, u64>>,
 }
 
 impl RecorderStats {
@@ -378,12 +381,14 @@ fn accept(
                 st.links.lock().push((builders[slot], budget.clone()));
                 let (tx, st, abort, ends) = (tx.clone(), st.clone(), abort.clone(), ends.clone());
                 let written = written.clone();
+                let builder = builders[slot];
                 if acks {
                     written.acks_wanted.store(true, Ordering::Release);
                 }
                 readers.push(spawn(format!("recorder-bu{}", builders[slot]), move || {
                     let link = BuilderLink {
                         slot,
+                        builder,
                         acks: acks.then_some(written),
                     };
                     let clean = read_builder(s, budget, max, tx, &st, &abort, link);
@@ -414,6 +419,7 @@ struct LinkEnds {
 /// Which builder link a reader reads, and whether its builder wants acknowledgements.
 struct BuilderLink {
     slot: usize,
+    builder: u16,
     acks: Option<Arc<Written>>,
 }
 
@@ -494,6 +500,13 @@ fn read_builder(
             }
         }
         received += batch.len() as u64;
+        if !batch.is_empty() {
+            let n: u64 = batch.iter().map(|r| r.1 as u64).sum();
+            *st.fragments_by_builder
+                .lock()
+                .entry(link.builder)
+                .or_default() += n;
+        }
         if !batch.is_empty() && tx.send((link.slot, batch)).is_err() {
             break;
         }

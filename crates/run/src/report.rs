@@ -29,6 +29,36 @@ pub struct Parts {
     recorder: Option<RecorderReport>,
     event_manager: Option<ManagerReport>,
     refused_outside_allow: u64,
+    /// Request mode over hosts: what the readout units sent builders whose report is lost with
+    /// their host, less what of it the recorder took from them (`lost_with_builder_host`).
+    lost_with_builders: u64,
+}
+
+/// Request mode over hosts: fragments the readout units sent to builders that gave no report
+/// (lost with their host), less those of them the recorder took from those builders. Such a
+/// builder's copies, late fragments and queues went with it; the events were given to others,
+/// whose answers then count as given again.
+fn lost_with_builders(p: &Parts) -> u64 {
+    let reported: std::collections::HashSet<u32> = p.builders.iter().map(|b| b.id as u32).collect();
+    let mut sent: BTreeMap<u32, u64> = BTreeMap::new();
+    for q in p.readout_units.iter().filter_map(|u| u.requests.as_ref()) {
+        for (&b, &n) in &q.fragments_sent_by_builder {
+            if !reported.contains(&b) {
+                *sent.entry(b).or_default() += n;
+            }
+        }
+    }
+    let taken = |b: u32| {
+        p.recorder.as_ref().map_or(0, |r| {
+            u16::try_from(b)
+                .ok()
+                .and_then(|b| r.fragments_by_builder.get(&b).copied())
+                .unwrap_or(0)
+        })
+    };
+    sent.into_iter()
+        .map(|(b, n)| n.saturating_sub(taken(b)))
+        .sum()
 }
 
 /// What every role's part of the report needs besides its own counters.
@@ -104,6 +134,13 @@ pub struct ReadoutRequestReport {
     pub answers: u64,
     pub partial_answers: u64,
     pub fragments_sent: u64,
+    /// Of those, fragments lent to an answer before: copies (an event asked again after a
+    /// failover), added to what the sources sent in the balance.
+    #[serde(default)]
+    pub fragments_answered_again: u64,
+    /// `fragments_sent` by builder ID.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub fragments_sent_by_builder: BTreeMap<u32, u64>,
     pub bytes_sent: u64,
     pub descriptor_waits: u64,
     pub clear_messages: u64,
@@ -207,6 +244,12 @@ pub struct RecorderReport {
     pub error: Option<String>,
     /// Second copies of events dropped (request mode, after a failover).
     pub duplicate_events: u64,
+    /// Fragments in those second copies.
+    #[serde(default)]
+    pub duplicate_fragments: u64,
+    /// Fragments taken from each builder's link, first and second copies.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub fragments_by_builder: BTreeMap<u16, u64>,
     /// Events recorded with the rebuilt flag.
     pub rebuilt_events: u64,
     /// Records counted as written to the file (what the recorder acknowledges to builders that
@@ -242,8 +285,15 @@ pub struct Balance {
     /// since a reader cannot tell them from a fragment whose start was damaged. Named so that
     /// the balance says what they were instead of going negative.
     pub rejected_beyond_sent: u64,
-    /// sent + rejected beyond sent − (complete + incomplete + rejected + buffered). Zero when
-    /// every fragment is accounted for.
+    /// Request mode: fragments the readout units lent to an answer a second time (an event
+    /// asked again after its builder was declared dead while it still worked, or asked twice).
+    /// Each is a copy that a builder then counts like any fragment (in an event, late, ...); the
+    /// recorder keeps one copy of each event and names the other (`second_copy_at_recorder`).
+    /// Added to what was sent, so that a copy is neither lost nor counted twice.
+    #[serde(default)]
+    pub answered_again: u64,
+    /// sent + rejected beyond sent + answered again − (complete + incomplete + rejected +
+    /// buffered). Zero when every fragment is accounted for.
     pub unaccounted: i64,
     pub holds: bool,
 }
@@ -460,6 +510,8 @@ pub(crate) fn readout(u: &tessera_readout::ReadoutUnit, cx: &Cx, p: &mut Parts) 
                 answers: l(&q.answers),
                 partial_answers: l(&q.partial_answers),
                 fragments_sent: l(&q.fragments_sent),
+                fragments_answered_again: l(&q.fragments_answered_again),
+                fragments_sent_by_builder: q.fragments_sent_by_builder.lock().clone(),
                 bytes_sent: l(&q.bytes_sent),
                 descriptor_waits: l(&q.descriptor_waits),
                 clear_messages: l(&q.clear_messages),
@@ -580,6 +632,8 @@ pub(crate) fn recorder(rec: &tessera_recorder::Recorder, p: &mut Parts) {
         files,
         error: st.error.lock().clone(),
         duplicate_events: st.duplicate_events.load(Ordering::Relaxed),
+        duplicate_fragments: st.duplicate_fragments.load(Ordering::Relaxed),
+        fragments_by_builder: st.fragments_by_builder.lock().clone(),
         rebuilt_events: st.rebuilt_events.load(Ordering::Relaxed),
         records_written: st.records_written.load(Ordering::Acquire),
         syncs: st.syncs.load(Ordering::Relaxed),
@@ -655,6 +709,7 @@ impl Report {
             recorder: None,
             event_manager: None,
             refused_outside_allow: 0,
+            lost_with_builders: 0,
         };
         let mut monitor = None;
         let mut remote: BTreeMap<u32, SourceReport> = BTreeMap::new();
@@ -688,6 +743,7 @@ impl Report {
         }
         // A source whose readout unit's host gave no report (lost) keeps its own side.
         all.sources.extend(remote.into_values());
+        all.lost_with_builders = lost_with_builders(&all);
         let mut report = Report::assemble(r, info, all);
         report.monitor = monitor;
         report
@@ -721,9 +777,15 @@ impl Report {
                 beyond_sent += s.received.saturating_sub(s.sent);
             }
         }
+        add("lost_with_builder_host", p.lost_with_builders);
+        let mut answered_again = 0u64;
         for u in &p.readout_units {
             add("builder_link_lost", u.builder_link_lost);
             buffered += u.buffered_fragments;
+            answered_again += u
+                .requests
+                .as_ref()
+                .map_or(0, |q| q.fragments_answered_again);
         }
         let (mut complete_f, mut incomplete_f, mut ev_c, mut ev_i, mut bytes_built) =
             (0, 0, 0, 0, 0);
@@ -757,6 +819,10 @@ impl Report {
             }
             complete_f = rc.fragments_in_complete;
             incomplete_f = rc.fragments_in_incomplete;
+            // A second copy of an event was built from answers given again (`answered_again`)
+            // or from the first answers, the other copy then taking the ones given again: either
+            // way its fragments are one copy's worth of what the units put in, named here.
+            add("second_copy_at_recorder", rc.duplicate_fragments);
         }
         // Fragments the builders sent on but the recorder has not counted are in flight between
         // them; they are part of what is buffered, not lost, until the recorder link is drained.
@@ -821,7 +887,7 @@ impl Report {
         }
         let sent: u64 = p.sources.iter().map(|s| s.sent).sum();
         let rejected_total: u64 = rejected.values().sum();
-        let unaccounted = (sent + beyond_sent) as i64
+        let unaccounted = (sent + beyond_sent + answered_again) as i64
             - (complete_f + incomplete_f + rejected_total + buffered) as i64;
         Report {
             run_number: info.run_number,
@@ -860,6 +926,7 @@ impl Report {
                 rejected_total,
                 still_buffered: buffered,
                 rejected_beyond_sent: beyond_sent,
+                answered_again,
                 unaccounted,
                 holds: unaccounted == 0,
             },
@@ -1093,7 +1160,15 @@ impl Report {
         } else {
             String::new()
         };
-        let _ = writeln!(s, "  fragments: sent {} = in complete events {} + in incomplete events {} + rejected {} + still buffered {}{beyond}{}", b.sent, b.in_complete_events, b.in_incomplete_events, b.rejected_total, b.still_buffered, if b.holds { "   [balance holds]".to_string() } else { format!("   [IMBALANCE: {} unaccounted]", b.unaccounted) });
+        let again = if b.answered_again > 0 {
+            format!(
+                " - copies answered again after a failover {}",
+                b.answered_again
+            )
+        } else {
+            String::new()
+        };
+        let _ = writeln!(s, "  fragments: sent {} = in complete events {} + in incomplete events {} + rejected {} + still buffered {}{beyond}{again}{}", b.sent, b.in_complete_events, b.in_incomplete_events, b.rejected_total, b.still_buffered, if b.holds { "   [balance holds]".to_string() } else { format!("   [IMBALANCE: {} unaccounted]", b.unaccounted) });
         if !b.rejected.is_empty() {
             let list: Vec<String> = b.rejected.iter().map(|(k, v)| format!("{k} {v}")).collect();
             let _ = writeln!(s, "  rejected by reason: {}", list.join(", "));
@@ -1120,6 +1195,167 @@ pub fn human_bytes(b: f64) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn request_mode() -> tessera_config::Resolved {
+        tessera_config::Topology::parse(
+            "[run]\nmode = \"request\"\n[sources]\ncount = 4\n\
+             [[readout]]\nid = 0\nsources = [0, 1]\n[[readout]]\nid = 1\nsources = [2, 3]\n\
+             [[builder]]\nid = 0\n[[builder]]\nid = 1\n",
+            "test.toml",
+        )
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn info() -> RunInfo {
+        RunInfo {
+            run_number: 1,
+            started_unix_ns: 0,
+            duration_s: 1.0,
+            stop_reason: "events".into(),
+            drained: true,
+            output: String::new(),
+            partial: false,
+        }
+    }
+
+    fn source(id: u32) -> SourceReport {
+        serde_json::from_value(json!({
+            "id": id, "kind": "emulated", "sent": 1, "bytes": 100, "held_fraction": 0.0,
+            "link_state": "ended", "received": 1, "rejected": {}, "skipped_bytes": 0,
+            "bytes_after_end": 0, "error": null, "link_ended": true,
+        }))
+        .unwrap()
+    }
+
+    /// A request-mode unit that sent each builder `sent` fragments, `again` of them lent before.
+    fn unit(id: u32, sent: &[(u32, u64)], again: u64) -> ReadoutReport {
+        let by: BTreeMap<u32, u64> = sent.iter().copied().collect();
+        serde_json::from_value(json!({
+            "id": id, "super_fragments": 0, "incomplete_super_fragments": 0,
+            "fragments_forwarded": 0, "peak_buffer_fraction": 0.0, "busy_fraction": 0.0,
+            "refused_connections": 0, "error": null,
+            "requests": {
+                "requests": 0, "answers": 0, "partial_answers": 0,
+                "fragments_sent": by.values().sum::<u64>(), "fragments_answered_again": again,
+                "fragments_sent_by_builder": by, "bytes_sent": 0, "descriptor_waits": 0,
+                "clear_messages": 0, "cleared_events": 0, "clears_unknown": 0,
+                "clears_repeated": 0, "announced": 2, "fragments_still_stored": 0,
+                "free_pages": 1, "total_pages": 1, "throttled_s": 0.0, "manager_losses": 0,
+                "reannounced": 0, "manager_error": null,
+            },
+        }))
+        .unwrap()
+    }
+
+    /// A builder that built `copy` fragments into its copy of the event and took `late` late.
+    fn builder(id: u16, copy: u64, late: u64, complete: bool) -> BuilderReport {
+        let (c, i) = if complete { (copy, 0) } else { (0, copy) };
+        serde_json::from_value(json!({
+            "id": id, "events_complete": complete as u64, "events_incomplete": !complete as u64,
+            "fragments_in_complete": c, "fragments_in_incomplete": i, "bytes_built": 0,
+            "late_fragments": late, "duplicate_fragments": 0, "malformed_fragments": 0,
+            "busy_fraction": 0.0, "missing_by_source": {}, "errors": [], "events_rejected": 0,
+            "events_rebuilt": id as u64, "manager_losses": 0,
+        }))
+        .unwrap()
+    }
+
+    /// A recorder that kept one copy of `kept` fragments and dropped one of `dropped`; `taken`
+    /// by builder.
+    fn recorder(kept: u64, dropped: u64, taken: &[(u16, u64)]) -> RecorderReport {
+        let by: BTreeMap<u16, u64> = taken.iter().copied().collect();
+        serde_json::from_value(json!({
+            "events": 1, "events_in_files": 1, "incomplete_events": 0, "fragments": kept,
+            "record_bytes": 0, "file_bytes": 0, "throttled_s": 0.0, "files": [], "error": null,
+            "duplicate_events": (dropped > 0) as u64, "duplicate_fragments": dropped,
+            "fragments_by_builder": by, "rebuilt_events": 1, "records_written": 1,
+            "syncs": 0, "disk_free_bytes": 0, "disk_alarm": false,
+            "fragments_in_complete": kept, "fragments_in_incomplete": 0, "queued_fragments": 0,
+        }))
+        .unwrap()
+    }
+
+    fn parts(
+        units: Vec<ReadoutReport>,
+        builders: Vec<BuilderReport>,
+        rec: RecorderReport,
+    ) -> Parts {
+        Parts {
+            sources: (0..4).map(source).collect(),
+            readout_units: units,
+            builders,
+            recorder: Some(rec),
+            ..Default::default()
+        }
+    }
+
+    /// One event of four sources over two units. Builder 0 was declared dead while it worked:
+    /// unit 0's half came in time, unit 1's after builder 0 had built the event without it
+    /// (late). Builder 1 was given the event, asked both units again, built it whole and was
+    /// recorded first; builder 0's copy was dropped as the second. The late fragments of the
+    /// dropped copy were counted twice (the balance off by two) before the units counted the
+    /// fragments they gave again and the recorder named its dropped copy.
+    #[test]
+    fn a_failover_whose_dropped_copy_had_late_fragments_balances() {
+        let r = request_mode();
+        let p = parts(
+            vec![unit(0, &[(0, 2), (1, 2)], 2), unit(1, &[(0, 2), (1, 2)], 2)],
+            vec![builder(0, 2, 2, false), builder(1, 4, 0, true)],
+            recorder(4, 2, &[(0, 2), (1, 4)]),
+        );
+        let b = Report::assemble(&r, info(), p).balance;
+        assert_eq!(b.sent, 4);
+        assert_eq!(b.answered_again, 4);
+        assert_eq!(b.rejected["late_at_builder"], 2);
+        assert_eq!(b.rejected["second_copy_at_recorder"], 2);
+        assert_eq!(b.unaccounted, 0, "{b:?}");
+    }
+
+    /// The same event with builder 0 lost with its host, so that its report is missing: what
+    /// the units sent it is lost with it, less what of it the recorder took from it.
+    #[test]
+    fn a_builder_lost_with_its_host_takes_what_it_was_sent_and_no_more() {
+        let r = request_mode();
+        // Its copy never reached the recorder: builder 1's, built from answers given again, is
+        // the one recorded.
+        let lost = Report::combine(
+            &r,
+            info(),
+            vec![report_of(parts(
+                vec![unit(0, &[(0, 2), (1, 2)], 2), unit(1, &[(0, 2), (1, 2)], 2)],
+                vec![builder(1, 4, 0, true)],
+                recorder(4, 0, &[(1, 4)]),
+            ))],
+        );
+        let b = &lost.balance;
+        assert_eq!(b.rejected["lost_with_builder_host"], 4, "{b:?}");
+        assert_eq!(b.unaccounted, 0, "{b:?}");
+        // Its copy was recorded before it died: builder 1's is the dropped second copy, and
+        // nothing is lost with builder 0.
+        let recorded = Report::combine(
+            &r,
+            info(),
+            vec![report_of(parts(
+                vec![unit(0, &[(0, 2), (1, 2)], 2), unit(1, &[(0, 2), (1, 2)], 2)],
+                vec![builder(1, 4, 0, true)],
+                recorder(4, 4, &[(0, 4), (1, 4)]),
+            ))],
+        );
+        let b = &recorded.balance;
+        assert!(!b.rejected.contains_key("lost_with_builder_host"), "{b:?}");
+        assert_eq!(b.rejected["second_copy_at_recorder"], 4);
+        assert_eq!(b.unaccounted, 0, "{b:?}");
+    }
+
+    /// A host's part of a report, as its agent sends it.
+    fn report_of(p: Parts) -> Report {
+        let mut info = info();
+        info.partial = true;
+        Report::assemble(&request_mode(), info, p)
+    }
+
     /// Issue 14: 21 links each busy the whole run make a unit busy the whole run, not 1/21.
     #[test]
     fn a_unit_whose_links_were_all_busy_all_run_was_busy_all_run() {
