@@ -83,6 +83,13 @@ struct Building {
     parts: Vec<(AnswerHeader, ChunkSlice)>,
 }
 
+impl Building {
+    /// Fragments in the answers taken so far (each answer's count, as `held_fragments` took it).
+    fn fragments(&self) -> u64 {
+        self.parts.iter().map(|p| p.0.fragment_count as u64).sum()
+    }
+}
+
 struct Pull {
     id: u16,
     rus: Vec<(u32, Vec<u32>)>,
@@ -438,6 +445,9 @@ impl Pull {
             match map.get_mut(&e) {
                 Some(b) if b.step == h.tag && b.pending.contains(&slot) => {
                     b.pending.retain(|&s| s != slot);
+                    self.stats
+                        .held_fragments
+                        .fetch_add(h.fragment_count as u64, Ordering::Relaxed);
                     b.parts.push((h, body));
                     if b.pending.is_empty() {
                         map.remove(&e).map(|b| {
@@ -470,11 +480,12 @@ impl Pull {
         let deciding = b.step == STEP_ROI || roi.is_empty();
         if deciding && !self.accepts(e, &b.parts) {
             drop(place);
-            let n: u64 = b.parts.iter().map(|p| p.0.fragment_count as u64).sum();
+            let n = b.fragments();
             self.stats.events_rejected.fetch_add(1, Ordering::Relaxed);
             self.stats
                 .fragments_rejected
                 .fetch_add(n, Ordering::Relaxed);
+            self.stats.held_fragments.fetch_sub(n, Ordering::Relaxed);
             self.done(&[(e, Outcome::Rejected)]);
             return;
         }
@@ -583,6 +594,9 @@ impl Pull {
             .filter(|s| rec.fragments.binary_search_by_key(s, source).is_err())
             .collect();
         let (header, fragments, fragment_count) = rec.finish(e, self.id, missing, st);
+        // Counted in the event (or malformed) now: no longer held.
+        st.held_fragments
+            .fetch_sub(b.fragments(), Ordering::Relaxed);
         let nf = fragment_count as u64;
         let tx = self.to_recorder.lock().clone();
         match tx {

@@ -65,7 +65,8 @@ pub struct BuilderStats {
     pub duplicate_fragments: AtomicU64,
     /// Fragments in super-fragments that contradicted themselves.
     pub malformed_fragments: AtomicU64,
-    /// Fragments held in events being assembled.
+    /// Fragments held in events being assembled (request mode: in answers taken for events
+    /// not yet built or rejected).
     pub held_fragments: AtomicU64,
     /// Bytes of its buffer taken and touched before data taking (`reserve`).
     pub reserved_bytes: AtomicU64,

@@ -500,6 +500,7 @@ impl Unit {
         };
         let mut found = vec![false; ids.len()];
         let mut freed = 0u64;
+        let mut sent_freed = 0u64;
         for (slot, l) in self.links.iter().enumerate() {
             let mut unsent = 0u64;
             {
@@ -508,7 +509,9 @@ impl Unit {
                     if let Some(sent) = b.remove(e) {
                         found[i] = true;
                         freed += 1;
-                        if !sent {
+                        if sent {
+                            sent_freed += 1;
+                        } else {
                             unsent += 1;
                         }
                     }
@@ -520,6 +523,8 @@ impl Unit {
             }
         }
         rs.stored_fragments.fetch_sub(freed, Ordering::Relaxed);
+        rs.stored_sent_fragments
+            .fetch_sub(sent_freed, Ordering::Relaxed);
         for i in 0..ids.len() {
             if !found[i] {
                 if new[i] {
@@ -823,6 +828,11 @@ fn send_answers(u: &Arc<Unit>, builder: u32, mut stream: TcpStream) {
                     None => missing.push(u.sources[l]),
                 }
             }
+            // Once per answer, not per fragment under each link's lock: a clear may count one
+            // of these out first, which a report taken at that instant sees as a moment's skew
+            // (the counter wraps and is read saturating), never as a lasting error.
+            rs.stored_sent_fragments
+                .fetch_add(count as u64 - again, Ordering::Relaxed);
             missing.sort_unstable();
             let mut h = AnswerHeader {
                 tag: a.request.tag,

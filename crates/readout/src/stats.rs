@@ -218,6 +218,9 @@ pub struct ReadoutStats {
 pub struct RequestStats {
     /// Fragments in the paged buffers now.
     pub stored_fragments: AtomicU64,
+    /// Of those, fragments lent to an answer already: from then on a builder counts them (or
+    /// they are on their way to one), so the unit counts as buffered only the others.
+    pub stored_sent_fragments: AtomicU64,
     /// CPU time of the in-process link generator's thread, once it has finished (0 without).
     pub generator_cpu_ns: AtomicU64,
     pub total_pages: AtomicU64,

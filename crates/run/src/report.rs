@@ -498,7 +498,12 @@ pub(crate) fn readout(u: &tessera_readout::ReadoutUnit, cx: &Cx, p: &mut Parts) 
         buffered_fragments: st.held_fragments.load(Ordering::Relaxed)
             + st.queued_fragments.load(Ordering::Relaxed)
             + if cx.request_mode {
-                st.requests.stored_fragments.load(Ordering::Relaxed)
+                // A stored fragment lent to an answer is counted where the answer went.
+                let sent = st.requests.stored_sent_fragments.load(Ordering::Relaxed);
+                st.requests
+                    .stored_fragments
+                    .load(Ordering::Relaxed)
+                    .saturating_sub(sent)
             } else {
                 0
             },
@@ -834,16 +839,37 @@ impl Report {
             };
             (ev_c + ev_i) as i64 - rc.events as i64 - copies
         });
-        // A stop that gave up (push mode) cut the links between the stages with what the
-        // senders had written still in the kernel's buffers, unread: per hop, what one side
-        // wrote less what the other side took. Named, as `unread_at_abort` is for the sources'
-        // links; after a drained stop they are zero and any difference stays unaccounted.
-        // While the run goes on the same differences are data on its way, in the kernel's
-        // buffers: still buffered, not lost.
+        // A stop that gave up cut the links between the stages with what the senders had
+        // written still in the kernel's buffers, unread: per hop, what one side wrote less what
+        // the other side took. Named, as `unread_at_abort` is for the sources' links; after a
+        // drained stop they are zero and any difference stays unaccounted. While the run goes
+        // on the same differences are data on its way, in the kernel's buffers: still
+        // buffered, not lost. (Request mode: what the units answered, copies included, against
+        // what the builders took; a builder lost with its host is `lost_with_builder_host`.)
         let running = info.stop_reason == "running";
-        if (running || !info.drained) && !request_mode && !info.partial {
+        if (running || !info.drained) && !info.partial {
             let (mut in_flight, mut lost) = (0u64, Vec::new());
-            let forwarded: u64 = p.readout_units.iter().map(|u| u.fragments_forwarded).sum();
+            let forwarded: u64 = if request_mode {
+                let reported: std::collections::HashSet<u32> =
+                    p.builders.iter().map(|b| b.id as u32).collect();
+                p.readout_units
+                    .iter()
+                    .filter_map(|u| u.requests.as_ref())
+                    .map(|q| {
+                        if q.fragments_sent_by_builder.is_empty() {
+                            q.fragments_sent
+                        } else {
+                            q.fragments_sent_by_builder
+                                .iter()
+                                .filter(|(b, _)| reported.contains(b))
+                                .map(|(_, n)| n)
+                                .sum()
+                        }
+                    })
+                    .sum()
+            } else {
+                p.readout_units.iter().map(|u| u.fragments_forwarded).sum()
+            };
             let at_builders: u64 = p
                 .builders
                 .iter()
@@ -853,6 +879,7 @@ impl Report {
                         + b.late_fragments
                         + b.duplicate_fragments
                         + b.malformed_fragments
+                        + b.fragments_rejected_by_filter
                         + b.buffered_fragments.saturating_sub(b.queued_fragments)
                 })
                 .sum();
@@ -869,8 +896,10 @@ impl Report {
                             .saturating_sub(b.queued_fragments + b.recorder_link_lost)
                     })
                     .sum();
-                let taken =
-                    rc.fragments_in_complete + rc.fragments_in_incomplete + rc.queued_fragments;
+                let taken = rc.fragments_in_complete
+                    + rc.fragments_in_incomplete
+                    + rc.queued_fragments
+                    + rc.duplicate_fragments;
                 lost.push((
                     "in_flight_to_recorder_at_abort",
                     written.saturating_sub(taken),

@@ -521,3 +521,92 @@ builder_timeout_ms = 700
         .sum();
     assert_eq!(partial, 0, "{}", rep.summary());
 }
+
+/// The balance of a report taken while a request-mode run goes on holds at a quiet moment.
+/// Two sources written from the spec send events 0-9, except that source 11 holds back its
+/// fragment of event 9: events 0-8 are recorded, and their clears wait for the group to fill or
+/// for nothing to be in flight, so the unit still stores them. Stored fragments that were
+/// answered are counted where the answers went (recorded, here), not again at the unit: before,
+/// the unit counted all it stored, and this report showed 18 fragments too many.
+#[test]
+fn a_report_taken_mid_run_balances_while_the_unit_holds_answered_fragments() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let t = topology(
+        r#"
+[run]
+mode = "request"
+[sources]
+count = 0
+external = [10, 11]
+[[readout]]
+id = 0
+sources = [10, 11]
+[[builder]]
+id = 0
+[request]
+timeout_ms = 600000
+builder_timeout_ms = 1200000
+"#,
+    );
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(u32, String)>>(1);
+    let opts = Options {
+        output: Some(dir.path().to_path_buf()),
+        status: StatusMode::Off,
+        ready: Some(tx),
+        ..Default::default()
+    };
+    let s = tessera_run::Session::start(&t, &opts).unwrap();
+    let addrs = rx.recv().unwrap();
+    let connect = |id: u32| {
+        let a = &addrs.iter().find(|(s, _)| *s == id).unwrap().1;
+        let mut c = std::net::TcpStream::connect(a).unwrap();
+        c.write_all(&spec_source::hello(id)).unwrap();
+        c
+    };
+    let (mut a, mut b) = (connect(10), connect(11));
+    for ev in 0..10u64 {
+        a.write_all(&spec_source::fragment(10, ev, 1, &[ev as u8; 64]))
+            .unwrap();
+        if ev < 9 {
+            b.write_all(&spec_source::fragment(11, ev, 1, &[ev as u8; 64]))
+                .unwrap();
+        }
+    }
+    let t0 = std::time::Instant::now();
+    let rep = loop {
+        let r = s.report("running", false);
+        if r.recorder.as_ref().unwrap().events == 9 && r.balance.sent == 19 {
+            break r;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "events 0-8 not recorded: {}",
+            r.summary()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    let q = rep.readout_units[0].requests.as_ref().unwrap();
+    assert_eq!(
+        q.fragments_still_stored, 19,
+        "the clears of events 0-8 were sent: nothing tested"
+    );
+    assert_eq!(rep.balance.unaccounted, 0, "{}", rep.summary());
+    b.write_all(&spec_source::fragment(11, 9, 1, &[9; 64]))
+        .unwrap();
+    for (c, id) in [(&mut a, 10), (&mut b, 11)] {
+        c.write_all(&spec_source::end(id, 10)).unwrap();
+        c.shutdown(std::net::Shutdown::Write).unwrap();
+    }
+    let reason = loop {
+        if let Some(r) = s.end_reason() {
+            break r;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    let stop = s.stop(&tessera_run::StopDeadlines::from(&t.topology.stop));
+    let rep = s.finish(reason, stop).unwrap();
+    assert!(rep.ok(), "{}", rep.summary());
+    assert_eq!(rep.events_complete, 10, "{}", rep.summary());
+    pages_all_back(&rep);
+}
