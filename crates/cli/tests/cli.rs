@@ -381,7 +381,9 @@ fn whole_balance(cfg: &str, reports: &[&serde_json::Value]) -> tessera_run::repo
         output: String::new(),
         partial: false,
     };
-    tessera_run::Report::combine(&r, info, parts).balance
+    let b = tessera_run::Report::combine(&r, info, parts).balance;
+    assert!(b.sent > 0, "no source's count among the reports: {b:?}");
+    b
 }
 
 /// Waits (bounded) until a file the recorder is writing in `out` holds a complete event: every
@@ -625,7 +627,7 @@ fn a_builder_killed_mid_run_loses_no_event() {
     // A row of the drill table (scripts/drills): verify found no event twice.
     let recorded = r["events_in_files"].as_u64().unwrap();
     println!(
-        "DRILL|request mode, a builder SIGKILLed mid-run|{events}|{recorded}|{}|0|per process",
+        "DRILL|request mode, a builder SIGKILLed mid-run|{events}|{recorded}|{}|0|holds (over the processes)",
         events - recorded
     );
 }
@@ -866,7 +868,7 @@ fn a_restarted_event_manager_takes_the_run_over_and_nothing_is_lost_or_doubled()
     let em = manager();
     ports.release(2);
     let ru = ru.map(report_of);
-    let _ = report_of(src);
+    let src = report_of(src);
     let bu = bu.map(report_of);
     let em = report_of(em);
     let rec = report_of(rec);
@@ -874,6 +876,8 @@ fn a_restarted_event_manager_takes_the_run_over_and_nothing_is_lost_or_doubled()
         "readout": ru, "builders": bu, "manager": em, "recorder": rec,
         "first manager": String::from_utf8_lossy(&first.stderr),
     });
+    let b = whole_balance(&cfg, &[&src, &ru[0], &ru[1], &bu[0], &bu[1], &em, &rec]);
+    assert!(b.holds, "{b:?}\n{all:#}");
     for r in &ru {
         let q = &r["readout_units"][0]["requests"];
         assert_eq!(q["manager_losses"], 1, "{all:#}");
@@ -913,7 +917,7 @@ fn a_restarted_event_manager_takes_the_run_over_and_nothing_is_lost_or_doubled()
     assert!(wrong.is_empty(), "(event, copies): {wrong:?}\n{all:#}");
     assert_verifies(&out);
     println!(
-        "DRILL|request mode, the event manager SIGKILLed and restarted|{events}|{}|0|0|per process; {} events adopted, {} finished before",
+        "DRILL|request mode, the event manager SIGKILLed and restarted|{events}|{}|0|0|holds (over the processes); {} events adopted, {} finished before",
         r["events_in_files"], m["adopted"], m["finished_before"]
     );
 }
@@ -1010,7 +1014,7 @@ fn a_builder_wrongly_declared_dead_rejoins_and_the_run_goes_on() {
     let b = whole_balance(&cfg, &[&[&src][..], &reports].concat());
     assert!(b.holds, "{b:?}\n{all:#}");
     println!(
-        "DRILL|request mode, a builder frozen past its heartbeats, then thawed|{events}|{}|0|{}|per process (second copies dropped, counted)",
+        "DRILL|request mode, a builder frozen past its heartbeats, then thawed|{events}|{}|0|{}|holds (over the processes; second copies dropped, counted)",
         r["events_in_files"], r["duplicate_events"]
     );
 }
@@ -1019,6 +1023,8 @@ fn a_builder_wrongly_declared_dead_rejoins_and_the_run_goes_on() {
 /// builders, each its own process, started in the order they listen, and returned once a
 /// complete event is on file.
 struct TwoUnitRun {
+    /// The configuration's path.
+    cfg: String,
     rec: Proc,
     em: Proc,
     ru: [Proc; 2],
@@ -1058,6 +1064,7 @@ fn two_unit_request_run(
     let src = spawn(&["sources"], None);
     wait_for_recorded_data(&dir.join("out"));
     TwoUnitRun {
+        cfg,
         rec,
         em,
         ru,
@@ -1114,6 +1121,7 @@ fn a_readout_unit_killed_mid_run_leaves_events_incomplete_naming_its_sources() {
         ru: [ru0, mut ru1],
         bu,
         src,
+        ..
     } = two_unit_request_run(
         dir.path(),
         &ports,
@@ -1189,6 +1197,7 @@ fn a_readout_unit_frozen_mid_run_is_given_up_once_it_has_answered_nothing_for_th
     let ports = Ports::bind(4);
     let events = 6000u64;
     let TwoUnitRun {
+        cfg,
         rec,
         em,
         ru: [ru0, ru1],
@@ -1206,11 +1215,14 @@ fn a_readout_unit_frozen_mid_run_is_given_up_once_it_has_answered_nothing_for_th
     wait_for_recorded(&out, true);
     ru1.signal("CONT");
     let ru = [report_of(ru0), report_of(ru1)];
-    let _ = report_of(src);
+    let src = report_of(src);
     let bu = bu.map(report_of);
     let em = report_of(em);
     let rec = report_of(rec);
     let all = serde_json::json!({ "readout": ru, "builders": bu, "manager": em, "recorder": rec });
+    // The frozen unit's answers that came after their events were built are late, counted.
+    let b = whole_balance(&cfg, &[&src, &ru[0], &ru[1], &bu[0], &bu[1], &em, &rec]);
+    assert!(b.holds, "{b:?}\n{all:#}");
     let r = &rec["recorder"];
     assert_eq!(r["events_in_files"], events, "{all:#}");
     assert!(r["incomplete_events"].as_u64().unwrap() > 0, "{all:#}");
@@ -1229,7 +1241,7 @@ fn a_readout_unit_frozen_mid_run_is_given_up_once_it_has_answered_nothing_for_th
     assert_eq!(Some(incomplete), r["incomplete_events"].as_u64(), "{all:#}");
     assert_verifies(&out);
     println!(
-        "DRILL|request mode, a readout unit frozen mid-run, then thawed|{events}|{}|0|0|per process (its sources named missing while frozen)",
+        "DRILL|request mode, a readout unit frozen mid-run, then thawed|{events}|{}|0|0|holds (over the processes; its sources named missing while frozen)",
         r["events_in_files"]
     );
 }
@@ -1404,11 +1416,13 @@ fn stalled_mid_silence(who: Stalled) {
     send(&spec_source::end(9, events));
     s.shutdown(std::net::Shutdown::Write).unwrap();
     let ru = [report_of(ru0), report_of(ru1)];
-    let _ = report_of(src);
+    let src = report_of(src);
     let bu = report_of(bu);
     let em = report_of(em);
     let rec = report_of(rec);
     let all = serde_json::json!({ "readout": ru, "builder": bu, "manager": em, "recorder": rec });
+    let b = whole_balance(&cfg, &[&src, &ru[0], &ru[1], &bu, &em, &rec]);
+    assert!(b.holds, "{b:?}\n{all:#}");
     let r = &rec["recorder"];
     assert_eq!(r["events_in_files"], events, "{all:#}");
     assert_eq!(r["incomplete_events"], 0, "{all:#}");
@@ -1435,7 +1449,7 @@ fn stalled_mid_silence(who: Stalled) {
         Stalled::Builder | Stalled::Manager => format!("{ROUNDS} times"),
     };
     println!(
-        "DRILL|request mode, {role} stalled (SIGSTOP) {times} past its timeouts|{events}|{}|0|0|per process (nothing incomplete)",
+        "DRILL|request mode, {role} stalled (SIGSTOP) {times} past its timeouts|{events}|{}|0|0|holds (over the processes; nothing incomplete)",
         r["events_in_files"]
     );
 }
