@@ -1116,12 +1116,12 @@ fn a_readout_unit_killed_mid_run_leaves_events_incomplete_naming_its_sources() {
     let ports = Ports::bind(4);
     let events = 8000u64;
     let TwoUnitRun {
+        cfg,
         rec,
         em,
         ru: [ru0, mut ru1],
         bu,
         src,
-        ..
     } = two_unit_request_run(
         dir.path(),
         &ports,
@@ -1131,11 +1131,18 @@ fn a_readout_unit_killed_mid_run_leaves_events_incomplete_naming_its_sources() {
     );
     ru1.kill();
     let ru0 = report_of(ru0);
-    let _ = report_of(src);
+    let src = report_of(src);
     let bu = bu.map(report_of);
     let em = report_of(em);
     let rec = report_of(rec);
     let all = serde_json::json!({ "readout": ru0, "builders": bu, "manager": em, "recorder": rec });
+    // What the dead unit's sources sent and no builder took went with it, named.
+    let b = whole_balance(&cfg, &[&src, &ru0, &bu[0], &bu[1], &em, &rec]);
+    assert!(b.holds, "{b:?}\n{all:#}");
+    assert!(
+        b.rejected.contains_key("lost_with_readout_unit_host"),
+        "{b:?}"
+    );
     // Long timeouts (10 s per event): had the builders waited for the dead unit's answers, the
     // run would have lasted over an hour and the deadlines above would have failed it.
     let m = &em["event_manager"];
@@ -1179,7 +1186,7 @@ fn a_readout_unit_killed_mid_run_leaves_events_incomplete_naming_its_sources() {
     assert_eq!(Some(incomplete), r["incomplete_events"].as_u64(), "{all:#}");
     assert_verifies(&out);
     println!(
-        "DRILL|request mode, a readout unit SIGKILLed mid-run|{events}|{}|0|0|per process (its sources named missing)",
+        "DRILL|request mode, a readout unit SIGKILLed mid-run|{events}|{}|0|0|holds (over the processes; its sources named missing, what it held named lost with it)",
         r["events_in_files"]
     );
 }

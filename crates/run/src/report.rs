@@ -32,6 +32,9 @@ pub struct Parts {
     /// Request mode over hosts: what the readout units sent builders whose report is lost with
     /// their host, less what of it the recorder took from them (`lost_with_builder_host`).
     lost_with_builders: u64,
+    /// Over hosts: what the sources of readout units whose report is lost with their host sent,
+    /// less what the builders took from those units (`lost_with_readout_unit_host`).
+    lost_with_readout_units: u64,
 }
 
 /// Request mode over hosts: fragments the readout units sent to builders that gave no report
@@ -58,6 +61,18 @@ fn lost_with_builders(p: &Parts) -> u64 {
     };
     sent.into_iter()
         .map(|(b, n)| n.saturating_sub(taken(b)))
+        .sum()
+}
+
+/// Fragments the builders took from readout units that gave no report (lost with their host).
+/// A builder has a link to every unit of the topology, so its counts name every unit.
+fn taken_from_lost_units(p: &Parts) -> u64 {
+    let reported: std::collections::HashSet<u32> = p.readout_units.iter().map(|u| u.id).collect();
+    p.builders
+        .iter()
+        .flat_map(|b| &b.fragments_by_readout_unit)
+        .filter(|(u, _)| !reported.contains(u))
+        .map(|(_, n)| n)
         .sum()
 }
 
@@ -220,6 +235,10 @@ pub struct BuilderReport {
     /// Push mode with `rails`: super-fragments received on each rail, from every readout unit.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub super_fragments_by_rail: Vec<u64>,
+    /// Fragments taken from each readout unit (in super-fragments or answers, copies
+    /// included): set against what the sources of a unit lost with its host sent.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub fragments_by_readout_unit: BTreeMap<u32, u64>,
     /// Bytes of its buffer taken and touched before any readout unit sent (`builder.reserve`).
     #[serde(default)]
     pub reserved_bytes: u64,
@@ -604,6 +623,11 @@ pub(crate) fn builder(b: &tessera_builder::BuilderUnit, cx: &Cx, p: &mut Parts) 
         buffered_fragments: st.held_fragments.load(Ordering::Relaxed)
             + st.queued_fragments.load(Ordering::Relaxed),
         queued_fragments: st.queued_fragments.load(Ordering::Relaxed),
+        fragments_by_readout_unit: st
+            .links
+            .iter()
+            .map(|l| (l.readout_unit, l.fragments.load(Ordering::Relaxed)))
+            .collect(),
         reserved_bytes: st.reserved_bytes.load(Ordering::Relaxed),
         super_fragments_by_rail: match st.links.first() {
             Some(l) if l.rail_super_fragments.len() > 1 => (0..l.rail_super_fragments.len())
@@ -715,6 +739,7 @@ impl Report {
             event_manager: None,
             refused_outside_allow: 0,
             lost_with_builders: 0,
+            lost_with_readout_units: 0,
         };
         let mut monitor = None;
         let mut remote: BTreeMap<u32, SourceReport> = BTreeMap::new();
@@ -746,9 +771,12 @@ impl Report {
                 s.error = x.error;
             }
         }
-        // A source whose readout unit's host gave no report (lost) keeps its own side.
+        // A source whose readout unit's host gave no report (lost) keeps its own side; what it
+        // sent that no builder took went with that unit.
+        let orphans: u64 = remote.values().map(|s| s.sent).sum();
         all.sources.extend(remote.into_values());
         all.lost_with_builders = lost_with_builders(&all);
+        all.lost_with_readout_units = orphans.saturating_sub(taken_from_lost_units(&all));
         let mut report = Report::assemble(r, info, all);
         report.monitor = monitor;
         report
@@ -783,6 +811,7 @@ impl Report {
             }
         }
         add("lost_with_builder_host", p.lost_with_builders);
+        add("lost_with_readout_unit_host", p.lost_with_readout_units);
         let mut answered_again = 0u64;
         for u in &p.readout_units {
             add("builder_link_lost", u.builder_link_lost);
