@@ -373,13 +373,9 @@ fn whole_balance(cfg: &str, reports: &[&serde_json::Value]) -> tessera_run::repo
         .map(|v| serde_json::from_value((*v).clone()).unwrap())
         .collect();
     let info = tessera_run::report::RunInfo {
-        run_number: 1,
-        started_unix_ns: 0,
-        duration_s: 1.0,
         stop_reason: "events".into(),
         drained: true,
-        output: String::new(),
-        partial: false,
+        ..Default::default()
     };
     let b = tessera_run::Report::combine(&r, info, parts).balance;
     assert!(b.sent > 0, "no source's count among the reports: {b:?}");

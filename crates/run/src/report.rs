@@ -84,6 +84,7 @@ pub struct Cx<'a> {
     pub(crate) emulated: BTreeMap<u32, &'a tessera_source::SourceStats>,
 }
 
+#[derive(Default)]
 pub struct RunInfo {
     pub run_number: u64,
     pub started_unix_ns: u64,
@@ -1268,13 +1269,9 @@ mod tests {
 
     fn info() -> RunInfo {
         RunInfo {
-            run_number: 1,
-            started_unix_ns: 0,
-            duration_s: 1.0,
             stop_reason: "events".into(),
             drained: true,
-            output: String::new(),
-            partial: false,
+            ..Default::default()
         }
     }
 
