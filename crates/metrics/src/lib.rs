@@ -370,6 +370,20 @@ pub fn live_series(e: &mut Enc<'_, '_>, live: &Live) -> std::fmt::Result {
             .collect::<Vec<_>>(),
     )?;
     e.counter(
+        "tessera_builder_dropped_fragments",
+        "fragments each builder dropped, by the accounting's reason (late_at_builder, duplicate_at_builder, malformed_super_fragment, recorder_link_lost)",
+        &bus.iter()
+            .flat_map(|b| {
+                b.dropped.iter().map(|(r, n)| {
+                    (
+                        vec![("builder", b.id.to_string()), ("reason", r.clone())],
+                        *n,
+                    )
+                })
+            })
+            .collect::<Vec<_>>(),
+    )?;
+    e.counter(
         "tessera_builder_bytes",
         "bytes of events each builder built",
         &bus.iter()
@@ -431,6 +445,11 @@ pub fn live_series(e: &mut Enc<'_, '_>, live: &Live) -> std::fmt::Result {
                 (l1("kind", "record"), r.record_bytes),
                 (l1("kind", "file"), r.file_bytes),
             ],
+        )?;
+        e.counter(
+            "tessera_recorder_second_copy_fragments",
+            "fragments in second copies of events the recorder dropped (request mode, after a failover; each event is written once)",
+            &[(vec![], r.second_copy_fragments)],
         )?;
         e.counter(
             "tessera_recorder_files",
@@ -553,4 +572,55 @@ pub fn render_part(
     // Writing to a String cannot fail.
     let _ = prometheus_client::encoding::text::encode(&mut out, &reg);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_run::live::{Live, LiveBuilder, LiveHistogram, LiveRecorder};
+
+    /// Every fragment a builder drops is a series by reason, and the recorder's dropped second
+    /// copies one of their own: an operator can alarm on late fragments without the report.
+    #[test]
+    fn dropped_fragments_are_series_by_reason() {
+        let mut live = Live::empty(7);
+        live.builders.push(LiveBuilder {
+            id: 3,
+            host: None,
+            events_complete: 0,
+            events_incomplete: 0,
+            events_rejected: 0,
+            bytes_built: 0,
+            buffer_used: 0,
+            buffer_limit: 1,
+            busy_ns: 0,
+            links: 0,
+            pending_events: 0,
+            queued_fragments: 0,
+            latency: LiveHistogram {
+                buckets: Vec::new(),
+                sum_s: 0.0,
+                count: 0,
+            },
+            receive_queued: 0,
+            stall_releases: 0,
+            dropped: [
+                ("late_at_builder".to_string(), 5),
+                ("recorder_link_lost".to_string(), 2),
+            ]
+            .into_iter()
+            .collect(),
+        });
+        live.recorder = Some(LiveRecorder {
+            second_copy_fragments: 12,
+            ..Default::default()
+        });
+        let m = super::render_part("h", Vec::new(), Some(live), None);
+        for want in [
+            r#"tessera_builder_dropped_fragments_total{builder="3",reason="late_at_builder",host="h"} 5"#,
+            r#"tessera_builder_dropped_fragments_total{builder="3",reason="recorder_link_lost",host="h"} 2"#,
+            r#"tessera_recorder_second_copy_fragments_total{host="h"} 12"#,
+        ] {
+            assert!(m.contains(want), "{want} not in:\n{m}");
+        }
+    }
 }

@@ -89,6 +89,10 @@ pub struct LiveBuilder {
     /// waiting on each other for a whole event timeout).
     #[serde(default)]
     pub stall_releases: u64,
+    /// Fragments it dropped, by the accounting's reason (`late_at_builder`,
+    /// `duplicate_at_builder`, `malformed_super_fragment`, `recorder_link_lost`).
+    #[serde(default)]
+    pub dropped: BTreeMap<String, u64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -113,6 +117,9 @@ pub struct LiveRecorder {
     #[serde(default)]
     pub monitor_ns: u64,
     pub queued_fragments: u64,
+    /// Fragments in second copies of events it dropped (request mode, after a failover).
+    #[serde(default)]
+    pub second_copy_fragments: u64,
     pub error: Option<String>,
     /// Free bytes on the output file system at the recorder's last look.
     pub disk_free: u64,

@@ -363,6 +363,16 @@ impl RunRole for tessera_builder::BuilderUnit {
             latency: crate::live::histogram(&s.latency),
             receive_queued: s.receive_queues.total(),
             stall_releases: s.stall_releases.load(Relaxed),
+            dropped: [
+                ("late_at_builder", &s.late_fragments),
+                ("duplicate_at_builder", &s.duplicate_fragments),
+                ("malformed_super_fragment", &s.malformed_fragments),
+                ("recorder_link_lost", &s.recorder_lost),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.load(Relaxed)))
+            .filter(|&(_, n)| n > 0)
+            .collect(),
         });
     }
     fn note(&self, run: &Running) -> Option<String> {
@@ -445,6 +455,7 @@ impl RunRole for tessera_recorder::Recorder {
             throttled_ns: s.throttled_ns.load(Relaxed),
             monitor_ns: s.monitor.ns(),
             queued_fragments: s.queued_fragments.load(Relaxed),
+            second_copy_fragments: s.duplicate_fragments.load(Relaxed),
             error: s.error.lock().clone(),
             current_file: s.current_file.lock().clone(),
             disk_free: s.disk_free.load(Relaxed),
