@@ -912,7 +912,10 @@ impl Report {
                         + b.fragments_rejected_by_filter
                         + b.buffered_fragments.saturating_sub(b.queued_fragments)
                 })
-                .sum();
+                .sum::<u64>()
+                // What came from units lost with their hosts is set against their sources
+                // (`lost_with_readout_unit_host`), not against what the reporting units sent.
+                .saturating_sub(taken_from_lost_units(&p));
             lost.push((
                 "in_flight_to_builders_at_abort",
                 forwarded.saturating_sub(at_builders),
