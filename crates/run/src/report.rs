@@ -42,13 +42,10 @@ pub struct Parts {
 /// builder's copies, late fragments and queues went with it; the events were given to others,
 /// whose answers then count as given again.
 fn lost_with_builders(p: &Parts) -> u64 {
-    let reported: std::collections::HashSet<u32> = p.builders.iter().map(|b| b.id as u32).collect();
     let mut sent: BTreeMap<u32, u64> = BTreeMap::new();
-    for q in p.readout_units.iter().filter_map(|u| u.requests.as_ref()) {
-        for (&b, &n) in &q.fragments_sent_by_builder {
-            if !reported.contains(&b) {
-                *sent.entry(b).or_default() += n;
-            }
+    for (b, n, reported) in answered_by_builder(p) {
+        if !reported {
+            *sent.entry(b).or_default() += n;
         }
     }
     let taken = |b: u32| {
@@ -62,6 +59,17 @@ fn lost_with_builders(p: &Parts) -> u64 {
     sent.into_iter()
         .map(|(b, n)| n.saturating_sub(taken(b)))
         .sum()
+}
+
+/// Request mode: (builder, fragments a unit answered it, whether that builder reported), per unit
+/// and builder.
+fn answered_by_builder(p: &Parts) -> impl Iterator<Item = (u32, u64, bool)> + '_ {
+    let reported: std::collections::HashSet<u32> = p.builders.iter().map(|b| b.id as u32).collect();
+    p.readout_units
+        .iter()
+        .filter_map(|u| u.requests.as_ref())
+        .flat_map(|q| &q.fragments_sent_by_builder)
+        .map(move |(&b, &n)| (b, n, reported.contains(&b)))
 }
 
 /// Fragments the builders took from readout units that gave no report (lost with their host).
@@ -880,22 +888,9 @@ impl Report {
         if (running || !info.drained) && !info.partial {
             let (mut in_flight, mut lost) = (0u64, Vec::new());
             let forwarded: u64 = if request_mode {
-                let reported: std::collections::HashSet<u32> =
-                    p.builders.iter().map(|b| b.id as u32).collect();
-                p.readout_units
-                    .iter()
-                    .filter_map(|u| u.requests.as_ref())
-                    .map(|q| {
-                        if q.fragments_sent_by_builder.is_empty() {
-                            q.fragments_sent
-                        } else {
-                            q.fragments_sent_by_builder
-                                .iter()
-                                .filter(|(b, _)| reported.contains(b))
-                                .map(|(_, n)| n)
-                                .sum()
-                        }
-                    })
+                answered_by_builder(&p)
+                    .filter(|&(_, _, reported)| reported)
+                    .map(|(_, n, _)| n)
                     .sum()
             } else {
                 p.readout_units.iter().map(|u| u.fragments_forwarded).sum()
