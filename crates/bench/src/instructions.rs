@@ -20,6 +20,20 @@ pub struct Instructions {
     pub sources: u32,
     pub events_short: u64,
     pub events_long: u64,
+    /// The totals of the pair whose cost per fragment is the median.
+    pub instructions_short: u64,
+    pub instructions_long: u64,
+    /// The median over the pairs.
+    pub instructions_per_fragment: f64,
+    pub min_per_fragment: f64,
+    pub max_per_fragment: f64,
+    /// Every pair, in the order run.
+    pub pairs: Vec<Pair>,
+}
+
+/// One short and one long run under callgrind.
+#[derive(Clone, Debug, Serialize)]
+pub struct Pair {
     pub instructions_short: u64,
     pub instructions_long: u64,
     pub instructions_per_fragment: f64,
@@ -95,30 +109,59 @@ pub fn run_instructions(a: &BenchArgs) -> Result<()> {
     } else {
         (20_000, 60_000)
     };
+    // Callgrind counts the same binary's instructions exactly, but how valgrind interleaves the
+    // threads (how many events each batch carries) moves a pair's figure by a few percent: one
+    // pair cannot tell a change of that size, the median of several can.
+    let repeat = a.repeat.unwrap_or(if a.quick { 1 } else { 3 }).max(1);
     let dir = tempfile::tempdir()?;
     if !a.json {
         eprintln!(
-            "instructions per fragment: {size} B x {sources} sources, {short} and {long} events under callgrind"
+            "instructions per fragment: {size} B x {sources} sources, {short} and {long} events under callgrind, {repeat} pair(s)"
         );
     }
-    let i_short = counted(dir.path(), short, size, sources)?;
-    let i_long = counted(dir.path(), long, size, sources)?;
     let frags = (long - short) * sources as u64;
+    let mut pairs = Vec::with_capacity(repeat);
+    for i in 0..repeat {
+        let i_short = counted(dir.path(), short, size, sources)?;
+        let i_long = counted(dir.path(), long, size, sources)?;
+        let p = Pair {
+            instructions_short: i_short,
+            instructions_long: i_long,
+            instructions_per_fragment: i_long.saturating_sub(i_short) as f64 / frags as f64,
+        };
+        if !a.json {
+            eprintln!(
+                "  pair {}/{repeat}: {:.0} ({i_long} - {i_short} over {frags} fragments)",
+                i + 1,
+                p.instructions_per_fragment
+            );
+        }
+        pairs.push(p);
+    }
+    let mut sorted = pairs.clone();
+    sorted.sort_by(|x, y| {
+        x.instructions_per_fragment
+            .total_cmp(&y.instructions_per_fragment)
+    });
+    let median = sorted[sorted.len() / 2].clone();
     let r = Instructions {
         fragment_size: size,
         sources,
         events_short: short,
         events_long: long,
-        instructions_short: i_short,
-        instructions_long: i_long,
-        instructions_per_fragment: i_long.saturating_sub(i_short) as f64 / frags as f64,
+        instructions_short: median.instructions_short,
+        instructions_long: median.instructions_long,
+        instructions_per_fragment: median.instructions_per_fragment,
+        min_per_fragment: sorted[0].instructions_per_fragment,
+        max_per_fragment: sorted[sorted.len() - 1].instructions_per_fragment,
+        pairs,
     };
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!(
-            "{:.0} instructions per fragment built ({} - {} over {} fragments; sources included)",
-            r.instructions_per_fragment, i_long, i_short, frags
+            "{:.0} instructions per fragment built (median of {repeat} pair(s), {:.0}-{:.0}; sources included)",
+            r.instructions_per_fragment, r.min_per_fragment, r.max_per_fragment
         );
     }
     Ok(())

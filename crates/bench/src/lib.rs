@@ -40,7 +40,8 @@ pub struct BenchArgs {
     /// the same links, and over agents on one host against one process (root). `record`: the
     /// recorder (uncompressed, lz4 and zstd on 1 and 2 threads, files synced, and a point with
     /// frequent rotations) against a plain writer on the same disk. `instructions`: callgrind's
-    /// count of instructions per fragment built (1 KiB x 8 by default; valgrind needed).
+    /// count of instructions per fragment built, the median of `--repeat` pairs of runs (1 KiB
+    /// x 8 by default; valgrind needed).
     /// `lowrate`: CPU per fragment of the COMET SUPPRESS setup at 1 kHz against saturation.
     /// `trapezoid`: building per CPU-second as readout units x builders grow (8x2 to 16x60 at
     /// 16 KiB), with the process's peak threads and descriptors. `calibrate`: this host's CPU
