@@ -127,6 +127,12 @@ impl ChunkSlice {
         ChunkSlice { chunk, ptr, len }
     }
 
+    /// How many holders this slice's chunk has (slices, and its reader while it fills it): a
+    /// test's proof that slices were moved, not copied or leaked.
+    pub fn holders(&self) -> usize {
+        Arc::strong_count(&self.chunk)
+    }
+
     /// A sub-slice `[off, off+len)` of this slice. Panics when the range is not inside it (the
     /// callers check lengths from peers before slicing; the check here keeps the unsafe read in
     /// `Deref` sound whatever a caller passes, including `off + len` that would overflow).
