@@ -154,22 +154,45 @@ impl SuperFragmentHeader {
     }
 
     pub fn encode_into(&self, out: &mut Vec<u8>) {
-        // The fixed part built on the stack and appended whole: one header per super-fragment,
-        // and zero-filling then writing through bounds checks cost ~90 instructions a header.
-        let mut b = [0u8; SUPER_FRAGMENT_HEADER_SIZE];
-        put_u32(&mut b, 0, SUPER_FRAGMENT_MARKER);
-        put_u16(&mut b, 4, LINK_VERSION);
-        put_u16(&mut b, 6, self.header_size() as u16);
-        put_u32(&mut b, 8, self.readout_unit);
-        put_u32(&mut b, 12, self.fragment_count);
-        put_u64(&mut b, 16, self.event_id);
-        put_u32(&mut b, 24, self.total_size);
-        put_u32(&mut b, 28, self.missing.len() as u32);
-        out.reserve(self.header_size());
-        out.extend_from_slice(&b);
-        for m in &self.missing {
-            out.extend_from_slice(&m.to_le_bytes());
-        }
+        encode_super_fragment_header(
+            out,
+            self.readout_unit,
+            self.event_id,
+            self.fragment_count,
+            self.total_size,
+            &self.missing,
+        );
+    }
+}
+
+/// Appends a super-fragment header of these fields to `out`, as
+/// [`SuperFragmentHeader::encode_into`] does, for a sender that holds the fields rather than a
+/// header (a readout unit writes one per event and unit, and building the header first cost a
+/// copy of its list of missing sources).
+pub fn encode_super_fragment_header(
+    out: &mut Vec<u8>,
+    readout_unit: u32,
+    event_id: u64,
+    fragment_count: u32,
+    total_size: u32,
+    missing: &[u32],
+) {
+    // The fixed part built on the stack and appended whole: one header per super-fragment,
+    // and zero-filling then writing through bounds checks cost ~90 instructions a header.
+    let header_size = SUPER_FRAGMENT_HEADER_SIZE + 4 * missing.len();
+    let mut b = [0u8; SUPER_FRAGMENT_HEADER_SIZE];
+    put_u32(&mut b, 0, SUPER_FRAGMENT_MARKER);
+    put_u16(&mut b, 4, LINK_VERSION);
+    put_u16(&mut b, 6, header_size as u16);
+    put_u32(&mut b, 8, readout_unit);
+    put_u32(&mut b, 12, fragment_count);
+    put_u64(&mut b, 16, event_id);
+    put_u32(&mut b, 24, total_size);
+    put_u32(&mut b, 28, missing.len() as u32);
+    out.reserve(header_size);
+    out.extend_from_slice(&b);
+    for m in missing {
+        out.extend_from_slice(&m.to_le_bytes());
     }
 }
 

@@ -35,7 +35,9 @@ use std::time::{Duration, Instant};
 
 use tessera_assembly::{Assembled, Assembler, Offer};
 use tessera_config::AssignmentSection;
-use tessera_format::link::{PeerHello, PeerRole, SuperFragmentHeader};
+use tessera_format::link::{
+    encode_super_fragment_header, PeerHello, PeerRole, SUPER_FRAGMENT_HEADER_SIZE,
+};
 use tessera_format::wire::{Hello, HELLO_SIZE};
 use tessera_format::{Decoded, StreamDecoder};
 use tessera_net::line::Line;
@@ -131,16 +133,15 @@ impl SuperFragment {
     }
 
     fn encode_super_fragment_header(&self, out: &mut Vec<u8>) {
-        let body = self.body;
-        let mut h = SuperFragmentHeader {
-            readout_unit: self.readout_unit,
-            event_id: self.event_id,
-            fragment_count: self.fragments.len() as u32,
-            total_size: 0,
-            missing: self.missing.clone(),
-        };
-        h.total_size = (h.header_size() + body) as u32;
-        h.encode_into(out);
+        let header_size = SUPER_FRAGMENT_HEADER_SIZE + 4 * self.missing.len();
+        encode_super_fragment_header(
+            out,
+            self.readout_unit,
+            self.event_id,
+            self.fragments.len() as u32,
+            (header_size + self.body) as u32,
+            &self.missing,
+        );
     }
 }
 
