@@ -831,14 +831,16 @@ mod tests {
         hello: PeerHello,
     ) -> (Reactor, TcpStream, Queue<Unit>, Arc<AtomicU64>, Arc<Tally>) {
         let r = Reactor::new(1, "test").unwrap();
-        let (conn, peer, q, sent, live) = counting_link(hello);
+        let (conn, peer, q, sent, live) = counting_link(hello, None);
         r.register(Box::new(conn));
         (r, peer, q, sent, live)
     }
 
-    /// [`counting_sender`]'s link and sender, served by nobody yet (the caller turns it).
+    /// [`counting_sender`]'s link and sender, served by nobody yet (the caller turns it), and
+    /// handing each unit written to `retire` where given.
     fn counting_link(
         hello: PeerHello,
+        retire: Option<Retire<Unit>>,
     ) -> (
         impl Conn,
         TcpStream,
@@ -864,6 +866,10 @@ mod tests {
             &live,
         )
         .unwrap();
+        let conn = match retire {
+            Some(r) => conn.with_retire(r),
+            None => conn,
+        };
         (conn, peer, q, sent, live)
     }
 
@@ -918,32 +924,22 @@ mod tests {
             id: 9,
             flags: 0,
         };
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (mut peer, _) = l.accept().unwrap();
-        let (q, rx, bell) = queue::<Unit>(4);
-        let sent = Arc::new(AtomicU64::new(0));
         let retired = Arc::new(parking_lot::Mutex::new(Vec::new()));
-        let live = Arc::new(Tally::default());
-        let (sent2, retired2) = (sent.clone(), retired.clone());
-        let conn = PolledSender::new(
-            s,
-            rx,
-            bell,
+        let written = Arc::new(std::sync::OnceLock::<Arc<AtomicU64>>::new());
+        let (retired2, written2) = (retired.clone(), written.clone());
+        let (conn, mut peer, q, sent, live) = counting_link(
             hello,
-            count_units(&sent),
-            |e: &io::Error| panic!("{e}"),
-            None,
-            true,
-            &live,
-        )
-        .unwrap()
-        .with_retire(move |u: Unit| {
-            let mut r = retired2.lock();
-            r.push(u.0);
-            // Never ahead of what was counted written.
-            assert!(r.len() as u64 <= sent2.load(Ordering::SeqCst));
-        });
+            Some(Box::new(move |u: Unit| {
+                let mut r = retired2.lock();
+                r.push(u.0);
+                // Never ahead of what was counted written.
+                let sent = written2
+                    .get()
+                    .expect("the count is set before the link runs");
+                assert!(r.len() as u64 <= sent.load(Ordering::SeqCst));
+            })),
+        );
+        written.set(sent.clone()).unwrap();
         let r = Reactor::new(1, "test").unwrap();
         r.register(Box::new(conn));
         const N: u64 = 3000;
