@@ -526,10 +526,7 @@ impl ReadoutUnit {
         let assembler = Assembler::new(links, cfg.event_timeout.as_nanos() as u64, 1 << 16)
             .ordered(true)
             .with_max_open(cfg.max_open_events);
-        let emptied = Arc::new(Emptied {
-            lists: Mutex::new(Vec::new()),
-            most: assembler.spare_room(),
-        });
+        let emptied = Arc::new(Emptied::new(assembler.spare_room(), builder_links.len()));
         let shared = Arc::new(Shared {
             ctx: LinkCtx {
                 id: cfg.id,
@@ -1048,12 +1045,23 @@ fn offer(sh: &Shared, slot: usize, good: &mut Vec<(u64, ChunkSlice)>) {
 struct Emptied {
     lists: Mutex<Vec<Vec<ChunkSlice>>>,
     most: usize,
+    /// Lists each builder link gathers before it hands them back together: all the links'
+    /// handfuls together hold no more than `most` either.
+    handful: usize,
 }
 
-/// Emptied lists a builder link gathers before it hands them back together.
+/// The most emptied lists a builder link gathers before it hands them back together.
 const EMPTIED_HANDFUL: usize = 32;
 
 impl Emptied {
+    fn new(most: usize, builder_links: usize) -> Emptied {
+        Emptied {
+            lists: Mutex::new(Vec::new()),
+            most,
+            handful: (most / builder_links.max(1)).clamp(1, EMPTIED_HANDFUL),
+        }
+    }
+
     /// Takes the lists of `handful` (each empty), as many as there is room for.
     fn give(&self, handful: &mut Vec<Vec<ChunkSlice>>) {
         let mut lists = self.lists.lock();
@@ -1242,14 +1250,14 @@ fn sender_to_builder(
     )
     .map(|s| {
         s.with_queue_gauge(&gauges.send_queues).with_retire({
-            let mut handful = Vec::with_capacity(EMPTIED_HANDFUL);
+            let mut handful = Vec::with_capacity(emptied.handful);
             move |u: SuperFragment| {
                 let mut list = u.fragments;
                 if list.capacity() > 0 {
                     // Its slices let go of their chunks here, as the unit's drop did.
                     list.clear();
                     handful.push(list);
-                    if handful.len() == EMPTIED_HANDFUL {
+                    if handful.len() >= emptied.handful {
                         emptied.give(&mut handful);
                     }
                 }
@@ -1324,10 +1332,14 @@ mod tests {
         let mut a: Assembler<ChunkSlice> = Assembler::new(links, 1_000_000, 1 << 16);
         let room = a.spare_room();
         assert!(room > 0);
-        let e = Emptied {
-            lists: Mutex::new(Vec::new()),
-            most: room,
-        };
+        let e = Emptied::new(room, 2);
+        assert_eq!(e.handful, (room / 2).min(EMPTIED_HANDFUL));
+        // However many builder links there are, their handfuls hold no more than the bound.
+        for links in [1, 3, 64, 10_000] {
+            let h = Emptied::new(room, links).handful;
+            assert!((1..=EMPTIED_HANDFUL).contains(&h), "{links}");
+            assert!(h * links <= room.max(links), "{links}");
+        }
         let mut handful: Vec<_> = (0..room + 5).map(|_| emptied_list(links)).collect();
         e.give(&mut handful);
         assert!(handful.is_empty());
