@@ -25,6 +25,11 @@ pub const PEER_HELLO_SIZE: usize = 16;
 pub const PEER_END_SIZE: usize = 32;
 pub const SUPER_FRAGMENT_HEADER_SIZE: usize = 32;
 
+/// A super-fragment header's size with `missing` missing-source IDs after its fixed part.
+pub const fn super_fragment_header_size(missing: usize) -> usize {
+    SUPER_FRAGMENT_HEADER_SIZE + 4 * missing
+}
+
 /// Which role opened a link.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u16)]
@@ -150,7 +155,7 @@ pub struct SuperFragmentHeader {
 
 impl SuperFragmentHeader {
     pub fn header_size(&self) -> usize {
-        SUPER_FRAGMENT_HEADER_SIZE + 4 * self.missing.len()
+        super_fragment_header_size(self.missing.len())
     }
 
     pub fn encode_into(&self, out: &mut Vec<u8>) {
@@ -179,7 +184,7 @@ pub fn encode_super_fragment_header(
 ) {
     // The fixed part built on the stack and appended whole: one header per super-fragment,
     // and zero-filling then writing through bounds checks cost ~90 instructions a header.
-    let header_size = SUPER_FRAGMENT_HEADER_SIZE + 4 * missing.len();
+    let header_size = super_fragment_header_size(missing.len());
     let mut b = [0u8; SUPER_FRAGMENT_HEADER_SIZE];
     put_u32(&mut b, 0, SUPER_FRAGMENT_MARKER);
     put_u16(&mut b, 4, LINK_VERSION);
@@ -319,8 +324,7 @@ pub fn decode_link(b: &[u8], max_message: usize) -> Result<(LinkItem, usize), Li
             }
             let missing_n = u32_at(b, 28) as usize;
             let total = u32_at(b, 24) as usize;
-            if missing_n > (u16::MAX as usize) || size != SUPER_FRAGMENT_HEADER_SIZE + 4 * missing_n
-            {
+            if missing_n > (u16::MAX as usize) || size != super_fragment_header_size(missing_n) {
                 return Err(LinkError::BadSize("super-fragment header"));
             }
             if total < size || total > max_message {

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use tessera_assembly::{Assembled, Assembler, Offer};
 use tessera_config::AssignmentSection;
 use tessera_format::link::{
-    encode_super_fragment_header, PeerHello, PeerRole, SUPER_FRAGMENT_HEADER_SIZE,
+    encode_super_fragment_header, super_fragment_header_size, PeerHello, PeerRole,
 };
 use tessera_format::wire::{Hello, HELLO_SIZE};
 use tessera_format::{Decoded, StreamDecoder};
@@ -133,7 +133,7 @@ impl SuperFragment {
     }
 
     fn encode_super_fragment_header(&self, out: &mut Vec<u8>) {
-        let header_size = SUPER_FRAGMENT_HEADER_SIZE + 4 * self.missing.len();
+        let header_size = super_fragment_header_size(self.missing.len());
         encode_super_fragment_header(
             out,
             self.readout_unit,
@@ -1083,10 +1083,10 @@ impl Emptied {
     }
 }
 
-/// A part list and a super-fragment list are one allocation passed between the assembler and a
-/// builder link: `Option<ChunkSlice>` is a `ChunkSlice` in size and alignment (the `Arc` in it
-/// is never null), so `capacity` items of either are one layout.
-const ONE_LAYOUT: () = assert!(
+// A part list and a super-fragment list are one allocation passed between the assembler and a
+// builder link: `Option<ChunkSlice>` is a `ChunkSlice` in size and alignment (the `Arc` in it is
+// never null), so `capacity` items of either are one layout. Checked when compiling.
+const _: () = assert!(
     std::mem::size_of::<Option<ChunkSlice>>() == std::mem::size_of::<ChunkSlice>()
         && std::mem::align_of::<Option<ChunkSlice>>() == std::mem::align_of::<ChunkSlice>()
 );
@@ -1095,8 +1095,6 @@ const ONE_LAYOUT: () = assert!(
 /// the same allocation and order. `std`'s in-place collect of a `filter_map` did the same for
 /// about a hundred instructions a list (callgrind); this is a loop over the parts.
 fn fragments_of(parts: Vec<Option<ChunkSlice>>) -> Vec<ChunkSlice> {
-    #[allow(clippy::let_unit_value)]
-    let () = ONE_LAYOUT;
     let mut parts = std::mem::ManuallyDrop::new(parts);
     let (base, len, capacity) = (parts.as_mut_ptr(), parts.len(), parts.capacity());
     let out = base.cast::<ChunkSlice>();
@@ -1104,8 +1102,8 @@ fn fragments_of(parts: Vec<Option<ChunkSlice>>) -> Vec<ChunkSlice> {
     for i in 0..len {
         // SAFETY: slot `i < len` holds an item, moved out here and never read again. The write
         // goes to slot `n <= i`, whose item has been moved out already (or is this one, just
-        // read), and a `ChunkSlice` fits an `Option<ChunkSlice>` slot (`ONE_LAYOUT`). Nothing
-        // in the loop can unwind half-way.
+        // read), and a `ChunkSlice` fits an `Option<ChunkSlice>` slot (the layout check above).
+        // Nothing in the loop can unwind half-way.
         if let Some(f) = unsafe { base.add(i).read() } {
             unsafe { out.add(n).write(f) };
             n += 1;
@@ -1119,13 +1117,11 @@ fn fragments_of(parts: Vec<Option<ChunkSlice>>) -> Vec<ChunkSlice> {
 
 /// An emptied super-fragment list as an assembler's part list, in the same allocation.
 fn part_list(mut list: Vec<ChunkSlice>) -> Vec<Option<ChunkSlice>> {
-    #[allow(clippy::let_unit_value)]
-    let () = ONE_LAYOUT;
     list.clear();
     let mut list = std::mem::ManuallyDrop::new(list);
     // SAFETY: the allocation was made for `capacity` items of `ChunkSlice`, whose size and
-    // alignment `Option<ChunkSlice>` shares (`ONE_LAYOUT`), so it is the same layout for as
-    // many of those; the vector is empty, so no item is read as the other type; and the
+    // alignment `Option<ChunkSlice>` shares (the layout check above), so it is the same layout
+    // for as many of those; the vector is empty, so no item is read as the other type; and the
     // original vector is not dropped (`ManuallyDrop`), so the allocation has one owner.
     unsafe {
         Vec::from_raw_parts(
