@@ -343,6 +343,16 @@ abort_grace_ms = 1000
             && m.contains("tessera_builder_receive_queued_bytes{"),
         "{m}"
     );
+    // Every reason a fragment can be dropped or rejected for is a series from the start, at 0
+    // until its first count, so that `increase()` sees the first one.
+    for series in [
+        r#"tessera_builder_dropped_fragments_total{builder="0",reason="late_at_builder""#,
+        r#"tessera_builder_dropped_fragments_total{builder="0",reason="recorder_link_lost""#,
+        r#"tessera_rejected_fragments_total{reason="late""#,
+        r#"tessera_rejected_fragments_total{reason="bad_crc""#,
+    ] {
+        assert!(m.contains(series), "{series} not in:\n{m}");
+    }
     // The consumer reads: events move again and the alarms clear.
     let ev = stuck.get(64, tessera_monitor::Wait::Poll).unwrap();
     stuck.put(ev).unwrap();

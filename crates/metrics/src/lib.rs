@@ -218,7 +218,17 @@ pub fn live_series(e: &mut Enc<'_, '_>, live: &Live) -> std::fmt::Result {
             .collect::<Vec<_>>(),
     )?;
     let mut rejected = Vec::new();
-    let mut by_reason = std::collections::BTreeMap::<String, u64>::new();
+    // The total by reason carries every reason a readout link can reject for, at 0 until the
+    // first: a series that appears only with its first count hides that first count from
+    // `increase()`. Per link, only reasons seen are listed: every reason for every one of
+    // hundreds of links is series nobody reads.
+    let mut by_reason: std::collections::BTreeMap<String, u64> = if live.sources.is_empty() {
+        Default::default()
+    } else {
+        tessera_readout::Rejection::labels()
+            .map(|r| (r.to_string(), 0))
+            .collect()
+    };
     for s in &live.sources {
         for (reason, n) in &s.rejected {
             let mut l = src(s);

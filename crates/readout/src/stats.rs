@@ -40,6 +40,12 @@ impl Rejection {
         }
     }
 
+    /// Every reason's label, in index order: the label set a counter by reason exposes, each at
+    /// 0 until its first rejection (so that a rate over it sees the first one).
+    pub fn labels() -> impl Iterator<Item = &'static str> {
+        (0..Self::COUNT).map(|i| Self::from_index(i).label())
+    }
+
     pub fn from_index(i: usize) -> Rejection {
         match i {
             i if i < RejectReason::ALL.len() => Rejection::Wire(RejectReason::ALL[i]),

@@ -90,7 +90,8 @@ pub struct LiveBuilder {
     #[serde(default)]
     pub stall_releases: u64,
     /// Fragments it dropped, by the accounting's reason (`late_at_builder`,
-    /// `duplicate_at_builder`, `malformed_super_fragment`, `recorder_link_lost`).
+    /// `duplicate_at_builder`, `malformed_super_fragment`, `recorder_link_lost`): every reason,
+    /// at 0 until its first drop.
     #[serde(default)]
     pub dropped: BTreeMap<String, u64>,
 }

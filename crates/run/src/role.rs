@@ -371,7 +371,6 @@ impl RunRole for tessera_builder::BuilderUnit {
             ]
             .into_iter()
             .map(|(k, v)| (k.to_string(), v.load(Relaxed)))
-            .filter(|&(_, n)| n > 0)
             .collect(),
         });
     }
