@@ -22,6 +22,16 @@
 //!   and 9.6 (`crc32c`), 36 B 4.4 against 11.7 and 12.7, 200 B 13.2 against 19.1 and 25.5;
 //!   under callgrind the build's instructions per fragment fell by ~220 (docs/PERFORMANCE.md).
 //!
+//! - From 2 KiB, where the processor has AVX-512 and VPCLMULQDQ, `crc-fast` again: its folding
+//!   over 512-bit registers outruns three `crc32` streams once its per-call constant is paid.
+//!   Measured per call on this machine (AMD EPYC, AVX-512; best of 5, `--example crc_rate`):
+//!   2 KiB 46-64 ns against 90-113 (`medium`), 4 KiB 92-109 against 157-191, 16 KiB 347 against
+//!   630, 32 KiB 573-638 against 1 132-1 264. Below 2 KiB the streams stay: at 1 KiB the
+//!   crate's 39-60 ns against 51-67 is about 25 ns a fragment (its source's CRC and its readout
+//!   unit's), and valgrind's processor has no AVX-512, so there the instructions counted per
+//!   1 KiB fragment would no longer be those of the path that runs. Without AVX-512 nothing
+//!   changes.
+//!
 //! Appending continues from the previous CRC; no two CRCs computed apart are combined: the
 //! crates' combine cost 8-100 us here, more than computing a whole 1 MiB block (19 us). (The
 //! three streams of `medium` are joined with a constant per length taken from a table.)
@@ -30,6 +40,23 @@ use crc_fast::{CrcAlgorithm::Crc32Iscsi, Digest};
 
 const SHORT: usize = 256;
 const LONG: usize = 64 << 10;
+/// From here, `crc-fast` where [`wide_folding`] says it folds 512 bits a step.
+const WIDE: usize = 2 << 10;
+
+/// Whether `crc-fast` runs its AVX-512 VPCLMULQDQ path here (std caches the answers).
+#[inline]
+fn wide_folding() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("vpclmulqdq")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
 
 #[cfg(target_arch = "x86_64")]
 mod short {
@@ -249,12 +276,13 @@ pub fn crc32c(data: &[u8]) -> u32 {
             return c;
         }
     }
-    if data.len() < LONG {
+    let wide = data.len() >= WIDE && wide_folding();
+    if data.len() < LONG && !wide {
         if let Some(c) = medium::append(0, data) {
             return c;
         }
     }
-    if data.len() <= SHORT || data.len() >= LONG {
+    if data.len() <= SHORT || data.len() >= LONG || wide {
         crc_fast::checksum(Crc32Iscsi, data) as u32
     } else {
         crc32c::crc32c(data)
@@ -283,7 +311,7 @@ pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
             return c;
         }
     }
-    if data.len() < LONG {
+    if data.len() < LONG && (data.len() < WIDE || !wide_folding()) {
         if let Some(c) = medium::append(crc, data) {
             return c;
         }
@@ -379,6 +407,27 @@ mod tests {
         check::<255>(&data);
         check::<256>(&data);
         check::<300>(&data);
+    }
+
+    /// The three streams stay the path of every length to 64 KiB on a processor without
+    /// AVX-512, so they are checked at every length here whichever path this one takes.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_three_streams_agree_with_the_reference_where_wide_folding_takes_over() {
+        let data: Vec<u8> = (0..70_000u32).map(|i| (i * 37 % 253) as u8).collect();
+        for len in (super::WIDE - 30..super::WIDE + 30).chain([
+            4_095,
+            4_096,
+            16_384,
+            16_420,
+            40_000,
+            super::LONG - 1,
+        ]) {
+            let Some(c) = super::medium::append(0x0BAD_CAFE, &data[..len]) else {
+                return;
+            };
+            assert_eq!(c, crc32c::crc32c_append(0x0BAD_CAFE, &data[..len]), "{len}");
+        }
     }
 
     #[test]
