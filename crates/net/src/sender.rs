@@ -568,21 +568,31 @@ where
                         }
                         let rest = &piece[skip..];
                         skip = 0;
-                        if rest.len() >= GATHER_BELOW {
-                            pieces.push(Piece::Slice(rest));
-                        } else if gather.len() + rest.len() > GATHER_BYTES {
-                            break 'fill;
-                        } else {
-                            let at = gather.len();
-                            gather.extend_from_slice(rest);
-                            // Small pieces in a row are one slice of the buffer.
-                            if let Some(Piece::Gathered(_, end)) = pieces.last_mut() {
-                                if *end == at {
-                                    *end = gather.len();
-                                    continue;
+                        // Small pieces in a row become one slice of the buffer; one alone
+                        // between large ones (a header between 1 KiB fragments) stays a slice
+                        // of its own, not copied for nothing.
+                        let last = pieces.last_mut();
+                        match last {
+                            _ if rest.len() >= GATHER_BELOW => pieces.push(Piece::Slice(rest)),
+                            Some(Piece::Gathered(_, end)) => {
+                                if gather.len() + rest.len() > GATHER_BYTES {
+                                    break 'fill;
                                 }
+                                gather.extend_from_slice(rest);
+                                *end = gather.len();
+                                continue;
                             }
-                            pieces.push(Piece::Gathered(at, gather.len()));
+                            Some(Piece::Slice(prev)) if prev.len() < GATHER_BELOW => {
+                                if gather.len() + prev.len() + rest.len() > GATHER_BYTES {
+                                    break 'fill;
+                                }
+                                let at = gather.len();
+                                gather.extend_from_slice(prev);
+                                gather.extend_from_slice(rest);
+                                *last.expect("matched") = Piece::Gathered(at, gather.len());
+                                continue;
+                            }
+                            _ => pieces.push(Piece::Slice(rest)),
                         }
                         if pieces.len() == MAX_SLICES {
                             break 'fill;
