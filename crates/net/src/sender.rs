@@ -447,6 +447,7 @@ thread_local! {
 }
 
 /// A piece of a write: a slice of a unit's own bytes, or a range of the gathering buffer.
+#[derive(Clone, Copy)]
 enum Piece<'a> {
     Slice(&'a [u8]),
     Gathered(usize, usize),
@@ -582,17 +583,20 @@ where
                                 *end = gather.len();
                                 continue;
                             }
-                            Some(Piece::Slice(prev)) if prev.len() < GATHER_BELOW => {
-                                if gather.len() + prev.len() + rest.len() > GATHER_BYTES {
-                                    break 'fill;
+                            Some(last) => match *last {
+                                Piece::Slice(prev) if prev.len() < GATHER_BELOW => {
+                                    if gather.len() + prev.len() + rest.len() > GATHER_BYTES {
+                                        break 'fill;
+                                    }
+                                    let at = gather.len();
+                                    gather.extend_from_slice(prev);
+                                    gather.extend_from_slice(rest);
+                                    *last = Piece::Gathered(at, gather.len());
+                                    continue;
                                 }
-                                let at = gather.len();
-                                gather.extend_from_slice(prev);
-                                gather.extend_from_slice(rest);
-                                *last.expect("matched") = Piece::Gathered(at, gather.len());
-                                continue;
-                            }
-                            _ => pieces.push(Piece::Slice(rest)),
+                                _ => pieces.push(Piece::Slice(rest)),
+                            },
+                            None => pieces.push(Piece::Slice(rest)),
                         }
                         if pieces.len() == MAX_SLICES {
                             break 'fill;
