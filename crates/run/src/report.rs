@@ -33,8 +33,12 @@ pub struct Parts {
     /// their host, less what of it the recorder took from them (`lost_with_builder_host`).
     lost_with_builders: u64,
     /// Over hosts: what the sources of readout units whose report is lost with their host sent,
-    /// less what the builders took from those units (`lost_with_readout_unit_host`).
+    /// less what the builders took from those units as first answers
+    /// (`lost_with_readout_unit_host`).
     lost_with_readout_units: u64,
+    /// Over hosts, request mode: what the builders took from units lost with their host beyond
+    /// what those units' sources sent: answers given again, whose count went with the unit.
+    answered_again_by_lost_units: u64,
 }
 
 /// Request mode over hosts: fragments the readout units sent to builders that gave no report
@@ -75,12 +79,33 @@ fn answered_by_builder(p: &Parts) -> impl Iterator<Item = (u32, u64, bool)> + '_
 /// Fragments the builders took from readout units that gave no report (lost with their host).
 /// A builder has a link to every unit of the topology, so its counts name every unit.
 fn taken_from_lost_units(p: &Parts) -> u64 {
+    taken_by_lost_unit(p).values().sum()
+}
+
+/// [`taken_from_lost_units`] by unit.
+fn taken_by_lost_unit(p: &Parts) -> BTreeMap<u32, u64> {
     let reported: std::collections::HashSet<u32> = p.readout_units.iter().map(|u| u.id).collect();
-    p.builders
-        .iter()
-        .flat_map(|b| &b.fragments_by_readout_unit)
-        .filter(|(u, _)| !reported.contains(u))
-        .map(|(_, n)| n)
+    let mut taken = BTreeMap::new();
+    for (&u, &n) in p.builders.iter().flat_map(|b| &b.fragments_by_readout_unit) {
+        if !reported.contains(&u) {
+            *taken.entry(u).or_default() += n;
+        }
+    }
+    taken
+}
+
+/// Request mode over hosts: the answers a unit lost with its host gave again, as far as they
+/// can be known without its report. Each of its sources' fragments reached the builders at
+/// most once unless it was answered again, so what the builders took from such a unit beyond
+/// what its sources sent was answered again. (Fewer may have been: a copy taken while another
+/// fragment of the unit was lost with it is indistinguishable here from a first answer, and
+/// then `lost_with_readout_unit_host` is that much smaller; the sum is the same.)
+/// `sent_by_lost_unit`: what the sources of each such unit sent, for the units whose every
+/// source reported; no other unit's answers are inferred.
+fn answered_again_by_lost_units(p: &Parts, sent_by_lost_unit: &BTreeMap<u32, u64>) -> u64 {
+    taken_by_lost_unit(p)
+        .into_iter()
+        .filter_map(|(u, taken)| Some(taken.saturating_sub(*sent_by_lost_unit.get(&u)?)))
         .sum()
 }
 
@@ -320,6 +345,12 @@ pub struct Balance {
     /// Added to what was sent, so that a copy is neither lost nor counted twice.
     #[serde(default)]
     pub answered_again: u64,
+    /// The part of `answered_again` inferred, not counted: for a readout unit lost with its
+    /// host (its count went with it) whose sources all reported, what the builders took from
+    /// it beyond what its sources sent. Named apart because it is the one term of the balance
+    /// taken from the others.
+    #[serde(default)]
+    pub answered_again_inferred: u64,
     /// sent + rejected beyond sent + answered again − (complete + incomplete + rejected +
     /// buffered). Zero when every fragment is accounted for.
     pub unaccounted: i64,
@@ -749,6 +780,7 @@ impl Report {
             refused_outside_allow: 0,
             lost_with_builders: 0,
             lost_with_readout_units: 0,
+            answered_again_by_lost_units: 0,
         };
         let mut monitor = None;
         let mut remote: BTreeMap<u32, SourceReport> = BTreeMap::new();
@@ -782,10 +814,24 @@ impl Report {
         }
         // A source whose readout unit's host gave no report (lost) keeps its own side; what it
         // sent that no builder took went with that unit.
+        // Answers given again are inferred only for a unit whose every source reported its
+        // side: with a source lost too (a front-end host lost whole) what it sent is unknown,
+        // and the builders' takes would be read as copies that balance a loss away.
+        let mut sent_by_lost_unit: BTreeMap<u32, u64> = BTreeMap::new();
+        if r.topology.run.mode == tessera_config::Mode::Request {
+            for (i, ru) in r.topology.readout_units.iter().enumerate() {
+                let sources = r.ru_sources.get(i).map_or(&[][..], |v| &v[..]);
+                if !sources.is_empty() && sources.iter().all(|id| remote.contains_key(id)) {
+                    sent_by_lost_unit.insert(ru.id, sources.iter().map(|id| remote[id].sent).sum());
+                }
+            }
+        }
         let orphans: u64 = remote.values().map(|s| s.sent).sum();
         all.sources.extend(remote.into_values());
         all.lost_with_builders = lost_with_builders(&all);
-        all.lost_with_readout_units = orphans.saturating_sub(taken_from_lost_units(&all));
+        all.answered_again_by_lost_units = answered_again_by_lost_units(&all, &sent_by_lost_unit);
+        all.lost_with_readout_units = (orphans + all.answered_again_by_lost_units)
+            .saturating_sub(taken_from_lost_units(&all));
         let mut report = Report::assemble(r, info, all);
         report.monitor = monitor;
         report
@@ -821,7 +867,7 @@ impl Report {
         }
         add("lost_with_builder_host", p.lost_with_builders);
         add("lost_with_readout_unit_host", p.lost_with_readout_units);
-        let mut answered_again = 0u64;
+        let mut answered_again = p.answered_again_by_lost_units;
         for u in &p.readout_units {
             add("builder_link_lost", u.builder_link_lost);
             buffered += u.buffered_fragments;
@@ -984,6 +1030,7 @@ impl Report {
                 still_buffered: buffered,
                 rejected_beyond_sent: beyond_sent,
                 answered_again,
+                answered_again_inferred: p.answered_again_by_lost_units,
                 unaccounted,
                 holds: unaccounted == 0,
             },
@@ -1218,8 +1265,16 @@ impl Report {
             String::new()
         };
         let again = if b.answered_again > 0 {
+            let inferred = if b.answered_again_inferred > 0 {
+                format!(
+                    " (of which {} inferred for readout units lost with their host)",
+                    b.answered_again_inferred
+                )
+            } else {
+                String::new()
+            };
             format!(
-                " - copies answered again after a failover {}",
+                " - copies answered again after a failover {}{inferred}",
                 b.answered_again
             )
         } else {
@@ -1400,6 +1455,104 @@ mod tests {
         assert!(!b.rejected.contains_key("lost_with_builder_host"), "{b:?}");
         assert_eq!(b.rejected["second_copy_at_recorder"], 4);
         assert_eq!(b.unaccounted, 0, "{b:?}");
+    }
+
+    /// Builder 0 built the event whole from both units and was recorded, then was declared
+    /// dead; builder 1 was given the event, asked both units again (each answered its two
+    /// fragments a second time) and built the copy the recorder dropped. Then unit 1 was lost
+    /// with its host: its count of answers given again went with it, and the builders took
+    /// from it twice what its sources sent. What they took beyond that can only be answers
+    /// given again; counted as such, the balance holds, and nothing is called lost with the
+    /// unit that the builders had.
+    #[test]
+    fn answers_given_again_by_a_unit_lost_with_its_host_are_inferred_from_what_builders_took() {
+        let r = request_mode();
+        let built = |id: u16| {
+            let mut b = builder(id, 4, 0, true);
+            b.fragments_by_readout_unit = [(0, 2), (1, 2)].into();
+            b
+        };
+        let remote = |id: u32| SourceReport {
+            link_state: REMOTE.into(),
+            ..source(id)
+        };
+        let sources_host = Parts {
+            sources: (0..4).map(remote).collect(),
+            ..Default::default()
+        };
+        let unit0_host = Parts {
+            sources: (0..2).map(source).collect(),
+            readout_units: vec![unit(0, &[(0, 2), (1, 2)], 2)],
+            ..Default::default()
+        };
+        let rest = Parts {
+            builders: vec![built(0), built(1)],
+            recorder: Some(recorder(4, 4, &[(0, 4), (1, 4)])),
+            ..Default::default()
+        };
+        let whole = Report::combine(
+            &r,
+            info(),
+            vec![
+                report_of(sources_host),
+                report_of(unit0_host),
+                report_of(rest),
+            ],
+        );
+        let b = &whole.balance;
+        assert_eq!(b.sent, 4, "{b:?}");
+        assert_eq!(
+            b.answered_again, 4,
+            "unit 0's two, and unit 1's two inferred: {b:?}"
+        );
+        assert_eq!(b.answered_again_inferred, 2, "{b:?}");
+        assert!(
+            whole
+                .summary()
+                .contains("copies answered again after a failover 4 (of which 2 inferred"),
+            "{}",
+            whole.summary()
+        );
+        assert_eq!(b.rejected["second_copy_at_recorder"], 4, "{b:?}");
+        assert!(
+            !b.rejected.contains_key("lost_with_readout_unit_host"),
+            "{b:?}"
+        );
+        assert_eq!(b.unaccounted, 0, "{b:?}");
+    }
+
+    /// The same run with unit 1's sources lost as well (a front-end host lost whole): what
+    /// they sent is unknown, so nothing the builders took from unit 1 is read as answers given
+    /// again, and the balance shows what cannot be proven instead of closing on a guess.
+    #[test]
+    fn no_answers_are_inferred_for_a_unit_whose_sources_were_lost_with_it() {
+        let r = request_mode();
+        let mut b = builder(0, 4, 0, true);
+        b.fragments_by_readout_unit = [(0, 2), (1, 2)].into();
+        let whole = Report::combine(
+            &r,
+            info(),
+            vec![
+                report_of(Parts {
+                    sources: (0..2).map(source).collect(),
+                    readout_units: vec![unit(0, &[(0, 2)], 0)],
+                    ..Default::default()
+                }),
+                report_of(Parts {
+                    builders: vec![b],
+                    recorder: Some(recorder(4, 0, &[(0, 4)])),
+                    ..Default::default()
+                }),
+            ],
+        );
+        let b = &whole.balance;
+        assert_eq!(b.sent, 2, "{b:?}");
+        assert_eq!(
+            (b.answered_again, b.answered_again_inferred),
+            (0, 0),
+            "{b:?}"
+        );
+        assert_eq!(b.unaccounted, -2, "{b:?}");
     }
 
     /// A host's part of a report, as its agent sends it.
