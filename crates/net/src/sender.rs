@@ -961,6 +961,19 @@ mod tests {
         (conn, peer, q, sent, live)
     }
 
+    /// The first `want` bytes of the link, read a thousand at a time: megabytes in such reads
+    /// fill the sender's socket, so its writes are cut and resumed.
+    fn read_slowly(peer: &mut TcpStream, want: usize) -> Vec<u8> {
+        let mut got = Vec::with_capacity(want);
+        let mut buf = vec![0u8; 1000];
+        while got.len() < want {
+            let n = std::io::Read::read(peer, &mut buf).unwrap();
+            assert!(n > 0, "closed early at {} of {want} bytes", got.len());
+            got.extend_from_slice(&buf[..n]);
+        }
+        got
+    }
+
     /// Every unit reaches a slow peer whole and in order (writes are cut by a full socket and
     /// resumed on the next turn), then the peer end with the counts; the link waits for the
     /// peer's close before it is done.
@@ -978,15 +991,8 @@ mod tests {
                 q.send(vec![unit(i)]).unwrap();
             }
         });
-        let mut got = Vec::new();
-        let mut buf = vec![0u8; 1000];
         let want = PEER_HELLO_SIZE + expected(N).len() + PEER_END_SIZE;
-        while got.len() < want {
-            // Small reads of 12 MB: the sender's socket fills and its writes are cut.
-            let n = std::io::Read::read(&mut peer, &mut buf).unwrap();
-            assert!(n > 0, "closed early at {} of {want} bytes", got.len());
-            got.extend_from_slice(&buf[..n]);
-        }
+        let got = read_slowly(&mut peer, want);
         producer.join().unwrap();
         assert_eq!(&got[..PEER_HELLO_SIZE], &hello.encode());
         let body = &got[PEER_HELLO_SIZE..want - PEER_END_SIZE];
@@ -1000,7 +1006,7 @@ mod tests {
         assert_eq!(&got[want - PEER_END_SIZE..], &end.encode());
         assert_eq!(sent.load(Ordering::Relaxed), N);
         // The sender shut its side and waits for ours.
-        assert_eq!(std::io::Read::read(&mut peer, &mut buf).unwrap(), 0);
+        assert_eq!(std::io::Read::read(&mut peer, &mut [0u8; 16]).unwrap(), 0);
         drop(peer);
         live.wait_zero();
     }
@@ -1035,13 +1041,7 @@ mod tests {
             "most of the stream is small pieces, more than a gathering buffer holds"
         );
         let want = PEER_HELLO_SIZE + body.len() + PEER_END_SIZE;
-        let mut got = Vec::with_capacity(want);
-        let mut buf = vec![0u8; 1000];
-        while got.len() < want {
-            let n = std::io::Read::read(&mut peer, &mut buf).unwrap();
-            assert!(n > 0, "closed early at {} of {want} bytes", got.len());
-            got.extend_from_slice(&buf[..n]);
-        }
+        let got = read_slowly(&mut peer, want);
         producer.join().unwrap();
         assert!(
             got[PEER_HELLO_SIZE..want - PEER_END_SIZE] == body[..],
