@@ -79,7 +79,9 @@ fn answered_by_builder(p: &Parts) -> impl Iterator<Item = (u32, u64, bool)> + '_
 /// Fragments the builders took from readout units that gave no report (lost with their host).
 /// A builder has a link to every unit of the topology, so its counts name every unit.
 fn taken_from_lost_units(p: &Parts) -> u64 {
-    taken_by_lost_unit(p).values().sum()
+    taken_by_lost_unit(p)
+        .values()
+        .fold(0, |a, &n| a.saturating_add(n))
 }
 
 /// [`taken_from_lost_units`] by unit.
@@ -88,7 +90,8 @@ fn taken_by_lost_unit(p: &Parts) -> BTreeMap<u32, u64> {
     let mut taken = BTreeMap::new();
     for (&u, &n) in p.builders.iter().flat_map(|b| &b.fragments_by_readout_unit) {
         if !reported.contains(&u) {
-            *taken.entry(u).or_default() += n;
+            let t: &mut u64 = taken.entry(u).or_default();
+            *t = t.saturating_add(n);
         }
     }
     taken
@@ -106,7 +109,7 @@ fn answered_again_by_lost_units(p: &Parts, sent_by_lost_unit: &BTreeMap<u32, u64
     taken_by_lost_unit(p)
         .into_iter()
         .filter_map(|(u, taken)| Some(taken.saturating_sub(*sent_by_lost_unit.get(&u)?)))
-        .sum()
+        .fold(0, u64::saturating_add)
 }
 
 /// What every role's part of the report needs besides its own counters.
@@ -812,8 +815,6 @@ impl Report {
                 s.error = x.error;
             }
         }
-        // A source whose readout unit's host gave no report (lost) keeps its own side; what it
-        // sent that no builder took went with that unit.
         // Answers given again are inferred only for a unit whose every source reported its
         // side: with a source lost too (a front-end host lost whole) what it sent is unknown,
         // and the builders' takes would be read as copies that balance a loss away.
@@ -821,16 +822,22 @@ impl Report {
         if r.topology.run.mode == tessera_config::Mode::Request {
             for (i, ru) in r.topology.readout_units.iter().enumerate() {
                 let sources = r.ru_sources.get(i).map_or(&[][..], |v| &v[..]);
-                if !sources.is_empty() && sources.iter().all(|id| remote.contains_key(id)) {
-                    sent_by_lost_unit.insert(ru.id, sources.iter().map(|id| remote[id].sent).sum());
+                let sent = sources
+                    .iter()
+                    .try_fold(0u64, |n, id| Some(n.saturating_add(remote.get(id)?.sent)));
+                if let (false, Some(sent)) = (sources.is_empty(), sent) {
+                    sent_by_lost_unit.insert(ru.id, sent);
                 }
             }
         }
+        // A source whose readout unit's host gave no report (lost) keeps its own side; what it
+        // sent that no builder took went with that unit.
         let orphans: u64 = remote.values().map(|s| s.sent).sum();
         all.sources.extend(remote.into_values());
         all.lost_with_builders = lost_with_builders(&all);
         all.answered_again_by_lost_units = answered_again_by_lost_units(&all, &sent_by_lost_unit);
-        all.lost_with_readout_units = (orphans + all.answered_again_by_lost_units)
+        all.lost_with_readout_units = orphans
+            .saturating_add(all.answered_again_by_lost_units)
             .saturating_sub(taken_from_lost_units(&all));
         let mut report = Report::assemble(r, info, all);
         report.monitor = monitor;
