@@ -569,37 +569,33 @@ where
                         }
                         let rest = &piece[skip..];
                         skip = 0;
-                        // Small pieces in a row become one slice of the buffer; one alone
-                        // between large ones (a header between 1 KiB fragments) stays a slice
-                        // of its own, not copied for nothing.
-                        let last = pieces.last_mut();
-                        match last {
-                            _ if rest.len() >= GATHER_BELOW => pieces.push(Piece::Slice(rest)),
-                            Some(Piece::Gathered(_, end)) => {
-                                if gather.len() + rest.len() > GATHER_BYTES {
-                                    break 'fill;
-                                }
-                                gather.extend_from_slice(rest);
-                                *end = gather.len();
-                                continue;
+                        // Small pieces in a row become one slice of the buffer, the first
+                        // copied there when the second comes; one alone between large ones (a
+                        // header between 1 KiB fragments) stays a slice of its own, not copied
+                        // for nothing. `run`: where the run starts, and what of it is still a
+                        // slice.
+                        let run = match pieces.last() {
+                            _ if rest.len() >= GATHER_BELOW => None,
+                            Some(&Piece::Gathered(at, _)) => Some((at, &[][..])),
+                            Some(&Piece::Slice(prev)) if prev.len() < GATHER_BELOW => {
+                                Some((gather.len(), prev))
                             }
-                            Some(last) => match *last {
-                                Piece::Slice(prev) if prev.len() < GATHER_BELOW => {
-                                    if gather.len() + prev.len() + rest.len() > GATHER_BYTES {
-                                        break 'fill;
-                                    }
-                                    let at = gather.len();
-                                    gather.extend_from_slice(prev);
-                                    gather.extend_from_slice(rest);
-                                    *last = Piece::Gathered(at, gather.len());
-                                    continue;
-                                }
-                                _ => pieces.push(Piece::Slice(rest)),
-                            },
-                            None => pieces.push(Piece::Slice(rest)),
-                        }
-                        if pieces.len() == MAX_SLICES {
+                            _ => None,
+                        };
+                        let Some((at, prev)) = run else {
+                            pieces.push(Piece::Slice(rest));
+                            if pieces.len() == MAX_SLICES {
+                                break 'fill;
+                            }
+                            continue;
+                        };
+                        if gather.len() + prev.len() + rest.len() > GATHER_BYTES {
                             break 'fill;
+                        }
+                        gather.extend_from_slice(prev);
+                        gather.extend_from_slice(rest);
+                        if let Some(last) = pieces.last_mut() {
+                            *last = Piece::Gathered(at, gather.len());
                         }
                     }
                 }
