@@ -90,6 +90,75 @@ impl Building {
     }
 }
 
+/// One readout unit's requests of one step (one list of sources), in the order they went on its
+/// control connection, until answered. A unit reads requests in that order, and a unit that
+/// follows rule 4 (request-protocol §4.3) answers a request once its sources delivered the event:
+/// so its answer to a later event asked after an earlier request of the same sources proves the
+/// earlier one taken and answerable. The time this builder first saw such an answer is kept
+/// (`overtaken_ns`); a request still unanswered a whole builder timeout after it, as proven by a
+/// read that found nothing, is overdue. A unit that answers others while it never answers one
+/// request would otherwise hold that event, and its credit, until the run's stop deadlines.
+#[derive(Default)]
+struct Asked {
+    /// (event ID, when an answer to a later event asked after it was first seen).
+    sent: VecDeque<(u64, Option<u64>)>,
+}
+
+impl Asked {
+    /// A request for `event` goes on the connection now, after every one noted before.
+    fn sent(&mut self, event: u64) {
+        self.sent.push_back((event, None));
+    }
+
+    /// The answer to `event` came at `now()`: its request is no longer waited for, and every
+    /// request for an earlier event asked before it is overtaken, if it was not already.
+    fn answered(&mut self, event: u64, now: impl FnOnce() -> u64) {
+        let Some(i) = self.sent.iter().position(|&(e, _)| e == event) else {
+            return; // answered again, or its request was given up (its event cut or rebuilt)
+        };
+        if i > 0 {
+            let t = now();
+            for (e, overtaken) in self.sent.iter_mut().take(i) {
+                if *e < event && overtaken.is_none() {
+                    *overtaken = Some(t);
+                }
+            }
+        }
+        self.sent.remove(i);
+    }
+
+    /// Takes the requests overtaken more than `timeout` before a look at `looked` that found
+    /// nothing, and returns those whose events still wait for them (`waits`).
+    fn take_overdue(&mut self, looked: u64, timeout: u64, waits: impl Fn(u64) -> bool) -> Vec<u64> {
+        let mut overdue = Vec::new();
+        self.sent.retain(|&(e, overtaken)| {
+            let due = overtaken.is_some_and(|t| gave_nothing_for(t, looked, timeout));
+            if due && waits(e) {
+                overdue.push(e);
+            }
+            !due
+        });
+        overdue
+    }
+
+    /// Forgets the requests whose events no longer wait for them (cut by the silence rule,
+    /// say), once there are more than `most` (the events that can be in flight): kept, they
+    /// are only ever dropped when a later answer overtakes them.
+    fn bound(&mut self, most: usize, waits: impl Fn(u64) -> bool) {
+        if self.sent.len() > most {
+            self.sent.retain(|&(e, _)| waits(e));
+        }
+    }
+}
+
+/// The requests' steps, in the order of `Pull::asked`.
+const STEPS: [u64; 2] = [STEP_ROI, STEP_FULL];
+
+/// Where a step's requests are noted in `Pull::asked`; none for a tag this builder never sends.
+fn step_index(tag: u64) -> Option<usize> {
+    STEPS.iter().position(|&t| t == tag)
+}
+
 struct Pull {
     id: u16,
     rus: Vec<(u32, Vec<u32>)>,
@@ -116,6 +185,11 @@ struct Pull {
     /// by the clock alone. Time in which this builder did not read (stalled, starved of a
     /// core) says nothing of the unit, whose answers may be waiting in the socket.
     looked_ns: Vec<AtomicU64>,
+    /// Per readout unit, when the latest read of its answers that left its socket empty began
+    /// (ns from `t0`): every answer the unit wrote before then has been read. An overdue
+    /// request (`Asked`) is proven by it: a unit that answers all the while is never silent,
+    /// so `looked_ns` would not move.
+    drained_ns: Vec<AtomicU64>,
     /// Per readout unit: its answer reader is waiting for memory, held by this builder's own
     /// budget. The unit's answers cannot be read; cutting the events that wait for it is what
     /// gives memory back (the old rule, by the clock).
@@ -131,6 +205,11 @@ struct Pull {
     /// accepted events is requested in that order (request-protocol §4.3), whichever answer
     /// reader completed them.
     roi_done: Line,
+    /// Per readout unit, per step (RoI, full): its requests not yet answered, in the order sent.
+    asked: Vec<[Mutex<Asked>; 2]>,
+    /// Per readout unit: an overdue request was logged (once per unit: a unit that breaks the
+    /// order may do it for every event).
+    overdue_logged: Vec<AtomicBool>,
 }
 
 impl BuilderUnit {
@@ -216,11 +295,14 @@ impl BuilderUnit {
             timeout_ns: cfg.event_timeout.as_nanos() as u64,
             last_answer_ns: (0..n).map(|_| AtomicU64::new(0)).collect(),
             looked_ns: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            drained_ns: (0..n).map(|_| AtomicU64::new(0)).collect(),
             held: (0..n).map(|_| AtomicBool::new(false)).collect(),
             abort: role.abort.clone(),
             ended: AtomicBool::new(false),
             lost: (0..n).map(|_| AtomicBool::new(false)).collect(),
             roi_done: Line::default(),
+            asked: (0..n).map(|_| Default::default()).collect(),
+            overdue_logged: (0..n).map(|_| AtomicBool::new(false)).collect(),
         });
         for (i, (mut s, rx)) in request_queues.into_iter().enumerate() {
             let p = pull.clone();
@@ -368,6 +450,9 @@ impl Pull {
             if self.lost[slot].swap(true, Ordering::AcqRel) {
                 return;
             }
+            for a in &self.asked[slot] {
+                a.lock().sent.clear();
+            }
             tracing::error!(
                 builder = self.id,
                 readout_unit = self.rus[slot].0,
@@ -423,6 +508,14 @@ impl Pull {
             .requests
             .fetch_add(sends.len() as u64, Ordering::Relaxed);
         for (ru, m) in sends {
+            if let Message::Request { tag, event_id, .. } = &m {
+                // Noted just before it is queued: the requests of one step are queued by one
+                // thread at a time (the manager's reader; the rest of accepted events in the
+                // RoI steps' line), so this is the order they go on the connection.
+                if let Some(a) = step_index(*tag).and_then(|i| self.asked[ru].get(i)) {
+                    a.lock().sent(*event_id);
+                }
+            }
             // Blocking: a readout unit that stops reading requests (its descriptors for this
             // builder are in use) holds this builder, which is the back-pressure wanted.
             let _ = self.to_rus[ru].send(m);
@@ -431,6 +524,9 @@ impl Pull {
 
     fn answered(&self, slot: usize, h: AnswerHeader, body: ChunkSlice) {
         let e = h.event_id;
+        if let Some(a) = step_index(h.tag).and_then(|i| self.asked[slot].get(i)) {
+            a.lock().answered(e, || self.now_ns());
+        }
         // An RoI answer is copied out of the link's read chunk: kept there until the rest of
         // its event arrived, it would hold the chunk while later events' RoI answers fill the
         // link ahead of that rest, and a link of a few chunks could then never read it. The
@@ -641,6 +737,7 @@ fn read_answers(p: &Pull, slot: usize, mut stream: TcpStream, chunk: usize, max:
     let mut reader = ChunkReader::new(link.budgets[0].clone(), chunk);
     let mut want = 0usize;
     let mut lost: Option<String> = None;
+    let mut drained_at: Option<u64> = None;
     loop {
         let mut done = false;
         loop {
@@ -679,17 +776,30 @@ fn read_answers(p: &Pull, slot: usize, mut stream: TcpStream, chunk: usize, max:
         if done {
             break;
         }
-        match reader.fill_marking_waits(&mut stream, want, &p.abort, Some(&p.held[slot])) {
-            Ok(Fill::Data(0)) => {
-                if let Some(t) = reader.read_started {
-                    let at = t.saturating_duration_since(p.t0).as_nanos() as u64;
-                    p.looked_ns[slot].fetch_max(at, Ordering::AcqRel);
-                }
+        if let Some(at) = drained_at.take() {
+            if reader.window().is_empty() {
+                p.drained_ns[slot].fetch_max(at, Ordering::AcqRel);
             }
-            Ok(Fill::Data(_)) => {
-                // Stored once per read, not per answer: the answers parsed from it are timed by
-                // it, and part of an answer is an answer under way (the unit is not silent).
-                p.last_answer_ns[slot].store(p.now_ns(), Ordering::Release);
+        }
+        match reader.fill_marking_waits(&mut stream, want, &p.abort, Some(&p.held[slot])) {
+            Ok(Fill::Data(n)) => {
+                let started = reader
+                    .read_started
+                    .map(|t| t.saturating_duration_since(p.t0).as_nanos() as u64);
+                if n == 0 {
+                    if let Some(at) = started {
+                        p.looked_ns[slot].fetch_max(at, Ordering::AcqRel);
+                    }
+                } else {
+                    // Stored once per read, not per answer: the answers parsed from it are
+                    // timed by it, and part of an answer is an answer under way (the unit is
+                    // not silent).
+                    p.last_answer_ns[slot].store(p.now_ns(), Ordering::Release);
+                }
+                // Stored once the answers this read brought are noted (`answered`), and only if
+                // it ended on an answer's end: a request answered in it is not then taken for
+                // overdue, nor one whose answer it brought in part.
+                drained_at = started.filter(|_| reader.drained());
             }
             Ok(Fill::Eof) => {
                 if !reader.window().is_empty() {
@@ -752,19 +862,26 @@ fn sweep(p: &Pull) {
         // bytes' time (the reader stores that before it reads on).
         // Acquire: pairs with `Queued`'s release, so the budgets are seen with that memory back.
         let nothing_queued = p.stats.queued_fragments.load(Ordering::Acquire) == 0;
-        let looked: Vec<u64> = (0..p.rus.len())
+        let held: Vec<bool> = (0..p.rus.len())
             .map(|r| {
-                let held = p.held[r].load(Ordering::Acquire)
+                p.held[r].load(Ordering::Acquire)
                     && nothing_queued
-                    && p.stats.links[r].budgets[0].refused_since_given();
-                if held {
-                    now
-                } else {
-                    p.looked_ns[r].load(Ordering::Acquire)
-                }
+                    && p.stats.links[r].budgets[0].refused_since_given()
             })
             .collect();
-        let late: Vec<(u64, Building)> = {
+        let by_look = |r: usize, t: &[AtomicU64]| {
+            if held[r] {
+                now
+            } else {
+                t[r].load(Ordering::Acquire)
+            }
+        };
+        let looked: Vec<u64> = (0..p.rus.len()).map(|r| by_look(r, &p.looked_ns)).collect();
+        // Per unit, the latest read that left its socket empty, for overdue requests.
+        let drained: Vec<u64> = (0..p.rus.len())
+            .map(|r| by_look(r, &p.drained_ns))
+            .collect();
+        let (late, ready) = {
             let mut map = p.events.lock();
             // Late: some unit it waits for has answered nothing since the event asked, or
             // since its last answer, for a whole timeout (a unit that stopped answering), as
@@ -779,13 +896,60 @@ fn sweep(p: &Pull) {
                 })
                 .map(|(e, _)| *e)
                 .collect();
-            ids.into_iter()
+            let late: Vec<(u64, Building)> = ids
+                .into_iter()
                 .filter_map(|e| map.remove(&e).map(|b| (e, b)))
-                .collect()
+                .collect();
+            // Overdue: a unit answered a later request of the same sources a whole timeout ago
+            // and never this one (`Asked`). The event stops waiting for that unit alone, as
+            // for a lost unit: its sources are named missing.
+            let mut overdue = Vec::new();
+            for (r, steps) in p.asked.iter().enumerate() {
+                for (step, asked) in STEPS.iter().zip(steps) {
+                    let waits = |e: u64| {
+                        map.get(&e)
+                            .is_some_and(|b| b.step == *step && b.pending.contains(&r))
+                    };
+                    let mut a = asked.lock();
+                    a.bound(p.credits as usize, waits);
+                    overdue.extend(
+                        a.take_overdue(drained[r], p.timeout_ns, waits)
+                            .into_iter()
+                            .map(|e| (e, r)),
+                    );
+                }
+            }
+            overdue.sort_unstable();
+            let mut ready = Vec::new();
+            for (e, r) in overdue {
+                let Some(b) = map.get_mut(&e) else { continue };
+                b.pending.retain(|&s| s != r);
+                p.stats.overdue_requests.fetch_add(1, Ordering::Relaxed);
+                if !p.overdue_logged[r].swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        builder = p.id,
+                        readout_unit = p.rus[r].0,
+                        event_id = e,
+                        "readout unit left a request unanswered while it answered later ones of \
+                         the same sources (request-protocol 4.3, rule 4): the event is built \
+                         without its sources (logged once; counted as overdue requests)"
+                    );
+                }
+                if b.pending.is_empty() {
+                    if let Some(b) = map.remove(&e) {
+                        let place = (b.step == STEP_ROI).then(|| p.roi_done.ticket());
+                        ready.push((e, b, place));
+                    }
+                }
+            }
+            (late, ready)
         };
         for (e, b) in late {
             // Answers missing past the timeout: built with what came, the rest named missing.
             p.build(e, b);
+        }
+        for (e, b, place) in ready {
+            p.step_done(e, b, place);
         }
         p.stats
             .pending_events
@@ -1042,6 +1206,50 @@ fn rejoin(p: &Pull, tx: Sender<Message>) -> (usize, usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Requests are overtaken only by the answer to a later event asked after them; overdue
+    /// only a whole timeout after that, as a drain proves; and given up once taken.
+    #[test]
+    fn a_request_is_overdue_only_once_a_later_one_asked_after_it_was_answered() {
+        let mut a = Asked::default();
+        for e in [10, 11, 12] {
+            a.sent(e);
+        }
+        // An older event given again (a dead builder's), asked after the others.
+        a.sent(5);
+        let waits = |_| true;
+        // In order: nothing overtaken.
+        a.answered(10, || panic!("no clock needed"));
+        // The older event answered before 11 and 12: it overtakes neither.
+        a.answered(5, || 100);
+        assert!(a.take_overdue(u64::MAX, 0, waits).is_empty());
+        // 12 before 11: 11 overtaken at 1 000.
+        a.answered(12, || 1_000);
+        a.sent(13);
+        // Not before a whole timeout after it, by a drain.
+        assert!(a.take_overdue(1_000 + 500, 500, waits).is_empty());
+        assert_eq!(a.take_overdue(1_000 + 501, 500, waits), vec![11]);
+        // Taken: not overdue twice; 13 was asked after 12's answer and is not overtaken.
+        assert!(a.take_overdue(u64::MAX, 500, waits).is_empty());
+        assert_eq!(a.sent.len(), 1);
+        // Overtaken but no longer waited for (its event cut meanwhile): dropped, not returned.
+        a.sent(14);
+        a.answered(14, || 2_000);
+        assert!(a.take_overdue(u64::MAX, 0, |_| false).is_empty());
+        assert!(a.sent.is_empty());
+        // Requests whose events no longer wait go once there are more than the bound.
+        for e in 20..30 {
+            a.sent(e);
+        }
+        a.bound(10, |e| e >= 25);
+        assert_eq!(a.sent.len(), 10, "at the bound: kept");
+        a.sent(30);
+        a.bound(10, |e| e >= 25);
+        assert_eq!(
+            a.sent.iter().map(|x| x.0).collect::<Vec<_>>(),
+            vec![25, 26, 27, 28, 29, 30]
+        );
+    }
 
     fn ids(v: &[(u64, Outcome)]) -> Vec<u64> {
         v.iter().map(|d| d.0).collect()

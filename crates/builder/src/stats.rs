@@ -85,6 +85,10 @@ pub struct BuilderStats {
     /// Request mode: events built again after their first builder failed.
     pub events_rebuilt: AtomicU64,
     pub requests: AtomicU64,
+    /// Request mode: requests a readout unit left unanswered for a whole builder timeout after
+    /// answering a later request of the same sources (request-protocol §4.3, rule 4), their
+    /// events built without its sources.
+    pub overdue_requests: AtomicU64,
     /// Request mode: events assigned and not yet done.
     pub events_in_flight: AtomicU64,
     pub manager_error: Mutex<Option<String>>,
@@ -246,6 +250,7 @@ impl BuilderStats {
             fragments_rejected: AtomicU64::new(0),
             events_rebuilt: AtomicU64::new(0),
             requests: AtomicU64::new(0),
+            overdue_requests: AtomicU64::new(0),
             events_in_flight: AtomicU64::new(0),
             manager_error: Mutex::new(None),
             manager_losses: AtomicU64::new(0),

@@ -238,3 +238,130 @@ fn a_builder_held_by_its_recorder_beats_on_while_it_cuts_late_events() {
     drop(to_builder);
     reader.join().unwrap();
 }
+
+/// Unit 1 answers every event but 3, and goes on answering while event 3 waits: it is never
+/// silent, so the silence rule never cuts event 3. Its answers to later full requests, sent
+/// after event 3's on the same connection, prove that it took event 3's request and that the
+/// sources of that request had delivered past event 3 (request-protocol §4.3, rule 4): a
+/// builder timeout after the first of them, proven by a read that found nothing, event 3 is
+/// built without unit 1's source, counted as an overdue request. The answer that comes at last
+/// is counted late.
+#[test]
+fn a_unit_that_answers_later_requests_but_never_one_has_that_event_cut() {
+    const SKIPPED: u64 = 3;
+    let em = TcpListener::bind("127.0.0.1:0").unwrap();
+    let units = [
+        TcpListener::bind("127.0.0.1:0").unwrap(),
+        TcpListener::bind("127.0.0.1:0").unwrap(),
+    ];
+    let b = BuilderUnit::start_pull(PullConfig {
+        id: 0,
+        event_manager: em.local_addr().unwrap().to_string(),
+        readout_units: (0..2u32)
+            .map(|u| {
+                (
+                    u,
+                    units[u as usize].local_addr().unwrap().to_string(),
+                    vec![u],
+                )
+            })
+            .collect(),
+        recorder: None,
+        credits: 16,
+        heartbeat: Duration::from_millis(100),
+        event_timeout: Duration::from_millis(1500),
+        filter: Arc::new(AcceptAll),
+        max_message: 1 << 20,
+        buffer: 64 << 20,
+        read_chunk: 1 << 20,
+        takeover: Duration::ZERO,
+        takeover_memory: 1024,
+    })
+    .unwrap();
+    let stats = b.stats.clone();
+    let mut manager = Peer::accept(&em);
+    assert!(matches!(manager.next(), Message::Hello { .. }));
+    let mut control = Vec::new();
+    let mut data = Vec::new();
+    for l in &units {
+        for _ in 0..2 {
+            let mut p = Peer::accept(l);
+            match p.next() {
+                Message::Hello {
+                    channel: Channel::Control,
+                    ..
+                } => control.push(p),
+                Message::Hello {
+                    channel: Channel::Data,
+                    ..
+                } => data.push(p),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    // The event manager's reader: notes every event reported done.
+    let done = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut to_builder = manager.s.try_clone().unwrap();
+    let reader = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            while let Some(m) = manager.next_or_closed() {
+                if let Message::Done { events } = m {
+                    done.lock().unwrap().extend(events.iter().map(|e| e.0));
+                }
+            }
+        })
+    };
+    // One event at a time, each answered by both units except event 3 by unit 1, until event 3
+    // is done: unit 1 answers the whole while.
+    let t = Instant::now();
+    let mut next = 0u64;
+    let mut skipped_tag = 0;
+    while !done.lock().unwrap().contains(&SKIPPED) {
+        assert!(t.elapsed() < Duration::from_secs(60), "event 3 never cut");
+        to_builder
+            .write_all(
+                &Message::Assign {
+                    events: vec![(next, 0)],
+                }
+                .encode(),
+            )
+            .unwrap();
+        for (u, c) in control.iter_mut().enumerate() {
+            let tag = match c.next() {
+                Message::Request { tag, event_id, .. } if event_id == next => tag,
+                other => panic!("{other:?}"),
+            };
+            if u == 1 && next == SKIPPED {
+                skipped_tag = tag;
+            } else {
+                data[u]
+                    .s
+                    .write_all(&answers(u as u32, tag, [next], 64))
+                    .unwrap();
+            }
+        }
+        next += 1;
+    }
+    assert!(next > SKIPPED + 1, "later events answered first");
+    assert_eq!(stats.overdue_requests.load(Ordering::Relaxed), 1);
+    assert_eq!(stats.events_incomplete.load(Ordering::Relaxed), 1);
+    assert_eq!(
+        *stats.missing_by_source.lock(),
+        [(1u32, 1u64)].into_iter().collect()
+    );
+    // Unit 1's answer at last: late, counted.
+    data[1]
+        .s
+        .write_all(&answers(1, skipped_tag, [SKIPPED], 64))
+        .unwrap();
+    until("the late answer counted", || {
+        stats.late_fragments.load(Ordering::Relaxed) == 1
+    });
+    b.abort();
+    drop(data);
+    drop(control);
+    b.join();
+    drop(to_builder);
+    reader.join().unwrap();
+}

@@ -380,6 +380,13 @@ pub fn live_series(e: &mut Enc<'_, '_>, live: &Live) -> std::fmt::Result {
             .collect::<Vec<_>>(),
     )?;
     e.counter(
+        "tessera_builder_overdue_requests",
+        "request mode: requests a readout unit left unanswered for a whole builder timeout after answering a later request of the same sources (request-protocol 4.3, rule 4), each event built without that unit's sources",
+        &bus.iter()
+            .map(|b| (bu(b.id), b.overdue_requests))
+            .collect::<Vec<_>>(),
+    )?;
+    e.counter(
         "tessera_builder_dropped_fragments",
         "fragments each builder dropped, by the accounting's reason (late_at_builder, duplicate_at_builder, malformed_super_fragment, recorder_link_lost)",
         &bus.iter()
@@ -613,6 +620,7 @@ mod tests {
             },
             receive_queued: 0,
             stall_releases: 0,
+            overdue_requests: 0,
             dropped: [
                 ("late_at_builder".to_string(), 5),
                 ("recorder_link_lost".to_string(), 2),

@@ -89,6 +89,10 @@ pub struct LiveBuilder {
     /// waiting on each other for a whole event timeout).
     #[serde(default)]
     pub stall_releases: u64,
+    /// Request mode: events built without a readout unit that answered later requests of the
+    /// same sources but never theirs (request-protocol §4.3, rule 4).
+    #[serde(default)]
+    pub overdue_requests: u64,
     /// Fragments it dropped, by the accounting's reason (`late_at_builder`,
     /// `duplicate_at_builder`, `malformed_super_fragment`, `recorder_link_lost`): every reason,
     /// at 0 until its first drop.

@@ -283,6 +283,11 @@ pub struct BuilderReport {
     /// by open events waiting on each other for a whole event timeout (wire-format §2.3).
     #[serde(default)]
     pub stall_releases: u64,
+    /// Request mode: requests a readout unit left unanswered for a whole builder timeout after
+    /// it answered a later request of the same sources (request-protocol §4.3, rule 4), each
+    /// event built without that unit's sources.
+    #[serde(default)]
+    pub overdue_requests: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -644,6 +649,7 @@ pub(crate) fn builder(b: &tessera_builder::BuilderUnit, cx: &Cx, p: &mut Parts) 
         bytes_built: st.bytes_built.load(Ordering::Relaxed),
         late_fragments: st.late_fragments.load(Ordering::Relaxed),
         stall_releases: st.stall_releases.load(Ordering::Relaxed),
+        overdue_requests: st.overdue_requests.load(Ordering::Relaxed),
         duplicate_fragments: st.duplicate_fragments.load(Ordering::Relaxed),
         malformed_fragments: st.malformed_fragments.load(Ordering::Relaxed),
         busy_fraction: frac_per(st.busy_ns(), cx.secs, st.links.len()),
@@ -1123,6 +1129,13 @@ impl Report {
             let _ = writeln!(
                 s,
                 "  of those, {released} let go by a builder that stood still (every link held for memory by events waiting on each other; a readout unit that promises only in its heartbeat)"
+            );
+        }
+        let overdue: u64 = self.builders.iter().map(|b| b.overdue_requests).sum();
+        if overdue > 0 {
+            let _ = writeln!(
+                s,
+                "  of those, {overdue} built without a readout unit that answered later requests of the same sources but never theirs (overdue requests: the unit breaks request-protocol 4.3, rule 4)"
             );
         }
         if let Some(r) = &self.recorder {

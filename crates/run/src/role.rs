@@ -363,6 +363,7 @@ impl RunRole for tessera_builder::BuilderUnit {
             latency: crate::live::histogram(&s.latency),
             receive_queued: s.receive_queues.total(),
             stall_releases: s.stall_releases.load(Relaxed),
+            overdue_requests: s.overdue_requests.load(Relaxed),
             dropped: [
                 ("late_at_builder", &s.late_fragments),
                 ("duplicate_at_builder", &s.duplicate_fragments),
