@@ -102,6 +102,8 @@ impl Building {
 struct Asked {
     /// (event ID, when an answer to a later event asked after it was first seen).
     sent: VecDeque<(u64, Option<u64>)>,
+    /// Entries of `sent` overtaken: none, the usual case, and the sweep looks no further.
+    overtaken: usize,
 }
 
 impl Asked {
@@ -121,23 +123,34 @@ impl Asked {
             for (e, overtaken) in self.sent.iter_mut().take(i) {
                 if *e < event && overtaken.is_none() {
                     *overtaken = Some(t);
+                    self.overtaken += 1;
                 }
             }
         }
-        self.sent.remove(i);
+        if let Some((_, Some(_))) = self.sent.remove(i) {
+            self.overtaken -= 1;
+        }
     }
 
     /// Takes the requests overtaken more than `timeout` before a look at `looked` that found
     /// nothing, and returns those whose events still wait for them (`waits`).
     fn take_overdue(&mut self, looked: u64, timeout: u64, waits: impl Fn(u64) -> bool) -> Vec<u64> {
         let mut overdue = Vec::new();
+        if self.overtaken == 0 {
+            return overdue;
+        }
+        let mut taken = 0;
         self.sent.retain(|&(e, overtaken)| {
             let due = overtaken.is_some_and(|t| gave_nothing_for(t, looked, timeout));
-            if due && waits(e) {
-                overdue.push(e);
+            if due {
+                taken += 1;
+                if waits(e) {
+                    overdue.push(e);
+                }
             }
             !due
         });
+        self.overtaken -= taken;
         overdue
     }
 
@@ -147,6 +160,7 @@ impl Asked {
     fn bound(&mut self, most: usize, waits: impl Fn(u64) -> bool) {
         if self.sent.len() > most {
             self.sent.retain(|&(e, _)| waits(e));
+            self.overtaken = self.sent.iter().filter(|x| x.1.is_some()).count();
         }
     }
 }
@@ -451,7 +465,7 @@ impl Pull {
                 return;
             }
             for a in &self.asked[slot] {
-                a.lock().sent.clear();
+                *a.lock() = Asked::default();
             }
             tracing::error!(
                 builder = self.id,
@@ -1237,6 +1251,7 @@ mod tests {
         a.answered(14, || 2_000);
         assert!(a.take_overdue(u64::MAX, 0, |_| false).is_empty());
         assert!(a.sent.is_empty());
+        assert_eq!(a.overtaken, 0);
         // Requests whose events no longer wait go once there are more than the bound.
         for e in 20..30 {
             a.sent(e);
