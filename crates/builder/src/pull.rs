@@ -95,9 +95,10 @@ impl Building {
 /// follows rule 4 (request-protocol §4.3) answers a request once its sources delivered the event:
 /// so its answer to a later event asked after an earlier request of the same sources proves the
 /// earlier one taken and answerable. The time this builder first saw such an answer is kept
-/// (`overtaken_ns`); a request still unanswered a whole builder timeout after it, as proven by a
-/// read that found nothing, is overdue. A unit that answers others while it never answers one
-/// request would otherwise hold that event, and its credit, until the run's stop deadlines.
+/// with the request; a request still unanswered a whole builder timeout after it, as proven by a
+/// read that began then and left the unit's socket empty (`Pull::drained_ns`), is overdue. A unit
+/// that answers others while it never answers one request would otherwise hold that event, and
+/// its credit, until the run's stop deadlines.
 #[derive(Default)]
 struct Asked {
     /// (event ID, when an answer to a later event asked after it was first seen).
@@ -132,16 +133,21 @@ impl Asked {
         }
     }
 
-    /// Takes the requests overtaken more than `timeout` before a look at `looked` that found
-    /// nothing, and returns those whose events still wait for them (`waits`).
-    fn take_overdue(&mut self, looked: u64, timeout: u64, waits: impl Fn(u64) -> bool) -> Vec<u64> {
+    /// Takes the requests overtaken more than `timeout` before a read that began at `drained`
+    /// and left the socket empty, and returns those whose events still wait for them (`waits`).
+    fn take_overdue(
+        &mut self,
+        drained: u64,
+        timeout: u64,
+        waits: impl Fn(u64) -> bool,
+    ) -> Vec<u64> {
         let mut overdue = Vec::new();
         if self.overtaken == 0 {
             return overdue;
         }
         let mut taken = 0;
         self.sent.retain(|&(e, overtaken)| {
-            let due = overtaken.is_some_and(|t| gave_nothing_for(t, looked, timeout));
+            let due = overtaken.is_some_and(|t| gave_nothing_for(t, drained, timeout));
             if due {
                 taken += 1;
                 if waits(e) {
