@@ -239,15 +239,47 @@ fn a_builder_held_by_its_recorder_beats_on_while_it_cuts_late_events() {
     reader.join().unwrap();
 }
 
+/// Accepts every event, after an RoI step over `0` when it is not empty.
+struct Roi(Vec<u32>);
+
+impl Filter for Roi {
+    fn roi(&self) -> &[u32] {
+        &self.0
+    }
+    fn accept(&self, _: u64, _: &[FragmentRef<'_>]) -> bool {
+        true
+    }
+}
+
 /// Unit 1 answers every event but 3, and goes on answering while event 3 waits: it is never
-/// silent, so the silence rule never cuts event 3. Its answers to later full requests, sent
-/// after event 3's on the same connection, prove that it took event 3's request and that the
-/// sources of that request had delivered past event 3 (request-protocol §4.3, rule 4): a
-/// builder timeout after the first of them, proven by a read that found nothing, event 3 is
-/// built without unit 1's source, counted as an overdue request. The answer that comes at last
-/// is counted late.
+/// silent, so the silence rule never cuts event 3. Its answers to later requests of the same
+/// sources, sent after event 3's on the same connection, prove that it took event 3's request
+/// and that the sources of that request had delivered past event 3 (request-protocol §4.3,
+/// rule 4): a builder timeout after the first of them, proven by a read that left its socket
+/// empty, event 3 stops waiting for unit 1 and is built without its source, counted as an
+/// overdue request. The answer that comes at last is counted late.
 #[test]
 fn a_unit_that_answers_later_requests_but_never_one_has_that_event_cut() {
+    never_answers_one(Roi(Vec::new()));
+}
+
+/// The same when unit 1 is asked only for the rest of accepted events, those requests sent by
+/// whichever answer reader completed the RoI step (in the line of RoI steps).
+#[test]
+fn a_unit_that_never_answers_the_rest_of_one_event_has_that_event_cut() {
+    never_answers_one(Roi(vec![0]));
+}
+
+/// The same when unit 1 is in the RoI: the RoI step stops waiting for it, the filter decides
+/// on what came, and the event, with nothing left to ask, is built.
+#[test]
+fn a_unit_that_never_answers_one_roi_request_has_that_event_cut() {
+    never_answers_one(Roi(vec![0, 1]));
+}
+
+/// Units 0 and 1 (one source each, the unit's ID) answer every request as it comes, one event
+/// at a time, except unit 1 event 3's, until event 3 is reported done.
+fn never_answers_one(filter: Roi) {
     const SKIPPED: u64 = 3;
     let em = TcpListener::bind("127.0.0.1:0").unwrap();
     let units = [
@@ -270,7 +302,7 @@ fn a_unit_that_answers_later_requests_but_never_one_has_that_event_cut() {
         credits: 16,
         heartbeat: Duration::from_millis(100),
         event_timeout: Duration::from_millis(1500),
-        filter: Arc::new(AcceptAll),
+        filter: Arc::new(filter),
         max_message: 1 << 20,
         buffer: 64 << 20,
         read_chunk: 1 << 20,
@@ -313,7 +345,9 @@ fn a_unit_that_answers_later_requests_but_never_one_has_that_event_cut() {
         })
     };
     // One event at a time, each answered by both units except event 3 by unit 1, until event 3
-    // is done: unit 1 answers the whole while.
+    // is done: unit 1 answers the whole while. Each unit is asked once an event: for all of the
+    // event (no RoI, or an RoI of both units), or unit 0 for the RoI and, once it answered, unit 1
+    // for the rest.
     let t = Instant::now();
     let mut next = 0u64;
     let mut skipped_tag = 0;
