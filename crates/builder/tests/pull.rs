@@ -96,6 +96,47 @@ fn until(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// Readout units 0 and 1 listening on `units`, each with one source, its own ID.
+fn two_units(units: &[TcpListener; 2]) -> Vec<(u32, String, Vec<u32>)> {
+    (0..2u32)
+        .map(|u| {
+            (
+                u,
+                units[u as usize].local_addr().unwrap().to_string(),
+                vec![u],
+            )
+        })
+        .collect()
+}
+
+/// Takes the builder's connections: the event manager's (its hello read), then each unit's
+/// control connection (requests) and data connection (answers), in the units' order.
+fn take_connections(em: &TcpListener, units: &[TcpListener; 2]) -> (Peer, Vec<Peer>, Vec<Peer>) {
+    let mut manager = Peer::accept(em);
+    assert!(matches!(manager.next(), Message::Hello { .. }));
+    let mut control = Vec::new();
+    let mut data = Vec::new();
+    for l in units {
+        for _ in 0..2 {
+            let mut p = Peer::accept(l);
+            match p.next() {
+                Message::Hello {
+                    role: Role::BuilderUnit,
+                    channel: Channel::Control,
+                    ..
+                } => control.push(p),
+                Message::Hello {
+                    role: Role::BuilderUnit,
+                    channel: Channel::Data,
+                    ..
+                } => data.push(p),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    (manager, control, data)
+}
+
 /// Unit 1 answers events 0-399 and then nothing more; unit 0 answers all 512 after it. Unit 0's
 /// answers complete events 0-399, whose records fill the link to a recorder that reads nothing
 /// and the builder's queue to it, so unit 0's reader waits there. Unit 1's reader is free, and
@@ -116,15 +157,7 @@ fn a_builder_held_by_its_recorder_beats_on_while_it_cuts_late_events() {
     let b = BuilderUnit::start_pull(PullConfig {
         id: 0,
         event_manager: em.local_addr().unwrap().to_string(),
-        readout_units: (0..2u32)
-            .map(|u| {
-                (
-                    u,
-                    units[u as usize].local_addr().unwrap().to_string(),
-                    vec![u],
-                )
-            })
-            .collect(),
+        readout_units: two_units(&units),
         recorder: Some(rec.local_addr().unwrap().to_string()),
         credits: EVENTS as u32,
         heartbeat: Duration::from_millis(20),
@@ -142,29 +175,7 @@ fn a_builder_held_by_its_recorder_beats_on_while_it_cuts_late_events() {
     let stats = b.stats.clone();
     // The recorder: takes the connection and reads nothing.
     let _recorder = rec.accept().unwrap();
-    let mut manager = Peer::accept(&em);
-    assert!(matches!(manager.next(), Message::Hello { .. }));
-    // Each unit: its control connection (requests), then its data connection (answers).
-    let mut control = Vec::new();
-    let mut data = Vec::new();
-    for l in &units {
-        for _ in 0..2 {
-            let mut p = Peer::accept(l);
-            match p.next() {
-                Message::Hello {
-                    role: Role::BuilderUnit,
-                    channel: Channel::Control,
-                    ..
-                } => control.push(p),
-                Message::Hello {
-                    role: Role::BuilderUnit,
-                    channel: Channel::Data,
-                    ..
-                } => data.push(p),
-                other => panic!("{other:?}"),
-            }
-        }
-    }
+    let (mut manager, mut control, mut data) = take_connections(&em, &units);
     // The event manager's reader: notes the latest heartbeat as it comes.
     let last_beat = Arc::new(AtomicU64::new(0));
     let mut to_builder = manager.s.try_clone().unwrap();
@@ -289,15 +300,7 @@ fn never_answers_one(filter: Roi) {
     let b = BuilderUnit::start_pull(PullConfig {
         id: 0,
         event_manager: em.local_addr().unwrap().to_string(),
-        readout_units: (0..2u32)
-            .map(|u| {
-                (
-                    u,
-                    units[u as usize].local_addr().unwrap().to_string(),
-                    vec![u],
-                )
-            })
-            .collect(),
+        readout_units: two_units(&units),
         recorder: None,
         credits: 16,
         heartbeat: Duration::from_millis(100),
@@ -311,26 +314,7 @@ fn never_answers_one(filter: Roi) {
     })
     .unwrap();
     let stats = b.stats.clone();
-    let mut manager = Peer::accept(&em);
-    assert!(matches!(manager.next(), Message::Hello { .. }));
-    let mut control = Vec::new();
-    let mut data = Vec::new();
-    for l in &units {
-        for _ in 0..2 {
-            let mut p = Peer::accept(l);
-            match p.next() {
-                Message::Hello {
-                    channel: Channel::Control,
-                    ..
-                } => control.push(p),
-                Message::Hello {
-                    channel: Channel::Data,
-                    ..
-                } => data.push(p),
-                other => panic!("{other:?}"),
-            }
-        }
-    }
+    let (mut manager, mut control, mut data) = take_connections(&em, &units);
     // The event manager's reader: notes every event reported done.
     let done = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut to_builder = manager.s.try_clone().unwrap();
