@@ -1135,7 +1135,7 @@ impl Report {
         if overdue > 0 {
             let _ = writeln!(
                 s,
-                "  of those, {overdue} built without a readout unit that answered later requests of the same sources but never theirs (overdue requests: the unit breaks request-protocol 4.3, rule 4)"
+                "  overdue requests: {overdue} left unanswered by a readout unit that answered later requests of the same sources (it breaks request-protocol 4.3, rule 4); their events were built without its sources"
             );
         }
         if let Some(r) = &self.recorder {
@@ -1580,6 +1580,33 @@ mod tests {
         let mut info = info();
         info.partial = true;
         Report::assemble(&request_mode(), info, p)
+    }
+
+    /// Overdue requests of every builder, gathered from two hosts' reports, are summed in the
+    /// summary, which says what they mean.
+    #[test]
+    fn overdue_requests_of_every_builder_are_named_in_the_summary() {
+        let r = request_mode();
+        let overdue = |id: u16, n: u64| {
+            let mut b = builder(id, 4, 0, false);
+            b.overdue_requests = n;
+            Parts {
+                builders: vec![b],
+                ..Default::default()
+            }
+        };
+        let whole = Report::combine(
+            &r,
+            info(),
+            vec![report_of(overdue(0, 2)), report_of(overdue(1, 1))],
+        );
+        let text = whole.summary();
+        assert!(
+            text.contains("overdue requests: 3 left unanswered by a readout unit"),
+            "{text}"
+        );
+        let none = Report::combine(&r, info(), vec![report_of(overdue(0, 0))]);
+        assert!(!none.summary().contains("overdue"), "{}", none.summary());
     }
 
     /// Issue 14: 21 links each busy the whole run make a unit busy the whole run, not 1/21.
