@@ -229,14 +229,26 @@ struct DataPathPoint {
     repeats: usize,
 }
 
+/// How the data path point's consumers behave once attached.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Consumers {
+    /// They read every byte of all they can get, at normal priority: the greedy case.
+    Greedy,
+    /// The same, at idle priority (Linux SCHED_IDLE), as a display started with `chrt --idle 0`
+    /// on a host of the DAQ: it takes only CPU time the data path leaves.
+    GreedyIdle,
+    /// Attached and never asking: each station fills once and drops from then on.
+    Asleep,
+}
+
 /// Runs the bench topology once, with `consumers` sampling consumers attached over TCP (each on
-/// its own sampling station, reading every byte of what it gets), in push or request mode.
-/// Returns recorded events/s and what each consumer got.
+/// its own sampling station), in push or request mode. Returns recorded events/s and what each
+/// consumer got.
 fn data_path_run(
     run_mode: RunMode,
     events: u64,
     consumers: usize,
-    reading: bool,
+    how: Consumers,
 ) -> Result<(f64, Vec<u64>)> {
     let mut t = bench_topology(Mode::Record, 640, 8, events)?.topology;
     t.run.mode = run_mode;
@@ -272,12 +284,15 @@ fn data_path_run(
             let Ok(mut c) = Consumer::attach(o) else {
                 return;
             };
-            if !reading {
-                // Attached and asleep: its station fills once and drops from then on.
-                while !stop.load(Ordering::Relaxed) {
-                    std::thread::sleep(Duration::from_millis(5));
+            match how {
+                Consumers::Asleep => {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    return;
                 }
-                return;
+                Consumers::GreedyIdle => idle_priority(),
+                Consumers::Greedy => {}
             }
             let mut sum = 0u64;
             while !stop.load(Ordering::Relaxed) {
@@ -313,6 +328,17 @@ fn data_path_run(
         recorded as f64 / rep.duration_s.max(1e-9),
         got.iter().map(|g| g.load(Ordering::Relaxed)).collect(),
     ))
+}
+
+/// Moves the calling thread to SCHED_IDLE, as `chrt --idle 0` does for a whole process.
+fn idle_priority() {
+    let p = libc::sched_param { sched_priority: 0 };
+    // SAFETY: a plain syscall on the calling thread (pid 0) with a valid parameter struct.
+    if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &p) } != 0 {
+        eprintln!(
+            "bench monitor: SCHED_IDLE refused; the idle-priority consumers run at normal priority"
+        );
+    }
 }
 
 #[derive(Serialize)]
@@ -475,22 +501,37 @@ pub fn run_monitor(a: &BenchArgs) -> Result<()> {
     // in its file, so anything that delays that word (it once waited for the recorder's read
     // timeout whenever a consumer slowed the writer) shows here and not in push mode.
     for (run_mode, mode_name) in [(RunMode::Push, "push"), (RunMode::Request, "request")] {
-        let (mut without, mut with, mut asleep) = (Vec::new(), Vec::new(), Vec::new());
-        let mut sampled = Vec::new();
+        let (mut without, mut with, mut idle, mut asleep) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut sampled, mut sampled_idle) = (Vec::new(), Vec::new());
         for _ in 0..repeat {
-            without.push(data_path_run(run_mode, events, 0, false)?.0);
-            let (r, got) = data_path_run(run_mode, events, 3, true)?;
+            without.push(data_path_run(run_mode, events, 0, Consumers::Asleep)?.0);
+            let (r, got) = data_path_run(run_mode, events, 3, Consumers::Greedy)?;
             with.push(r);
             sampled = got;
-            asleep.push(data_path_run(run_mode, events, 3, false)?.0);
+            let (r, got) = data_path_run(run_mode, events, 3, Consumers::GreedyIdle)?;
+            idle.push(r);
+            sampled_idle = got;
+            asleep.push(data_path_run(run_mode, events, 3, Consumers::Asleep)?.0);
         }
-        let (w0, w3, ws) = (median(&mut without), median(&mut with), median(&mut asleep));
+        let (w0, w3, wi, ws) = (
+            median(&mut without),
+            median(&mut with),
+            median(&mut idle),
+            median(&mut asleep),
+        );
         for (test, rate, got, what) in [
             (
                 "data_path_with_sampling_consumers",
                 w3,
                 sampled.clone(),
                 "3 sampling consumers reading all they can",
+            ),
+            (
+                "data_path_with_idle_priority_consumers",
+                wi,
+                sampled_idle.clone(),
+                "the same 3 at idle priority (chrt --idle 0)",
             ),
             (
                 "data_path_with_sleeping_consumers",
