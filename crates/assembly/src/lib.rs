@@ -288,6 +288,51 @@ impl<T> Assembler<T> {
         }
     }
 
+    /// The most heap memory the bookkeeping of an assembler of `contributors` holds, capped at
+    /// `max_open` open events ([`Assembler::with_max_open`]; with no cap the figure saturates:
+    /// nothing bounds it) and remembering `memory` departed events: its table of open events, their part
+    /// lists (`Option<T>` for each contributor, an allocator's 16 bytes apiece), the queues of
+    /// their IDs, the events passed and not yet taken (taken after every offer and promise, as
+    /// [`Assembler::take_passed`] asks), the lists kept for reuse, and the ring of departed
+    /// events. Not the bytes an item points to (the caller's budget), nor the part lists of
+    /// events handed to the caller until it gives them back. What `tessera check` counts for a
+    /// readout unit or a builder; `tests/memory.rs` holds an assembler to it.
+    pub fn bytes_at_most(contributors: usize, max_open: usize, memory: usize) -> u64 {
+        // In 128 bits: a cap of open events near 2^64 saturates the figure, not the sum.
+        let n = contributors.max(1) as u128;
+        // An event older than every open one is taken past the cap, one per contributor.
+        let open = max_open.max(1) as u128 + n;
+        let part = std::mem::size_of::<Option<T>>() as u128;
+        let list = n * part + 16;
+        let table = table::Table::<Pending<T>>::bytes_at_most(
+            max_open.max(1),
+            usize::try_from(open).unwrap_or(usize::MAX),
+        );
+        let spare = {
+            let lists = (SPARE_BYTES as u128 / (n * part.max(1))).max(SPARE_LISTS as u128);
+            lists * (list + 16)
+        };
+        // Events that left by a promise wait in `passed` for the caller, who takes them after
+        // every offer and promise ([`Assembler::take_passed`]): at most the events that were
+        // open, whose part lists moved there (counted as open above), each with the list of
+        // its missing contributors.
+        let passed = open * (n * 8 + 16) + 2 * open * std::mem::size_of::<Assembled<T>>() as u128;
+        // The ID queues drop the entries of departed events once they outnumber twice the open
+        // events and 1 024 (the order queue at every offer, the ascending one at every
+        // departure, and opens between two departures are open events). A queue's buffer may
+        // be twice its longest length.
+        let queued = 3 * open + 1025;
+        let queues = 2 * queued * (16 + 8);
+        let departed = {
+            let slots = (memory.max(2) as u128).next_power_of_two();
+            let words = n.div_ceil(64);
+            slots * 8 * (1 + words) + 8 * words
+        };
+        let per_contributor = n * (std::mem::size_of::<Progress>() as u128 + 1);
+        let total = table + open * list + spare + passed + queues + departed + per_contributor;
+        u64::try_from(total).unwrap_or(u64::MAX)
+    }
+
     /// Caps the table of open (pending) events.
     pub fn with_max_open(mut self, max_open: usize) -> Self {
         self.max_open = max_open.max(1);
@@ -495,6 +540,9 @@ impl<T> Assembler<T> {
         if self.closed[c] {
             return Offer::Closed(item);
         }
+        // Only an offer opens an event, so checked here the order queue is bounded whether or
+        // not sweeps come.
+        self.compact_order();
         let before = self.progress[c].floor;
         let below = before.is_some_and(|f| event_id < f);
         // Others may be past this event already, if it opens now: looked for only when some
@@ -736,14 +784,19 @@ impl<T> Assembler<T> {
                 i += 1;
             }
         }
-        // Entries of events that left from behind a waiting one are dropped now and then, so the
-        // order queue stays proportional to the open events.
+        self.compact_order();
+        out
+    }
+
+    /// Drops the entries of events that left from behind a waiting one, once they make the
+    /// order queue more than twice the open events and 1 024: so it stays proportional to the
+    /// open events whether or not a sweep comes (checked at every offer and every expiry).
+    fn compact_order(&mut self) {
         if self.order.len() > 2 * self.pending.len() + 1024 {
             let pending = &self.pending;
             self.order
                 .retain(|(ev, t)| pending.get(*ev).is_some_and(|p| p.first_seen_ns == *t));
         }
-        out
     }
 
     /// Whether every contributor that event `ev` lacks is excused.

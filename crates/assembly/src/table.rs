@@ -34,6 +34,22 @@ pub(crate) struct Table<V> {
 }
 
 impl<V> Table<V> {
+    /// The most heap memory a table whose ring may grow to `max_slots` (as [`Table::grow_up_to`]
+    /// sets it) holds with at most `entries` open events at once: the ring, and while it
+    /// doubles the old one beside it; the map, which std's table may have resized to four
+    /// buckets per entry to clear its deleted marks, and while it resizes the old buckets beside
+    /// the new.
+    pub fn bytes_at_most(max_slots: usize, entries: usize) -> u128 {
+        let slots = max_slots
+            .checked_next_power_of_two()
+            .unwrap_or(MAX_RING_SLOTS)
+            .clamp(RING_SLOTS, MAX_RING_SLOTS) as u128;
+        let ring = slots * std::mem::size_of::<Option<(u64, V)>>() as u128 * 3 / 2;
+        let buckets = 6 * (entries as u128 + 1).next_power_of_two();
+        let map = buckets * (std::mem::size_of::<(u64, V)>() as u128 + 1) + 64;
+        ring + map
+    }
+
     pub fn new(slots: usize) -> Table<V> {
         let slots = slots.max(2).next_power_of_two();
         Table {

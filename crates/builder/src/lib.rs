@@ -116,6 +116,18 @@ impl tessera_net::sender::Outgoing for Built {
     }
 }
 
+/// Departed events a push-mode builder's assembler remembers, to tell a late super-fragment
+/// from a duplicate.
+const DEPARTED_MEMORY: usize = 1 << 16;
+
+/// The most heap memory a push-mode builder of `readout_units` units holds for its bookkeeping
+/// beside its budget: its assembler's, capped at `max_open` open events
+/// ([`Assembler::bytes_at_most`]). What `tessera check` and a node agent count for it. (A
+/// request-mode builder's events and notes are bounded by its credits.)
+pub fn bookkeeping_bytes(readout_units: usize, max_open: usize) -> u64 {
+    Assembler::<Part>::bytes_at_most(readout_units, max_open, DEPARTED_MEMORY)
+}
+
 /// One connection of a readout unit (a unit has one per rail).
 #[derive(Clone, Copy, Debug, Default)]
 struct Rail {
@@ -198,7 +210,7 @@ impl BuilderUnit {
             // Readout units send events in the order they finish them, not by event ID: where
             // they are comes from their progress messages instead.
             assembler: Mutex::new(
-                Assembler::new(n, cfg.event_timeout.as_nanos() as u64, 1 << 16)
+                Assembler::new(n, cfg.event_timeout.as_nanos() as u64, DEPARTED_MEMORY)
                     .with_max_open(cfg.max_open_events),
             ),
             to_recorder,

@@ -1480,10 +1480,70 @@ fn check_over_hosts_names_each_units_host_and_each_hosts_memory() {
         .lines()
         .find(|l| l.contains("readout 0 on fe1"))
         .and_then(|l| l.split("memory ").nth(1))
+        .and_then(|m| m.split(" (bookkeeping").next())
         .unwrap()
         .to_string();
     assert!(text.contains(&format!("host fe1: memory {unit}")), "{text}");
     assert!(text.contains("host be: memory"), "{text}");
+}
+
+/// What a unit may hold counts its bookkeeping beside its buffers: the tables of open events a
+/// push-mode unit's cap allows, the memories of event IDs of the recorder, a request-mode unit
+/// and the event manager. Before, `tessera check` and a node agent counted buffers alone, and a
+/// request-mode unit's two memories of 2^20 event IDs reached 109 MB resident beside a 64 MiB
+/// buffer.
+#[test]
+fn check_counts_each_units_bookkeeping_beside_its_buffers() {
+    let dir = tempfile::tempdir().unwrap();
+    let units = |mode: &str, max_open: u32| -> Vec<serde_json::Value> {
+        let cfg = write(
+            dir.path(),
+            &format!("{mode}-{max_open}.toml"),
+            &format!(
+                "[run]\nmode = \"{mode}\"\n[sources]\ncount = 8\n\
+                 [[readout]]\nid = 0\nbuffer = \"64 MiB\"\nmax_open_events = {max_open}\n\
+                 [[builder]]\nid = 0\n"
+            ),
+        );
+        let o = tessera(&["check", &cfg, "--json"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["units"].as_array().unwrap().clone()
+    };
+    let of = |us: &[serde_json::Value], name: &str, key: &str| -> u64 {
+        let u = us
+            .iter()
+            .find(|u| u["unit"] == name)
+            .unwrap_or_else(|| panic!("{name}: {us:?}"));
+        u[key].as_u64().unwrap()
+    };
+    let push = units("push", 65536);
+    let small = units("push", 1024);
+    // The cap on open events sizes the bookkeeping, and the total carries it.
+    let (big, little) = (
+        of(&push, "readout 0", "bookkeeping_bytes"),
+        of(&small, "readout 0", "bookkeeping_bytes"),
+    );
+    assert!(big > 10 * little && little > 0, "{big} {little}");
+    assert_eq!(
+        of(&push, "readout 0", "memory_bytes") - big,
+        of(&small, "readout 0", "memory_bytes") - little,
+        "the buffers do not change with the cap"
+    );
+    assert!(of(&push, "builder 0", "bookkeeping_bytes") > 0);
+    // The recorder's memory of written event IDs: 2^20 of them, 24 bytes each.
+    assert_eq!(of(&push, "recorder", "bookkeeping_bytes"), 24 << 20);
+    assert!(push.iter().all(|u| u["unit"] != "event manager"));
+    let request = units("request", 65536);
+    assert_eq!(
+        of(&request, "readout 0", "bookkeeping_bytes"),
+        2 * (24 << 20)
+    );
+    assert_eq!(
+        of(&request, "event manager", "bookkeeping_bytes"),
+        3 * (24 << 20)
+    );
+    assert!(of(&request, "readout 0", "memory_bytes") > (64 << 20) + 2 * (24 << 20));
 }
 
 /// Issue 15: a veto needs one trigger for every emulated source; sources that would run beside

@@ -395,7 +395,7 @@ impl Agent {
         if let Some(avail) = memory_available() {
             if need > avail {
                 problems.push(format!(
-                    "its roles' buffers need {} MB, the host has {} MB available",
+                    "its roles' buffers and bookkeeping need {} MB at most, the host has {} MB available",
                     need >> 20,
                     avail >> 20
                 ));
@@ -627,6 +627,7 @@ fn memory_needed(r: &Resolved, roles: &RoleSet) -> u64 {
             Unit::Readout(id) => roles.readout_units.contains(id),
             Unit::Builder(id) => roles.builders.contains(id),
             Unit::Recorder => roles.recorder,
+            Unit::EventManager => roles.event_manager,
         })
         .map(|(_, m)| m)
         .sum()

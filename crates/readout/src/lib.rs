@@ -523,7 +523,7 @@ impl ReadoutUnit {
             }
             to_builders.push(txs);
         }
-        let assembler = Assembler::new(links, cfg.event_timeout.as_nanos() as u64, 1 << 16)
+        let assembler = Assembler::new(links, cfg.event_timeout.as_nanos() as u64, DEPARTED_MEMORY)
             .ordered(true)
             .with_max_open(cfg.max_open_events);
         let emptied = Arc::new(Emptied::new(assembler.spare_room(), builder_links.len()));
@@ -1157,6 +1157,22 @@ fn sweep(sh: &Shared) -> bool {
 
 /// How often a readout unit tells each builder where it is (docs/wire-format.md, 2.3).
 pub const PROGRESS_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Departed events a push-mode unit's assembler remembers, to tell a late fragment from a
+/// duplicate.
+const DEPARTED_MEMORY: usize = 1 << 16;
+
+/// The most heap memory a readout unit of `links` links holds for its bookkeeping beside its
+/// buffer and read chunks: in push mode its assembler's, capped at `max_open` open events
+/// ([`Assembler::bytes_at_most`]); in request mode its memories of the event IDs it announced
+/// and cleared. What `tessera check` and a node agent count for it.
+pub fn bookkeeping_bytes(links: usize, max_open: usize, request_mode: bool) -> u64 {
+    if request_mode {
+        2 * tessera_assembly::RecentSet::bytes(serve::MEMORY)
+    } else {
+        Assembler::<ChunkSlice>::bytes_at_most(links, max_open, DEPARTED_MEMORY)
+    }
+}
 
 /// The link to one builder (one rail), served by the pollers of the sending stage.
 #[allow(clippy::too_many_arguments)]

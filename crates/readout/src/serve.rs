@@ -128,7 +128,7 @@ impl std::ops::Deref for Unit {
 }
 
 /// Most recent event IDs remembered as announced or cleared.
-const MEMORY: usize = 1 << 20;
+pub(crate) const MEMORY: usize = 1 << 20;
 
 pub(crate) fn start(
     ctx: LinkCtx,

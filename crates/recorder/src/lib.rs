@@ -230,6 +230,12 @@ impl Written {
 /// it rebuilt elsewhere within moments; copies further apart than this are not caught.
 const DEDUP_WINDOW: usize = 1 << 20;
 
+/// The most heap memory the recorder holds for its bookkeeping beside its queue and blocks: the
+/// event IDs it remembers for deduplication. What `tessera check` and a node agent count.
+pub fn bookkeeping_bytes() -> u64 {
+    tessera_assembly::RecentSet::bytes(DEDUP_WINDOW)
+}
+
 pub struct Recorder {
     pub stats: Arc<RecorderStats>,
     role: RoleThreads,

@@ -27,8 +27,12 @@ pub struct UnitExpectation {
     pub links: usize,
     pub bytes_per_s_in: Option<f64>,
     pub bytes_per_s_per_link: Option<f64>,
+    /// The most it may hold: its buffers and its bookkeeping together.
     pub memory_bytes: u64,
-    /// How long the unit's memory holds its input at the expected rate.
+    /// Of which its bookkeeping (tables of open events, memories of event IDs) at most: held
+    /// only as events open and IDs pass, unlike buffers reserved at the start.
+    pub bookkeeping_bytes: u64,
+    /// How long the unit's buffer holds its input at the expected rate.
     pub buffer_holds_ms: Option<f64>,
 }
 
@@ -88,9 +92,14 @@ impl CheckReport {
             if let Some(b) = u.bytes_per_s_per_link {
                 let _ = write!(line, " ({} per link)", human_rate(b));
             }
-            let _ = write!(line, ", memory {}", human(u.memory_bytes as f64));
+            let _ = write!(
+                line,
+                ", memory {} (bookkeeping {} of it)",
+                human(u.memory_bytes as f64),
+                human(u.bookkeeping_bytes as f64)
+            );
             if let Some(ms) = u.buffer_holds_ms {
-                let _ = write!(line, " = {ms:.0} ms of its input");
+                let _ = write!(line, ", its buffer {ms:.0} ms of its input");
             }
             let _ = writeln!(s, "{line}");
         }
@@ -158,6 +167,8 @@ pub enum Unit {
     Builder(u32),
     /// The recorder with its block being filled and the monitor's station queues.
     Recorder,
+    /// Request mode's event manager (its memories of event IDs).
+    EventManager,
 }
 
 /// The mean size of an emulated fragment on the wire: from the size histogram where one is
@@ -168,9 +179,10 @@ fn mean_fragment_wire(s: &tessera_config::SourcesSection) -> f64 {
     ) as f64
 }
 
-/// The memory each unit's configuration lets it hold at most (buffers, read chunks, the
-/// recorder's queue and block, the monitor's queues of mean-sized events): what `tessera check`
-/// prints and what a node agent checks against the memory its host has.
+/// The memory each unit's configuration lets it hold at most: what `tessera check` prints and
+/// what a node agent checks against the memory its host has. Its buffers (buffer and read
+/// chunks, the recorder's queue and block, the monitor's queues of mean-sized events) plus its
+/// [`bookkeeping`].
 pub fn memory(r: &Resolved) -> Vec<(Unit, u64)> {
     let t = &r.topology;
     let frag_wire = mean_fragment_wire(&t.sources);
@@ -186,6 +198,9 @@ pub fn memory(r: &Resolved) -> Vec<(Unit, u64)> {
     for b in &t.builders {
         let per_unit = (b.buffer.0 / units).max(2 * (1 + b.rails.len() as u64) * b.read_chunk.0);
         v.push((Unit::Builder(b.id), per_unit * units));
+    }
+    if t.run.mode == Mode::Request {
+        v.push((Unit::EventManager, 0));
     }
     if t.recorder.enabled {
         let monitor_bytes: u64 = if t.monitor.enabled {
@@ -217,7 +232,36 @@ pub fn memory(r: &Resolved) -> Vec<(Unit, u64)> {
             rc.queue.0 + rc.block_size.0 + pipeline + monitor_bytes,
         ));
     }
+    for (unit, m) in &mut v {
+        *m = m.saturating_add(bookkeeping(r, *unit));
+    }
     v
+}
+
+/// The most memory a unit's bookkeeping holds (tables of open events and their part lists,
+/// memories of recent event IDs), as each role's crate bounds it: not reserved at the start
+/// like buffers, but reached when the tables of open events fill (a link far behind the others)
+/// and once as many events have passed as the memories hold.
+pub fn bookkeeping(r: &Resolved, unit: Unit) -> u64 {
+    let t = &r.topology;
+    let request = t.run.mode == Mode::Request;
+    match unit {
+        Unit::Readout(id) => t
+            .readout_units
+            .iter()
+            .enumerate()
+            .find(|(_, u)| u.id == id)
+            .map_or(0, |(i, u)| {
+                let links = r.ru_sources.get(i).map_or(1, |s| s.len().max(1));
+                tessera_readout::bookkeeping_bytes(links, u.max_open_events, request)
+            }),
+        Unit::Builder(id) if !request => t.builders.iter().find(|b| b.id == id).map_or(0, |b| {
+            tessera_builder::bookkeeping_bytes(t.readout_units.len().max(1), b.max_open_events)
+        }),
+        Unit::Builder(_) => 0,
+        Unit::Recorder => tessera_recorder::bookkeeping_bytes(),
+        Unit::EventManager => tessera_manager::bookkeeping_bytes(),
+    }
 }
 
 pub fn check(r: &Resolved) -> CheckReport {
@@ -320,6 +364,7 @@ pub fn check(r: &Resolved) -> CheckReport {
             bytes_per_s_in: bytes_in,
             bytes_per_s_per_link: per_link,
             memory_bytes: memory_of(Unit::Readout(u.id)),
+            bookkeeping_bytes: bookkeeping(r, Unit::Readout(u.id)),
             buffer_holds_ms: holds,
         });
     }
@@ -353,6 +398,7 @@ pub fn check(r: &Resolved) -> CheckReport {
             bytes_per_s_in: bytes_in,
             bytes_per_s_per_link: bytes_in.map(|x| x / links as f64),
             memory_bytes: memory_of(Unit::Builder(b.id)),
+            bookkeeping_bytes: bookkeeping(r, Unit::Builder(b.id)),
             buffer_holds_ms: holds,
         });
     }
@@ -436,7 +482,21 @@ pub fn check(r: &Resolved) -> CheckReport {
             bytes_per_s_in: bytes_in,
             bytes_per_s_per_link: bytes_in.map(|x| x / n_builders),
             memory_bytes: memory_of(Unit::Recorder),
+            bookkeeping_bytes: bookkeeping(r, Unit::Recorder),
             buffer_holds_ms: bytes_in.map(|bps| t.recorder.queue.0 as f64 / bps * 1e3),
+        });
+    }
+
+    if t.run.mode == Mode::Request {
+        units.push(UnitExpectation {
+            unit: "event manager".into(),
+            host: t.event_manager.host.clone(),
+            links: t.readout_units.len() + t.builders.len(),
+            bytes_per_s_in: None,
+            bytes_per_s_per_link: None,
+            memory_bytes: memory_of(Unit::EventManager),
+            bookkeeping_bytes: bookkeeping(r, Unit::EventManager),
+            buffer_holds_ms: None,
         });
     }
 

@@ -213,7 +213,7 @@ impl<'a> Starter<'a> {
                 clear_delay_ns: m.clear_delay_ms * 1_000_000,
                 heartbeat_timeout_ns: m.heartbeat_timeout_ms * 1_000_000,
                 busy_threshold: m.busy_threshold as usize,
-                done_memory: 1 << 20,
+                done_memory: tessera_manager::DONE_MEMORY,
                 builder_credits: t.request.credits,
             },
         })
