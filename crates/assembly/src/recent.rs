@@ -64,19 +64,31 @@ impl RecentSet {
 
     /// Remembers `id`; false if it was already remembered.
     pub fn insert(&mut self, id: u64) -> bool {
-        if self.contains(id) {
+        let home = self.home(id);
+        if id == EMPTY {
+            if self.has_zero {
+                return false;
+            }
+        } else if self
+            .probe_from(home, |s| s == EMPTY || s == id)
+            .is_some_and(|i| self.slots[i] == id)
+        {
             return false;
         }
         if self.ring.len() < self.capacity {
             self.ring.push(id);
         } else {
             let old = std::mem::replace(&mut self.ring[self.oldest], id);
-            self.oldest = (self.oldest + 1) % self.capacity;
+            self.oldest += 1;
+            if self.oldest == self.capacity {
+                self.oldest = 0;
+            }
             self.forget(old);
         }
         if id == EMPTY {
             self.has_zero = true;
-        } else if let Some(i) = self.probe(id, |s| s == EMPTY) {
+        } else if let Some(i) = self.probe_from(home, |s| s == EMPTY) {
+            // From its home again: forgetting may have emptied a slot on its way.
             self.slots[i] = id;
         }
         true
@@ -86,7 +98,11 @@ impl RecentSet {
     /// full, so an empty slot ends every probe; the bound turns a broken invariant into a
     /// forgotten ID instead of a hang.
     fn probe(&self, id: u64, stop: impl Fn(u64) -> bool) -> Option<usize> {
-        let mut i = self.home(id);
+        self.probe_from(self.home(id), stop)
+    }
+
+    fn probe_from(&self, home: usize, stop: impl Fn(u64) -> bool) -> Option<usize> {
+        let mut i = home;
         for _ in 0..self.slots.len() {
             if stop(self.slots[i]) {
                 return Some(i);
@@ -96,8 +112,13 @@ impl RecentSet {
         None
     }
 
+    /// Where `id`'s probe starts. IDs come nearly in order, so each run of eight (`id >> 3`)
+    /// goes to a place of its own, eight consecutive slots (one cache line), chosen by the seeded
+    /// hash: eight insertions and the eight forgettings that follow them touch one line each,
+    /// where a hash of each ID touched a line apiece (two misses an insertion, three quarters of
+    /// its time under `perf annotate`). A peer can fill one run's line, no more.
     fn home(&self, id: u64) -> usize {
-        self.hasher.hash_one(id) as usize & self.mask
+        ((self.hasher.hash_one(id >> 3) << 3) | (id & 7)) as usize & self.mask
     }
 
     fn find(&self, id: u64) -> Option<usize> {
