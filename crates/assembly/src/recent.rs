@@ -29,8 +29,9 @@ pub struct RecentSet {
 }
 
 impl RecentSet {
+    /// At most [`RecentSet::MAX_CAPACITY`] IDs: a larger capacity is taken as that.
     pub fn new(capacity: usize) -> RecentSet {
-        let capacity = capacity.max(1);
+        let capacity = capacity.clamp(1, Self::MAX_CAPACITY);
         let slots = Self::slots_for(capacity);
         RecentSet {
             // Zeroed pages from the allocator: resident only once an ID lands in them.
@@ -44,6 +45,9 @@ impl RecentSet {
         }
     }
 
+    /// 2^40 IDs (24 TiB): far beyond any memory, and its index's size still a power of two.
+    pub const MAX_CAPACITY: usize = 1 << 40;
+
     fn slots_for(capacity: usize) -> usize {
         capacity.saturating_mul(2).next_power_of_two()
     }
@@ -51,7 +55,7 @@ impl RecentSet {
     /// The most memory a set of this capacity holds, in bytes, once it has remembered that
     /// many IDs (what `tessera check` counts for it).
     pub fn bytes(capacity: usize) -> u64 {
-        let capacity = capacity.max(1) as u64;
+        let capacity = capacity.clamp(1, Self::MAX_CAPACITY) as u64;
         8 * capacity + 8 * Self::slots_for(capacity as usize) as u64
     }
 
