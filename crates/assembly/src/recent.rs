@@ -11,7 +11,7 @@
 
 use std::hash::BuildHasher;
 
-/// An index slot that holds no ID. The ID 0 itself is remembered by [`RecentSet::has_zero`].
+/// An index slot that holds no ID. The ID 0 itself is remembered by `has_zero`.
 const EMPTY: u64 = 0;
 
 pub struct RecentSet {
