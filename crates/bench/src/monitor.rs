@@ -291,7 +291,11 @@ fn data_path_run(
                     }
                     return;
                 }
-                Consumers::GreedyIdle => idle_priority(),
+                Consumers::GreedyIdle => {
+                    if !tessera_monitor::server::idle_priority() {
+                        eprintln!("bench monitor: SCHED_IDLE refused; the idle-priority consumers run at normal priority");
+                    }
+                }
                 Consumers::Greedy => {}
             }
             let mut sum = 0u64;
@@ -328,17 +332,6 @@ fn data_path_run(
         recorded as f64 / rep.duration_s.max(1e-9),
         got.iter().map(|g| g.load(Ordering::Relaxed)).collect(),
     ))
-}
-
-/// Moves the calling thread to SCHED_IDLE, as `chrt --idle 0` does for a whole process.
-fn idle_priority() {
-    let p = libc::sched_param { sched_priority: 0 };
-    // SAFETY: a plain syscall on the calling thread (pid 0) with a valid parameter struct.
-    if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &p) } != 0 {
-        eprintln!(
-            "bench monitor: SCHED_IDLE refused; the idle-priority consumers run at normal priority"
-        );
-    }
 }
 
 #[derive(Serialize)]

@@ -23,16 +23,6 @@
 
 pub mod core;
 
-/// Event IDs the event manager remembers as done, finished and cleared elsewhere (each).
-pub const DONE_MEMORY: usize = 1 << 20;
-
-/// The most heap memory the event manager holds in its memories of event IDs (done, finished
-/// and cleared elsewhere, [`DONE_MEMORY`] each): what `tessera check` and a node agent count
-/// for it. Its other tables are bounded by the builders' credits and the units' buffers.
-pub fn bookkeeping_bytes() -> u64 {
-    3 * tessera_assembly::RecentSet::bytes(DONE_MEMORY)
-}
-
 use crossbeam_channel::{bounded, unbounded, Sender};
 use parking_lot::Mutex;
 use std::collections::HashSet;
@@ -46,6 +36,16 @@ use tessera_net::control::{read_hello, write_loop, MessageReader, ReadEnd};
 use tessera_net::role::{spawn, RoleThreads};
 
 pub use crate::core::{Counts, Out, Settings};
+
+/// Event IDs the event manager remembers as done, finished and cleared elsewhere (each).
+pub const DONE_MEMORY: usize = 1 << 20;
+
+/// The most heap memory the event manager holds in its memories of event IDs (done, finished
+/// and cleared elsewhere, [`DONE_MEMORY`] each): what `tessera check` and a node agent count
+/// for it. Its other tables are bounded by the builders' credits and the units' buffers.
+pub fn bookkeeping_bytes() -> u64 {
+    3 * tessera_assembly::RecentSet::bytes(DONE_MEMORY)
+}
 
 pub struct ManagerConfig {
     pub listener: TcpListener,

@@ -41,9 +41,10 @@ pub struct ServerOptions {
     pub token: Option<String>,
 }
 
-/// Moves the calling thread to idle scheduling priority (Linux SCHED_IDLE): it runs only when a
-/// core has nothing else to do. Best effort: elsewhere, or if refused, nothing changes.
-fn idle_priority() {
+/// Moves the calling thread to idle scheduling priority (Linux SCHED_IDLE, what `chrt --idle 0`
+/// sets for a process): it runs only when a core has nothing else to do. Best effort: false
+/// elsewhere, or if refused, and nothing changes.
+pub fn idle_priority() -> bool {
     #[cfg(target_os = "linux")]
     {
         let p = libc::sched_param { sched_priority: 0 };
@@ -52,7 +53,10 @@ fn idle_priority() {
         if r != 0 {
             tracing::debug!("monitor: SCHED_IDLE refused; serving at normal priority");
         }
+        r == 0
     }
+    #[cfg(not(target_os = "linux"))]
+    false
 }
 
 /// A running service. Dropping it does not stop it; call [`Server::stop`].
