@@ -20,16 +20,68 @@ pub fn file_write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
 }
 
 /// Writes `bytes` to `path` through a temporary name, so readers never see a partial file.
+/// A write that fails (a full disk) leaves no temporary file behind.
 pub fn write_atomic(path: &Path, bytes: &[u8], sync: bool) -> io::Result<()> {
     let tmp = path.with_extension("tmp");
-    {
+    let r = (|| {
         let mut f = File::create(&tmp)?;
         f.write_all(bytes)?;
         if sync {
             f.sync_all()?;
         }
+        std::fs::rename(&tmp, path)
+    })();
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
     }
-    std::fs::rename(tmp, path)
+    r
+}
+
+/// Room held on the output file system for finishing a run: a file of allocated blocks that
+/// the recorder gives back when the disk is exhausted (another writer filled it, or the hard
+/// watermark was below what was in flight) and when it ends, so that the trailers, sidecars,
+/// manifest and run database can still be written on a full disk. Removed when dropped.
+#[derive(Debug)]
+pub struct DiskReserve {
+    path: std::path::PathBuf,
+}
+
+/// The reserve's name for a run: hidden, so no listing of data files takes it for one.
+pub fn reserve_file_name(run_number: u64) -> String {
+    format!(".run{run_number:06}.reserve")
+}
+
+/// Whether `name` is a reserve that a run left behind (a crash): `tessera recover` removes it.
+pub fn is_reserve_file_name(name: &str) -> bool {
+    name.starts_with(".run") && name.ends_with(".reserve")
+}
+
+impl DiskReserve {
+    /// Allocates `bytes` in `dir` (real blocks: `posix_fallocate`, not a sparse file).
+    pub fn take(dir: &Path, run_number: u64, bytes: u64) -> io::Result<DiskReserve> {
+        use std::os::fd::AsRawFd;
+        let path = dir.join(reserve_file_name(run_number));
+        let f = File::create(&path)?;
+        let len = libc::off_t::try_from(bytes).map_err(io::Error::other)?;
+        // SAFETY: a valid open descriptor and a non-negative length.
+        let rc = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, len) };
+        if rc != 0 {
+            drop(f);
+            let _ = std::fs::remove_file(&path);
+            return Err(io::Error::from_raw_os_error(rc));
+        }
+        Ok(DiskReserve { path })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for DiskReserve {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
 }
 
 /// Free bytes for an unprivileged writer on the file system holding `dir`.

@@ -188,8 +188,14 @@ pub fn runs(cmd: Option<crate::RunsCmd>, data: &Path, json: bool) -> Result<Exit
             path.display()
         );
     }
-    let db = tessera_rundb::RunDb::open(&path)?;
-    match cmd.unwrap_or(crate::RunsCmd::List { limit: 20 }) {
+    let cmd = cmd.unwrap_or(crate::RunsCmd::List { limit: 20 });
+    // Reading needs no write: `runs list` and `runs show` answer on a full disk.
+    let db = if matches!(cmd, crate::RunsCmd::Comment { .. }) {
+        tessera_rundb::RunDb::open(&path)?
+    } else {
+        tessera_rundb::RunDb::open_read_only(&path)?
+    };
+    match cmd {
         crate::RunsCmd::List { limit } => {
             let runs = db.list(limit)?;
             if json {

@@ -443,6 +443,15 @@ fn run_topology(
 }
 
 fn real_main(cli: Cli) -> Result<ExitCode> {
+    if matches!(cli.cmd, Cmd::Runs { .. } | Cmd::Dump { .. }) {
+        // Commands that only print end quietly when their reader stops reading (`| head`), as
+        // any Unix filter does. Only these: on the data path a peer that closes its socket is
+        // an error to count and report, never a signal that kills the process.
+        // SAFETY: setting a signal's disposition to its default has no preconditions.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     match cli.cmd {
         Cmd::Run {
             config,
@@ -540,6 +549,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                     control_timeout: std::time::Duration::from_secs(10),
                     metrics: metrics.as_ref().map(|m| m.addr),
                     published,
+                    trust: Default::default(),
                 },
                 stop,
             )?;

@@ -22,8 +22,10 @@ pub enum ShipCmd {
         /// AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY). Repeat for several.
         #[arg(long = "to", required = true)]
         to: Vec<String>,
-        /// Keep a shipped file this many seconds after it was finished (0: delete once shipped).
-        #[arg(long, default_value_t = 0.0)]
+        /// Keep a shipped file this many seconds after it was finished (0: delete once every
+        /// destination holds a verified copy). A day by default, as `shipper.keep_s`: a copy
+        /// found damaged later can still be sent again, and --free-watermark frees space first.
+        #[arg(long, default_value_t = tessera_config::DEFAULT_KEEP_S)]
         keep_s: f64,
         /// Below this many free bytes on DIR's file system, delete verified files first, oldest
         /// first, whatever --keep-s says (0: off).

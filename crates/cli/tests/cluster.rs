@@ -785,6 +785,128 @@ fn agents_and_run_controls_refuse_wrong_tokens_and_other_revisions() {
     t.join().unwrap();
 }
 
+/// Issue 50, item 7: a run control's topology cannot make an agent read a file outside the
+/// agent's own directory (an agent often runs as root): a size histogram elsewhere is refused at
+/// configure, named by key and path; the same file put under the agent's directory is read.
+#[test]
+fn an_agent_reads_no_input_file_outside_its_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let node_dir = dir.path().join("node");
+    std::fs::create_dir_all(&node_dir).unwrap();
+    let ports = support::Ports::bind(1);
+    let port = ports.port(0);
+    let mut cmd = Command::new(tessera());
+    cmd.args(["node", "--listen", &format!("127.0.0.1:{port}")])
+        .arg("--output")
+        .arg(&node_dir)
+        .env("TESSERA_TOKEN", TOKEN);
+    ports.hand_over(0, &mut cmd);
+    let agent = Proc::spawn(&mut cmd);
+    ports.release(0);
+    let run = |histogram: &Path| {
+        let cfg = dir.path().join("t.toml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "[run]\nevents = 20\noutput = \"{}\"\n[control]\nlisten = \"\"\n[hosts]\nfe1 = \"127.0.0.1:{port}\"\n\
+                 [sources]\ncount = 2\nhost = \"fe1\"\nsize_histogram = \"{}\"\n\
+                 [recorder]\nhost = \"fe1\"\n[[readout]]\nid = 0\nhost = \"fe1\"\n[[builder]]\nid = 0\nhost = \"fe1\"\n",
+                dir.path().join("ctl").display(),
+                histogram.display()
+            ),
+        )
+        .unwrap();
+        Proc::spawn_piped(
+            Command::new(tessera())
+                .args(["run", "--quiet"])
+                .arg(&cfg)
+                .env("TESSERA_TOKEN", TOKEN),
+        )
+        .finish(LIMIT)
+    };
+    let elsewhere = dir.path().join("inputs");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    std::fs::write(elsewhere.join("sizes.txt"), "100 1\n200 1\n").unwrap();
+    let o = run(&elsewhere.join("sizes.txt"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("sources.size_histogram")
+            && err.contains("not a file under this agent's directory"),
+        "{err}"
+    );
+    // A name that climbs out of the agent's directory is refused as well.
+    std::fs::create_dir_all(dir.path().join("ctl")).unwrap();
+    let climbing = node_dir.join("../inputs/sizes.txt");
+    let o = run(&climbing);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("not a file under this agent's directory"),
+        "{err}"
+    );
+    std::fs::copy(elsewhere.join("sizes.txt"), node_dir.join("sizes.txt")).unwrap();
+    let o = run(&node_dir.join("sizes.txt"));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    agent.signal("INT");
+    assert!(agent.finish(LIMIT).status.success());
+}
+
+/// Issue 50, item 7: silent connections to an agent's port (anyone's: here from loopback, as
+/// the run control's own) cannot keep its run control out. Before, 16 of them filled every
+/// place and the run control's hello was reset.
+#[test]
+fn silent_connections_to_an_agent_do_not_keep_its_run_control_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let ports = support::Ports::bind(1);
+    let port = ports.port(0);
+    let mut cmd = Command::new(tessera());
+    cmd.args(["node", "--listen", &format!("127.0.0.1:{port}")])
+        .arg("--output")
+        .arg(dir.path().join("node"))
+        .env("TESSERA_TOKEN", TOKEN);
+    ports.hand_over(0, &mut cmd);
+    let agent = Proc::spawn(&mut cmd);
+    ports.release(0);
+    let mut silent = Vec::new();
+    assert!(eventually(LIMIT, || {
+        TcpStream::connect(("127.0.0.1", port)).is_ok_and(|s| {
+            silent.push(s);
+            true
+        })
+    }));
+    // Twice as many as the agent serves at once, all kept open and saying nothing.
+    for _ in 0..31 {
+        silent.push(TcpStream::connect(("127.0.0.1", port)).unwrap());
+    }
+    let cfg = dir.path().join("t.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[run]\nevents = 50\noutput = \"{}\"\n[control]\nlisten = \"\"\n[hosts]\nfe1 = \"127.0.0.1:{port}\"\n\
+             [sources]\ncount = 2\n[recorder]\nhost = \"fe1\"\n[[readout]]\nid = 0\nhost = \"fe1\"\n[[builder]]\nid = 0\nhost = \"fe1\"\n",
+            dir.path().join("ctl").display()
+        ),
+    )
+    .unwrap();
+    let o = Proc::spawn_piped(
+        Command::new(tessera())
+            .args(["run", "--quiet"])
+            .arg(&cfg)
+            .env("TESSERA_TOKEN", TOKEN),
+    )
+    .finish(LIMIT);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("balance holds"),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    drop(silent);
+    agent.signal("INT");
+    assert!(agent.finish(LIMIT).status.success());
+}
+
 /// Issue 12: a CMS-like trapezoid in request mode over five hosts: two with readout units and
 /// their sources, two with two builders each, one with the event manager and the recorder. One
 /// builder host's agent is killed mid-run (its builders die with it): the event manager gives

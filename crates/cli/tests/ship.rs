@@ -80,7 +80,7 @@ fn a_shipper_killed_mid_copy_resumes_and_ships_every_file_once() {
         .arg(&data)
         .arg("--to")
         .arg(&archive)
-        .arg("--once")
+        .args(["--once", "--keep-s", "0"])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -217,7 +217,7 @@ fn ship_once(data: &Path, to: &str, port: u16) -> std::process::Output {
     Command::new(tessera())
         .args(["ship", "run"])
         .arg(data)
-        .args(["--to", to, "--once"])
+        .args(["--to", to, "--once", "--keep-s", "0"])
         .envs(s3_env(port))
         .output()
         .unwrap()
@@ -567,7 +567,7 @@ fn a_run_ships_its_files_and_shows_what_is_left() {
             format!(
                 "[run]\nevents = 3000\n[sources]\ncount = 4\nfragment_size = 1024\n\
                  trigger = \"unlimited\"\n[recorder]\nmax_file_size = \"2 MiB\"\n\
-                 [monitor]\nenabled = false\n[shipper]\nto = [{to}]\ninterval_s = 0.2\n\
+                 [monitor]\nenabled = false\n[shipper]\nto = [{to}]\ninterval_s = 0.2\nkeep_s = 0\n\
                  drain_at_exit_s = 120\n"
             ),
         )
@@ -681,7 +681,7 @@ fn during_a_run_files_wait_for_the_object_store_and_drain_when_it_is_back() {
         &cfg,
         "[run]\nduration_s = 6\n[sources]\ncount = 4\nfragment_size = 1024\n\
          trigger = \"periodic\"\nrate_hz = 2000\n[recorder]\nmax_file_age_s = 0.5\n\
-         [monitor]\nenabled = false\n[shipper]\nto = [\"s3://archive/daq\"]\ninterval_s = 0.2\n\
+         [monitor]\nenabled = false\n[shipper]\nto = [\"s3://archive/daq\"]\ninterval_s = 0.2\nkeep_s = 0\n\
          drain_at_exit_s = 200\n",
     )
     .unwrap();

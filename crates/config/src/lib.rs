@@ -288,6 +288,13 @@ pub struct ControlSection {
     /// (`file_sd_configs`), relative to `run.output`; the same list is at
     /// `/api/prometheus/targets` for `http_sd_configs`.
     pub prometheus_targets: PathBuf,
+    /// Host names the HTTP service answers to besides IP addresses, `localhost` and this host's
+    /// own name (a DNS alias of the run control's host, a reverse proxy's name). A request
+    /// naming any other host in its `Host` header is refused: a page of another site that has
+    /// its name resolve to this address (DNS rebinding) neither reads nor acts. Read when the
+    /// service starts.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub host_names: Vec<String>,
 }
 
 impl ControlSection {
@@ -309,6 +316,7 @@ impl Default for ControlSection {
             sample_interval_ms: 500,
             agent_timeout_ms: 5000,
             prometheus_targets: PathBuf::from("prometheus-targets.json"),
+            host_names: Vec::new(),
         }
     }
 }
@@ -535,7 +543,9 @@ pub fn read_scenario(path: &Path) -> Result<Vec<u64>, String> {
     parse_scenario(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// [`read_scenario`] of text.
+/// [`read_scenario`] of text. Errors name the line, never its content: a node agent reads the
+/// file a run control names, and its error goes back to the run control (a file the agent may
+/// read, such as a secret, must not travel back in an error).
 pub fn parse_scenario(text: &str) -> Result<Vec<u64>, String> {
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
@@ -545,7 +555,7 @@ pub fn parse_scenario(text: &str) -> Result<Vec<u64>, String> {
         }
         let t: f64 = line
             .parse()
-            .map_err(|_| format!("line {}: {line:?} is not a time in seconds", i + 1))?;
+            .map_err(|_| format!("line {}: not a time in seconds", i + 1))?;
         if !(t.is_finite() && (0.0..=1e9).contains(&t)) {
             return Err(format!(
                 "line {}: {t} s is not a time from 0 to 1e9 s",
@@ -612,7 +622,8 @@ pub fn read_size_histogram(path: &Path) -> Result<SizeHistogram, String> {
     parse_size_histogram(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// [`read_size_histogram`] of text.
+/// [`read_size_histogram`] of text. Errors name the line, never its content (as
+/// [`parse_scenario`]).
 pub fn parse_size_histogram(text: &str) -> Result<SizeHistogram, String> {
     let mut sizes = Vec::new();
     let mut weights = Vec::new();
@@ -624,18 +635,18 @@ pub fn parse_size_histogram(text: &str) -> Result<SizeHistogram, String> {
         let mut f = line.split_whitespace();
         let (Some(size), Some(weight), None) = (f.next(), f.next(), f.next()) else {
             return Err(format!(
-                "line {}: {line:?} is not SIZE WEIGHT (bytes and a relative weight)",
+                "line {}: not SIZE WEIGHT (bytes and a relative weight)",
                 i + 1
             ));
         };
         let size: u64 = size
             .parse()
-            .map_err(|_| format!("line {}: {size:?} is not a size in bytes", i + 1))?;
+            .map_err(|_| format!("line {}: the size is not a number of bytes", i + 1))?;
         let weight: f64 = weight
             .parse()
             .ok()
             .filter(|w: &f64| w.is_finite() && *w >= 0.0 && *w <= 1e300)
-            .ok_or_else(|| format!("line {}: {weight:?} is not a weight of 0 or more", i + 1))?;
+            .ok_or_else(|| format!("line {}: the weight is not a number of 0 or more", i + 1))?;
         if sizes.len() == MAX_HISTOGRAM_BINS {
             return Err(format!("more than {MAX_HISTOGRAM_BINS} sizes"));
         }
@@ -1063,6 +1074,11 @@ pub struct RecorderSection {
     /// the buffers of every readout unit, builder and the recorder's queue, and the kernel's
     /// socket buffers (several MiB per connection).
     pub disk_hard_free: ByteSize,
+    /// Room the recorder allocates on the output file system at the start of a run and gives
+    /// back when the disk is exhausted anyway (another writer filled it) and when it ends: what
+    /// finishing the run needs on a full disk (the open files' trailers and sidecars, the
+    /// manifest, the run database's writes). 0: none.
+    pub disk_reserve: ByteSize,
 }
 
 impl Default for RecorderSection {
@@ -1087,9 +1103,16 @@ impl Default for RecorderSection {
             queue: ByteSize(64 << 20),
             disk_soft_free: ByteSize(2 << 30),
             disk_hard_free: ByteSize(1 << 30),
+            disk_reserve: ByteSize(16 << 20),
         }
     }
 }
+
+/// How long a shipped file stays in the data directory by default, in seconds: a day (COMET's
+/// buffer of days on the DAQ's disks), the safe side of one default for `[shipper]` and
+/// `tessera ship run` alike; the free-space watermark deletes verified files sooner when the
+/// disk needs the room.
+pub const DEFAULT_KEEP_S: f64 = 86_400.0;
 
 /// `[shipper]`: the second half of role 6. It runs beside the recorder, in the process that
 /// holds its data directory (the run control, or the node agent of the recorder's host), from
@@ -1103,7 +1126,7 @@ pub struct ShipperSection {
     /// shipper.
     pub to: Vec<String>,
     /// Keep a shipped file this many seconds after it was finished (0: delete once every
-    /// destination holds a verified copy).
+    /// destination holds a verified copy). Default [`DEFAULT_KEEP_S`], as `tessera ship run`.
     pub keep_s: f64,
     /// Below this much free space on the data directory's file system, verified files are
     /// deleted first, oldest first, whatever `keep_s` says. Default: twice
@@ -1123,7 +1146,7 @@ impl Default for ShipperSection {
     fn default() -> Self {
         ShipperSection {
             to: Vec::new(),
-            keep_s: 0.0,
+            keep_s: DEFAULT_KEEP_S,
             free_watermark: None,
             bandwidth: ByteSize(0),
             interval_s: 5.0,
@@ -1948,7 +1971,7 @@ impl Topology {
                 };
                 return Err(err(
                     &format!("builder[{i}].buffer"),
-                    format!("{} over {} readout-unit links leaves {} per link{each} two read chunks of {}: raise buffer to {} or more", bu.buffer, n_rus, ByteSize(per_link), bu.read_chunk, ByteSize(2 * rails * bu.read_chunk.0 * n_rus)),
+                    format!("{} over {} readout-unit links leaves {} per link{each} two read chunks of {}: raise buffer to {} or more", bu.buffer, n_rus, ByteSize(per_link), bu.read_chunk, ByteSize((2 * rails * bu.read_chunk.0 * n_rus).div_ceil(1 << 20) << 20)),
                 ));
             }
         }
@@ -2381,6 +2404,20 @@ impl Topology {
             return Ok(());
         }
         for (name, h) in &self.hosts {
+            // A host's name names files and directories (its report, its agent's logs) and
+            // travels in the node protocol: a plain name, never a path.
+            let plain = !name.is_empty()
+                && name.len() <= 63
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+                && name.starts_with(|c: char| c.is_ascii_alphanumeric());
+            if !plain {
+                return Err((
+                    format!("hosts.{name}"),
+                    format!("{name:?} is not a host name: letters, digits, '-', '_' and '.', starting with a letter or a digit, at most 63"),
+                ));
+            }
             let agent = h.agent();
             if agent.parse::<std::net::SocketAddr>().is_err() && agent.rsplit_once(':').is_none() {
                 return Err((
@@ -2571,6 +2608,49 @@ mod tests {
 
     /// Each rail of a builder's link reads into memory of its own, so the buffer must give
     /// every rail two read chunks: 2 MiB over 2 units is two chunks per link, not per rail.
+    /// Issue 50, item 7: a host's name is a plain name, never a path; an input file's error
+    /// names its line, never its content.
+    #[test]
+    fn host_names_are_plain_and_file_errors_never_echo_content() {
+        for bad in ["\"../../x\"", "\"a/b\"", "\".hidden\"", "\"\""] {
+            let text = format!("[hosts]\n{bad} = \"127.0.0.1:7300\"\n[sources]\nhost = \"fe\"\n");
+            let e = parse(&text).unwrap_err();
+            assert!(e.reason.contains("is not a host name"), "{bad}: {e}");
+        }
+        let secret = "root:$6$s3cr3t-hash:19000:0:99999:7:::";
+        for e in [
+            parse_scenario(secret).unwrap_err(),
+            parse_size_histogram(secret).unwrap_err(),
+            parse_size_histogram("12 x-s3cr3t-hash").unwrap_err(),
+            parse_size_histogram("s3cr3t-hash 1").unwrap_err(),
+        ] {
+            assert!(!e.contains("s3cr3t"), "{e}");
+            assert!(e.starts_with("line 1"), "{e}");
+        }
+    }
+
+    /// Issue 50, item 8: the size a buffer error asks for is always more than the buffer it
+    /// refused (a read chunk a few bytes over a MiB once asked for "32.0 MiB" of a 32 MiB one).
+    #[test]
+    fn a_buffer_error_asks_for_more_than_it_refused() {
+        for text in [
+            "[run]\nmax_fragment_size = \"16 MiB\"\n[sources]\ncount = 1\n[[readout]]\nid = 0\nbuffer = \"1 GiB\"\n[[builder]]\nid = 0\nbuffer = \"32 MiB\"\n",
+            "[run]\nmax_fragment_size = \"16 MiB\"\n[sources]\ncount = 1\n[[readout]]\nid = 0\nbuffer = \"32 MiB\"\n",
+        ] {
+            let e = parse(text).unwrap_err();
+            let asked = e
+                .reason
+                .rsplit_once("raise buffer to ")
+                .and_then(|(_, r)| r.strip_suffix(" or more"))
+                .unwrap_or_else(|| panic!("{e}"));
+            let asked: ByteSize = toml::Value::String(asked.into())
+                .try_into()
+                .unwrap_or_else(|x| panic!("{asked}: {x}"));
+            assert!(asked.0 > 32 << 20, "{e}");
+            assert!(!e.reason.contains("32.0 MiB or more"), "{e}");
+        }
+    }
+
     #[test]
     fn a_builder_buffer_gives_every_rail_two_read_chunks() {
         let two_units =

@@ -597,10 +597,21 @@ impl Controller {
                 t.vetoed_by = sampler.vetoed_by(t.vetoed);
             }
         }
+        if let Some(db) = &db {
+            // A run database that cannot take the run's end (a full disk) does not lose the
+            // run's summary: the report says so, and `tessera recover` closes the run's row from
+            // its files once there is room.
+            let failed = self.shared.ctl.lock().error.clone();
+            if let Err(e) = record_end(db, number, &report, failed.as_deref()) {
+                tracing::error!(error = %e, "cannot record the run's end in the run database");
+                report.not_kept.push(format!(
+                    "the run's end: {e} (`tessera recover {}` closes the run from its files once there is room)",
+                    db.path().parent().unwrap_or(std::path::Path::new(".")).display()
+                ));
+            }
+        }
         let report = Arc::new(report);
         if let Some(db) = db {
-            let failed = self.shared.ctl.lock().error.clone();
-            record_end(&db, number, &report, failed.as_deref())?;
             // The run's message log: every host's lines from its start to now.
             let lines: Vec<tessera_rundb::LogRow> = tessera_node::logbook::LOG
                 .between(
@@ -625,7 +636,9 @@ impl Controller {
                 tracing::error!(error = %e, "cannot keep the run's message log");
             }
             if let Some(c) = comment.filter(|c| !c.is_empty()) {
-                db.set_comment(number, c)?;
+                if let Err(e) = db.set_comment(number, c) {
+                    tracing::error!(error = %e, "cannot keep the stop's comment");
+                }
             }
         }
         let mut c = self.shared.ctl.lock();
@@ -761,7 +774,16 @@ impl Controller {
             self.run(),
             unix_ns(),
         );
-        self.shared.ctl.lock().error = Some(why.to_string());
+        {
+            // In error from the moment a component failed, not once the stop that follows has
+            // drained what it can (it can take its stages' deadlines): `/api/state` said
+            // `running` all that time. The stop under way shows as the transition in progress.
+            let mut c = self.shared.ctl.lock();
+            c.error = Some(why.to_string());
+            c.state = State::Error;
+            c.since_unix_ns = unix_ns();
+        }
+        self.shared.changed.notify_all();
         let result = self.stop_run(&format!("error: {why}"), None);
         let why = match result {
             Ok(_) => why.to_string(),

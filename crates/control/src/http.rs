@@ -30,6 +30,67 @@ struct App {
     ctl: Controller,
     token: Option<String>,
     sample: Mutex<SampleTap>,
+    /// Host names a request may name besides IP addresses and `localhost`.
+    host_names: Vec<String>,
+}
+
+/// This host's name (`gethostname`), lower-case; none if it cannot be read.
+fn own_host_name() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: `buf` is writable for its length; gethostname NUL-terminates within it or fails.
+    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0)?;
+    std::str::from_utf8(&buf[..end])
+        .ok()
+        .filter(|n| !n.is_empty())
+        .map(|n| n.to_ascii_lowercase())
+}
+
+/// Whether a request's `Host` names this service: an IP address (a page cannot make a browser
+/// send an address as the host of another site's name), `localhost`, or one of `names`. Any
+/// other name is a page of another site whose name was made to resolve here (DNS rebinding).
+pub fn host_is_ours(host: &str, names: &[String]) -> bool {
+    let name = if let Some(rest) = host.strip_prefix('[') {
+        // [v6]:port
+        return rest
+            .split_once(']')
+            .is_some_and(|(a, _)| a.parse::<std::net::Ipv6Addr>().is_ok());
+    } else {
+        host.rsplit_once(':')
+            .filter(|(_, p)| p.chars().all(|c| c.is_ascii_digit()))
+            .map_or(host, |(n, _)| n)
+    };
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    name.parse::<std::net::Ipv4Addr>().is_ok()
+        || name == "localhost"
+        || name.ends_with(".localhost")
+        || names.iter().any(|n| n.eq_ignore_ascii_case(&name))
+}
+
+/// Refuses, before any route, a request whose `Host` is not one of the service's own names.
+async fn known_host(
+    AxState(app): AxState<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .map(|h| h.to_str().unwrap_or("(not text)"));
+    if let Some(host) = host {
+        if !host_is_ours(host, &app.host_names) {
+            let why = format!(
+                "this service does not answer for the host {host:?} (its own names: IP addresses, localhost, {}): a page of another site that made its name resolve here is refused",
+                if app.host_names.is_empty() { "this host's name".to_string() } else { app.host_names.join(", ") }
+            );
+            tracing::warn!(%peer, host, path = %req.uri().path(), "refused a request for another host's name");
+            return err(StatusCode::MISDIRECTED_REQUEST, why);
+        }
+    }
+    next.run(req).await
 }
 
 /// The dashboard's own sampling station, attached on first use and per run.
@@ -88,10 +149,16 @@ pub fn serve(ctl: Controller, listen: &str, token: Option<String>) -> Result<Htt
         .with_context(|| format!("control: cannot listen on {listen} (another tessera run? use --http ADDR, or --http off)"))?;
     std_listener.set_nonblocking(true)?;
     let addr = std_listener.local_addr()?;
+    let mut host_names: Vec<String> = ctl
+        .resolved()
+        .map(|r| r.topology.control.host_names.clone())
+        .unwrap_or_default();
+    host_names.extend(own_host_name());
     let app = Arc::new(App {
         ctl,
         token,
         sample: Mutex::new(SampleTap::default()),
+        host_names,
     });
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -150,6 +217,10 @@ fn router(app: Arc<App>) -> Router {
         .route("/api/prometheus/targets", get(prometheus_targets))
         .route("/api/events/{event_id}/why", get(why))
         .route("/api/sample", get(sample))
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            known_host,
+        ))
         .with_state(app)
 }
 

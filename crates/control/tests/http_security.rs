@@ -139,3 +139,97 @@ fn state_changes_need_same_origin_json_and_the_token() {
     drop(server);
     c.close();
 }
+
+/// Issue 50, item 7: DNS rebinding. A page of another site whose name was made to resolve to the
+/// service's address sends its own name as `Host` (and, being same-origin to the browser, passes
+/// the Origin and Sec-Fetch-Site checks): refused for reading and for acting, on the default
+/// token-less loopback service. IP addresses, localhost and configured names still answer.
+#[test]
+fn requests_for_another_sites_name_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("t.toml");
+    std::fs::write(
+        &p,
+        "[sources]\ncount = 2\nfragment_size = 256\n[control]\nhost_names = [\"daq-control.example.org\"]\n",
+    )
+    .unwrap();
+    let c = Controller::new(
+        ControlOptions {
+            config: Some(p),
+            output: Some(dir.path().join("out")),
+            ..Default::default()
+        },
+        Arc::new(AtomicBool::new(false)),
+    );
+    // Configured first, as `tessera run` does: the service reads its names then.
+    c.request(Transition::Configure, "test", None).unwrap();
+    let server = tessera_control::http::serve(c.clone(), "127.0.0.1:0", None).unwrap();
+    let a = server.addr;
+    let port = a.port();
+    let evil_host = format!("evil.example:{port}");
+    let evil_origin = format!("http://evil.example:{port}");
+    let rebound = [
+        ("Host", evil_host.as_str()),
+        ("Origin", evil_origin.as_str()),
+        ("Sec-Fetch-Site", "same-origin"),
+        ("Content-Type", "application/json"),
+    ];
+    for (method, path) in [
+        ("POST", "/api/transitions/start"),
+        ("GET", "/api/state"),
+        ("GET", "/api/topology"),
+        ("GET", "/metrics"),
+        ("GET", "/"),
+    ] {
+        let (st, body) = call_as(a, method, path, &rebound, "{}");
+        assert_eq!(st, 421, "{method} {path}: {body}");
+        assert!(body.contains("evil.example"), "{body}");
+    }
+    assert_eq!(
+        c.view().state,
+        State::Configured,
+        "the rebound page changed the state"
+    );
+    for host in [
+        format!("localhost:{port}"),
+        format!("127.0.0.1:{port}"),
+        format!("DAQ-Control.example.org:{port}"),
+        "[::1]".to_string(),
+    ] {
+        let (st, body) = call_as(a, "GET", "/api/state", &[("Host", host.as_str())], "");
+        assert_eq!(st, 200, "{host}: {body}");
+    }
+    drop(server);
+    c.close();
+}
+
+/// [`call`] with every header given, `Host` included.
+fn call_as(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req += &format!("{k}: {v}\r\n");
+    }
+    req += "\r\n";
+    req += body;
+    s.write_all(req.as_bytes()).unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let status = resp[9..12].parse().unwrap();
+    let body = resp
+        .split_once("\r\n\r\n")
+        .map(|x| x.1)
+        .unwrap_or("")
+        .to_string();
+    (status, body)
+}

@@ -100,6 +100,11 @@ pub struct StationCounters {
     pub released: u64,
     /// Times the data path (or an upstream consumer's put) waited for room in this station.
     pub waits: u64,
+    /// Blocking: events not queued because the station was full once the run was stopping (a
+    /// stop releases the holds, so that a held consumer cannot turn the drain into loss upstream:
+    /// the recorder writes them; this station's consumers miss them).
+    #[serde(default)]
+    pub skipped_at_stop: u64,
 }
 
 /// One consumer as the status shows it.
@@ -254,6 +259,8 @@ pub(crate) struct Inner {
     state: Mutex<State>,
     space: Condvar,
     closed: AtomicBool,
+    /// The run is stopping: blocking stations no longer hold the producer.
+    releasing: AtomicBool,
     pub(crate) instance: u64,
     started: Instant,
     streams: BTreeMap<String, Vec<u16>>,
@@ -348,6 +355,7 @@ impl Monitor {
                 state: Mutex::new(state),
                 space: Condvar::new(),
                 closed: AtomicBool::new(false),
+                releasing: AtomicBool::new(false),
                 instance,
                 started: Instant::now(),
                 streams: section.streams.clone(),
@@ -418,6 +426,7 @@ impl Monitor {
                 let mut waited = false;
                 while g.stations[index].full(pending.len())
                     && !self.inner.closed.load(Ordering::Acquire)
+                    && !self.inner.releasing.load(Ordering::Acquire)
                 {
                     if !waited {
                         g.stations[index].counters.waits += 1;
@@ -439,6 +448,13 @@ impl Monitor {
                 }
                 if self.inner.closed.load(Ordering::Acquire) {
                     break;
+                }
+                if g.stations[index].full(pending.len()) {
+                    // Released by the stop: this station's consumers miss the event, counted;
+                    // the stations after it still see it.
+                    g.stations[index].counters.skipped_at_stop += 1;
+                    p = g.position_of(index) + 1;
+                    continue 'positions;
                 }
                 g.stations[index].enqueue(seq, header, pending);
                 return;
@@ -880,6 +896,16 @@ impl Monitor {
             events_out: g.events_out,
             stations,
         }
+    }
+
+    /// The run is stopping: a blocking station that is full no longer holds the producer (the
+    /// event goes on without it, counted `skipped_at_stop`), so that a consumer that holds its
+    /// events (stopped, hung) cannot stall the drain until the upstream stages give up and cut
+    /// what they hold. Consumers still get what their queues hold.
+    pub fn release_holds(&self) {
+        self.inner.releasing.store(true, Ordering::Release);
+        let _g = self.inner.state.lock();
+        self.inner.space.notify_all();
     }
 
     /// Stops the monitor: waits end, a producer waiting for room goes on without the monitor.

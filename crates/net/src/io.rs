@@ -393,30 +393,35 @@ pub fn inherited_listener() -> Option<io::Result<std::net::TcpListener>> {
 
 /// Which peers may connect to this process's data and monitor ports: loopback always, others
 /// only from the networks of `security.allow` (front-end boards cannot hold a token, so their
-/// network is their credential). Set once at start; unset, only loopback peers are taken.
-static ALLOWED: std::sync::OnceLock<Vec<ipnet::IpNet>> = std::sync::OnceLock::new();
+/// network is their credential). Set at each run's start (a node agent serves one topology after
+/// another, each with its own list); unset, only loopback peers are taken.
+static ALLOWED: std::sync::RwLock<Vec<ipnet::IpNet>> = std::sync::RwLock::new(Vec::new());
 
 /// Peers refused by [`peer_allowed`] so far.
 pub static REFUSED_BY_NETWORK: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Sets the networks allowed beyond loopback (the first call wins: one topology per process).
+/// Sets the networks allowed beyond loopback, in place of the ones set before.
 pub fn allow_networks(nets: Vec<ipnet::IpNet>) {
-    let _ = ALLOWED.set(nets);
+    *ALLOWED.write().unwrap_or_else(|p| p.into_inner()) = nets;
 }
 
-/// Whether `peer` may connect; a refused peer is counted and logged.
-pub fn peer_allowed(peer: &SocketAddr) -> bool {
-    let ip = match peer.ip() {
+/// Whether `ip` is loopback or in one of `nets` (an IPv4 address mapped into IPv6 as itself).
+pub fn ip_in(ip: std::net::IpAddr, nets: &[ipnet::IpNet]) -> bool {
+    let ip = match ip {
         std::net::IpAddr::V6(v6) => v6
             .to_ipv4_mapped()
             .map_or(std::net::IpAddr::V6(v6), std::net::IpAddr::V4),
         v4 => v4,
     };
-    if ip.is_loopback()
-        || ALLOWED
-            .get()
-            .is_some_and(|a| a.iter().any(|n| n.contains(&ip)))
-    {
+    ip.is_loopback() || nets.iter().any(|n| n.contains(&ip))
+}
+
+/// Whether `peer` may connect; a refused peer is counted and logged.
+pub fn peer_allowed(peer: &SocketAddr) -> bool {
+    if ip_in(
+        peer.ip(),
+        &ALLOWED.read().unwrap_or_else(|p| p.into_inner()),
+    ) {
         return true;
     }
     REFUSED_BY_NETWORK.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -481,6 +486,12 @@ mod tests {
             REFUSED_BY_NETWORK.load(std::sync::atomic::Ordering::Relaxed),
             before + 2
         );
+        // Issue 54: a node agent serves one topology after another; the second's list holds,
+        // not the first's.
+        allow_networks(vec!["10.2.0.0/16".parse().unwrap()]);
+        assert!(peer_allowed(&p("10.2.0.1:5000")));
+        assert!(!peer_allowed(&p("10.1.7.9:5000")));
+        assert!(peer_allowed(&p("127.0.0.1:5000")));
     }
 }
 

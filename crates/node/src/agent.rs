@@ -12,7 +12,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,6 +25,56 @@ use crate::link::{recv, send};
 
 /// Connections served at once (the driving run control's among them).
 const MAX_CONNECTIONS: usize = 16;
+
+/// Connections from one address not yet past their hello: beyond this, its oldest is closed.
+const PENDING_PER_PEER: usize = 2;
+
+/// Who may connect to the agent: once a configure told it the run's `security.allow`, loopback,
+/// those networks and the addresses of run controls that said a good hello; before that, anyone
+/// (a fresh agent must be reachable by its run control), each held to [`PENDING_PER_PEER`]
+/// connections without a hello.
+#[derive(Clone, Debug, Default)]
+pub struct Trust(Arc<Mutex<TrustState>>);
+
+#[derive(Debug, Default)]
+struct TrustState {
+    networks: Option<Vec<ipnet::IpNet>>,
+    run_controls: Vec<IpAddr>,
+}
+
+impl Trust {
+    fn admits(&self, ip: IpAddr) -> bool {
+        let t = self.0.lock();
+        t.networks
+            .as_ref()
+            .is_none_or(|n| tessera_net::io::ip_in(ip, n) || t.run_controls.contains(&ip))
+    }
+
+    fn run_control(&self, ip: IpAddr) {
+        let mut t = self.0.lock();
+        if !t.run_controls.contains(&ip) {
+            // The last few: a run control moved to another host is let in too.
+            if t.run_controls.len() >= 8 {
+                t.run_controls.remove(0);
+            }
+            t.run_controls.push(ip);
+        }
+    }
+
+    fn networks(&self, n: Vec<ipnet::IpNet>) {
+        self.0.lock().networks = Some(n);
+    }
+}
+
+/// A connection being served.
+struct Conn {
+    ip: IpAddr,
+    /// To close it from the accepting loop (shut down: its thread's read ends).
+    stream: TcpStream,
+    /// It said its first message: no longer a silent stranger.
+    spoke: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
 
 /// How the agent was started.
 #[derive(Clone, Debug)]
@@ -40,6 +90,8 @@ pub struct AgentOptions {
     pub metrics: Option<SocketAddr>,
     /// What `/metrics` shows, kept up to date by the driving connection.
     pub published: crate::metrics::Shared,
+    /// Who may connect (the last configure's `security.allow`, the run controls seen).
+    pub trust: Trust,
 }
 
 /// Serves run controls on `listener` until `stop` is raised. One drives the agent at a time;
@@ -50,26 +102,57 @@ pub fn serve(listener: TcpListener, opts: AgentOptions, stop: Arc<AtomicBool>) -
     }
     listener.set_nonblocking(true)?;
     let driver: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
-    let mut threads = Vec::new();
+    let mut conns: Vec<Conn> = Vec::new();
     while !stop.load(Ordering::Relaxed) {
         match listener.accept() {
             Ok((s, peer)) => {
-                threads.retain(|t: &std::thread::JoinHandle<()>| !t.is_finished());
-                // One run control drives the agent; a few more may be saying hello or be told
-                // it is taken. Beyond that a connection is closed at once: strangers cannot make
-                // the agent hold a thread each.
-                if threads.len() >= MAX_CONNECTIONS {
+                conns.retain(|c| !c.thread.is_finished());
+                let ip = peer.ip();
+                if !opts.trust.admits(ip) {
+                    tracing::warn!(%peer, "refused a connection from outside security.allow (and not a run control seen before)");
+                    drop(s);
+                    continue;
+                }
+                // Silent connections cannot keep the run control out: one address holds at most
+                // a few without a hello, and at the limit the oldest silent one makes room (a
+                // run control says its hello as soon as it connects).
+                let silent = |c: &&Conn| !c.spoke.load(Ordering::Acquire);
+                let close_oldest = |conns: &mut Vec<Conn>, of: Option<IpAddr>| -> bool {
+                    let Some(i) = conns
+                        .iter()
+                        .position(|c| silent(&c) && of.is_none_or(|ip| c.ip == ip))
+                    else {
+                        return false;
+                    };
+                    let c = conns.remove(i);
+                    tracing::warn!(peer = %c.ip, "closed a connection that said nothing, to make room");
+                    let _ = c.stream.shutdown(std::net::Shutdown::Both);
+                    true
+                };
+                if conns.iter().filter(|c| c.ip == ip).filter(silent).count() >= PENDING_PER_PEER {
+                    close_oldest(&mut conns, Some(ip));
+                }
+                if conns.len() >= MAX_CONNECTIONS && !close_oldest(&mut conns, None) {
                     tracing::warn!(%peer, "too many connections at once: closed");
                     drop(s);
                     continue;
                 }
                 s.set_nonblocking(false)?;
+                let stream = s.try_clone()?;
+                let spoke = Arc::new(AtomicBool::new(false));
                 let (opts, driver, stop) = (opts.clone(), driver.clone(), stop.clone());
-                threads.push(std::thread::spawn(move || {
-                    if let Err(e) = connection(s, peer, &opts, &driver, &stop) {
+                let said = spoke.clone();
+                let thread = std::thread::spawn(move || {
+                    if let Err(e) = connection(s, peer, &opts, &driver, &stop, &said) {
                         tracing::warn!(%peer, error = %format!("{e:#}"), "run control connection ended");
                     }
-                }));
+                });
+                conns.push(Conn {
+                    ip,
+                    stream,
+                    spoke,
+                    thread,
+                });
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(20));
@@ -77,8 +160,8 @@ pub fn serve(listener: TcpListener, opts: AgentOptions, stop: Arc<AtomicBool>) -
             Err(e) => return Err(e).context("accepting run controls"),
         }
     }
-    for t in threads {
-        let _ = t.join();
+    for c in conns {
+        let _ = c.thread.join();
     }
     Ok(())
 }
@@ -96,11 +179,15 @@ fn connection(
     opts: &AgentOptions,
     driver: &Mutex<Option<SocketAddr>>,
     stop: &AtomicBool,
+    spoke: &AtomicBool,
 ) -> Result<()> {
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
     let hello: Request = match recv(&mut s, proto::MAX_HELLO) {
-        Ok(h) => h,
+        Ok(h) => {
+            spoke.store(true, Ordering::Release);
+            h
+        }
         // A connection closed before a word (a port probe, `tessera launch` asking whether
         // the agent answers) is no run control.
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
@@ -147,6 +234,7 @@ fn connection(
     if !constant_time_eq(token.as_bytes(), opts.token.as_bytes()) {
         return refuse(&mut s, format!("wrong token for the agent on {me}"));
     }
+    opts.trust.run_control(peer.ip());
     {
         let mut d = driver.lock();
         if let Some(other) = *d {
@@ -381,6 +469,11 @@ impl Agent {
         if r.topology.control.effective_token().is_none() {
             r.topology.control.token = tessera_config::Secret::new(self.opts.token.clone());
         }
+        // From now on the agent's own port takes what the run's data ports take (and the run
+        // controls it has seen).
+        self.opts
+            .trust
+            .networks(r.topology.security.networks().unwrap_or_default());
         let roles = RoleSet::of_host(host, &r);
         let output = self
             .opts
@@ -388,6 +481,12 @@ impl Agent {
             .clone()
             .unwrap_or_else(|| r.topology.run.output.clone());
         let mut problems = Vec::new();
+        if !roles.sources.is_empty() {
+            problems.extend(outside_the_agents_directory(
+                &mut r,
+                self.opts.output.as_deref(),
+            ));
+        }
         if let Err(e) = writable(&output) {
             problems.push(format!("output directory {}: {e:#}", output.display()));
         }
@@ -619,6 +718,49 @@ fn writable(dir: &std::path::Path) -> Result<()> {
 
 /// What this host's roles may hold at most, as `tessera check` counts it (all of it resident
 /// from the start where they reserve their buffers).
+/// The input files this host's sources would read (trigger times, a size histogram, a recording
+/// to replay) that lie outside the agent's own directory (`--output`, else the directory it was
+/// started in). The run control holds the token, not the host: an agent (often root) reads no
+/// file it was not given room for, so a topology cannot make it read, and answer with, any file
+/// of its host.
+fn outside_the_agents_directory(r: &mut Resolved, own: Option<&Path>) -> Vec<String> {
+    let s = &r.topology.sources;
+    if s.scenario.is_none() && s.size_histogram.is_none() && s.replay.is_none() {
+        return Vec::new();
+    }
+    let Ok(base) = own
+        .map(Path::to_path_buf)
+        .map_or_else(std::env::current_dir, Ok)
+        .and_then(|d| std::fs::create_dir_all(&d).and_then(|_| d.canonicalize()))
+    else {
+        return vec![
+            "this agent's directory cannot be resolved: its sources read no input file".into(),
+        ];
+    };
+    let s = &mut r.topology.sources;
+    let mut problems = Vec::new();
+    for (key, p) in [
+        ("sources.scenario", &mut s.scenario),
+        ("sources.size_histogram", &mut s.size_histogram),
+        ("sources.replay", &mut s.replay),
+    ] {
+        let Some(p) = p.as_mut() else { continue };
+        // A relative name is the agent's directory's (the sources read it from there).
+        if p.is_relative() {
+            *p = base.join(&*p);
+        }
+        // Resolved as the file system will (links followed), so `..` or a link cannot lead out.
+        if !p.canonicalize().is_ok_and(|c| c.starts_with(&base)) {
+            problems.push(format!(
+                "{key}: {} is not a file under this agent's directory {}: an agent reads its sources' input files only from there (put the file there, or start the agent with --output naming a directory that holds it)",
+                p.display(),
+                base.display()
+            ));
+        }
+    }
+    problems
+}
+
 fn memory_needed(r: &Resolved, roles: &RoleSet) -> u64 {
     use tessera_run::check::Unit;
     tessera_run::check::memory(r)

@@ -985,8 +985,13 @@ impl RunSession for ClusterRun {
             .output
             .join(format!("run{:06}.manifest.json", self.run_number));
         std::fs::create_dir_all(&self.output).ok();
-        std::fs::write(&path, serde_json::to_vec_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        let json = serde_json::to_vec_pretty(&report)?;
+        if let Err(e) = tessera_archive::file_write_atomic(&path, &json) {
+            tracing::error!(error = %e, path = %path.display(), "cannot write the run's manifest");
+            report
+                .not_kept
+                .push(format!("the manifest {}: {e}", path.display()));
+        }
         Ok(report)
     }
 }

@@ -94,6 +94,8 @@ struct Block {
     events: u32,
     fragments: u64,
     incomplete: u64,
+    /// Fragments of the incomplete events.
+    incomplete_fragments: u64,
     first: Option<u64>,
 }
 
@@ -104,6 +106,7 @@ struct Counts {
     events: u32,
     fragments: u64,
     incomplete: u64,
+    incomplete_fragments: u64,
     first: u64,
     last: Option<u64>,
 }
@@ -276,6 +279,9 @@ impl FileWriter {
         b.events += 1;
         b.fragments += fragments as u64;
         b.incomplete += incomplete as u64;
+        if incomplete {
+            b.incomplete_fragments += fragments as u64;
+        }
         b.records.push(rec);
         self.appended += 1;
         if self.block.raw >= self.block_size {
@@ -392,6 +398,7 @@ fn compress_loop(
                     events: block.events,
                     fragments: block.fragments,
                     incomplete: block.incomplete,
+                    incomplete_fragments: block.incomplete_fragments,
                     first: block.first.unwrap_or(0),
                     last: block
                         .records
@@ -442,6 +449,11 @@ fn compress_loop(
         }
     }
 }
+
+/// Free space a block must leave on the output file system, beyond itself, to be written: room
+/// for finishing the run once nothing more fits (the open files' trailers and sidecars, the
+/// manifest, the run database's end of the run with its report and message log).
+const CLOSE_MARGIN: u64 = 4 << 20;
 
 /// The disk thread: writes in order, rotates, syncs.
 struct Disk {
@@ -522,7 +534,7 @@ impl Disk {
                         header,
                         stored,
                         counts,
-                    } => self.write_block(&header, stored, counts),
+                    } => self.write_or_count(&header, stored, counts),
                     Ready::Sync => self.sync(),
                 };
                 if let Err(e) = r {
@@ -560,7 +572,13 @@ impl Disk {
                 config_digest: s.config_digest,
             }
             .encode();
-            file.write_all(&hb)?;
+            if let Err(e) = file.write_all(&hb) {
+                // A file without its whole header holds nothing: none is left behind.
+                drop(file);
+                let _ = std::fs::remove_file(&part);
+                self.next_sequence -= 1;
+                return Err(e);
+            }
             self.open = Some(Open {
                 opened: Instant::now(),
                 file,
@@ -578,12 +596,121 @@ impl Disk {
         Ok(self.open.as_mut().expect("opened above"))
     }
 
-    fn write_block(&mut self, header: &[u8], stored: Stored, c: Counts) -> io::Result<()> {
+    /// Writes a block if the disk has room for it; once it has not, finishes the open file and
+    /// counts this block and every later one as unrecorded (the run is stopping: the disk is
+    /// full). Room means the block and [`CLOSE_MARGIN`] for finishing the run. The room held in
+    /// reserve (`recorder.disk_reserve`) is given back the first time a block does not fit, and
+    /// the drain goes on into it. A write that fails for want of space anyway (another writer
+    /// took it meanwhile) is cut back to the file's last whole block and tried once more with
+    /// the reserve given back.
+    fn write_or_count(&mut self, header: &[u8], stored: Stored, c: Counts) -> io::Result<()> {
+        if !self.st.disk_exhausted.load(Ordering::Acquire) {
+            let len = header.len() as u64
+                + match &stored {
+                    Stored::Records(_) => c.raw as u64,
+                    Stored::Bytes(b) => b.len() as u64,
+                };
+            let fits = |dir: &std::path::Path| {
+                free_bytes(dir).is_none_or(|free| free >= len + CLOSE_MARGIN)
+            };
+            let mut stored = Some(stored);
+            for _ in 0..2 {
+                if !fits(&self.s.dir) && !self.give_back_reserve() {
+                    break;
+                }
+                if !fits(&self.s.dir) {
+                    continue;
+                }
+                match self.write_block(header, &mut stored, c) {
+                    Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
+                        self.cut_back()?;
+                        if !self.give_back_reserve() {
+                            break;
+                        }
+                    }
+                    r => return r,
+                }
+            }
+            self.exhausted();
+        }
+        if self.open.is_some() {
+            // Another series exhausted the disk: this one finishes its file too.
+            self.hand_to_closer();
+        }
+        self.st.unrecorded(
+            c.events as u64,
+            c.fragments - c.incomplete_fragments,
+            c.incomplete_fragments,
+        );
+        // Counted as passed on, so that acknowledgements go on and no builder waits for what
+        // will never be written.
+        self.written += c.events as u64;
+        self.progress.written.store(self.written, Ordering::Release);
+        if self.open.is_none() {
+            let w = self.written;
+            self.progress.update_synced(|s| s.open_synced = w);
+        }
+        Ok(())
+    }
+
+    /// Whether the room for finishing the run is still held.
+    fn reserve_held(&self) -> bool {
+        self.st.reserve.lock().is_some()
+    }
+
+    /// Gives the reserve back for the drain; whether there was one.
+    fn give_back_reserve(&self) -> bool {
+        if !self.reserve_held() {
+            return false;
+        }
+        tracing::warn!(dir = %self.s.dir.display(), free = free_bytes(&self.s.dir).unwrap_or(0),
+            "output file system nearly full: the room held in reserve (recorder.disk_reserve) goes to the drain");
+        self.st.release_reserve();
+        true
+    }
+
+    /// The disk has no room for data: the run stops and the open file is finished with the
+    /// blocks it holds.
+    fn exhausted(&mut self) {
+        let st = &self.st;
+        if !st.disk_exhausted.swap(true, Ordering::AcqRel) {
+            tracing::error!(
+                dir = %self.s.dir.display(),
+                free = free_bytes(&self.s.dir).unwrap_or(0),
+                "output file system full: the recorder finishes its files and writes nothing more; what it cannot write is counted unrecorded_disk_full"
+            );
+        }
+        st.disk_full.store(true, Ordering::Release);
+        st.release_reserve();
+        self.hand_to_closer();
+    }
+
+    /// After a write that ran out of space: the open file is cut back to its last whole block
+    /// (what the failed write left of its block is not part of the file).
+    fn cut_back(&mut self) -> io::Result<()> {
+        use std::io::{Seek, SeekFrom};
+        if let Some(o) = self.open.as_mut() {
+            o.file.set_len(o.size)?;
+            o.file.seek(SeekFrom::Start(o.size))?;
+        }
+        Ok(())
+    }
+
+    /// Writes the block in `stored`, taking it once written; left there when the write fails.
+    fn write_block(
+        &mut self,
+        header: &[u8],
+        stored: &mut Option<Stored>,
+        c: Counts,
+    ) -> io::Result<()> {
         let t = Instant::now();
         let max_file = self.s.section.max_file_size.0;
         let st = self.st.clone();
         let o = self.open_file()?;
-        let written = match &stored {
+        let Some(block) = stored.as_ref() else {
+            return Ok(());
+        };
+        let written = match block {
             Stored::Records(records) => {
                 let mut io: Vec<IoSlice> = Vec::with_capacity(records.len() + 1);
                 io.push(IoSlice::new(header));
@@ -607,7 +734,7 @@ impl Disk {
                 header.len() + b.len()
             }
         };
-        drop(stored);
+        drop(stored.take());
         o.size += written as u64;
         o.trailer.events += c.events as u64;
         o.trailer.incomplete_events += c.incomplete;

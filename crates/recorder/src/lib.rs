@@ -94,6 +94,18 @@ pub struct RecorderStats {
     pub disk_low: AtomicBool,
     /// Below `recorder.disk_hard_free`: the run must stop (the run control does so cleanly).
     pub disk_full: AtomicBool,
+    /// The output file system had no room for the next block (a write failed with ENOSPC, or
+    /// it would have left less than a block free): the recorder finished its open files and
+    /// writes nothing more this run; what it takes from then on is counted unrecorded.
+    pub disk_exhausted: AtomicBool,
+    /// Events, and their fragments in complete and in incomplete events, that the recorder took
+    /// from its builders but could not write because the disk was exhausted: the balance names
+    /// them `unrecorded_disk_full`.
+    pub unrecorded_events: AtomicU64,
+    pub unrecorded_fragments_in_complete: AtomicU64,
+    pub unrecorded_fragments_in_incomplete: AtomicU64,
+    /// The room held for finishing the run (`recorder.disk_reserve`), until given back.
+    pub reserve: Mutex<Option<tessera_archive::DiskReserve>>,
     /// Second copies of events, dropped (request mode, after a builder failover).
     pub duplicate_events: AtomicU64,
     pub duplicate_fragments: AtomicU64,
@@ -105,6 +117,22 @@ pub struct RecorderStats {
 }
 
 impl RecorderStats {
+    /// Gives the room held for finishing the run back to the file system.
+    pub fn release_reserve(&self) {
+        if let Some(r) = self.reserve.lock().take() {
+            tracing::info!(path = %r.path().display(), "disk reserve given back");
+        }
+    }
+
+    /// Counts records the recorder took and could not write (the disk was exhausted).
+    fn unrecorded(&self, events: u64, fragments_in_complete: u64, fragments_in_incomplete: u64) {
+        self.unrecorded_events.fetch_add(events, Ordering::Relaxed);
+        self.unrecorded_fragments_in_complete
+            .fetch_add(fragments_in_complete, Ordering::Relaxed);
+        self.unrecorded_fragments_in_incomplete
+            .fetch_add(fragments_in_incomplete, Ordering::Relaxed);
+    }
+
     pub fn buffer_use(&self) -> (u64, u64) {
         self.links
             .lock()
@@ -253,6 +281,20 @@ impl Recorder {
             if free < cfg.settings.disk_hard_free.0 {
                 tracing::error!(free, dir = %cfg.output.display(), "disk below its hard watermark at the start: the run stops");
                 stats.disk_full.store(true, Ordering::Relaxed);
+            }
+        }
+        if cfg.settings.enabled && cfg.settings.disk_reserve.0 > 0 {
+            let _ = std::fs::create_dir_all(&cfg.output);
+            match tessera_archive::DiskReserve::take(
+                &cfg.output,
+                cfg.run_number,
+                cfg.settings.disk_reserve.0,
+            ) {
+                Ok(r) => *stats.reserve.lock() = Some(r),
+                Err(e) => {
+                    tracing::warn!(error = %e, dir = %cfg.output.display(), bytes = cfg.settings.disk_reserve.0,
+                    "cannot hold the disk reserve (recorder.disk_reserve): a disk filled by another writer may leave this run's last file unfinished")
+                }
             }
         }
         let mut role = RoleThreads::default();
@@ -703,7 +745,17 @@ fn write_loop(
                 // a blocking station asks (the monitor copies what it keeps; `rec` stays ours).
                 st.monitor.time(|| m.insert(&rec));
             }
-            let stream = if enabled && !failed {
+            let exhausted = st.disk_exhausted.load(Ordering::Acquire);
+            if exhausted && enabled && !failed {
+                // Nothing more fits: counted, by name, and acknowledged in its turn (the
+                // builders must not wait for what will never be written).
+                if incomplete {
+                    st.unrecorded(1, 0, nf as u64);
+                } else {
+                    st.unrecorded(1, nf as u64, 0);
+                }
+            }
+            let stream = if enabled && !failed && !exhausted {
                 match w.append(slot, rec, nf, incomplete) {
                     Ok(i) => Some(i),
                     Err(e) => {
@@ -759,4 +811,7 @@ fn write_loop(
             *st.error.lock() = Some(format!("closing file: {e}"));
         }
     }
+    // The files are finished: the room held for that goes to the manifest and the database.
+    drop(w);
+    st.release_reserve();
 }

@@ -264,6 +264,51 @@ pub fn bookkeeping(r: &Resolved, unit: Unit) -> u64 {
     }
 }
 
+/// What can still reach the output disk after the run is stopped at its hard watermark: every
+/// buffer that drains (readout units, builders, the recorder's queue) and what the kernel holds
+/// in the data path's connections (each up to this host's `tcp_rmem` and `tcp_wmem` maxima, as
+/// autotuning allows under back-pressure). The room to finish the run (trailers, manifest, run
+/// database) is `recorder.disk_reserve`'s, held apart.
+pub struct InFlightAtStop {
+    pub buffers: u64,
+    pub connections: u64,
+    pub socket_buffers: u64,
+}
+
+impl InFlightAtStop {
+    pub fn total(&self) -> u64 {
+        self.buffers + self.socket_buffers
+    }
+}
+
+/// The most a TCP connection's kernel buffers can hold on this host, both ends (the third
+/// figure of `tcp_rmem` and of `tcp_wmem`; Linux's defaults, 6 MiB and 4 MiB, where unreadable).
+pub fn socket_buffer_max() -> u64 {
+    let max_of = |name: &str, default: u64| {
+        std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}"))
+            .ok()
+            .and_then(|t| t.split_whitespace().nth(2)?.parse().ok())
+            .unwrap_or(default)
+    };
+    max_of("tcp_rmem", 6 << 20) + max_of("tcp_wmem", 4 << 20)
+}
+
+pub fn in_flight_at_stop(r: &Resolved) -> InFlightAtStop {
+    let t = &r.topology;
+    let buffers = t.readout_units.iter().map(|u| u.buffer.0).sum::<u64>()
+        + t.builders.iter().map(|b| b.buffer.0).sum::<u64>()
+        + t.recorder.queue.0;
+    // Every source's link, every readout unit to every builder, every builder to the recorder.
+    let connections = r.all_sources().len() as u64
+        + (t.readout_units.len() * t.builders.len()) as u64
+        + t.builders.len() as u64;
+    InFlightAtStop {
+        buffers,
+        connections,
+        socket_buffers: connections * socket_buffer_max(),
+    }
+}
+
 pub fn check(r: &Resolved) -> CheckReport {
     let t = &r.topology;
     let mut problems = Vec::new();
@@ -462,16 +507,18 @@ pub fn check(r: &Resolved) -> CheckReport {
                 });
             }
         }
-        let in_flight: u64 = t.readout_units.iter().map(|u| u.buffer.0).sum::<u64>()
-            + t.builders.iter().map(|b| b.buffer.0).sum::<u64>()
-            + t.recorder.queue.0;
-        if t.recorder.disk_hard_free.0 < in_flight {
+        let f = in_flight_at_stop(r);
+        if t.recorder.disk_hard_free.0 < f.total() {
             warnings.push(Finding {
                 key: "recorder.disk_hard_free".into(),
                 reason: format!(
-                    "{} is less than the buffers that drain after the run stops ({}, before the kernel's socket buffers): the disk could fill during the drain",
+                    "{} is less than what can still reach the disk after the run stops there ({}: buffers {}, the kernel's buffers of {} connections {} at this host's tcp_rmem/tcp_wmem maxima): the disk could fill during the drain; raise it to {} or more",
                     human(t.recorder.disk_hard_free.0 as f64),
-                    human(in_flight as f64)
+                    human(f.total() as f64),
+                    human(f.buffers as f64),
+                    f.connections,
+                    human(f.socket_buffers as f64),
+                    human(f.total() as f64),
                 ),
             });
         }

@@ -856,6 +856,12 @@ impl Session {
         *self.stop_cap.lock() = (deadlines.max_ms > 0)
             .then(|| Instant::now() + Duration::from_millis(deadlines.max_ms));
         let run = &self.running;
+        // A blocking station whose consumer holds it (stopped, hung) must not stall the drain
+        // until the readout and builder stages give up what they hold: from now on it no
+        // longer holds the recorder (what it misses is counted at the station).
+        if let Some((m, _)) = &self.monitor {
+            m.release_holds();
+        }
         // A paused run has its triggers held: let the sources reach their common last trigger.
         // Stopping before resuming: no trigger is claimed in between (a host of a run spread
         // over hosts has had its last trigger aligned with the others').
@@ -1046,10 +1052,17 @@ impl Session {
             rec.join();
         }
         if manifest {
+            // A manifest that cannot be written (a full disk) does not lose the run's summary:
+            // the report says what was not kept, and the files finished are on disk.
             let path = output.join(format!("run{run_number:06}.manifest.json"));
             let json = serde_json::to_vec_pretty(&report)?;
-            tessera_recorder::file_write_atomic(&path, &json)
-                .with_context(|| format!("writing {}", path.display()))?;
+            if let Err(e) = tessera_recorder::file_write_atomic(&path, &json) {
+                tracing::error!(error = %e, path = %path.display(), "cannot write the run's manifest");
+                report.not_kept.push(format!(
+                    "the manifest {}: {e} (the report above is all of it)",
+                    path.display()
+                ));
+            }
         }
         // Its last files and its manifest are ready: they ship now, not at the next interval.
         if let Some(s) = shipper {

@@ -331,6 +331,13 @@ pub struct RecorderReport {
     /// Fragments received and not yet written.
     #[serde(default)]
     pub queued_fragments: u64,
+    /// Events, and their fragments, that the recorder took but could not write because the
+    /// output file system was full (`unrecorded_disk_full` in the balance; not in
+    /// `fragments_in_complete` and `fragments_in_incomplete`, which count what it holds).
+    #[serde(default)]
+    pub unrecorded_events: u64,
+    #[serde(default)]
+    pub unrecorded_fragments: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -414,6 +421,10 @@ pub struct Report {
     /// its samples; empty for a run shorter than two samples).
     #[serde(default)]
     pub bottlenecks: Vec<BottleneckShare>,
+    /// What could not be kept of the run's end (its manifest, its row in the run database),
+    /// and why: the run still closes with its summary, which says so (a full disk).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub not_kept: Vec<String>,
 }
 
 /// The trigger of the emulated sources: every offered trigger is accepted (an event, sent by
@@ -695,9 +706,18 @@ pub(crate) fn builder(b: &tessera_builder::BuilderUnit, cx: &Cx, p: &mut Parts) 
 pub(crate) fn recorder(rec: &tessera_recorder::Recorder, p: &mut Parts) {
     let st = &rec.stats;
     let files = st.files.lock().clone();
+    let (uc, ui) = (
+        st.unrecorded_fragments_in_complete.load(Ordering::Relaxed),
+        st.unrecorded_fragments_in_incomplete
+            .load(Ordering::Relaxed),
+    );
     let (fc, fi) = (
-        st.fragments_in_complete.load(Ordering::Relaxed),
-        st.fragments_in_incomplete.load(Ordering::Relaxed),
+        st.fragments_in_complete
+            .load(Ordering::Relaxed)
+            .saturating_sub(uc),
+        st.fragments_in_incomplete
+            .load(Ordering::Relaxed)
+            .saturating_sub(ui),
     );
     p.recorder = Some(RecorderReport {
         events: st.events.load(Ordering::Relaxed),
@@ -720,6 +740,8 @@ pub(crate) fn recorder(rec: &tessera_recorder::Recorder, p: &mut Parts) {
         fragments_in_complete: fc,
         fragments_in_incomplete: fi,
         queued_fragments: st.queued_fragments.load(Ordering::Relaxed),
+        unrecorded_events: st.unrecorded_events.load(Ordering::Relaxed),
+        unrecorded_fragments: uc + ui,
     });
 }
 
@@ -925,6 +947,8 @@ impl Report {
             // or from the first answers, the other copy then taking the ones given again: either
             // way its fragments are one copy's worth of what the units put in, named here.
             add("second_copy_at_recorder", rc.duplicate_fragments);
+            // Taken from the builders when the output file system had no room left.
+            add("unrecorded_disk_full", rc.unrecorded_fragments);
         }
         // Fragments the builders sent on but the recorder has not counted are in flight between
         // them; they are part of what is buffered, not lost, until the recorder link is drained.
@@ -986,7 +1010,8 @@ impl Report {
                 let taken = rc.fragments_in_complete
                     + rc.fragments_in_incomplete
                     + rc.queued_fragments
-                    + rc.duplicate_fragments;
+                    + rc.duplicate_fragments
+                    + rc.unrecorded_fragments;
                 lost.push((
                     "in_flight_to_recorder_at_abort",
                     written.saturating_sub(taken),
@@ -1053,6 +1078,7 @@ impl Report {
             hosts_missing: Vec::new(),
             stop: None,
             bottlenecks: Vec::new(),
+            not_kept: Vec::new(),
         }
     }
 
@@ -1064,6 +1090,7 @@ impl Report {
                 .recorder
                 .as_ref()
                 .is_none_or(|r| r.error.is_none() && r.events_in_files == r.events)
+            && self.not_kept.is_empty()
     }
 
     /// The human summary.
@@ -1088,11 +1115,21 @@ impl Report {
             .flat_map(|x| &x.stages)
             .filter(|x| !x.finished)
         {
-            let _ = writeln!(
-                s,
-                "  stop     {} passed its {} ms deadline: {}",
-                st.stage, st.deadline_ms, st.left
-            );
+            // A stage can end unfinished before its deadline (a host lost, an abort): said as
+            // such, with the time it took, not as a deadline it never reached.
+            if st.elapsed_ms >= st.deadline_ms {
+                let _ = writeln!(
+                    s,
+                    "  stop     {} passed its {} ms deadline: {}",
+                    st.stage, st.deadline_ms, st.left
+                );
+            } else {
+                let _ = writeln!(
+                    s,
+                    "  stop     {} ended unfinished after {} ms (deadline {} ms): {}",
+                    st.stage, st.elapsed_ms, st.deadline_ms, st.left
+                );
+            }
         }
         let _ = writeln!(
             s,
@@ -1172,8 +1209,12 @@ impl Report {
             if let Some(e) = &r.error {
                 let _ = writeln!(s, "  RECORDER ERROR: {e}");
             }
-            if r.events_in_files != r.events {
-                let _ = writeln!(s, "  WARNING: the recorder received {} events; {} of them are in no finished file", r.events, r.events - r.events_in_files.min(r.events));
+            if r.unrecorded_events > 0 {
+                let _ = writeln!(s, "  DISK FULL: {} events ({} fragments) could not be written: the output file system filled before the run had drained (another writer, or recorder.disk_hard_free below what was in flight); named unrecorded_disk_full in the balance", r.unrecorded_events, r.unrecorded_fragments);
+            }
+            let unexplained = r.events.saturating_sub(r.unrecorded_events);
+            if r.events_in_files != unexplained {
+                let _ = writeln!(s, "  WARNING: the recorder received {} events; {} of them are in no finished file", r.events, unexplained.saturating_sub(r.events_in_files));
             }
         }
         if let Some(m) = &self.event_manager {
@@ -1311,6 +1352,9 @@ impl Report {
                 "  WARNING: builders built {} more events than the recorder recorded",
                 self.recorder_shortfall
             );
+        }
+        for n in &self.not_kept {
+            let _ = writeln!(s, "  NOT KEPT: {n}");
         }
         s
     }
@@ -1607,6 +1651,55 @@ mod tests {
         );
         let none = Report::combine(&r, info(), vec![report_of(overdue(0, 0))]);
         assert!(!none.summary().contains("overdue"), "{}", none.summary());
+    }
+
+    /// Issue 50, items 1 and 8: a stage that ended unfinished before its deadline (a host lost)
+    /// says how long it took, not that it passed its deadline; a recorder that could not write
+    /// for a full disk names what it could not write, and the balance holds with it.
+    #[test]
+    fn a_stop_stage_ended_early_and_unrecorded_events_are_said_as_they_were() {
+        let r = request_mode();
+        let mut rep = Report::combine(&r, info(), vec![report_of(Parts::default())]);
+        let stage = |name: &str, elapsed_ms: u64| crate::StageReport {
+            stage: name.into(),
+            deadline_ms: 10_000,
+            elapsed_ms,
+            finished: false,
+            left: "a host lost".into(),
+        };
+        rep.stop = Some(crate::StopReport {
+            stages: vec![stage("builders", 26), stage("recorder", 10_003)],
+            drained: false,
+            all_finished: true,
+        });
+        let text = rep.summary();
+        assert!(
+            text.contains("builders ended unfinished after 26 ms (deadline 10000 ms): a host lost"),
+            "{text}"
+        );
+        assert!(
+            text.contains("recorder passed its 10000 ms deadline"),
+            "{text}"
+        );
+        assert!(!text.contains("builders passed its"), "{text}");
+        let mut rc = recorder(10, 0, &[]);
+        rc.unrecorded_events = 2;
+        rc.unrecorded_fragments = 6;
+        rc.events = 3;
+        rc.events_in_files = 1;
+        let whole = Report::combine(
+            &r,
+            info(),
+            vec![report_of(Parts {
+                recorder: Some(rc),
+                ..Default::default()
+            })],
+        );
+        assert_eq!(whole.balance.rejected.get("unrecorded_disk_full"), Some(&6));
+        let text = whole.summary();
+        assert!(text.contains("DISK FULL: 2 events (6 fragments)"), "{text}");
+        assert!(!text.contains("in no finished file"), "{text}");
+        assert!(!whole.ok());
     }
 
     /// Issue 14: 21 links each busy the whole run make a unit busy the whole run, not 1/21.

@@ -262,6 +262,55 @@ impl RunDb {
         })
     }
 
+    /// Opens the database at `path` for reading only: nothing is created, migrated or written,
+    /// so it answers on a full disk and beside a run that holds it. A database of an older
+    /// schema is brought up to date first (a write), as [`RunDb::open`] does.
+    /// A database that a process left mid-write (a hot journal, which only a writer may roll
+    /// back) is opened for writing instead, as [`RunDb::open`] does.
+    pub fn open_read_only(path: &Path) -> Result<RunDb, DbError> {
+        let err = |source| DbError::Sqlite {
+            path: path.to_path_buf(),
+            source,
+        };
+        let read = || -> rusqlite::Result<(Connection, i64)> {
+            let conn = Connection::open_with_flags(
+                path,
+                rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY
+                    | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+            )?;
+            conn.busy_timeout(Duration::from_secs(10))?;
+            let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+            // The first read of a table is where a hot journal is found.
+            conn.query_row("SELECT COUNT(*) FROM sqlite_master", [], |r| {
+                r.get::<_, i64>(0)
+            })?;
+            Ok((conn, version))
+        };
+        let (conn, version) = match read() {
+            Ok(x) => x,
+            Err(rusqlite::Error::SqliteFailure(e, _))
+                if e.code == rusqlite::ErrorCode::ReadOnly =>
+            {
+                return RunDb::open(path);
+            }
+            Err(e) => return Err(err(e)),
+        };
+        if version > SCHEMA_VERSION {
+            return Err(DbError::Schema {
+                path: path.to_path_buf(),
+                found: version,
+            });
+        }
+        if version < SCHEMA_VERSION {
+            drop(conn);
+            return RunDb::open(path);
+        }
+        Ok(RunDb {
+            path: path.to_path_buf(),
+            conn: Mutex::new(conn),
+        })
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }

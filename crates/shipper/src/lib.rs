@@ -261,6 +261,10 @@ impl Shipper {
         self.sync_manifests()?;
         if moved > 0 {
             self.last_rate = moved as f64 / t0.elapsed().as_secs_f64().max(1e-9);
+        } else if pass.failed > 0 {
+            // Every copy of this pass failed: an earlier pass's rate says nothing of when the
+            // backlog drains (the status line said "drains in ~1 s" while nothing moved).
+            self.last_rate = 0.0;
         }
         pass.deleted = self.retire(&files)?;
         pass.backlog = self.backlog()?;

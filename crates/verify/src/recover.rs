@@ -33,7 +33,20 @@ pub struct Recovered {
 }
 
 /// Recovers every `*.tsr.part` in `dir`.
+/// First gives back the room a crashed run held for finishing itself (`recorder.disk_reserve`):
+/// rewriting its `.part` files needs it.
 pub fn recover_dir(dir: &Path) -> Result<Vec<Recovered>> {
+    for e in std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .flatten()
+    {
+        if e.file_name()
+            .to_str()
+            .is_some_and(tessera_archive::is_reserve_file_name)
+        {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
     let mut parts: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("reading {}", dir.display()))?
         .flatten()
