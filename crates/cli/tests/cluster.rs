@@ -155,6 +155,22 @@ fn agent_with(launcher: &mut Command, host: &Host, dir: &Path, name: &str) -> Pr
     )
 }
 
+/// An agent on loopback writing under `dir`, and its port. It is handed its listening socket: no
+/// port freed and bound again, where a test beside this one could take it in between.
+fn loopback_agent(dir: &Path) -> (Proc, u16) {
+    let ports = support::Ports::bind(1);
+    let port = ports.port(0);
+    let mut cmd = Command::new(tessera());
+    cmd.args(["node", "--listen", &format!("127.0.0.1:{port}")])
+        .arg("--output")
+        .arg(dir)
+        .env("TESSERA_TOKEN", TOKEN);
+    ports.hand_over(0, &mut cmd);
+    let agent = Proc::spawn(&mut cmd);
+    ports.release(0);
+    (agent, port)
+}
+
 /// One HTTP call to the run control from inside `ns`: (status, body).
 fn call(ns: &str, addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
     let (method, path) = (method.to_string(), path.to_string());
@@ -674,18 +690,7 @@ fn lost_host(cut: impl FnOnce(&mut [Proc], &[Host])) {
 #[test]
 fn agents_and_run_controls_refuse_wrong_tokens_and_other_revisions() {
     let dir = tempfile::tempdir().unwrap();
-    // The agent is handed its listening socket: no port freed and bound again, where a test
-    // beside this one could take it in between.
-    let ports = support::Ports::bind(1);
-    let port = ports.port(0);
-    let mut cmd = Command::new(tessera());
-    cmd.args(["node", "--listen", &format!("127.0.0.1:{port}")])
-        .arg("--output")
-        .arg(dir.path().join("node"))
-        .env("TESSERA_TOKEN", TOKEN);
-    ports.hand_over(0, &mut cmd);
-    let agent = Proc::spawn(&mut cmd);
-    ports.release(0);
+    let (agent, port) = loopback_agent(&dir.path().join("node"));
     let hello = |protocol: u32, token: &str| -> proto::Reply {
         let mut s = None;
         assert!(eventually(LIMIT, || {
@@ -793,16 +798,7 @@ fn an_agent_reads_no_input_file_outside_its_directory() {
     let dir = tempfile::tempdir().unwrap();
     let node_dir = dir.path().join("node");
     std::fs::create_dir_all(&node_dir).unwrap();
-    let ports = support::Ports::bind(1);
-    let port = ports.port(0);
-    let mut cmd = Command::new(tessera());
-    cmd.args(["node", "--listen", &format!("127.0.0.1:{port}")])
-        .arg("--output")
-        .arg(&node_dir)
-        .env("TESSERA_TOKEN", TOKEN);
-    ports.hand_over(0, &mut cmd);
-    let agent = Proc::spawn(&mut cmd);
-    ports.release(0);
+    let (agent, port) = loopback_agent(&node_dir);
     let run = |histogram: &Path| {
         let cfg = dir.path().join("t.toml");
         std::fs::write(
@@ -858,16 +854,7 @@ fn an_agent_reads_no_input_file_outside_its_directory() {
 #[test]
 fn silent_connections_to_an_agent_do_not_keep_its_run_control_out() {
     let dir = tempfile::tempdir().unwrap();
-    let ports = support::Ports::bind(1);
-    let port = ports.port(0);
-    let mut cmd = Command::new(tessera());
-    cmd.args(["node", "--listen", &format!("127.0.0.1:{port}")])
-        .arg("--output")
-        .arg(dir.path().join("node"))
-        .env("TESSERA_TOKEN", TOKEN);
-    ports.hand_over(0, &mut cmd);
-    let agent = Proc::spawn(&mut cmd);
-    ports.release(0);
+    let (agent, port) = loopback_agent(&dir.path().join("node"));
     let mut silent = Vec::new();
     assert!(eventually(LIMIT, || {
         TcpStream::connect(("127.0.0.1", port)).is_ok_and(|s| {

@@ -202,6 +202,7 @@ pub struct FileWriter {
     to_compress: Option<Sender<Work>>,
     progress: Arc<Progress>,
     threads: Vec<JoinHandle<()>>,
+    st: Arc<RecorderStats>,
 }
 
 fn unix_ns() -> u64 {
@@ -225,9 +226,9 @@ impl FileWriter {
         let mut threads = Vec::new();
         for i in 0..threads_n {
             let (rx, tx, s) = (work_rx.clone(), ready_tx.clone(), s.clone());
-            let progress = progress.clone();
+            let (progress, st) = (progress.clone(), st.clone());
             threads.push(spawn(format!("recorder-compress{i}"), move || {
-                compress_loop(&s, rx, tx, &progress)
+                compress_loop(&s, rx, tx, &progress, &st)
             }));
         }
         drop(ready_tx);
@@ -240,7 +241,7 @@ impl FileWriter {
             }));
         }
         {
-            let (s, progress) = (s.clone(), progress.clone());
+            let (s, progress, st) = (s.clone(), progress.clone(), st.clone());
             threads.push(spawn("recorder-closer".into(), move || {
                 for c in close_rx {
                     close_file(&s, &st, &progress, c, &news_tx);
@@ -255,6 +256,7 @@ impl FileWriter {
             to_compress: Some(work_tx),
             progress,
             threads,
+            st,
         }
     }
 
@@ -315,7 +317,15 @@ impl FileWriter {
     /// links, so the recorder keeps draining its builders) and the unfinished file, which stays
     /// on disk as `.part` for inspection and is never given its final name.
     pub fn abandon(&mut self) {
-        self.block = Block::default();
+        let b = std::mem::take(&mut self.block);
+        if self.st.disk_exhausted.load(Ordering::Acquire) {
+            // Not written for want of space: named as such, not left out of every count.
+            self.st.unrecorded(
+                b.events as u64,
+                b.fragments - b.incomplete_fragments,
+                b.incomplete_fragments,
+            );
+        }
         self.progress.abandon.store(true, Ordering::Release);
         self.to_compress = None;
     }
@@ -382,6 +392,7 @@ fn compress_loop(
     rx: Receiver<Work>,
     tx: Sender<(u64, Ready)>,
     progress: &Progress,
+    st: &RecorderStats,
 ) {
     let (codec, filter, level) = (s.codec(), s.filter(), s.section.zstd_level);
     let mut enc = BlockEncoder::default();
@@ -391,6 +402,13 @@ fn compress_loop(
             Work::Sync(seq) => (seq, Ready::Sync),
             Work::Block(seq, block) => {
                 if progress.abandon.load(Ordering::Acquire) {
+                    if st.disk_exhausted.load(Ordering::Acquire) {
+                        st.unrecorded(
+                            block.events as u64,
+                            block.fragments - block.incomplete_fragments,
+                            block.incomplete_fragments,
+                        );
+                    }
                     continue;
                 }
                 let counts = Counts {
@@ -527,6 +545,16 @@ impl Disk {
                 if self.progress.abandon.load(Ordering::Acquire)
                     || self.progress.failed.load(Ordering::Acquire)
                 {
+                    if let Ready::Block { counts: c, .. } = &r {
+                        if self.st.disk_exhausted.load(Ordering::Acquire) {
+                            // Dropped behind a failure that the full disk caused: named.
+                            self.st.unrecorded(
+                                c.events as u64,
+                                c.fragments - c.incomplete_fragments,
+                                c.incomplete_fragments,
+                            );
+                        }
+                    }
                     continue;
                 }
                 let r = match r {

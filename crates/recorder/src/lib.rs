@@ -125,7 +125,12 @@ impl RecorderStats {
     }
 
     /// Counts records the recorder took and could not write (the disk was exhausted).
-    fn unrecorded(&self, events: u64, fragments_in_complete: u64, fragments_in_incomplete: u64) {
+    pub(crate) fn unrecorded(
+        &self,
+        events: u64,
+        fragments_in_complete: u64,
+        fragments_in_incomplete: u64,
+    ) {
         self.unrecorded_events.fetch_add(events, Ordering::Relaxed);
         self.unrecorded_fragments_in_complete
             .fetch_add(fragments_in_complete, Ordering::Relaxed);
@@ -746,7 +751,7 @@ fn write_loop(
                 st.monitor.time(|| m.insert(&rec));
             }
             let exhausted = st.disk_exhausted.load(Ordering::Acquire);
-            if exhausted && enabled && !failed {
+            if exhausted && enabled {
                 // Nothing more fits: counted, by name, and acknowledged in its turn (the
                 // builders must not wait for what will never be written).
                 if incomplete {

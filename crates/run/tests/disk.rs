@@ -5,51 +5,17 @@
 //! watermark is far above the configured buffers: what is in flight includes the kernel's socket
 //! buffers, several MiB per connection.
 
+#[path = "support/small_disk.rs"]
+mod small_disk;
 mod support;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use small_disk::SmallDisk;
 use support::drill;
 use tessera_config::Topology;
 use tessera_run::{Options, StatusMode};
 
-/// A tmpfs of `mib` MiB mounted at a new directory, unmounted when dropped.
-struct SmallDisk {
-    at: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl SmallDisk {
-    fn mount(mib: u64) -> Option<SmallDisk> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            return None;
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let at = dir.path().join("disk");
-        std::fs::create_dir(&at).unwrap();
-        let ok = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
-            .arg(&at)
-            .status()
-            .is_ok_and(|s| s.success());
-        ok.then_some(SmallDisk { at, _dir: dir })
-    }
-
-    fn path(&self) -> &Path {
-        &self.at
-    }
-}
-
-impl Drop for SmallDisk {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.at).status();
-    }
-}
-
 #[test]
 fn a_filling_disk_stops_the_run_cleanly_at_its_watermark() {
     let Some(disk) = SmallDisk::mount(256) else {
-        eprintln!("SKIPPED: mounting a tmpfs needs root (CI runs this test)");
         return;
     };
     let t = Topology::parse(
