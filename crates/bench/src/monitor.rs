@@ -78,6 +78,7 @@ fn start_monitor(stations: Vec<StationSection>) -> Result<(Monitor, Server)> {
             consumer_timeout: Duration::from_millis(5000),
             sampling_idle_priority: true,
             token: None,
+            hold_token: None,
         },
     )?;
     Ok((m, s))

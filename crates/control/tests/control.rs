@@ -188,7 +188,11 @@ fn transitions_legal_and_illegal_and_the_run_database_after_several_runs() {
 }
 
 #[test]
-fn a_stop_while_back_pressure_holds_every_queue_full_finishes_within_its_deadlines() {
+/// Issue 50, item 4: a blocking station whose consumer never reads holds every queue full; the
+/// stop releases the hold (its consumer misses what is left, counted at the station) and drains
+/// everything in flight into the files, within its deadlines. It used to wait behind the hold
+/// until the stages passed their deadlines and gave up what they held.
+fn a_stop_while_a_held_station_fills_every_queue_releases_it_and_drains_within_its_deadlines() {
     let dir = tempfile::tempdir().unwrap();
     // A blocking station whose consumer never reads holds the recorder; the builders, readout
     // units and sources then fill up behind it.
@@ -246,26 +250,23 @@ abort_grace_ms = 1000
     let took = t.elapsed();
     assert_eq!(v.state, State::Stopped);
     let stop = v.last_stop.unwrap();
-    assert!(!stop.drained, "nothing could drain: {stop:?}");
-    // Four stages of 1 s, each with at most 1 s of grace (the recorder's twice: the monitor's
-    // close, then the abort), plus slack for a loaded machine.
+    assert!(stop.drained, "{stop:?}");
     assert!(
         took < Duration::from_secs(4 + 5 + 10),
         "the stop took {took:?}: {stop:?}"
     );
-    let left: Vec<&str> = stop
-        .stages
-        .iter()
-        .filter(|s| !s.finished)
-        .map(|s| s.stage.as_str())
-        .collect();
-    assert!(!left.is_empty());
-    for s in stop.stages.iter().filter(|s| !s.finished) {
-        assert!(!s.left.is_empty(), "{s:?} says nothing of what it left");
-    }
-    drop(stuck);
-    // The run was recorded with what it lost accounted for.
     let rep = c.last_report().unwrap();
+    assert!(rep.balance.holds, "{}", rep.summary());
+    assert_eq!(rep.events_incomplete, 0, "{}", rep.summary());
+    assert_eq!(rep.balance.rejected_total, 0, "{}", rep.summary());
+    let held = rep
+        .monitor
+        .as_ref()
+        .and_then(|m| m.stations.iter().find(|x| x.config.name == "hold"))
+        .unwrap();
+    assert!(held.counters.skipped_at_stop > 0, "{:?}", held.counters);
+    drop(stuck);
+    // The run was recorded with everything accounted for.
     let r = c.db().unwrap().get(1).unwrap();
     assert_eq!(r.summary.state, "stopped");
     assert_eq!(

@@ -39,6 +39,10 @@ pub struct ServerOptions {
     /// monitor listens beyond loopback, where anyone on an allowed network could otherwise
     /// attach a blocking consumer and hold the recorder.
     pub token: Option<String>,
+    /// The token that creating or attaching to a blocking station needs even on loopback, where
+    /// one is set: a blocking station can stop data taking, so no local process without the
+    /// run control's credential may hold the run with one.
+    pub hold_token: Option<String>,
 }
 
 /// Moves the calling thread to idle scheduling priority (Linux SCHED_IDLE, what `chrt --idle 0`
@@ -195,6 +199,32 @@ enum Command {
     },
 }
 
+/// The tokens a command is checked against: every command but `status` (a monitor beyond
+/// loopback), and those that can hold the run (a blocking station, wherever a token is set).
+struct Tokens<'a> {
+    all: Option<&'a str>,
+    hold: Option<&'a str>,
+}
+
+/// Whether a command makes or joins a blocking station: one whose consumer can hold the run.
+fn holds_the_run(cmd: &Command, monitor: &Monitor) -> bool {
+    let blocking = |s: &StationSection| s.mode == tessera_config::StationMode::Blocking;
+    match cmd {
+        Command::Attach {
+            station, create, ..
+        } => monitor
+            .status()
+            .stations
+            .iter()
+            .find(|s| &s.config.name == station)
+            .map(|s| blocking(&s.config))
+            .or_else(|| create.as_ref().map(blocking))
+            .unwrap_or(false),
+        Command::Create { station } | Command::Set { station } => blocking(station),
+        Command::Status {} | Command::Remove { .. } => false,
+    }
+}
+
 fn serve(
     mut stream: TcpStream,
     peer: SocketAddr,
@@ -294,7 +324,10 @@ fn work(
                     &json,
                     peer,
                     &mut name,
-                    opts.token.as_deref(),
+                    Tokens {
+                        all: opts.token.as_deref(),
+                        hold: opts.hold_token.as_deref(),
+                    },
                 );
                 let attached = consumer.lock().and_then(|id| monitor.station_of(id));
                 if opts.sampling_idle_priority
@@ -482,8 +515,9 @@ fn command(
     json: &[u8],
     peer: SocketAddr,
     name: &mut String,
-    token: Option<&str>,
+    tokens: Tokens<'_>,
 ) -> Message {
+    let token = tokens.all;
     let mut value: serde_json::Value = match serde_json::from_slice(json) {
         Ok(v) => v,
         Err(e) => {
@@ -516,6 +550,15 @@ fn command(
             }
         }
     };
+    if let Some(want) = tokens.hold {
+        if holds_the_run(&cmd, monitor) && given.as_deref() != Some(want) {
+            tracing::warn!(%peer, "monitor refused a blocking station: token missing or wrong");
+            return Message::Error {
+                code: ErrorCode::Refused,
+                message: "a blocking station can hold the run: creating or attaching to one needs the run control's token (\"token\")".into(),
+            };
+        }
+    }
     let ok = |v: serde_json::Value| Message::Reply {
         json: serde_json::to_vec(&v).expect("JSON values serialise"),
     };

@@ -60,6 +60,7 @@ fn start_on(addr: &str, stations: Vec<StationSection>, timeout_ms: u64) -> (Moni
             // so they serve it at normal priority.
             sampling_idle_priority: false,
             token: None,
+            hold_token: None,
         },
     )
     .unwrap();
@@ -474,6 +475,7 @@ fn beyond_loopback_commands_need_the_token() {
             consumer_timeout: Duration::from_millis(5000),
             sampling_idle_priority: false,
             token: Some("s3cret".into()),
+            hold_token: None,
         },
     )
     .unwrap();
@@ -518,6 +520,65 @@ fn beyond_loopback_commands_need_the_token() {
     let mut c = Consumer::attach(o).unwrap();
     m.insert(&record(1, 0));
     assert_eq!(c.get(1, Wait::Sleep).unwrap().len(), 1);
+}
+
+/// Issue 50, item 7: on loopback, where a token is set, a blocking station (which can hold the
+/// run) is neither created nor joined without it; sampling stays open to any local display.
+#[test]
+fn on_loopback_a_blocking_station_needs_the_token_where_one_is_set() {
+    let mut section = MonitorSection::default();
+    section.stations = vec![
+        StationSection {
+            name: "sample".into(),
+            ..Default::default()
+        },
+        blocking("recorder2"),
+    ];
+    let m = Monitor::new(&section).unwrap();
+    let server = Server::start(
+        TcpListener::bind("127.0.0.1:0").unwrap(),
+        m.clone(),
+        ServerOptions {
+            heartbeat: Duration::from_millis(50),
+            consumer_timeout: Duration::from_millis(5000),
+            sampling_idle_priority: false,
+            token: None,
+            hold_token: Some("s3cret".into()),
+        },
+    )
+    .unwrap();
+    let addr = server.addr.to_string();
+    let mut holder = blocking("holder");
+    holder.queue = 2;
+    let attach = |station: &str, create: Option<StationSection>, token: Option<&str>| {
+        let mut o = ClientOptions::new(&addr, station);
+        o.create = create;
+        o.reattach = false;
+        o.token = token.map(str::to_owned);
+        Consumer::attach(o)
+    };
+    for (station, create) in [("holder", Some(holder.clone())), ("recorder2", None)] {
+        for token in [None, Some("wrong")] {
+            match attach(station, create.clone(), token) {
+                Err(tessera_monitor::client::ClientError::Refused { code, message }) => {
+                    assert_eq!(code, ErrorCode::Refused, "{message}");
+                    assert!(
+                        message.contains("blocking") && message.contains("token"),
+                        "{message}"
+                    );
+                }
+                Err(e) => panic!("{station}: refused for another reason: {e}"),
+                Ok(_) => panic!("{station}: attached with token {token:?}"),
+            }
+        }
+    }
+    assert!(!m.station_names().contains(&"holder".to_string()));
+    // A sampling station needs no token on loopback.
+    let mut c = attach("sample", None, None).unwrap();
+    m.insert(&record(1, 0));
+    assert_eq!(c.get(1, Wait::Sleep).unwrap().len(), 1);
+    // The token lets a blocking consumer in.
+    assert!(attach("recorder2", None, Some("s3cret")).is_ok());
 }
 
 /// A processing consumer over TCP replaces records as it puts them back: small replacements

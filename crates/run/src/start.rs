@@ -152,6 +152,7 @@ impl<'a> Starter<'a> {
                 consumer_timeout: Duration::from_millis(t.monitor.consumer_timeout_ms as u64),
                 sampling_idle_priority: t.monitor.sampling_idle_priority,
                 token: monitor_token,
+                hold_token: t.control.effective_token(),
             },
         )
         .context("starting the monitor")?;
