@@ -526,14 +526,16 @@ fn beyond_loopback_commands_need_the_token() {
 /// run) is neither created nor joined without it; sampling stays open to any local display.
 #[test]
 fn on_loopback_a_blocking_station_needs_the_token_where_one_is_set() {
-    let mut section = MonitorSection::default();
-    section.stations = vec![
-        StationSection {
-            name: "sample".into(),
-            ..Default::default()
-        },
-        blocking("recorder2"),
-    ];
+    let section = MonitorSection {
+        stations: vec![
+            StationSection {
+                name: "sample".into(),
+                ..Default::default()
+            },
+            blocking("recorder2"),
+        ],
+        ..Default::default()
+    };
     let m = Monitor::new(&section).unwrap();
     let server = Server::start(
         TcpListener::bind("127.0.0.1:0").unwrap(),
