@@ -822,6 +822,20 @@ fn parse(
             Decoded::End(end) => {
                 link.eos_fragments
                     .store(end.fragments_sent, Ordering::Relaxed);
+                // Everything before the end of stream has been read: what arrived is counted,
+                // or waits in `good` to be. More declared than arrived is fragments lost before
+                // this unit, which the balance cannot place (fewer is junk, counted as rejected
+                // beyond what was sent).
+                let arrived = link.received() + good.len() as u64;
+                if end.fragments_sent > arrived {
+                    tracing::error!(
+                        readout_unit = sh.id,
+                        source,
+                        declared = end.fragments_sent,
+                        arrived,
+                        "the source's end of stream declares more fragments than arrived: the balance cannot hold"
+                    );
+                }
                 reader.skip(step.consumed);
                 return Parsed {
                     want: 0,

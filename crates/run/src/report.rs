@@ -524,6 +524,10 @@ pub(crate) fn readout(u: &tessera_readout::ReadoutUnit, cx: &Cx, p: &mut Parts) 
             ),
             None => {
                 let declared = l.eos_fragments.load(Ordering::Relaxed);
+                // Said where a reader looks for it, beside the imbalance it makes.
+                let short = (declared != u64::MAX && declared > received).then(|| {
+                    format!("its end of stream declared {declared} fragments; {received} arrived")
+                });
                 (
                     "external",
                     if declared == u64::MAX {
@@ -533,7 +537,7 @@ pub(crate) fn readout(u: &tessera_readout::ReadoutUnit, cx: &Cx, p: &mut Parts) 
                     },
                     0,
                     0.0,
-                    None,
+                    short,
                 )
             }
         };
@@ -1345,6 +1349,14 @@ impl Report {
         if !b.rejected.is_empty() {
             let list: Vec<String> = b.rejected.iter().map(|(k, v)| format!("{k} {v}")).collect();
             let _ = writeln!(s, "  rejected by reason: {}", list.join(", "));
+        }
+        for src in self.sources.iter().filter(|x| x.error.is_some()) {
+            let _ = writeln!(
+                s,
+                "  SOURCE {}: {}",
+                src.id,
+                src.error.as_deref().unwrap_or_default()
+            );
         }
         if self.recorder_shortfall != 0 {
             let _ = writeln!(

@@ -939,6 +939,54 @@ id = 0
 /// end of stream. Every fragment it sent is built; the junk is counted as skipped bytes and its
 /// one rejection is named as beyond what the source sent, so the balance holds; the bytes after
 /// the end are counted.
+/// Issue 50, item 8: an end of stream that declares more fragments than arrived makes an
+/// imbalance the balance cannot place; the run says why, by source, instead of "0 errors".
+#[test]
+fn an_end_of_stream_declaring_more_than_arrived_is_named_by_source() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let t = topology(
+        r#"
+[run]
+events = 100
+[sources]
+count = 0
+external = [5]
+[[readout]]
+id = 0
+sources = [5]
+[[builder]]
+id = 0
+"#,
+    );
+    let rep = run_with_external(&t, dir.path(), 5, |addr| {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.write_all(&spec_source::hello(5)).unwrap();
+        for ev in 0..100u64 {
+            s.write_all(&spec_source::fragment(5, ev, 1, &[ev as u8; 32]))
+                .unwrap();
+        }
+        s.write_all(&spec_source::end(5, 105)).unwrap();
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let _ = s.read(&mut [0u8; 8]);
+    });
+    assert!(!rep.balance.holds, "{}", rep.summary());
+    assert_eq!(rep.balance.unaccounted, 5, "{}", rep.summary());
+    let src = &rep.sources[0];
+    assert_eq!(
+        src.error.as_deref(),
+        Some("its end of stream declared 105 fragments; 100 arrived"),
+        "{}",
+        rep.summary()
+    );
+    assert!(
+        rep.summary()
+            .contains("SOURCE 5: its end of stream declared 105 fragments; 100 arrived"),
+        "{}",
+        rep.summary()
+    );
+}
+
 #[test]
 fn junk_a_second_hello_and_data_after_the_end_keep_the_balance() {
     use std::io::{Read, Write};
