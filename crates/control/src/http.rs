@@ -34,20 +34,6 @@ struct App {
     host_names: Vec<String>,
 }
 
-/// This host's name (`gethostname`), lower-case; none if it cannot be read.
-fn own_host_name() -> Option<String> {
-    let mut buf = [0u8; 256];
-    // SAFETY: `buf` is writable for its length; gethostname NUL-terminates within it or fails.
-    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
-        return None;
-    }
-    let end = buf.iter().position(|&b| b == 0)?;
-    std::str::from_utf8(&buf[..end])
-        .ok()
-        .filter(|n| !n.is_empty())
-        .map(|n| n.to_ascii_lowercase())
-}
-
 /// Whether a request's `Host` names this service: an IP address (a page cannot make a browser
 /// send an address as the host of another site's name), `localhost`, or one of `names`. Any
 /// other name is a page of another site whose name was made to resolve here (DNS rebinding).
@@ -153,7 +139,11 @@ pub fn serve(ctl: Controller, listen: &str, token: Option<String>) -> Result<Htt
         .resolved()
         .map(|r| r.topology.control.host_names.clone())
         .unwrap_or_default();
-    host_names.extend(own_host_name());
+    // This host's own name, as the node agents read it.
+    let me = tessera_node::host_name().to_ascii_lowercase();
+    if me != "unknown" && !me.is_empty() {
+        host_names.push(me);
+    }
     let app = Arc::new(App {
         ctl,
         token,

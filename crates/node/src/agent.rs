@@ -166,7 +166,8 @@ pub fn serve(listener: TcpListener, opts: AgentOptions, stop: Arc<AtomicBool>) -
     Ok(())
 }
 
-fn host_name() -> String {
+/// This host's system name (`unknown` when it cannot be read).
+pub fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".into())

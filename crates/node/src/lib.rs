@@ -12,7 +12,7 @@ mod link;
 pub mod logbook;
 pub mod metrics;
 
-pub use agent::{serve, AgentOptions, Trust};
+pub use agent::{host_name, serve, AgentOptions, Trust};
 pub use cluster::{Cluster, ClusterRun};
 
 /// This build's name and version, said in hellos.

@@ -320,11 +320,8 @@ impl FileWriter {
         let b = std::mem::take(&mut self.block);
         if self.st.disk_exhausted.load(Ordering::Acquire) {
             // Not written for want of space: named as such, not left out of every count.
-            self.st.unrecorded(
-                b.events as u64,
-                b.fragments - b.incomplete_fragments,
-                b.incomplete_fragments,
-            );
+            self.st
+                .unrecorded(b.events as u64, b.fragments, b.incomplete_fragments);
         }
         self.progress.abandon.store(true, Ordering::Release);
         self.to_compress = None;
@@ -405,7 +402,7 @@ fn compress_loop(
                     if st.disk_exhausted.load(Ordering::Acquire) {
                         st.unrecorded(
                             block.events as u64,
-                            block.fragments - block.incomplete_fragments,
+                            block.fragments,
                             block.incomplete_fragments,
                         );
                     }
@@ -550,7 +547,7 @@ impl Disk {
                             // Dropped behind a failure that the full disk caused: named.
                             self.st.unrecorded(
                                 c.events as u64,
-                                c.fragments - c.incomplete_fragments,
+                                c.fragments,
                                 c.incomplete_fragments,
                             );
                         }
@@ -643,11 +640,14 @@ impl Disk {
             };
             let mut stored = Some(stored);
             for _ in 0..2 {
-                if !fits(&self.s.dir) && !self.give_back_reserve() {
-                    break;
-                }
+                // One look at the free space per block while it fits.
                 if !fits(&self.s.dir) {
-                    continue;
+                    if !self.give_back_reserve() {
+                        break;
+                    }
+                    if !fits(&self.s.dir) {
+                        continue;
+                    }
                 }
                 match self.write_block(header, &mut stored, c) {
                     Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
@@ -665,11 +665,8 @@ impl Disk {
             // Another series exhausted the disk: this one finishes its file too.
             self.hand_to_closer();
         }
-        self.st.unrecorded(
-            c.events as u64,
-            c.fragments - c.incomplete_fragments,
-            c.incomplete_fragments,
-        );
+        self.st
+            .unrecorded(c.events as u64, c.fragments, c.incomplete_fragments);
         // Counted as passed on, so that acknowledgements go on and no builder waits for what
         // will never be written.
         self.written += c.events as u64;
@@ -681,20 +678,15 @@ impl Disk {
         Ok(())
     }
 
-    /// Whether the room for finishing the run is still held.
-    fn reserve_held(&self) -> bool {
-        self.st.reserve.lock().is_some()
-    }
-
     /// Gives the reserve back for the drain; whether there was one.
     fn give_back_reserve(&self) -> bool {
-        if !self.reserve_held() {
-            return false;
+        let free = free_bytes(&self.s.dir).unwrap_or(0);
+        let given = self.st.release_reserve();
+        if given {
+            tracing::warn!(dir = %self.s.dir.display(), free,
+                "output file system nearly full: the room held in reserve (recorder.disk_reserve) goes to the drain");
         }
-        tracing::warn!(dir = %self.s.dir.display(), free = free_bytes(&self.s.dir).unwrap_or(0),
-            "output file system nearly full: the room held in reserve (recorder.disk_reserve) goes to the drain");
-        self.st.release_reserve();
-        true
+        given
     }
 
     /// The disk has no room for data: the run stops and the open file is finished with the

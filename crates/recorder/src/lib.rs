@@ -118,22 +118,21 @@ pub struct RecorderStats {
 
 impl RecorderStats {
     /// Gives the room held for finishing the run back to the file system.
-    pub fn release_reserve(&self) {
-        if let Some(r) = self.reserve.lock().take() {
-            tracing::info!(path = %r.path().display(), "disk reserve given back");
-        }
+    /// Whether it was still held.
+    pub fn release_reserve(&self) -> bool {
+        let Some(r) = self.reserve.lock().take() else {
+            return false;
+        };
+        tracing::info!(path = %r.path().display(), "disk reserve given back");
+        true
     }
 
-    /// Counts records the recorder took and could not write (the disk was exhausted).
-    pub(crate) fn unrecorded(
-        &self,
-        events: u64,
-        fragments_in_complete: u64,
-        fragments_in_incomplete: u64,
-    ) {
+    /// Counts records the recorder took and could not write (the disk was exhausted): `events`
+    /// holding `fragments`, of which `fragments_in_incomplete` in incomplete events.
+    pub(crate) fn unrecorded(&self, events: u64, fragments: u64, fragments_in_incomplete: u64) {
         self.unrecorded_events.fetch_add(events, Ordering::Relaxed);
         self.unrecorded_fragments_in_complete
-            .fetch_add(fragments_in_complete, Ordering::Relaxed);
+            .fetch_add(fragments - fragments_in_incomplete, Ordering::Relaxed);
         self.unrecorded_fragments_in_incomplete
             .fetch_add(fragments_in_incomplete, Ordering::Relaxed);
     }
@@ -754,11 +753,7 @@ fn write_loop(
             if exhausted && enabled {
                 // Nothing more fits: counted, by name, and acknowledged in its turn (the
                 // builders must not wait for what will never be written).
-                if incomplete {
-                    st.unrecorded(1, 0, nf as u64);
-                } else {
-                    st.unrecorded(1, nf as u64, 0);
-                }
+                st.unrecorded(1, nf as u64, if incomplete { nf as u64 } else { 0 });
             }
             let stream = if enabled && !failed && !exhausted {
                 match w.append(slot, rec, nf, incomplete) {
