@@ -1201,9 +1201,11 @@ impl Report {
             if r.disk_alarm || self.stop_reason == "disk full" {
                 let _ = writeln!(
                     s,
-                    "  DISK ALARM: {} free on the output file system at the end{}",
+                    "  DISK ALARM: {} free on the output file system at the recorder's last look{}",
                     human_bytes(r.disk_free_bytes as f64),
-                    if self.stop_reason == "disk full" {
+                    if self.stop_reason == "disk full" && r.unrecorded_events > 0 {
+                        "; the run was stopped when the disk filled, the next block no longer fitting"
+                    } else if self.stop_reason == "disk full" {
                         "; the run was stopped at the hard watermark (recorder.disk_hard_free)"
                     } else {
                         "; below recorder.disk_soft_free, writes were slowed"
@@ -1712,6 +1714,23 @@ mod tests {
         assert!(text.contains("DISK FULL: 2 events (6 fragments)"), "{text}");
         assert!(!text.contains("in no finished file"), "{text}");
         assert!(!whole.ok());
+        // Stopped for a full disk with events left unwritten: not said to be the watermark's stop.
+        let mut rc = whole.recorder.clone().unwrap();
+        rc.disk_alarm = true;
+        let full = Report::combine(
+            &r,
+            RunInfo {
+                stop_reason: "disk full".into(),
+                ..info()
+            },
+            vec![report_of(Parts {
+                recorder: Some(rc),
+                ..Default::default()
+            })],
+        );
+        let text = full.summary();
+        assert!(text.contains("stopped when the disk filled"), "{text}");
+        assert!(!text.contains("at the hard watermark"), "{text}");
     }
 
     /// Issue 14: 21 links each busy the whole run make a unit busy the whole run, not 1/21.
