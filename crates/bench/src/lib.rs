@@ -740,6 +740,7 @@ fn relay_chain_measured(r: &Resolved, hops: usize) -> Result<(f64, u64)> {
         scenario: None,
         size_histogram: None,
         listening: Vec::new(),
+        unit_of: Default::default(),
         replay: None,
     };
     let t0 = Instant::now();

@@ -291,6 +291,7 @@ pub fn measure(m: &Mix, events: u64) -> Result<RequestPoint> {
                 scenario: None,
                 size_histogram: None,
                 listening: Vec::new(),
+                unit_of: Default::default(),
                 replay: None,
             })
             .context("starting the sources")?,

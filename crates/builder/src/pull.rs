@@ -57,6 +57,9 @@ pub struct PullConfig {
     pub takeover: Duration,
     /// Finished events remembered for a rejoin.
     pub takeover_memory: usize,
+    /// How long to keep what the recorder has not acknowledged and try its address again after
+    /// the link broke (wire format §2.8); zero: count it lost at once.
+    pub recorder_takeover: Duration,
 }
 
 /// The builder's side of its event-manager connection, which may be replaced (takeover).
@@ -189,7 +192,7 @@ struct Pull {
     to_rus: Vec<Sender<Message>>,
     manager: Mutex<ManagerLink>,
     credits: u32,
-    to_recorder: Mutex<Option<Sender<Vec<Built>>>>,
+    to_recorder: Mutex<Option<Sender<Vec<Kept>>>>,
     /// A recorder is configured: an event built after its link closed (the run was cut short,
     /// by the manager's death, say) is lost at the link, never reported recorded.
     recording: bool,
@@ -336,17 +339,27 @@ impl BuilderUnit {
             );
         }
         if let Some(s) = to_recorder {
-            let (tx, rx) = bounded::<Vec<Built>>(256);
+            let (tx, rx) = bounded::<Vec<Kept>>(256);
             *pull.to_recorder.lock() = Some(tx);
-            let sent = Arc::new(Mutex::new(Unacknowledged::default()));
-            let acks = s.try_clone()?;
-            let (p, sent2) = (pull.clone(), sent.clone());
+            let unacked = Arc::new(Mutex::new(Unacknowledged::default()));
+            // Each link the sender opens goes to the acknowledgement reader, which says when it
+            // ended.
+            let (links_tx, links_rx) = crossbeam_channel::unbounded::<(u64, TcpStream)>();
+            let (ended_tx, ended_rx) = crossbeam_channel::unbounded::<u64>();
+            let link = RecorderLink {
+                addr: cfg.recorder.clone().unwrap_or_default(),
+                takeover: cfg.recorder_takeover,
+                unacked: unacked.clone(),
+                links: links_tx,
+                ended: ended_rx,
+            };
+            let p = pull.clone();
             role.spawn(format!("bu{id}-to-rec"), move || {
-                send_to_recorder(&p, s, rx, &sent2)
+                send_to_recorder(&p, s, rx, link)
             });
             let p = pull.clone();
             role.spawn(format!("bu{id}-rec-acks"), move || {
-                read_acks(&p, acks, &sent)
+                read_acks(&p, links_rx, ended_tx, &unacked)
             });
         }
         let (writer, tx) = tessera_net::control::spawn_writer(format!("bu{id}-to-em"), &em)?;
@@ -724,7 +737,7 @@ impl Pull {
                     event_id: e,
                     _queued: Some(Queued::new(&self.stats, nf)),
                 };
-                if tx.send(vec![built]).is_err() {
+                if tx.send(vec![Kept(Arc::new(built))]).is_err() {
                     st.recorder_lost.fetch_add(nf, Ordering::Relaxed);
                     self.forget([e]);
                 }
@@ -983,52 +996,105 @@ fn gave_nothing_for(from: u64, looked: u64, timeout: u64) -> bool {
     looked.saturating_sub(from) > timeout
 }
 
-/// Event IDs written to the recorder link and not yet reported done, in order, and how many
-/// records of the link the recorder has acknowledged. The recorder may acknowledge a record
-/// before the sending thread has noted it written (the write returns after the recorder read
-/// it, and a second copy of an event is acknowledged at once): the acknowledgement is kept and
-/// settled when the IDs arrive. Dropped instead, the link's last events were never reported
-/// done, so never cleared, and a run could not drain (seen in CI after a builder host died).
+/// A built event kept until the recorder acknowledges it: the link writes it from one handle
+/// while [`Unacknowledged`] holds another, to send it again on a new link if this one breaks.
+/// Its memory (and its `queued_fragments`) goes back with the last handle, at the ack.
+#[derive(Clone)]
+struct Kept(Arc<Built>);
+
+impl tessera_net::sender::Outgoing for Kept {
+    fn encode_header(&self, out: &mut Vec<u8>) {
+        self.0.encode_header(out)
+    }
+    fn fragments(&self) -> &[ChunkSlice] {
+        self.0.fragments()
+    }
+    fn fragment_count(&self) -> u64 {
+        self.0.fragment_count()
+    }
+}
+
+/// Events sent to the recorder and not yet acknowledged, in the order of the link they are on
+/// (wire format §2.6, §2.8). The sending thread notes each batch before it writes it, so an
+/// acknowledgement never runs ahead of what is noted. A new link (`relink`) sends all of them
+/// again, first; acknowledgements of an older link are then stale and ignored.
 #[derive(Default)]
 struct Unacknowledged {
-    ids: VecDeque<u64>,
-    /// Records reported done so far.
+    records: VecDeque<Kept>,
+    /// The link the records are on now.
+    link: u64,
+    /// Records of this link acknowledged and reported done.
     settled: u64,
-    /// Records the recorder says are in its file.
-    acked: u64,
 }
 
 impl Unacknowledged {
-    /// These events are on the link: those the recorder acknowledged already are done.
-    fn written(&mut self, ids: impl IntoIterator<Item = u64>) -> Vec<(u64, Outcome)> {
-        self.ids.extend(ids);
-        self.settle()
+    /// These go on the link now, after every one noted before.
+    fn sending(&mut self, batch: &[Kept]) {
+        self.records.extend(batch.iter().cloned());
     }
 
-    /// The recorder holds the link's first `records` records: those noted written are done.
-    fn acknowledged(&mut self, records: u64) -> Vec<(u64, Outcome)> {
-        self.acked = self.acked.max(records);
-        self.settle()
-    }
-
-    fn settle(&mut self) -> Vec<(u64, Outcome)> {
+    /// The recorder holds the first `records` records of `link`: those are done.
+    fn acknowledged(&mut self, link: u64, records: u64) -> Vec<(u64, Outcome)> {
         let mut done = Vec::new();
-        while self.settled < self.acked {
-            let Some(id) = self.ids.pop_front() else {
+        if link != self.link {
+            return done;
+        }
+        while self.settled < records {
+            let Some(k) = self.records.pop_front() else {
                 break;
             };
-            done.push((id, Outcome::Recorded));
+            done.push((k.0.event_id, Outcome::Recorded));
             self.settled += 1;
         }
         done
     }
+
+    /// A new link opens: its number, and every record to send on it again, in order.
+    fn relink(&mut self) -> (u64, Vec<Kept>) {
+        self.link += 1;
+        self.settled = 0;
+        (self.link, self.records.iter().cloned().collect())
+    }
+
+    /// No link will take them: every record left, and no acknowledgement counts any more.
+    fn give_up(&mut self) -> Vec<Kept> {
+        self.link += 1;
+        self.records.drain(..).collect()
+    }
 }
 
+/// What the recorder sender needs beside its queue.
+struct RecorderLink {
+    addr: String,
+    takeover: Duration,
+    unacked: Arc<Mutex<Unacknowledged>>,
+    /// Each link opened, with its number, to the acknowledgement reader.
+    links: Sender<(u64, TcpStream)>,
+    /// The number of each link whose reader saw it end (the recorder closed it, or it failed).
+    ended: crossbeam_channel::Receiver<u64>,
+}
+
+/// How a link to the recorder ended, for the sender.
+enum LinkEnd {
+    /// Every record sent and acknowledged after the builder's peer end.
+    Done,
+    /// It broke with records unacknowledged, or the recorder closed it early.
+    Broken,
+    /// The run was aborted while the builder's last records waited for their acknowledgement.
+    Aborted,
+}
+
+/// Sends built events to the recorder, each kept until acknowledged. A link that breaks is
+/// opened again at the same address for up to `takeover` and every unacknowledged event sent
+/// again on it (a recorder restarted there adopts the run's files and drops what they hold);
+/// past that they are counted lost at the recorder link and forgotten (so that a manager taking
+/// the run over has them built again elsewhere). Meanwhile the queue fills and the builder
+/// stops building: back-pressure, not loss.
 fn send_to_recorder(
     p: &Pull,
-    stream: TcpStream,
-    rx: crossbeam_channel::Receiver<Vec<Built>>,
-    sent: &Mutex<Unacknowledged>,
+    first: TcpStream,
+    rx: crossbeam_channel::Receiver<Vec<Kept>>,
+    link: RecorderLink,
 ) {
     let st = &p.stats;
     let hello = PeerHello {
@@ -1036,30 +1102,197 @@ fn send_to_recorder(
         id: p.id as u32,
         flags: PeerHello::WANTS_ACKS,
     };
-    // Queued fragments are counted down by the events themselves, once their memory is back.
-    let on_batch = |o: tessera_net::sender::BatchOutcome, batch: &[Built]| {
-        if o.written {
-            // On the link, not yet done: an event is done (and then cleared from the readout
-            // units) only once the recorder says it is in its file (`read_acks`), so a recorder
-            // killed at any moment loses no event the readout units let go of.
-            let done = sent.lock().written(batch.iter().map(|b| b.event_id));
-            p.done(&done);
-        } else {
-            st.recorder_lost.fetch_add(o.fragments, Ordering::Relaxed);
-            p.forget(batch.iter().map(|b| b.event_id));
+    let mut stream = first;
+    let mut why = String::new();
+    loop {
+        let (number, resend) = link.unacked.lock().relink();
+        let end = match stream.try_clone() {
+            Ok(acks) => match link.links.send((number, acks)) {
+                Ok(()) => one_link(p, stream, hello, number, resend, &rx, &link, &mut why),
+                Err(_) => LinkEnd::Aborted,
+            },
+            Err(e) => {
+                why = e.to_string();
+                LinkEnd::Broken
+            }
+        };
+        match end {
+            LinkEnd::Done | LinkEnd::Aborted => return,
+            LinkEnd::Broken => {}
         }
-    };
-    let on_error = |e: &std::io::Error| {
-        tracing::error!(builder = p.id, error = %e, "recorder link failed");
-        *st.recorder_error.lock() = Some(e.to_string());
-    };
-    // The acknowledgement reader waits for the recorder to close the link.
-    tessera_net::sender::send_loop_beating(stream, rx, hello, on_batch, on_error, None, false);
+        let held = link.unacked.lock().records.len();
+        let deadline = Instant::now() + link.takeover;
+        if !link.takeover.is_zero() && !p.abort.load(Ordering::Relaxed) {
+            tracing::warn!(
+                builder = p.id,
+                reason = %why,
+                held,
+                "recorder link broke; keeping the events it has not acknowledged and connecting again for up to {} s",
+                link.takeover.as_secs()
+            );
+        }
+        match reconnect(&link.addr, deadline, &p.abort) {
+            Ok(s) => {
+                st.recorder_relinks.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(
+                    builder = p.id,
+                    held,
+                    "recorder link open again: sending again what was not acknowledged"
+                );
+                stream = s;
+            }
+            Err(e) => {
+                // Nothing will take them: counted, by name, and left to a manager that takes
+                // the run over (not claimed in a rejoin).
+                let mut kept = link.unacked.lock().give_up();
+                // And what waits in the queue: an event built from now on finds no queue and is
+                // counted lost where it is built; one on its way into the queue ends here (the
+                // queue ends once no sender is left).
+                p.to_recorder.lock().take();
+                kept.extend(rx.iter().flatten());
+                let events: Vec<u64> = kept.iter().map(|k| k.0.event_id).collect();
+                let fragments: u64 = kept.iter().map(|k| k.0.fragment_count as u64).sum();
+                st.recorder_lost.fetch_add(fragments, Ordering::Relaxed);
+                p.forget(events.iter().copied());
+                let msg = format!(
+                    "recorder link: {why}; not back within {} s ({e}): {} events ({fragments} fragments) it held unacknowledged are counted lost at the recorder link (those the recorder wrote before it was lost are in its last file too)",
+                    link.takeover.as_secs(),
+                    events.len()
+                );
+                tracing::error!(builder = p.id, "{msg}");
+                *st.recorder_error.lock() = Some(msg);
+                // Nothing this builder builds can be recorded: it ends, and the event manager
+                // gives what it holds to the others (or, with none left, ends the run).
+                p.abort.store(true, Ordering::Release);
+                return;
+            }
+        }
+    }
 }
 
-/// Reads the recorder's acknowledgements and reports the written events done, in the order
-/// they were sent. Ends when the recorder closes the link (after its last acknowledgement).
-fn read_acks(p: &Pull, mut stream: TcpStream, sent: &Mutex<Unacknowledged>) {
+/// Drives one link to the recorder: the hello, what an earlier link left unacknowledged (after
+/// a resend message), then the queue until it closes, then the peer end and the wait for the
+/// last acknowledgement.
+#[allow(clippy::too_many_arguments)]
+fn one_link(
+    p: &Pull,
+    stream: TcpStream,
+    hello: PeerHello,
+    number: u64,
+    resend: Vec<Kept>,
+    rx: &crossbeam_channel::Receiver<Vec<Kept>>,
+    link: &RecorderLink,
+    why: &mut String,
+) -> LinkEnd {
+    let mut failed: Option<String> = None;
+    let mut on_error = |e: &std::io::Error| {
+        failed.get_or_insert_with(|| e.to_string());
+    };
+    // Sent batches are noted before their write; the acknowledgements settle them.
+    let mut on_batch = |_: tessera_net::sender::BatchOutcome, _: &[Kept]| {};
+    let mut w = tessera_net::sender::LinkWriter::open(stream, hello, &mut on_error);
+    if !resend.is_empty() {
+        p.stats
+            .events_resent
+            .fetch_add(resend.len() as u64, Ordering::Relaxed);
+        let m = tessera_format::link::Resend {
+            records: resend.len() as u64,
+        };
+        w.write_message(&m.encode(), &mut on_error);
+        w.send(resend, &mut on_batch, &mut on_error);
+    }
+    let tick = Duration::from_millis(100);
+    let mut closed = false;
+    while w.is_ok() && !closed {
+        crossbeam_channel::select! {
+            recv(rx) -> got => match got {
+                Ok(mut batch) => {
+                    // Several batches per write when they are queued: fewer system calls.
+                    while batch.len() < 512 {
+                        match rx.try_recv() {
+                            Ok(more) => batch.extend(more),
+                            Err(_) => break,
+                        }
+                    }
+                    link.unacked.lock().sending(&batch);
+                    w.send(batch, &mut on_batch, &mut on_error);
+                }
+                Err(_) => closed = true,
+            },
+            recv(link.ended) -> n => {
+                if n.map_or(true, |n| n == number) {
+                    failed.get_or_insert_with(|| "the recorder closed the link".into());
+                    break;
+                }
+            },
+            default(tick) => {}
+        }
+    }
+    if !(closed && w.is_ok()) {
+        w.abandon();
+        *why = failed.unwrap_or_else(|| "broken".into());
+        return LinkEnd::Broken;
+    }
+    w.finish(false);
+    // The recorder closes the link once it has acknowledged everything; a close with records
+    // left unacknowledged is a recorder that died after the builder's end.
+    loop {
+        match link.ended.recv_timeout(tick) {
+            Ok(n) if n == number => break,
+            Ok(_) => {}
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                if p.abort.load(Ordering::Relaxed) {
+                    return LinkEnd::Aborted;
+                }
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    if link.unacked.lock().records.is_empty() {
+        LinkEnd::Done
+    } else {
+        *why = "the recorder closed the link before acknowledging every event".into();
+        LinkEnd::Broken
+    }
+}
+
+/// Connects to the recorder again, until `deadline` or the abort.
+fn reconnect(addr: &str, deadline: Instant, abort: &AtomicBool) -> std::io::Result<TcpStream> {
+    loop {
+        if abort.load(Ordering::Relaxed) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::Interrupted,
+                "the run was aborted",
+            ));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tessera_net::io::connect_retry(addr, Duration::ZERO) {
+            Ok(s) => {
+                tessera_net::io::tune(&s, Some(Duration::from_secs(1)))?;
+                return Ok(s);
+            }
+            Err(e) if left.is_zero() => return Err(e),
+            Err(_) => std::thread::sleep(left.min(Duration::from_millis(100))),
+        }
+    }
+}
+
+/// Reads the recorder's acknowledgements on each link the sender opens and reports the events
+/// they cover done, in the order they were sent; tells the sender when a link ended (the
+/// recorder closed it after its last acknowledgement, or it broke).
+fn read_acks(
+    p: &Pull,
+    links: crossbeam_channel::Receiver<(u64, TcpStream)>,
+    ended: Sender<u64>,
+    unacked: &Mutex<Unacknowledged>,
+) {
+    for (number, mut stream) in links {
+        read_link_acks(p, number, &mut stream, unacked);
+        let _ = ended.send(number);
+    }
+}
+
+fn read_link_acks(p: &Pull, number: u64, stream: &mut TcpStream, unacked: &Mutex<Unacknowledged>) {
     let mut buf: Vec<u8> = Vec::with_capacity(4096);
     let mut tmp = [0u8; 4096];
     loop {
@@ -1067,22 +1300,26 @@ fn read_acks(p: &Pull, mut stream: TcpStream, sent: &Mutex<Unacknowledged>) {
             match decode_link(&buf, 0) {
                 Ok((LinkItem::Ack(a), n)) => {
                     buf.drain(..n);
-                    let done = sent.lock().acknowledged(a.records);
+                    let done = unacked.lock().acknowledged(number, a.records);
                     p.done(&done);
                 }
                 Ok((LinkItem::NeedMore(_), _)) | Ok((LinkItem::Idle, _)) => break,
                 Ok((other, _)) => {
-                    *p.stats.recorder_error.lock() =
-                        Some(format!("recorder sent {other:?} on the link"));
+                    tracing::error!(
+                        builder = p.id,
+                        "recorder sent {other:?} on the link; it is given up"
+                    );
+                    let _ = stream.shutdown(std::net::Shutdown::Both);
                     return;
                 }
                 Err(e) => {
-                    *p.stats.recorder_error.lock() = Some(format!("recorder link: {e}"));
+                    tracing::error!(builder = p.id, error = %e, "recorder link: bad acknowledgement; it is given up");
+                    let _ = stream.shutdown(std::net::Shutdown::Both);
                     return;
                 }
             }
         }
-        match std::io::Read::read(&mut stream, &mut tmp) {
+        match std::io::Read::read(stream, &mut tmp) {
             Ok(0) => return,
             Ok(n) => buf.extend_from_slice(&tmp[..n]),
             Err(e)
@@ -1276,17 +1513,41 @@ mod tests {
         v.iter().map(|d| d.0).collect()
     }
 
+    fn kept(id: u64) -> Kept {
+        Kept(Arc::new(Built {
+            header: Default::default(),
+            fragments: Default::default(),
+            fragment_count: 1,
+            event_id: id,
+            _queued: None,
+        }))
+    }
+
     #[test]
-    fn an_acknowledgement_ahead_of_the_sender_is_kept_until_its_events_are_noted() {
+    fn acknowledgements_settle_in_order_and_a_new_link_sends_the_rest_again() {
         let mut u = Unacknowledged::default();
-        assert_eq!(ids(&u.written([7, 8])), Vec::<u64>::new());
-        // The recorder acknowledged four records; the sender has noted two of them so far.
-        assert_eq!(ids(&u.acknowledged(4)), vec![7, 8]);
-        // The link's last events, noted after their acknowledgement, are done at once.
-        assert_eq!(ids(&u.written([9, 10, 11])), vec![9, 10]);
-        assert_eq!(ids(&u.acknowledged(5)), vec![11]);
+        let (first, again) = u.relink();
+        assert!(again.is_empty());
+        u.sending(&[kept(7), kept(8), kept(9)]);
+        assert_eq!(ids(&u.acknowledged(first, 1)), vec![7]);
         // Acknowledgements are cumulative: an old count settles nothing twice.
-        assert_eq!(ids(&u.acknowledged(3)), Vec::<u64>::new());
-        assert!(u.ids.is_empty());
+        assert_eq!(ids(&u.acknowledged(first, 1)), Vec::<u64>::new());
+        // The link breaks: what it did not acknowledge goes again, in order, on the next.
+        let (second, again) = u.relink();
+        assert_eq!(
+            again.iter().map(|k| k.0.event_id).collect::<Vec<_>>(),
+            vec![8, 9]
+        );
+        u.sending(&[kept(10)]);
+        // A late acknowledgement of the broken link counts for nothing: it numbered its own
+        // records.
+        assert_eq!(ids(&u.acknowledged(first, 3)), Vec::<u64>::new());
+        // The new link counts from its hello, the records sent again first.
+        assert_eq!(ids(&u.acknowledged(second, 2)), vec![8, 9]);
+        assert_eq!(ids(&u.acknowledged(second, 3)), vec![10]);
+        u.sending(&[kept(11)]);
+        let left = u.give_up();
+        assert_eq!(left.len(), 1);
+        assert_eq!(ids(&u.acknowledged(second, 4)), Vec::<u64>::new());
     }
 }

@@ -75,6 +75,11 @@ pub struct BuilderStats {
     pub queued_fragments: AtomicU64,
     pub recorder_lost: AtomicU64,
     pub recorder_error: Mutex<Option<String>>,
+    /// Request mode: links to the recorder that broke and were opened again (the recorder
+    /// restarted at its address, or the connection failed), and the events sent again on them
+    /// for want of an acknowledgement (wire format §2.8).
+    pub recorder_relinks: AtomicU64,
+    pub events_resent: AtomicU64,
     pub refused_connections: AtomicU64,
     pub last_event: AtomicU64,
     /// For incomplete events: how often each source was the one missing.
@@ -243,6 +248,8 @@ impl BuilderStats {
             queued_fragments: AtomicU64::new(0),
             recorder_lost: AtomicU64::new(0),
             recorder_error: Mutex::new(None),
+            recorder_relinks: AtomicU64::new(0),
+            events_resent: AtomicU64::new(0),
             refused_connections: AtomicU64::new(0),
             last_event: AtomicU64::new(0),
             missing_by_source: Mutex::new(Default::default()),

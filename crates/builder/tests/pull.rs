@@ -170,6 +170,7 @@ fn a_builder_held_by_its_recorder_beats_on_while_it_cuts_late_events() {
         read_chunk: 1 << 20,
         takeover: Duration::ZERO,
         takeover_memory: 1024,
+        recorder_takeover: std::time::Duration::ZERO,
     })
     .unwrap();
     let stats = b.stats.clone();
@@ -313,6 +314,7 @@ fn never_answers_one(filter: Roi) {
         read_chunk: 1 << 20,
         takeover: Duration::ZERO,
         takeover_memory: 1024,
+        recorder_takeover: std::time::Duration::ZERO,
     })
     .unwrap();
     let stats = b.stats.clone();

@@ -918,6 +918,246 @@ fn a_restarted_event_manager_takes_the_run_over_and_nothing_is_lost_or_doubled()
     );
 }
 
+/// Each event ID in the files once: the first few (event, copies) that are not.
+fn not_once(out: &Path, events: u64) -> Vec<(usize, u32)> {
+    let mut seen = vec![0u32; events as usize];
+    for h in event_headers(out) {
+        seen[h.event_id as usize] += 1;
+    }
+    seen.iter()
+        .enumerate()
+        .filter(|(_, &n)| n != 1)
+        .map(|(i, &n)| (i, n))
+        .take(10)
+        .collect()
+}
+
+/// Issue 50, item 2: the recorder killed (SIGKILL) in the middle of a request-mode run, every
+/// role its own process, and started again at the same address (its listening socket outlives
+/// it, as under systemd socket activation). The builders keep what it had not acknowledged,
+/// connect again and send that again (wire format §2.8); the new recorder finishes the `.part`
+/// its predecessor left, takes its files over and drops the resent events they hold. Every
+/// event the sources sent is in the files exactly once and the balance over the processes holds.
+#[test]
+fn a_recorder_killed_and_restarted_mid_run_loses_and_doubles_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let ports = Ports::bind(4);
+    let events = 12_000u64;
+    let cfg = request_mode_processes(dir.path(), &ports, 11, events, 4, 512, ["", ""], 2, "");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    // The recorder writes slower than the sources send (4 x 512 B at 2 kHz, ~4.3 MB/s): at
+    // the kill it has taken many events it has not written, let alone acknowledged.
+    std::fs::write(
+        &cfg,
+        text.replace(
+            "fsync = false\n",
+            "fsync = false\ntakeover_s = 120\nthrottle = \"3 MiB\"\n",
+        ),
+    )
+    .unwrap();
+    let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
+    // The recorder's listener stays open for its successor.
+    let recorder = || {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+        ports.hand_over(3, &mut cmd);
+        Proc::spawn_piped(
+            cmd.env("TESSERA_HTTP", "127.0.0.1:0")
+                .args(["serve", "recorder", &cfg, "--json", "--quiet"]),
+        )
+    };
+    let rec = recorder();
+    let em = spawn(&["manager"], Some(2));
+    let ru = [
+        spawn(&["readout", "--id", "0"], Some(0)),
+        spawn(&["readout", "--id", "1"], Some(1)),
+    ];
+    let bu = [
+        spawn(&["builder", "--id", "0"], None),
+        spawn(&["builder", "--id", "1"], None),
+    ];
+    let src = spawn(&["sources"], None);
+    wait_for_recorded_data(&out);
+    rec.signal("KILL");
+    let first = rec.finish(LIMIT);
+    let rec = recorder();
+    ports.release(3);
+    let ru = ru.map(report_of);
+    let src = report_of(src);
+    let bu = bu.map(report_of);
+    let em = report_of(em);
+    let rec = report_of(rec);
+    let all = serde_json::json!({
+        "readout": ru, "builders": bu, "manager": em, "recorder": rec,
+        "first recorder": String::from_utf8_lossy(&first.stderr),
+    });
+    let b = whole_balance(&cfg, &[&src, &ru[0], &ru[1], &bu[0], &bu[1], &em, &rec]);
+    assert!(b.holds, "{b:?}\n{all:#}");
+    let r = &rec["recorder"];
+    assert_eq!(r["events_in_files"], events, "{all:#}");
+    assert_eq!(
+        r["duplicate_events"], 0,
+        "no event was built twice: {all:#}"
+    );
+    assert_eq!(r["incomplete_events"], 0, "{all:#}");
+    assert!(r["adopted_files"].as_u64().unwrap() >= 1, "{all:#}");
+    let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+    let relinks: u64 = bu
+        .iter()
+        .map(|b| n(&b["builders"][0]["recorder_relinks"]))
+        .sum();
+    assert!(relinks >= 1, "{all:#}");
+    let resent: u64 = bu
+        .iter()
+        .map(|b| n(&b["builders"][0]["events_resent"]))
+        .sum();
+    assert!(resent >= 1, "{all:#}");
+    for b in &bu {
+        let b0 = &b["builders"][0];
+        assert_eq!(b0["errors"], serde_json::json!([]), "{all:#}");
+        assert_eq!(b0["recorder_link_lost"], 0, "{all:#}");
+    }
+    for r in &ru {
+        assert_eq!(
+            r["readout_units"][0]["requests"]["fragments_still_stored"], 0,
+            "every event held was cleared: {all:#}"
+        );
+    }
+    let wrong = not_once(&out, events);
+    assert!(wrong.is_empty(), "(event, copies): {wrong:?}\n{all:#}");
+    assert!(
+        !std::fs::read_dir(&out)
+            .unwrap()
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().ends_with(".part")),
+        "{all:#}"
+    );
+    assert_verifies(&out);
+    println!(
+        "DRILL|request mode, the recorder SIGKILLed and restarted|{events}|{}|0|0|holds (over the processes); {} files taken over, {} events resent, {} of them held already",
+        r["events_in_files"],
+        r["adopted_files"],
+        resent,
+        r["resent_events"]
+    );
+}
+
+/// Issue 50, item 2, second half: the recorder killed (SIGKILL) in the middle of a request-mode
+/// run, every role its own process, and not started again. The builders keep what it had not
+/// acknowledged and try its address for `recorder.takeover_s`, then end, counting that as lost
+/// at the recorder link; the event manager, every builder gone and none back within its
+/// `takeover_s`, ends the run; the readout units and sources end with it. Never a hang: every
+/// process ends by itself (each has a deadline here). Every event the files hold was built, and
+/// every fragment built is in the files or named lost.
+#[test]
+fn a_recorder_killed_and_not_restarted_ends_every_role_with_what_it_held_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let ports = Ports::bind(4);
+    let cfg = request_mode_processes(
+        dir.path(),
+        &ports,
+        12,
+        200_000,
+        4,
+        512,
+        ["", ""],
+        2,
+        "takeover_s = 1\n",
+    );
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(
+        &cfg,
+        text.replace(
+            "fsync = false\n",
+            "fsync = false\ntakeover_s = 1\nthrottle = \"3 MiB\"\n",
+        ),
+    )
+    .unwrap();
+    let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
+    let mut rec = spawn(&["recorder"], Some(3));
+    let em = spawn(&["manager"], Some(2));
+    let ru = [
+        spawn(&["readout", "--id", "0"], Some(0)),
+        spawn(&["readout", "--id", "1"], Some(1)),
+    ];
+    let bu = [
+        spawn(&["builder", "--id", "0"], None),
+        spawn(&["builder", "--id", "1"], None),
+    ];
+    let src = spawn(&["sources"], None);
+    wait_for_recorded_data(&out);
+    rec.kill();
+    let ru = ru.map(report_of);
+    let _ = report_of(src);
+    let bu = bu.map(report_of);
+    let em = report_of(em);
+    let all = serde_json::json!({ "readout": ru, "builders": bu, "manager": em });
+    for b in &bu {
+        let errors = b["builders"][0]["errors"].to_string();
+        assert!(
+            errors.contains("recorder link") && errors.contains("counted lost"),
+            "{all:#}"
+        );
+    }
+    assert!(
+        em["event_manager"]["errors"]
+            .to_string()
+            .contains("every builder lost"),
+        "{all:#}"
+    );
+    for r in &ru {
+        assert!(
+            r["readout_units"][0]["requests"]["manager_error"].is_string(),
+            "{all:#}"
+        );
+    }
+    // What the killed recorder left: its `.part` finished by recovery, every event whole.
+    let o = tessera(&["recover", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_verifies(&out);
+    let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+    let built: u64 = bu
+        .iter()
+        .map(|b| {
+            n(&b["builders"][0]["fragments_in_complete"])
+                + n(&b["builders"][0]["fragments_in_incomplete"])
+        })
+        .sum();
+    let lost: u64 = bu
+        .iter()
+        .map(|b| n(&b["builders"][0]["recorder_link_lost"]))
+        .sum();
+    let headers = event_headers(&out);
+    let in_files: u64 = headers.iter().map(|h| h.fragment_count as u64).sum();
+    assert!(lost > 0, "{all:#}");
+    // Acknowledged events are in the files; unacknowledged ones are named lost, some of them
+    // in the files too (written, the acknowledgement not yet out when the recorder died).
+    assert!(
+        in_files <= built,
+        "{in_files} in files, {built} built\n{all:#}"
+    );
+    assert!(
+        in_files + lost >= built,
+        "{} fragments built are neither in the files nor named: {all:#}",
+        built - in_files - lost
+    );
+    let wrong: Vec<u64> = {
+        let mut ids: Vec<u64> = headers.iter().map(|h| h.event_id).collect();
+        ids.sort_unstable();
+        ids.windows(2)
+            .filter(|w| w[0] == w[1])
+            .map(|w| w[0])
+            .take(10)
+            .collect()
+    };
+    assert!(wrong.is_empty(), "events twice in the files: {wrong:?}");
+    println!(
+        "DRILL|request mode, the recorder SIGKILLed and not restarted|-|{}|{lost} named|0|every role ended; {built} built, {in_files} in files",
+        headers.len()
+    );
+}
+
 /// Issue 11 ("a builder wrongly declared dead fails over like a dead one, never errors the
 /// run"): a builder frozen (SIGSTOP) past the heartbeat timeout is declared dead and its events
 /// go to the other; thawed, it finds its manager connection closed, rejoins (request-protocol

@@ -1079,6 +1079,11 @@ pub struct RecorderSection {
     /// finishing the run needs on a full disk (the open files' trailers and sidecars, the
     /// manifest, the run database's writes). 0: none.
     pub disk_reserve: ByteSize,
+    /// Request mode: how long builders whose recorder link broke keep what the recorder has not
+    /// acknowledged and try the recorder's address again (a recorder restarted there adopts the
+    /// run's files and takes the resent records), and how long the recorder waits for a builder
+    /// whose link broke to come back. 0: they end at once, counting what was unacknowledged.
+    pub takeover_s: u64,
 }
 
 impl Default for RecorderSection {
@@ -1104,6 +1109,7 @@ impl Default for RecorderSection {
             disk_soft_free: ByteSize(2 << 30),
             disk_hard_free: ByteSize(1 << 30),
             disk_reserve: ByteSize(16 << 20),
+            takeover_s: 30,
         }
     }
 }

@@ -12,8 +12,9 @@ use crate::wire::{
     FragmentHeader, FRAGMENT_HEADER_SIZE, MAX_HEADER_SIZE, START_MARKER, TRAILER_SIZE,
 };
 
-/// Version 2 added the progress message (readout unit → builder unit).
-pub const LINK_VERSION: u16 = 2;
+/// Version 2 added the progress message (readout unit → builder unit); version 3 the resend
+/// message (builder unit → recorder).
+pub const LINK_VERSION: u16 = 3;
 pub const PEER_HELLO_MAGIC: u32 = 0xEE22_BBEE;
 pub const SUPER_FRAGMENT_MARKER: u32 = 0xEE53_46EE;
 pub const PEER_END_MARKER: u32 = 0xEE0E_0EEE;
@@ -21,6 +22,8 @@ pub const PROGRESS_MARKER: u32 = 0xEE50_57EE;
 pub const PROGRESS_SIZE: usize = 24;
 pub const ACK_MARKER: u32 = 0xEE41_4BEE;
 pub const ACK_SIZE: usize = 24;
+pub const RESEND_MARKER: u32 = 0xEE52_53EE;
+pub const RESEND_SIZE: usize = 24;
 pub const PEER_HELLO_SIZE: usize = 16;
 pub const PEER_END_SIZE: usize = 32;
 pub const SUPER_FRAGMENT_HEADER_SIZE: usize = 32;
@@ -141,6 +144,27 @@ impl Ack {
     }
 }
 
+/// A builder's word to the recorder, on a link that replaces one that broke: the next `records`
+/// event records are sent again, having gone out on the broken link without an [`Ack`]. The
+/// recorder may hold some of them already (written before the break, or by a recorder that
+/// died and whose files it adopted): those are dropped and counted as resent, not as second
+/// copies of an event built twice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resend {
+    pub records: u64,
+}
+
+impl Resend {
+    pub fn encode(&self) -> [u8; RESEND_SIZE] {
+        let mut b = [0u8; RESEND_SIZE];
+        put_u32(&mut b, 0, RESEND_MARKER);
+        put_u16(&mut b, 4, LINK_VERSION);
+        put_u16(&mut b, 6, RESEND_SIZE as u16);
+        put_u64(&mut b, 16, self.records);
+        b
+    }
+}
+
 /// Header of the super-fragment a readout unit sends for one event: its links' fragments for
 /// that event, verbatim, and the list of its sources that did not deliver one.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -212,6 +236,7 @@ pub enum LinkItem {
     End(PeerEnd),
     Progress(Progress),
     Ack(Ack),
+    Resend(Resend),
     NeedMore(usize),
     Idle,
 }
@@ -298,6 +323,20 @@ pub fn decode_link(b: &[u8], max_message: usize) -> Result<(LinkItem, usize), Li
             }
             Ok((
                 LinkItem::Ack(Ack {
+                    records: u64_at(b, 16),
+                }),
+                size,
+            ))
+        }
+        RESEND_MARKER => {
+            if size != RESEND_SIZE {
+                return Err(LinkError::BadSize("resend"));
+            }
+            if b.len() < size {
+                return Ok((LinkItem::NeedMore(size), 0));
+            }
+            Ok((
+                LinkItem::Resend(Resend {
                     records: u64_at(b, 16),
                 }),
                 size,

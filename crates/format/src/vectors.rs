@@ -5,7 +5,7 @@
 
 use crate::event::{EventFlags, EventRecordHeader};
 use crate::file::{BlockHeader, Codec, FileHeader, FileTrailer, Filter};
-use crate::link::{Ack, PeerEnd, PeerHello, PeerRole, Progress, SuperFragmentHeader};
+use crate::link::{Ack, PeerEnd, PeerHello, PeerRole, Progress, Resend, SuperFragmentHeader};
 use crate::wire::{encode_fragment, FragmentHeader, Hello, StreamEnd};
 
 /// (title, bytes) of every documented vector, in document order.
@@ -93,6 +93,10 @@ pub fn all() -> Vec<(&'static str, Vec<u8>)> {
         }
         .encode())
         .to_vec(),
+    ));
+    v.push((
+        "resend, the next 5 records sent again",
+        (Resend { records: 5 }.encode()).to_vec(),
     ));
     let mut ev = Vec::new();
     let mut eh = EventRecordHeader {

@@ -62,7 +62,7 @@ fn link_vectors() {
     .encode();
     assert_eq!(
         hex::encode(hello),
-        "eebb22ee0200100001000000".to_string() + "01000000"
+        "eebb22ee0300100001000000".to_string() + "01000000"
     );
     let end = PeerEnd {
         role: PeerRole::BuilderUnit,
@@ -73,7 +73,7 @@ fn link_vectors() {
     .encode();
     assert_eq!(
         hex::encode(end),
-        "ee0e0eee020020000200000000000000".to_string() + "02000000000000001000000000000000"
+        "ee0e0eee030020000200000000000000".to_string() + "02000000000000001000000000000000"
     );
     let mut sf = Vec::new();
     SuperFragmentHeader {
@@ -86,7 +86,7 @@ fn link_vectors() {
     .encode_into(&mut sf);
     assert_eq!(
         hex::encode(sf),
-        "ee4653ee0200240001000000010000002a00000000000000640000000100000009000000"
+        "ee4653ee0300240001000000010000002a00000000000000640000000100000009000000"
     );
 }
 

@@ -37,6 +37,10 @@ pub struct Settings {
     /// The credit a builder gives (`request.credits`): at most this many assignments wait for
     /// a builder that does not read them, each using one.
     pub builder_credits: u32,
+    /// How long the run goes on with every builder lost, waiting for one to come back
+    /// (`event_manager.takeover_s`): past that nothing could ever be built, and the manager
+    /// ends the run.
+    pub builder_wait_ns: u64,
 }
 
 /// Who the manager waits for before it assigns anything.
@@ -118,6 +122,8 @@ pub struct Core {
     finished_elsewhere: RecentSet,
     /// Of those, the ones a readout unit announced (and were cleared): one clear is enough.
     cleared_elsewhere: RecentSet,
+    /// Since when no builder has been alive (after the gathering): see [`Self::builderless_ns`].
+    builderless_since: Option<u64>,
     pub counts: Counts,
 }
 
@@ -143,8 +149,16 @@ impl Core {
             oldest_clear_ns: 0,
             busy: false,
             unit_full: false,
+            builderless_since: None,
             counts: Counts::default(),
         }
+    }
+
+    /// How long no builder has been alive, as of the last tick (zero while one is, or while
+    /// gathering): every builder lost and none back, nothing can be built.
+    pub fn builderless_ns(&self, now_ns: u64) -> u64 {
+        self.builderless_since
+            .map_or(0, |t| now_ns.saturating_sub(t))
     }
 
     /// A builder connected; returns its slot.
@@ -448,6 +462,12 @@ impl Core {
             self.builder_lost(slot, out);
         }
         self.end_gathering(now_ns, out);
+        let alive = self.builders.iter().any(|b| b.alive);
+        self.builderless_since = if alive || self.gathering.is_some() {
+            None
+        } else {
+            Some(self.builderless_since.unwrap_or(now_ns))
+        };
         if !self.clears.is_empty()
             && now_ns.saturating_sub(self.oldest_clear_ns) >= self.s.clear_delay_ns
         {
@@ -542,6 +562,7 @@ mod tests {
             busy_threshold: 4,
             done_memory: 1 << 16,
             builder_credits: 64,
+            builder_wait_ns: u64::MAX,
         }
     }
 

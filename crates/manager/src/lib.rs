@@ -92,6 +92,8 @@ struct Shared {
     builders: Mutex<Vec<BuilderConn>>,
     /// Assignment messages that may wait for one builder: its credit, and its end.
     assignments_queued_max: usize,
+    /// `Settings::builder_wait_ns`.
+    builder_wait_ns: u64,
     abort: Arc<AtomicBool>,
     finished: AtomicBool,
     errors: Mutex<Vec<String>>,
@@ -106,6 +108,7 @@ impl EventManager {
     pub fn start(cfg: ManagerConfig) -> std::io::Result<EventManager> {
         let role = RoleThreads::default();
         let assignments_queued_max = cfg.settings.builder_credits as usize + 1;
+        let builder_wait_ns = cfg.settings.builder_wait_ns;
         let shared = Arc::new(Shared {
             core: Mutex::new(core::Core::new(
                 cfg.settings,
@@ -121,6 +124,7 @@ impl EventManager {
             ended: Mutex::new(HashSet::new()),
             builders: Mutex::new(Vec::new()),
             assignments_queued_max,
+            builder_wait_ns,
             abort: role.abort.clone(),
             finished: AtomicBool::new(false),
             errors: Mutex::new(Vec::new()),
@@ -515,16 +519,29 @@ fn tick(sh: &Arc<Shared>) {
     loop {
         std::thread::sleep(Duration::from_millis(5));
         let now = sh.now_ns();
+        let mut orphaned = None;
         let done = sh.decide(|c, outs| {
             c.tick(now, outs);
             let all_ended = sh.ended.lock().len() >= sh.readout_units.len();
             if all_ended && c.in_flight() == 0 && !c.gathering() {
                 c.flush_clears(outs);
                 true
+            } else if c.builderless_ns(now) > sh.builder_wait_ns {
+                orphaned = Some(c.in_flight());
+                c.flush_clears(outs);
+                true
             } else {
                 false
             }
         });
+        if let Some(n) = orphaned {
+            // The readout units end at the manager's end before their sources did, and report
+            // what they hold.
+            sh.error(format!(
+                "every builder lost and none back within {} s: the run ends with {n} events never built (their fragments are still stored at the readout units, counted there)",
+                sh.builder_wait_ns / 1_000_000_000
+            ));
+        }
         if done || sh.abort.load(Ordering::Relaxed) {
             break;
         }

@@ -29,6 +29,7 @@ fn manager_of(builders: &[u32], builder_credits: u32) -> (EventManager, String) 
             busy_threshold: 1 << 20,
             done_memory: 1 << 10,
             builder_credits,
+            builder_wait_ns: u64::MAX,
         },
     })
     .unwrap();

@@ -79,7 +79,7 @@ pub fn send_loop<T: Outgoing>(
 /// close the link (false when another thread reads the link, as a builder's acknowledgement
 /// reader does, and waits for the close itself).
 pub fn send_loop_beating<T: Outgoing>(
-    mut stream: TcpStream,
+    stream: TcpStream,
     rx: Receiver<Vec<T>>,
     hello: PeerHello,
     mut on_batch: impl FnMut(BatchOutcome, &[T]),
@@ -87,21 +87,7 @@ pub fn send_loop_beating<T: Outgoing>(
     mut beat: Option<Beat<'_, T>>,
     wait_close: bool,
 ) {
-    let ok = match crate::io::write_all_vectored(&mut stream, &mut [IoSlice::new(&hello.encode())])
-    {
-        Ok(()) => true,
-        Err(e) => {
-            on_error(&e);
-            false
-        }
-    };
-    let mut st = LinkState {
-        ok,
-        units: 0,
-        fragments: 0,
-        headers: Vec::new(),
-        offsets: VecDeque::new(),
-    };
+    let mut link = LinkWriter::open(stream, hello, &mut on_error);
     let mut last_beat = Instant::now();
     loop {
         let got = match &beat {
@@ -121,24 +107,98 @@ pub fn send_loop_beating<T: Outgoing>(
             }
         }
         if !batch.is_empty() {
-            send_batch(&mut stream, batch, &mut st, &mut on_batch, &mut on_error);
+            link.send(batch, &mut on_batch, &mut on_error);
         }
         // After the batch: a beat must never overtake a unit taken from the queue.
         if let Some(b) = &mut beat {
-            if st.ok && last_beat.elapsed() >= b.every {
+            if link.is_ok() && last_beat.elapsed() >= b.every {
                 if let Some(m) = (b.message)(&rx) {
-                    if let Err(e) =
-                        crate::io::write_all_vectored(&mut stream, &mut [IoSlice::new(&m)])
-                    {
-                        on_error(&e);
-                        st.ok = false;
-                    }
+                    link.write_message(&m, &mut on_error);
                     last_beat = Instant::now();
                 }
             }
         }
     }
-    finish_link(&mut stream, hello, &st, wait_close);
+    link.finish(wait_close);
+}
+
+/// The sending side of one link, driven by its caller: the hello, batches, messages between
+/// them, and the peer end with the link's counts. [`send_loop`] drives one from a queue; a
+/// request-mode builder drives its recorder link itself, since it keeps every record until the
+/// recorder acknowledges it and sends the rest again on a new link when one breaks.
+pub struct LinkWriter {
+    stream: TcpStream,
+    hello: PeerHello,
+    st: LinkState,
+}
+
+impl LinkWriter {
+    /// Opens the link with `hello` (a failure goes to `on_error`, and the link is failed).
+    pub fn open(
+        mut stream: TcpStream,
+        hello: PeerHello,
+        on_error: &mut impl FnMut(&io::Error),
+    ) -> LinkWriter {
+        let ok = match crate::io::write_all_vectored(
+            &mut stream,
+            &mut [IoSlice::new(&hello.encode())],
+        ) {
+            Ok(()) => true,
+            Err(e) => {
+                on_error(&e);
+                false
+            }
+        };
+        LinkWriter {
+            stream,
+            hello,
+            st: LinkState {
+                ok,
+                units: 0,
+                fragments: 0,
+                headers: Vec::new(),
+                offsets: VecDeque::new(),
+            },
+        }
+    }
+
+    /// False once a write failed: what is sent from then on is reported not written.
+    pub fn is_ok(&self) -> bool {
+        self.st.ok
+    }
+
+    /// Writes `batch`; `on_batch` is told the fate of its units (those written whole, and those
+    /// not), `on_error` of a failure.
+    pub fn send<T: Outgoing>(
+        &mut self,
+        batch: Vec<T>,
+        on_batch: &mut impl FnMut(BatchOutcome, &[T]),
+        on_error: &mut impl FnMut(&io::Error),
+    ) {
+        send_batch(&mut self.stream, batch, &mut self.st, on_batch, on_error);
+    }
+
+    /// Writes a message that travels between units (not counted as one).
+    pub fn write_message(&mut self, m: &[u8], on_error: &mut impl FnMut(&io::Error)) {
+        if !self.st.ok {
+            return;
+        }
+        if let Err(e) = crate::io::write_all_vectored(&mut self.stream, &mut [IoSlice::new(m)]) {
+            on_error(&e);
+            self.st.ok = false;
+        }
+    }
+
+    /// Ends a link that did not fail with the peer end; `wait_close`: then waits for the peer
+    /// to close it.
+    pub fn finish(mut self, wait_close: bool) {
+        finish_link(&mut self.stream, self.hello, &self.st, wait_close);
+    }
+
+    /// Gives the link up without its peer end (the peer sees it break).
+    pub fn abandon(self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
 }
 
 /// Counters and scratch of one link's sending side.

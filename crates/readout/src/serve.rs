@@ -983,6 +983,14 @@ fn manager_link(
                     heard = true;
                     rs.throttled.store(busy, Ordering::Relaxed)
                 }
+                Ok(Message::End { .. }) if !u.manager.lock().links_ended => {
+                    // The manager ended the run before this unit's sources did (every builder
+                    // lost, none back): nothing it holds can be built any more.
+                    *rs.manager_error.lock() = Some(
+                        "the event manager ended the run before this unit's sources ended (see its report)".into(),
+                    );
+                    break None;
+                }
                 Ok(Message::End { .. }) | Err(ReadEnd::Stopped) => break None,
                 Ok(other) => break Some(format!("event manager sent {other:?}")),
                 Err(ReadEnd::Closed) => {

@@ -582,11 +582,21 @@ impl Disk {
         if self.open.is_none() {
             let s = &self.s;
             std::fs::create_dir_all(&s.dir)?;
-            let seq = self.next_sequence;
-            self.next_sequence += 1;
-            let name = tessera_archive::stream_file_name(s.run_number, s.stream.as_deref(), seq);
-            let part = s.dir.join(format!("{name}.part"));
-            let mut file = File::create(&part)?;
+            // A file of this run already there (an earlier recorder of the run wrote it, and
+            // this one took it over) keeps its name: the sequence goes on after it.
+            let (seq, name, part) = loop {
+                let seq = self.next_sequence;
+                self.next_sequence += 1;
+                let name =
+                    tessera_archive::stream_file_name(s.run_number, s.stream.as_deref(), seq);
+                let part = s.dir.join(format!("{name}.part"));
+                // (Anything else in the way, a directory say, is not skipped: creating the
+                // file then fails, and says so.)
+                if !s.dir.join(&name).is_file() && !part.is_file() {
+                    break (seq, name, part);
+                }
+            };
+            let mut file = File::options().write(true).create_new(true).open(&part)?;
             let start_ns = unix_ns();
             let hb = FileHeader {
                 run_number: s.run_number,

@@ -46,6 +46,26 @@ pub struct RecorderConfig {
     pub max_message: usize,
     /// The monitor every recorded event is offered to (after it is written).
     pub monitor: Option<tessera_monitor::Monitor>,
+    /// How long a builder whose link broke may take to open it again (`recorder.takeover_s`).
+    pub takeover: Duration,
+    /// What an earlier recorder of this run left in the output directory, taken over.
+    pub adopted: Adopted,
+}
+
+/// The files an earlier recorder of the same run left (it died, or was restarted), taken over
+/// by this one at its start: their counts are this recorder's from the start, their event IDs
+/// seed its deduplication (a builder sends again what that recorder never acknowledged), and
+/// its own files continue their sequence.
+#[derive(Clone, Debug, Default)]
+pub struct Adopted {
+    pub files: Vec<FileInfo>,
+    pub event_ids: Vec<u64>,
+    pub events: u64,
+    pub incomplete_events: u64,
+    pub fragments_in_complete: u64,
+    pub fragments_in_incomplete: u64,
+    pub record_bytes: u64,
+    pub file_bytes: u64,
 }
 
 /// The file being written: its name, what its whole blocks hold so far.
@@ -106,6 +126,16 @@ pub struct RecorderStats {
     pub unrecorded_fragments_in_incomplete: AtomicU64,
     /// The room held for finishing the run (`recorder.disk_reserve`), until given back.
     pub reserve: Mutex<Option<tessera_archive::DiskReserve>>,
+    /// Events and files an earlier recorder of this run wrote, adopted at the start (counted in
+    /// `events` and the fragment counts too).
+    pub adopted_events: AtomicU64,
+    pub adopted_files: AtomicU64,
+    /// Records a builder sent again on a new link (wire format §2.8) that the files held
+    /// already: the same record twice, dropped, and not a second copy of an event.
+    pub resent_events: AtomicU64,
+    pub resent_fragments: AtomicU64,
+    /// Builder links opened again after they broke.
+    pub relinks: AtomicU64,
     /// Second copies of events, dropped (request mode, after a builder failover).
     pub duplicate_events: AtomicU64,
     pub duplicate_fragments: AtomicU64,
@@ -155,16 +185,35 @@ impl RecorderStats {
 /// Size of the chunks the recorder reads builder links into.
 pub const RECORDER_CHUNK: usize = 1 << 20;
 
-/// Records on their way to the writer: (record bytes, fragment count, incomplete, event ID,
-/// rebuilt).
-/// Event records from one builder link: (record, fragments, incomplete, event ID, rebuilt), and
-/// the link's slot (for its acknowledgements).
-type Batch = (usize, Vec<Record>);
-type Record = (ChunkSlice, u32, bool, u64, bool);
+/// Event records from one builder link, and the link (for its acknowledgements).
+struct Batch {
+    slot: usize,
+    /// The slot's link the records came on (see [`Written::per_link`]).
+    link: u64,
+    records: Vec<Record>,
+}
+
+/// One event record on its way to the writer.
+struct Record {
+    rec: ChunkSlice,
+    fragments: u32,
+    incomplete: bool,
+    event_id: u64,
+    rebuilt: bool,
+    /// Sent again after a broken link (wire format §2.8).
+    resent: bool,
+}
+
+/// Bits of [`Written::per_link`] that count records; the rest number the slot's link.
+const COUNT_BITS: u32 = 40;
+const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
 
 /// Per builder slot: how many of the records it sent are written (in the file), for the acks.
 #[derive(Default)]
 struct Written {
+    /// Per slot: the number of its current link (high bits) and how many records of that link
+    /// are written (low [`COUNT_BITS`]), in one word so that a record of a link that broke is
+    /// never counted for the link that replaced it (each link counts from its own hello).
     per_link: Vec<AtomicU64>,
     /// Per builder slot that asked for acknowledgements: its link's sending side. The writer
     /// tells a builder as soon as its records are in the file; left to the link's reader, an
@@ -223,6 +272,26 @@ impl AckSender {
 }
 
 impl Written {
+    /// Records of the slot's current link written.
+    fn written_of(&self, slot: usize) -> u64 {
+        self.per_link[slot].load(Ordering::Acquire) & COUNT_MASK
+    }
+
+    /// A new link for `slot`: its number; its count starts at zero.
+    fn new_link(&self, slot: usize) -> u64 {
+        let v = self.per_link[slot].load(Ordering::Acquire);
+        let link = (v >> COUNT_BITS) + 1;
+        self.per_link[slot].store(link << COUNT_BITS, Ordering::Release);
+        link
+    }
+
+    /// One record of `link` of `slot` is written; nothing if that link was replaced since.
+    fn count_written(&self, slot: usize, link: u64) {
+        let _ = self.per_link[slot].fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+            (v >> COUNT_BITS == link).then_some(v + 1)
+        });
+    }
+
     /// Tells every builder that wants acknowledgements what is in the file now, without waiting
     /// for any of them: a link whose reader is using it, or whose socket is full, gets it from
     /// its reader instead.
@@ -235,7 +304,7 @@ impl Written {
             if let Some(mut g) = link.try_lock() {
                 if let Some(a) = g.as_mut() {
                     // A failure is the reader's to find and report.
-                    a.send(self.per_link[slot].load(Ordering::Acquire), false);
+                    a.send(self.written_of(slot), false);
                 }
             }
         }
@@ -246,7 +315,7 @@ impl Written {
     fn tell_builder(&self, slot: usize) -> bool {
         loop {
             if let Some(a) = self.ack_links[slot].lock().as_mut() {
-                if !a.send(self.per_link[slot].load(Ordering::Acquire), true) {
+                if !a.send(self.written_of(slot), true) {
                     return false;
                 }
             }
@@ -260,7 +329,7 @@ impl Written {
 
 /// Event IDs remembered for deduplication. A builder that fails after handing an event over gets
 /// it rebuilt elsewhere within moments; copies further apart than this are not caught.
-const DEDUP_WINDOW: usize = 1 << 20;
+pub const DEDUP_WINDOW: usize = 1 << 20;
 
 /// The most heap memory the recorder holds for its bookkeeping beside its queue and blocks: the
 /// event IDs it remembers for deduplication. What `tessera check` and a node agent count.
@@ -276,6 +345,28 @@ pub struct Recorder {
 impl Recorder {
     pub fn start(cfg: RecorderConfig) -> std::io::Result<Recorder> {
         let stats = Arc::new(RecorderStats::default());
+        let a = &cfg.adopted;
+        if !a.files.is_empty() {
+            let st = &stats;
+            st.adopted_files
+                .store(a.files.len() as u64, Ordering::Relaxed);
+            st.adopted_events.store(a.events, Ordering::Relaxed);
+            st.events.store(a.events, Ordering::Relaxed);
+            st.incomplete_events
+                .store(a.incomplete_events, Ordering::Relaxed);
+            st.fragments_in_complete
+                .store(a.fragments_in_complete, Ordering::Relaxed);
+            st.fragments_in_incomplete
+                .store(a.fragments_in_incomplete, Ordering::Relaxed);
+            st.record_bytes.store(a.record_bytes, Ordering::Relaxed);
+            st.file_bytes.store(a.file_bytes, Ordering::Relaxed);
+            st.files.lock().extend(a.files.iter().cloned());
+            tracing::warn!(
+                files = a.files.len(),
+                events = a.events,
+                "took over the files an earlier recorder of this run left; its events are not written twice"
+            );
+        }
         // A run that starts on a disk already below its watermarks says so at once.
         if let Some(free) = file::free_bytes(&cfg.output) {
             stats.disk_free.store(free, Ordering::Relaxed);
@@ -332,8 +423,9 @@ impl Recorder {
             let st = stats.clone();
             let monitor = cfg.monitor.clone();
             let written = written.clone();
+            let adopted = cfg.adopted.event_ids;
             role.threads.push(spawn("recorder-writer".into(), move || {
-                write_loop(settings, rx, st, monitor.as_ref(), &written)
+                write_loop(settings, rx, st, monitor.as_ref(), &written, &adopted)
             }));
         }
         {
@@ -342,12 +434,14 @@ impl Recorder {
             let max = cfg.max_message;
             let builders = cfg.builders.clone();
             let listener = cfg.listener;
+            let takeover = cfg.takeover;
             role.threads.push(spawn("recorder-accept".into(), move || {
                 let links = Links {
                     per_link,
                     max,
                     tx,
                     written,
+                    takeover,
                 };
                 accept(listener, builders, links, &st, &stop, &abort)
             }));
@@ -378,6 +472,22 @@ struct Links {
     max: usize,
     tx: Sender<Batch>,
     written: Arc<Written>,
+    takeover: Duration,
+}
+
+/// Where each builder's link stands, for the accept loop.
+#[derive(Clone, Copy, PartialEq)]
+enum SlotState {
+    Never,
+    Open,
+    /// Ended with its peer end: the builder is done.
+    Ended,
+    /// Broke without its peer end at this time; `acks`: its builder keeps what is not
+    /// acknowledged and may open it again (request mode).
+    Broken {
+        at: Instant,
+        acks: bool,
+    },
 }
 
 fn accept(
@@ -393,28 +503,37 @@ fn accept(
         max,
         tx,
         written,
+        takeover,
     } = links;
-    let connected = std::cell::RefCell::new(vec![false; builders.len()]);
+    let slots = Arc::new(Mutex::new(vec![SlotState::Never; builders.len()]));
     let mut readers = Vec::new();
-    let ends = Arc::new(LinkEnds::default());
-    // A builder that has not connected by the time every connected builder has ended its link,
-    // at least one of them cleanly (the run is over), is not waited for: it died before it
-    // connected (its events were rebuilt elsewhere or counted lost upstream). Waiting would hang
-    // the recorder, and with it the run, for good.
+    let warned = std::cell::Cell::new(false);
+    // The recorder takes links until the run is over for it: no link open, none broken whose
+    // builder may still open it again (`takeover`), and every builder connected or, once one
+    // ended cleanly (the run is over), given up. A builder that never connected by then died
+    // before it did (its events were rebuilt elsewhere or counted lost upstream): waiting
+    // would hang the recorder, and with it the run, for good.
     let missing = || {
-        let c = connected.borrow();
-        let n = c.iter().filter(|x| **x).count();
-        let over = ends.clean.load(Ordering::Acquire) && ends.ended.load(Ordering::Acquire) == n;
-        if over && n < c.len() {
-            for (b, _) in builders.iter().zip(c.iter()).filter(|(_, x)| !**x) {
+        let s = slots.lock();
+        let back_soon = |x: &SlotState| matches!(x, SlotState::Broken { at, acks: true } if at.elapsed() < takeover);
+        if s.iter().any(|x| *x == SlotState::Open || back_soon(x)) {
+            return true;
+        }
+        let clean = s.contains(&SlotState::Ended);
+        let never = s.contains(&SlotState::Never);
+        if never && clean && !warned.replace(true) {
+            for (b, _) in builders
+                .iter()
+                .zip(s.iter())
+                .filter(|(_, x)| **x == SlotState::Never)
+            {
                 tracing::warn!(
                     builder = b,
                     "builder never connected; the recorder ends without it"
                 );
             }
-            return false;
         }
-        c.iter().any(|x| !x)
+        never && !clean
     };
     tessera_net::io::accept_until(&listener, stop, missing, |mut s, peer| {
         let slot = tessera_net::peer::read_hello(&mut s, PeerRole::BuilderUnit).and_then(|h| {
@@ -422,33 +541,54 @@ fn accept(
                 .iter()
                 .position(|&b| b as u32 == h.id)
                 .ok_or_else(|| format!("builder {} is not in this topology", h.id))?;
-            if std::mem::replace(&mut connected.borrow_mut()[slot], true) {
-                return Err(format!("builder {} is already connected", h.id));
+            let mut all = slots.lock();
+            match all[slot] {
+                SlotState::Open => return Err(format!("builder {} is already connected", h.id)),
+                SlotState::Ended => return Err(format!("builder {} ended its link already", h.id)),
+                SlotState::Broken { .. } => {
+                    st.relinks.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(builder = h.id, "builder link open again");
+                }
+                SlotState::Never => {}
             }
+            all[slot] = SlotState::Open;
             Ok((slot, h.flags & PeerHello::WANTS_ACKS != 0))
         });
         match slot {
             Ok((slot, acks)) => {
                 let budget = Arc::new(Budget::new(per_link));
-                st.links.lock().push((builders[slot], budget.clone()));
-                let (tx, st, abort, ends) = (tx.clone(), st.clone(), abort.clone(), ends.clone());
-                let written = written.clone();
                 let builder = builders[slot];
+                {
+                    let mut links = st.links.lock();
+                    links.retain(|(b, _)| *b != builder);
+                    links.push((builder, budget.clone()));
+                }
+                let (tx, st, abort) = (tx.clone(), st.clone(), abort.clone());
+                let written = written.clone();
+                let slots = slots.clone();
                 if acks {
                     written.acks_wanted.store(true, Ordering::Release);
                 }
-                readers.push(spawn(format!("recorder-bu{}", builders[slot]), move || {
+                let link_no = written.new_link(slot);
+                readers.push(spawn(format!("recorder-bu{builder}"), move || {
                     let link = BuilderLink {
                         slot,
+                        link: link_no,
                         builder,
                         acks: acks.then_some(written),
                     };
                     let clean = read_builder(s, budget, max, tx, &st, &abort, link);
                     if clean {
-                        ends.clean.store(true, Ordering::Release);
                         st.links_ended_clean.fetch_add(1, Ordering::AcqRel);
                     }
-                    ends.ended.fetch_add(1, Ordering::AcqRel);
+                    slots.lock()[slot] = if clean {
+                        SlotState::Ended
+                    } else {
+                        SlotState::Broken {
+                            at: Instant::now(),
+                            acks,
+                        }
+                    };
                 }));
             }
             Err(why) => tracing::warn!(%peer, %why, "recorder refused a connection"),
@@ -460,17 +600,11 @@ fn accept(
     }
 }
 
-/// How the builder links ended so far.
-#[derive(Default)]
-struct LinkEnds {
-    ended: std::sync::atomic::AtomicUsize,
-    /// Some link ended with its peer end.
-    clean: AtomicBool,
-}
-
 /// Which builder link a reader reads, and whether its builder wants acknowledgements.
 struct BuilderLink {
     slot: usize,
+    /// Its number among the slot's links ([`Written::per_link`]).
+    link: u64,
     builder: u16,
     acks: Option<Arc<Written>>,
 }
@@ -508,6 +642,8 @@ fn read_builder(
     let ack = || -> bool { link.acks.as_ref().is_none_or(|w| w.tell_builder(link.slot)) };
     let mut reader = ChunkReader::new(budget, RECORDER_CHUNK.max(max));
     let mut want = 0;
+    // Records still to come that the builder sends again (wire format §2.8).
+    let mut resending = 0u64;
     loop {
         let mut batch: Vec<Record> = Vec::new();
         let mut done = false;
@@ -517,13 +653,20 @@ fn read_builder(
                     let rec = reader.take(n);
                     st.queued_fragments
                         .fetch_add(h.fragment_count as u64, Ordering::Relaxed);
-                    batch.push((
+                    let resent = resending > 0;
+                    resending = resending.saturating_sub(1);
+                    batch.push(Record {
                         rec,
-                        h.fragment_count,
-                        h.flags.has(EventFlags::INCOMPLETE),
-                        h.event_id,
-                        h.flags.has(EventFlags::REBUILT),
-                    ));
+                        fragments: h.fragment_count,
+                        incomplete: h.flags.has(EventFlags::INCOMPLETE),
+                        event_id: h.event_id,
+                        rebuilt: h.flags.has(EventFlags::REBUILT),
+                        resent,
+                    });
+                }
+                Ok((LinkItem::Resend(r), n)) => {
+                    reader.skip(n);
+                    resending = r.records;
                 }
                 Ok((LinkItem::End(_), _)) => {
                     clean = true;
@@ -553,13 +696,27 @@ fn read_builder(
         }
         received += batch.len() as u64;
         if !batch.is_empty() {
-            let n: u64 = batch.iter().map(|r| r.1 as u64).sum();
+            // A record sent again was counted when it first came (to this recorder or to
+            // one that died).
+            let n: u64 = batch
+                .iter()
+                .filter(|r| !r.resent)
+                .map(|r| r.fragments as u64)
+                .sum();
             *st.fragments_by_builder
                 .lock()
                 .entry(link.builder)
                 .or_default() += n;
         }
-        if !batch.is_empty() && tx.send((link.slot, batch)).is_err() {
+        if !batch.is_empty()
+            && tx
+                .send(Batch {
+                    slot: link.slot,
+                    link: link.link,
+                    records: batch,
+                })
+                .is_err()
+        {
             break;
         }
         if done {
@@ -578,7 +735,7 @@ fn read_builder(
             // The builder reports its last events done only when they are written: wait for the
             // writer (which is asked to write its partial block now), unless it failed or the
             // run aborts, then say so.
-            while w.per_link[link.slot].load(Ordering::Acquire) < received
+            while w.written_of(link.slot) < received
                 && !abort.load(Ordering::Relaxed)
                 && st.error.lock().is_none()
             {
@@ -602,15 +759,15 @@ fn read_builder(
 /// deduplication is acknowledged once everything taken before it (its first copy included) is.
 #[derive(Default)]
 struct InFlight {
-    /// (link slot, the stream it was appended to; none: not appended).
-    queue: std::collections::VecDeque<(usize, Option<usize>)>,
+    /// (link slot, its link number, the stream it was appended to; none: not appended).
+    queue: std::collections::VecDeque<(usize, u64, Option<usize>)>,
     /// Per stream, its records in the queue.
     appended: Vec<usize>,
 }
 
 impl InFlight {
-    fn take(&mut self, slot: usize, stream: Option<usize>) {
-        self.queue.push_back((slot, stream));
+    fn take(&mut self, slot: usize, link: u64, stream: Option<usize>) {
+        self.queue.push_back((slot, link, stream));
         if let Some(s) = stream {
             if self.appended.len() <= s {
                 self.appended.resize(s + 1, 0);
@@ -628,7 +785,7 @@ impl InFlight {
         st: &RecorderStats,
     ) {
         let mut news = false;
-        while let Some(&(slot, stream)) = self.queue.front() {
+        while let Some(&(slot, link, stream)) = self.queue.front() {
             if let Some(s) = stream {
                 if self.appended[s] <= pending(s) {
                     break;
@@ -636,7 +793,7 @@ impl InFlight {
                 self.appended[s] -= 1;
             }
             self.queue.pop_front();
-            written.per_link[slot].fetch_add(1, Ordering::AcqRel);
+            written.count_written(slot, link);
             st.records_written.fetch_add(1, Ordering::AcqRel);
             news = true;
         }
@@ -652,6 +809,7 @@ fn write_loop(
     stats: Arc<RecorderStats>,
     monitor: Option<&tessera_monitor::Monitor>,
     written: &Written,
+    adopted: &[u64],
 ) {
     let enabled = settings.section.enabled;
     let sync_mode = enabled && settings.section.durability == Durability::Sync;
@@ -694,6 +852,11 @@ fn write_loop(
         (true, true) => w.unsynced_of(i),
     };
     let mut seen = tessera_assembly::RecentSet::new(DEDUP_WINDOW);
+    // Events an earlier recorder of this run wrote: a builder sends again those it never
+    // acknowledged, and they are not written twice.
+    for &id in adopted {
+        seen.insert(id);
+    }
     // The link of every record taken, in order, until it is in the file: records are written in
     // the order they are taken, so the oldest `taken - unwritten` of them are on disk. A second
     // copy dropped by deduplication queues here too, so it is acknowledged only once everything
@@ -727,17 +890,35 @@ fn write_loop(
             }
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,
         };
-        let (slot, batch) = batch;
-        for (rec, nf, incomplete, event_id, rebuilt) in batch {
+        let Batch {
+            slot,
+            link,
+            records,
+        } = batch;
+        for r in records {
+            let Record {
+                rec,
+                fragments: nf,
+                incomplete,
+                event_id,
+                rebuilt,
+                resent,
+            } = r;
             let len = rec.len() as u64;
             let first_copy = seen.insert(event_id);
             if !first_copy {
-                in_flight.take(slot, None);
-                // A second copy of an event (rebuilt after its first builder was declared dead,
-                // though that one had delivered it): each event is written exactly once.
-                st.duplicate_events.fetch_add(1, Ordering::Relaxed);
-                st.duplicate_fragments
-                    .fetch_add(nf as u64, Ordering::Relaxed);
+                in_flight.take(slot, link, None);
+                if resent {
+                    // The same record again: its first sending is in the files already.
+                    st.resent_events.fetch_add(1, Ordering::Relaxed);
+                    st.resent_fragments.fetch_add(nf as u64, Ordering::Relaxed);
+                } else {
+                    // A second copy of an event (rebuilt after its first builder was declared
+                    // dead, though that one had delivered it): each event is written once.
+                    st.duplicate_events.fetch_add(1, Ordering::Relaxed);
+                    st.duplicate_fragments
+                        .fetch_add(nf as u64, Ordering::Relaxed);
+                }
                 st.queued_fragments.fetch_sub(nf as u64, Ordering::Relaxed);
                 continue;
             }
@@ -766,7 +947,7 @@ fn write_loop(
             } else {
                 None
             };
-            in_flight.take(slot, stream);
+            in_flight.take(slot, link, stream);
             st.events.fetch_add(1, Ordering::Relaxed);
             st.record_bytes.fetch_add(len, Ordering::Relaxed);
             if incomplete {

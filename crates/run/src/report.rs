@@ -260,6 +260,12 @@ pub struct BuilderReport {
     /// Fragments of events lost with the recorder's connection.
     #[serde(default)]
     pub recorder_link_lost: u64,
+    /// Request mode: links to the recorder opened again after they broke, and the events sent
+    /// again on them for want of an acknowledgement (wire format §2.8).
+    #[serde(default)]
+    pub recorder_relinks: u64,
+    #[serde(default)]
+    pub events_resent: u64,
     /// Fragments of events the filter rejected.
     #[serde(default)]
     pub fragments_rejected_by_filter: u64,
@@ -338,6 +344,21 @@ pub struct RecorderReport {
     pub unrecorded_events: u64,
     #[serde(default)]
     pub unrecorded_fragments: u64,
+    /// Files and events an earlier recorder of this run left, taken over at the start (in
+    /// the counts above too).
+    #[serde(default)]
+    pub adopted_files: u64,
+    #[serde(default)]
+    pub adopted_events: u64,
+    /// Records builders sent again on a new link that the files held already: the same record
+    /// twice, dropped; not in the balance (their fragments count once, in the files).
+    #[serde(default)]
+    pub resent_events: u64,
+    #[serde(default)]
+    pub resent_fragments: u64,
+    /// Builder links opened again after they broke.
+    #[serde(default)]
+    pub relinks: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -682,6 +703,8 @@ pub(crate) fn builder(b: &tessera_builder::BuilderUnit, cx: &Cx, p: &mut Parts) 
         events_rejected: st.events_rejected.load(Ordering::Relaxed),
         events_rebuilt: st.events_rebuilt.load(Ordering::Relaxed),
         manager_losses: st.manager_losses.load(Ordering::Relaxed),
+        recorder_relinks: st.recorder_relinks.load(Ordering::Relaxed),
+        events_resent: st.events_resent.load(Ordering::Relaxed),
         recorder_link_lost: st.recorder_lost.load(Ordering::Relaxed),
         fragments_rejected_by_filter: st.fragments_rejected.load(Ordering::Relaxed),
         buffered_fragments: st.held_fragments.load(Ordering::Relaxed)
@@ -746,6 +769,11 @@ pub(crate) fn recorder(rec: &tessera_recorder::Recorder, p: &mut Parts) {
         queued_fragments: st.queued_fragments.load(Ordering::Relaxed),
         unrecorded_events: st.unrecorded_events.load(Ordering::Relaxed),
         unrecorded_fragments: uc + ui,
+        adopted_files: st.adopted_files.load(Ordering::Relaxed),
+        adopted_events: st.adopted_events.load(Ordering::Relaxed),
+        resent_events: st.resent_events.load(Ordering::Relaxed),
+        resent_fragments: st.resent_fragments.load(Ordering::Relaxed),
+        relinks: st.relinks.load(Ordering::Relaxed),
     });
 }
 
@@ -1270,6 +1298,17 @@ impl Report {
                 s,
                 "  recorder: {} rebuilt events recorded, {} second copies dropped",
                 r.rebuilt_events, r.duplicate_events
+            );
+        }
+        if let Some(r) = self
+            .recorder
+            .as_ref()
+            .filter(|r| r.adopted_files > 0 || r.relinks > 0 || r.resent_events > 0)
+        {
+            let _ = writeln!(
+                s,
+                "  recorder: took over {} files ({} events) an earlier recorder of this run left; {} builder links opened again; {} resent events it held already, dropped",
+                r.adopted_files, r.adopted_events, r.relinks, r.resent_events
             );
         }
         let held: Vec<String> = self

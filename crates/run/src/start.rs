@@ -174,6 +174,7 @@ impl<'a> Starter<'a> {
         }
         let l = self.bind("recorder", &t.recorder.listen, "recorder")?;
         let addr = l.local_addr()?.to_string();
+        let adopted = self.adopt_run_files()?;
         let rec = Recorder::start(RecorderConfig {
             listener: l,
             builders: t.builders.iter().map(|b| b.id as u16).collect(),
@@ -191,8 +192,52 @@ impl<'a> Starter<'a> {
             settings: t.recorder.clone(),
             max_message: self.max_event,
             monitor: monitor.cloned(),
+            takeover: Duration::from_secs(t.recorder.takeover_s),
+            adopted,
         })?;
         Ok(Some((rec, addr)))
+    }
+
+    /// A recorder starting where files of its run already lie takes them over: an earlier
+    /// recorder of this run died or was restarted (`tessera serve recorder` again, wire format
+    /// §2.8). Its `.part` is finished, its events are counted and not written twice, and no file
+    /// of the run is ever overwritten. A run whose manifest exists was closed: recording into it
+    /// again is refused.
+    fn adopt_run_files(&self) -> Result<tessera_recorder::Adopted> {
+        let manifest = self
+            .output
+            .join(format!("run{:06}.manifest.json", self.run_number));
+        if manifest.exists() {
+            bail!(
+                "run {} is closed already ({} exists): give this run another number",
+                self.run_number,
+                manifest.display()
+            );
+        }
+        let f = tessera_verify::recover::adopt_run(
+            &self.output,
+            self.run_number,
+            tessera_recorder::DEDUP_WINDOW,
+        )
+        .with_context(|| format!("taking over the files of run {}", self.run_number))?;
+        for r in &f.recovered {
+            tracing::warn!(
+                file = r.file,
+                events = r.events,
+                dropped_bytes = r.dropped_bytes,
+                "finished an unfinished file an earlier recorder of this run left"
+            );
+        }
+        Ok(tessera_recorder::Adopted {
+            files: f.files,
+            event_ids: f.event_ids,
+            events: f.events,
+            incomplete_events: f.incomplete_events,
+            fragments_in_complete: f.fragments_in_complete,
+            fragments_in_incomplete: f.fragments_in_incomplete,
+            record_bytes: f.record_bytes,
+            file_bytes: f.file_bytes,
+        })
     }
 
     /// Request mode: the event manager, listening before anyone connects to it; and where it
@@ -216,6 +261,7 @@ impl<'a> Starter<'a> {
                 busy_threshold: m.busy_threshold as usize,
                 done_memory: tessera_manager::DONE_MEMORY,
                 builder_credits: t.request.credits,
+                builder_wait_ns: m.takeover_s.saturating_mul(1_000_000_000),
             },
         })
         .context("starting the event manager")?;
@@ -391,6 +437,7 @@ impl<'a> Starter<'a> {
                     read_chunk: b.read_chunk.0 as usize,
                     takeover: Duration::from_secs(t.event_manager.takeover_s),
                     takeover_memory: t.event_manager.takeover_memory as usize,
+                    recorder_takeover: Duration::from_secs(t.recorder.takeover_s),
                 })
                 .with_context(|| format!("starting builder {}", b.id))?,
             );
@@ -521,6 +568,13 @@ impl<'a> Starter<'a> {
                 size_histogram,
                 listening,
                 replay,
+                unit_of: r
+                    .topology
+                    .readout_units
+                    .iter()
+                    .zip(&r.ru_sources)
+                    .flat_map(|(u, s)| s.iter().map(move |&id| (id, u.id)))
+                    .collect(),
             })
             .context("connecting the emulated sources")?,
         ))

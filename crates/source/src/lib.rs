@@ -65,6 +65,9 @@ pub struct SourcePlan {
     pub size_histogram: Option<Arc<tessera_config::SizeHistogram>>,
     /// Sources that listen (server mode): each waits for its readout unit to connect.
     pub listening: Vec<(u32, Arc<std::net::TcpListener>)>,
+    /// Each source's readout unit, where known (else its address tells): a driver thread
+    /// serves the sources of one unit, or whole units (see [`driver_groups`]).
+    pub unit_of: std::collections::HashMap<u32, u32>,
     /// Payloads and trigger types from a recording (`sources.replay`), instead of emulated ones;
     /// the caller sets the schedule from its times.
     pub replay: Option<Arc<Replay>>,
@@ -266,6 +269,20 @@ pub fn start(mut plan: SourcePlan) -> std::io::Result<RunningSources> {
         control.gate.lock().paused_since = Some(Instant::now());
     }
     let mut links = Vec::new();
+    // The unit each source feeds, for the drivers' grouping: its ID where known, else its
+    // address (a listening source of unknown unit stands alone).
+    let mut units: Vec<String> = Vec::new();
+    let unit_key = |id: u32, addr: Option<&String>| match (plan.unit_of.get(&id), addr) {
+        (Some(u), _) => format!("unit {u}"),
+        (None, Some(a)) => format!("address {a}"),
+        (None, None) => format!("source {id}"),
+    };
+    for (id, addr) in &plan.sources {
+        units.push(unit_key(*id, Some(addr)));
+    }
+    for (id, _) in &plan.listening {
+        units.push(unit_key(*id, None));
+    }
     // A listening source's readout unit dials it as soon as the unit starts (before this).
     let listening = std::mem::take(&mut plan.listening);
     let connected = plan
@@ -321,8 +338,8 @@ pub fn start(mut plan: SourcePlan) -> std::io::Result<RunningSources> {
         n => (n as usize).min(links.len()).max(1),
     };
     let mut groups: Vec<Vec<Link>> = (0..threads_wanted).map(|_| Vec::new()).collect();
-    for (i, l) in links.into_iter().enumerate() {
-        groups[i % threads_wanted].push(l);
+    for (l, g) in links.into_iter().zip(driver_groups(&units, threads_wanted)) {
+        groups[g].push(l);
     }
     control.log.lock().sent = vec![0; groups.len()];
     let plan = Arc::new(plan);
@@ -371,6 +388,54 @@ pub fn start(mut plan: SourcePlan) -> std::io::Result<RunningSources> {
         threads,
         control,
     })
+}
+
+/// The driver thread of each source, given the unit each feeds (in source order) and the
+/// number of threads: a thread serves the sources of one readout unit (a unit with several
+/// threads splits its sources among them), or, with fewer threads than units, whole units. A
+/// thread writes its sources in lock step and a write that blocks holds all of them: had it
+/// served a source of a unit that is held by back-pressure and one of another unit that is not,
+/// the second unit would see that source stop while its others went on, and after its timeout
+/// build its events without it (1 022 events incomplete, one blocking monitor station held 20 s
+/// on a busy host). Whole units stop together, at one trigger batch: nothing is incomplete.
+pub fn driver_groups(units: &[String], threads: usize) -> Vec<usize> {
+    let threads = threads.max(1);
+    let mut distinct: Vec<&String> = Vec::new();
+    for u in units {
+        if !distinct.contains(&u) {
+            distinct.push(u);
+        }
+    }
+    let n = distinct.len().max(1);
+    // Threads per unit (units beyond the threads share them, whole), and the first of each.
+    let per: Vec<usize> = (0..n)
+        .map(|j| {
+            if n >= threads {
+                1
+            } else {
+                threads / n + usize::from(j < threads % n)
+            }
+        })
+        .collect();
+    let first: Vec<usize> = (0..n)
+        .map(|j| {
+            if n >= threads {
+                j % threads
+            } else {
+                per[..j].iter().sum()
+            }
+        })
+        .collect();
+    let mut seen = vec![0usize; n];
+    units
+        .iter()
+        .map(|u| {
+            let j = distinct.iter().position(|d| *d == u).unwrap_or(0);
+            let g = first[j] + seen[j] % per[j];
+            seen[j] += 1;
+            g
+        })
+        .collect()
 }
 
 /// The shortest the trigger sleeps between looks at the clock: triggers due within it are
@@ -761,4 +826,30 @@ fn flush(link: &mut Link) {
         }
     }
     link.used = 0;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::driver_groups;
+
+    fn units(v: &[u32]) -> Vec<String> {
+        v.iter().map(|u| format!("unit {u}")).collect()
+    }
+
+    #[test]
+    fn a_driver_thread_serves_one_unit_or_whole_units() {
+        // 8 sources of two units, 4 threads: two threads per unit, never one across both.
+        let u = units(&[0, 0, 0, 0, 1, 1, 1, 1]);
+        assert_eq!(driver_groups(&u, 4), vec![0, 1, 0, 1, 2, 3, 2, 3]);
+        // Fewer threads than units: whole units share a thread.
+        let u = units(&[0, 0, 1, 1, 2, 2]);
+        assert_eq!(driver_groups(&u, 2), vec![0, 0, 1, 1, 0, 0]);
+        // Three threads over two units: the first unit takes the spare.
+        let u = units(&[0, 0, 0, 1, 1, 1]);
+        assert_eq!(driver_groups(&u, 3), vec![0, 1, 0, 2, 2, 2]);
+        // Sources listed in any order keep to their unit's threads.
+        let u = units(&[1, 0, 1, 0]);
+        assert_eq!(driver_groups(&u, 2), vec![0, 1, 0, 1]);
+        assert_eq!(driver_groups(&u, 1), vec![0, 0, 0, 0]);
+    }
 }

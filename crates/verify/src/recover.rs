@@ -194,3 +194,100 @@ pub fn recover_part(part: &Path) -> Result<Recovered> {
         info,
     })
 }
+
+/// What an earlier recorder of a run left in its output directory, for a recorder of the same
+/// run that starts there (it was restarted): [`adopt_run`].
+#[derive(Clone, Debug, Default)]
+pub struct RunFiles {
+    /// Its `.part` files, finished here.
+    pub recovered: Vec<Recovered>,
+    /// Every finished file of the run, in the order they were started.
+    pub files: Vec<FileInfo>,
+    /// The newest `keep_ids` event IDs in the files, oldest first.
+    pub event_ids: Vec<u64>,
+    pub events: u64,
+    pub incomplete_events: u64,
+    pub fragments_in_complete: u64,
+    pub fragments_in_incomplete: u64,
+    pub record_bytes: u64,
+    pub file_bytes: u64,
+}
+
+/// Takes over what an earlier recorder of `run` left in `dir`: finishes its `.part` files
+/// (every whole block kept, as `tessera recover` does) and reads every file of the run for its
+/// counts and its event IDs (the newest `keep_ids` of them). A file it cannot read is an error:
+/// a recorder must not start next to files it cannot account for.
+pub fn adopt_run(dir: &Path, run: u64, keep_ids: usize) -> Result<RunFiles> {
+    let prefix = format!("run{run:06}_");
+    let ours = |p: &Path, suffix: &str| {
+        p.is_file()
+            && p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(suffix))
+    };
+    let mut out = RunFiles::default();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(out);
+    };
+    let paths: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
+    let mut parts: Vec<&PathBuf> = paths.iter().filter(|p| ours(p, ".tsr.part")).collect();
+    parts.sort();
+    for p in parts {
+        out.recovered.push(recover_part(p)?);
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| ours(p, ".tsr"))
+        .collect();
+    // By name: a series' files in their order, so the IDs kept are the newest.
+    files.sort();
+    let mut ids = std::collections::VecDeque::new();
+    let mut infos = Vec::new();
+    for f in &files {
+        let mut r = FileReader::open(f)
+            .map_err(|e| anyhow::anyhow!("{}: cannot read it to take it over: {e}", f.display()))?;
+        let start = r.header.start_time_ns;
+        while let Some((_, raw)) = r
+            .next_block()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?
+        {
+            out.record_bytes += raw.len() as u64;
+            for e in events_in(raw) {
+                let e = e.map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?;
+                let n = e.header.fragment_count as u64;
+                out.events += 1;
+                if e.header.flags.has(EventFlags::INCOMPLETE) {
+                    out.incomplete_events += 1;
+                    out.fragments_in_incomplete += n;
+                } else {
+                    out.fragments_in_complete += n;
+                }
+                if keep_ids > 0 {
+                    if ids.len() == keep_ids {
+                        ids.pop_front();
+                    }
+                    ids.push_back(e.header.event_id);
+                }
+            }
+        }
+        out.file_bytes += std::fs::metadata(f).map(|m| m.len()).unwrap_or(0);
+        let sidecar = PathBuf::from(format!("{}.json", f.display()));
+        match std::fs::read(&sidecar)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<FileInfo>(&b).ok())
+        {
+            Some(info) => infos.push((start, info)),
+            None => anyhow::bail!(
+                "{}: its sidecar {} is missing or unreadable; run `tessera verify` on it",
+                f.display(),
+                sidecar.display()
+            ),
+        }
+    }
+    infos.sort_by(|a, b| (a.0, &a.1.file).cmp(&(b.0, &b.1.file)));
+    out.files = infos.into_iter().map(|(_, i)| i).collect();
+    out.event_ids = ids.into();
+    Ok(out)
+}
