@@ -154,7 +154,8 @@ struct Shared {
     assembler: Mutex<Assembler<Part>>,
     to_recorder: Option<tessera_net::sender::Queue<Built>>,
     stats: Arc<BuilderStats>,
-    t0: Instant,
+    /// Runnable time since the builder started (`tessera_net::clock`): what timeouts count.
+    clock: tessera_net::clock::Runnable,
     stop: Arc<AtomicBool>,
     abort: Arc<AtomicBool>,
     max_message: usize,
@@ -215,7 +216,7 @@ impl BuilderUnit {
             ),
             to_recorder,
             stats: stats.clone(),
-            t0: Instant::now(),
+            clock: tessera_net::clock::Runnable::start(),
             stop: stop.clone(),
             abort: abort.clone(),
             max_message: cfg.max_message,
@@ -255,7 +256,7 @@ impl BuilderUnit {
 
 impl Shared {
     fn now_ns(&self) -> u64 {
-        self.t0.elapsed().as_nanos() as u64
+        self.clock.now_ns()
     }
 
     fn publish_held(&self, a: &Assembler<Part>) {
@@ -775,11 +776,11 @@ impl tessera_net::reactor::Conn for PolledRail {
                     // Nothing, not even a progress message, since `since`: silence.
                     let now = Instant::now();
                     if let Some(since) = self.silence.empty_read(self.reader.read_started, now) {
-                        let s = since.saturating_duration_since(self.sh.t0).as_nanos() as u64;
+                        let s = self.sh.clock.ns_at(since);
                         // Silent up to the read (which did not wait), not up to whenever this
                         // thread got here: a stall in between proves nothing of the unit.
                         let read = self.reader.read_started.unwrap_or(now);
-                        let until = read.saturating_duration_since(self.sh.t0).as_nanos() as u64;
+                        let until = self.sh.clock.ns_at(read);
                         self.sh.rail_silent(self.slot, self.rail, Some((s, until)));
                     }
                     return Next::Readable(now + SILENCE_PROOF);
@@ -881,7 +882,7 @@ fn sweep(sh: &Shared) -> bool {
                 .iter()
                 .zip(&sh.none_waiting)
                 .filter(|(r, _)| !r.connected)
-                .map(|(_, w)| w.until_ns(sh.t0).unwrap_or(0))
+                .map(|(_, w)| w.until_ns(&sh.clock).unwrap_or(0))
                 .min();
             if let Some(until) = until {
                 a.quiet(slot, 0, until);

@@ -196,20 +196,21 @@ struct Pull {
     /// A recorder is configured: an event built after its link closed (the run was cut short,
     /// by the manager's death, say) is lost at the link, never reported recorded.
     recording: bool,
-    t0: Instant,
+    /// Runnable time since the builder started (`tessera_net::clock`): what timeouts count.
+    clock: tessera_net::clock::Runnable,
     timeout_ns: u64,
-    /// Per readout unit, when a read last brought bytes of its answers (ns from `t0`). An event
+    /// Per readout unit, when a read last brought bytes of its answers (runnable ns from the start). An event
     /// gives up on a unit only once the unit has answered nothing for a whole timeout while the
     /// event waited: a unit waiting for a source that runs behind but keeps delivering answers
     /// each event as that source delivers it, and must not have its events cut by their age.
     last_answer_ns: Vec<AtomicU64>,
     /// Per readout unit, when the latest read of its answers that found nothing began (ns
-    /// from `t0`): a unit has answered nothing for a timeout only once a read proves it, never
+    /// from the start, runnable): a unit has answered nothing for a timeout only once a read proves it, never
     /// by the clock alone. Time in which this builder did not read (stalled, starved of a
     /// core) says nothing of the unit, whose answers may be waiting in the socket.
     looked_ns: Vec<AtomicU64>,
     /// Per readout unit, when the latest read of its answers that left its socket empty began
-    /// (ns from `t0`): every answer the unit wrote before then has been read. An overdue
+    /// (runnable ns from the start): every answer the unit wrote before then has been read. An overdue
     /// request (`Asked`) is proven by it: a unit that answers all the while is never silent,
     /// so `looked_ns` would not move.
     drained_ns: Vec<AtomicU64>,
@@ -314,7 +315,7 @@ impl BuilderUnit {
             credits: cfg.credits,
             to_recorder: Mutex::new(None),
             recording: to_recorder.is_some(),
-            t0: Instant::now(),
+            clock: tessera_net::clock::Runnable::start(),
             timeout_ns: cfg.event_timeout.as_nanos() as u64,
             last_answer_ns: (0..n).map(|_| AtomicU64::new(0)).collect(),
             looked_ns: (0..n).map(|_| AtomicU64::new(0)).collect(),
@@ -400,7 +401,7 @@ impl BuilderUnit {
 
 impl Pull {
     fn now_ns(&self) -> u64 {
-        self.t0.elapsed().as_nanos() as u64
+        self.clock.now_ns()
     }
 
     /// The run is over (or the event manager is gone): end every connection.
@@ -816,9 +817,7 @@ fn read_answers(p: &Pull, slot: usize, mut stream: TcpStream, chunk: usize, max:
         }
         match reader.fill_marking_waits(&mut stream, want, &p.abort, Some(&p.held[slot])) {
             Ok(Fill::Data(n)) => {
-                let started = reader
-                    .read_started
-                    .map(|t| t.saturating_duration_since(p.t0).as_nanos() as u64);
+                let started = reader.read_started.map(|t| p.clock.ns_at(t));
                 if n == 0 {
                     if let Some(at) = started {
                         p.looked_ns[slot].fetch_max(at, Ordering::AcqRel);

@@ -177,3 +177,83 @@ fn a_run_killed_with_sigkill_is_closed_at_the_next_start() {
         "DRILL|SIGKILL during a run, then the next start|n/a|{events}|n/a|0|run closed as crashed"
     );
 }
+
+/// Issue 50, item 5: the whole host stalls (a VM paused, the process starved or stopped; SIGSTOP
+/// of the run's one process here, its emulated sources with it) for well past every timeout,
+/// three times. Thawed, each readout unit's reads found its links empty (their sources had just
+/// woken too) and the clock said seconds had passed: the unit called them silent and the events
+/// went incomplete, their fragments late (2 811 incomplete events after a 12 s host stall). The
+/// roles count their timeouts in the time the process could run (`tessera_net::clock`): a stall
+/// costs time only.
+fn a_host_stalled_past_every_timeout(mode: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("data");
+    let cfg = dir.path().join("t.toml");
+    let events = 12_000u64;
+    std::fs::write(
+        &cfg,
+        format!(
+            "[run]\nmode = \"{mode}\"\nevents = {events}\n\
+             [sources]\ncount = 8\nfragment_size = 1024\ntrigger = \"periodic\"\nrate_hz = 1000\n\
+             [[readout]]\nid = 0\nsources = \"0-3\"\nevent_timeout_ms = 200\n\
+             [[readout]]\nid = 1\nsources = \"4-7\"\nevent_timeout_ms = 200\n\
+             [[builder]]\nid = 0\nevent_timeout_ms = 400\n[[builder]]\nid = 1\nevent_timeout_ms = 400\n\
+             [request]\ntimeout_ms = 200\nbuilder_timeout_ms = 400\n\
+             [event_manager]\nheartbeat_timeout_ms = 600\n\
+             [recorder]\nfsync = false\n"
+        ),
+    )
+    .unwrap();
+    let run = Proc::spawn_piped(
+        Command::new(exe())
+            .env("TESSERA_HTTP", "127.0.0.1:0")
+            .args([
+                "run",
+                cfg.to_str().unwrap(),
+                "--output",
+                out.to_str().unwrap(),
+                "--json",
+                "--quiet",
+            ]),
+    );
+    assert!(
+        eventually(Duration::from_secs(60), || has_part(&out)),
+        "no data reached the recorder"
+    );
+    for _ in 0..3 {
+        let before = part_size(&out);
+        run.signal("STOP");
+        // The stall itself: five times the longest timeout.
+        std::thread::sleep(Duration::from_secs(2));
+        run.signal("CONT");
+        // Running again before the next stall.
+        assert!(
+            eventually(Duration::from_secs(60), || part_size(&out) != before),
+            "the run did not go on after the stall"
+        );
+    }
+    let o = run.finish(LIMIT);
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("no report ({e}): {}", String::from_utf8_lossy(&o.stderr)));
+    assert!(o.status.success(), "{report}");
+    assert_eq!(report["balance"]["holds"], true, "{report}");
+    assert_eq!(report["events_incomplete"], 0, "{report}");
+    assert_eq!(report["events_complete"], events, "{report}");
+    assert_eq!(report["balance"]["rejected_total"], 0, "{report}");
+    let v = output(Command::new(exe()).args(["verify", out.to_str().unwrap()]));
+    assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stdout));
+    println!(
+        "DRILL|the host stalled 3 x 2 s past every timeout ({mode} mode)|{events}|{}|0|0|holds",
+        report["recorder"]["events"]
+    );
+}
+
+#[test]
+fn a_host_stalled_past_every_timeout_costs_time_only_in_push_mode() {
+    a_host_stalled_past_every_timeout("push");
+}
+
+#[test]
+fn a_host_stalled_past_every_timeout_costs_time_only_in_request_mode() {
+    a_host_stalled_past_every_timeout("request");
+}

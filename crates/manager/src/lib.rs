@@ -29,7 +29,7 @@ use std::collections::HashSet;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tessera_format::request::{Channel, Message, Role};
 use tessera_net::control::{read_hello, write_loop, MessageReader, ReadEnd};
@@ -82,7 +82,8 @@ struct BuilderConn {
 
 struct Shared {
     core: Mutex<core::Core>,
-    t0: Instant,
+    /// Runnable time since the manager started (`tessera_net::clock`): what timeouts count.
+    clock: tessera_net::clock::Runnable,
     readout_units: Vec<u32>,
     builder_ids: Vec<u32>,
     ru_tx: Mutex<Vec<(u32, Sender<Message>)>>,
@@ -116,7 +117,7 @@ impl EventManager {
                 &cfg.readout_units,
                 0,
             )),
-            t0: Instant::now(),
+            clock: tessera_net::clock::Runnable::start(),
             readout_units: cfg.readout_units,
             builder_ids: cfg.builders,
             ru_tx: Mutex::new(Vec::new()),
@@ -181,7 +182,7 @@ impl EventManager {
 
 impl Shared {
     fn now_ns(&self) -> u64 {
-        self.t0.elapsed().as_nanos() as u64
+        self.clock.now_ns()
     }
 
     fn refuse(&self, peer: std::net::SocketAddr, why: String) {
@@ -478,7 +479,7 @@ fn builder(
                 break;
             }
             let looked = |t: std::time::Instant| {
-                let at = t.saturating_duration_since(sh2.t0).as_nanos() as u64;
+                let at = sh2.clock.ns_at(t);
                 sh2.core.lock().looked(slot, at);
             };
             match r.next_noting(&mut stream, &dropped, looked) {

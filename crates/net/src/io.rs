@@ -510,11 +510,10 @@ impl NoneWaiting {
         *g = Some(g.map_or(at, |t| t.max(at)));
     }
 
-    /// The latest such look, in ns after `t0`; `None` before the first.
-    pub fn until_ns(&self, t0: std::time::Instant) -> Option<u64> {
-        self.0
-            .lock()
-            .map(|t| t.saturating_duration_since(t0).as_nanos() as u64)
+    /// The latest such look, in runnable ns of `clock`; `None` before the first.
+    pub fn until_ns(&self, clock: &crate::clock::Runnable) -> Option<u64> {
+        let t = *self.0.lock();
+        t.map(|t| clock.ns_at(t))
     }
 }
 

@@ -7,6 +7,7 @@
 pub mod acceptor;
 pub mod budget;
 pub mod chunk;
+pub mod clock;
 pub mod control;
 pub mod huge;
 pub mod io;

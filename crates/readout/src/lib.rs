@@ -150,7 +150,8 @@ pub(crate) struct LinkCtx {
     pub id: u32,
     pub sources: Vec<u32>,
     pub stats: Arc<ReadoutStats>,
-    pub t0: Instant,
+    /// Runnable time since the unit started (`tessera_net::clock`): what every timeout counts.
+    pub clock: tessera_net::clock::Runnable,
     /// Raised when the run stops: no new connections; links that never connected are closed.
     pub stop: Arc<AtomicBool>,
     /// Raised when the drain deadline passed: readers give up on their links.
@@ -165,13 +166,13 @@ pub(crate) struct LinkCtx {
 
 impl LinkCtx {
     pub fn now_ns(&self) -> u64 {
-        self.t0.elapsed().as_nanos() as u64
+        self.clock.now_ns()
     }
 
     /// Until when a link that never connected is proven silent (from the start): the last look
     /// of the accepting that found nobody on the way in; 0 before the first.
     pub fn never_connected_until_ns(&self) -> u64 {
-        self.none_waiting.until_ns(self.t0).unwrap_or(0)
+        self.none_waiting.until_ns(&self.clock).unwrap_or(0)
     }
 }
 
@@ -492,7 +493,7 @@ impl ReadoutUnit {
                 id: cfg.id,
                 sources: cfg.sources.clone(),
                 stats: stats.clone(),
-                t0: Instant::now(),
+                clock: tessera_net::clock::Runnable::start(),
                 stop,
                 abort,
                 quarantine,
@@ -532,7 +533,7 @@ impl ReadoutUnit {
                 id: cfg.id,
                 sources: cfg.sources.clone(),
                 stats: stats.clone(),
-                t0: Instant::now(),
+                clock: tessera_net::clock::Runnable::start(),
                 stop: stop.clone(),
                 abort: abort.clone(),
                 quarantine,
@@ -919,7 +920,7 @@ pub(crate) fn read_link<S: LinkSink>(sink: &S, slot: usize, mut stream: TcpStrea
                 // The kernel's word that nothing came since the read began: silence. A wait
                 // for memory before the read is not silence, so it is not counted.
                 if let Some(t) = reader.read_started {
-                    let since = t.saturating_duration_since(sh.t0).as_nanos() as u64;
+                    let since = sh.clock.ns_at(t);
                     sink.quiet(slot, since, sh.now_ns().min(since.saturating_add(waits)));
                     silent = true;
                 }

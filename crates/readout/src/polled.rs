@@ -208,11 +208,11 @@ impl<S: LinkSink> Conn for PolledLink<S> {
                 Ok(Fill::Data(0)) => {
                     let now = Instant::now();
                     if let Some(since) = self.silence.empty_read(self.reader.read_started, now) {
-                        let s = since.saturating_duration_since(sh.t0).as_nanos() as u64;
+                        let s = sh.clock.ns_at(since);
                         // Silent up to the read, which did not wait: not up to whenever this
                         // thread got to here.
                         let read = self.reader.read_started.unwrap_or(now);
-                        let until = read.saturating_duration_since(sh.t0).as_nanos() as u64;
+                        let until = sh.clock.ns_at(read);
                         sink.quiet(self.slot, s, until);
                     }
                     return Next::Readable(self.silence.next_look(self.stream.as_raw_fd(), now));

@@ -960,21 +960,26 @@ impl Session {
 
     /// Waits until `done`, or until nothing moved for `ms` (or the stop's cap passed).
     fn wait_stage(&self, ms: u64, phase: &str, done: impl Fn() -> bool) -> bool {
-        let quiet_for = Duration::from_millis(ms);
+        // Quiet time is runnable time (`tessera_net::clock`): a stall of the host in the middle
+        // of a stop is no stage standing still. The stop's cap is wall time.
+        let quiet_for = ms.saturating_mul(1_000_000);
         let cap = *self.stop_cap.lock();
+        let clock = tessera_net::clock::Runnable::start();
         let mut moved = self.moved();
-        let mut last_move = Instant::now();
+        let mut last_move = clock.now_ns();
         loop {
             if done() {
                 return true;
             }
-            let now = Instant::now();
+            let now = clock.now_ns();
             let m = self.moved();
             if m != moved {
                 moved = m;
                 last_move = now;
             }
-            if now.duration_since(last_move) >= quiet_for || cap.is_some_and(|c| now >= c) {
+            if now.saturating_sub(last_move) >= quiet_for
+                || cap.is_some_and(|c| Instant::now() >= c)
+            {
                 return false;
             }
             std::thread::sleep(Duration::from_millis(2));
