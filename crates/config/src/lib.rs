@@ -1300,6 +1300,10 @@ pub struct StationSection {
     /// How a parallel group shares events (only on grouped stations; default `round_robin`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub distribution: Option<Distribution>,
+    /// Blocking stations: the longest the data path waits for room in this station, in ms;
+    /// past it the station's consumers are dropped (their events passed on) and the run goes
+    /// on, counted (`hold_limit_drops`). 0: no limit (a consumer may hold data taking for good).
+    pub hold_limit_ms: u64,
 }
 
 impl Default for StationSection {
@@ -1316,9 +1320,15 @@ impl Default for StationSection {
             restore: None,
             group: None,
             distribution: None,
+            hold_limit_ms: DEFAULT_HOLD_LIMIT_MS,
         }
     }
 }
+
+/// How long a blocking station may hold the data path by default (`hold_limit_ms`): long enough
+/// for a consumer that reads every event to catch up, short enough that a hung one costs seconds
+/// of data taking, not the run.
+pub const DEFAULT_HOLD_LIMIT_MS: u64 = 30_000;
 
 impl StationSection {
     /// The restore policy in force.

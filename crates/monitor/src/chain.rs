@@ -105,6 +105,10 @@ pub struct StationCounters {
     /// the recorder writes them; this station's consumers miss them).
     #[serde(default)]
     pub skipped_at_stop: u64,
+    /// Blocking: times the data path waited `hold_limit_ms` for room and the station's
+    /// consumers were dropped for it (the event that waited went on without this station).
+    #[serde(default)]
+    pub hold_limit_drops: u64,
 }
 
 /// One consumer as the status shows it.
@@ -253,6 +257,9 @@ struct State {
     events_in: u64,
     bad_records: u64,
     events_out: u64,
+    /// Consumers of stations that held the data path past their hold limit, to be detached
+    /// once the event that waited has gone on.
+    expel: Vec<(u64, String)>,
 }
 
 pub(crate) struct Inner {
@@ -328,6 +335,7 @@ impl Monitor {
             events_in: 0,
             bad_records: 0,
             events_out: 0,
+            expel: Vec::new(),
         };
         for c in chain {
             let id = state.next_station;
@@ -393,6 +401,12 @@ impl Monitor {
         let header = Arc::new(header);
         let mut pending = Pending::Borrowed(record);
         self.route(&mut g, seq, &header, &mut pending, Start::Position(0));
+        let expel = std::mem::take(&mut g.expel);
+        drop(g);
+        for (consumer, station) in expel {
+            tracing::warn!(consumer, station, "a blocking station held the data path past its hold_limit_ms: its consumer is dropped and the run goes on");
+            self.detach(consumer);
+        }
     }
 
     /// Moves an event along the chain from `start` until a blocking station keeps it or it
@@ -424,6 +438,10 @@ impl Monitor {
                 let id = g.stations[index].id;
                 let mut index = index;
                 let mut waited = false;
+                let limit = g.stations[index].config.hold_limit_ms;
+                // In runnable time: a stalled host is no consumer holding the run.
+                let clock = tessera_net::clock::Runnable::start();
+                let mut held_too_long = false;
                 while g.stations[index].full(pending.len())
                     && !self.inner.closed.load(Ordering::Acquire)
                     && !self.inner.releasing.load(Ordering::Acquire)
@@ -432,8 +450,19 @@ impl Monitor {
                         g.stations[index].counters.waits += 1;
                         waited = true;
                     }
+                    let left_ms = limit.saturating_sub(clock.now_ns() / 1_000_000);
+                    if limit > 0 && left_ms == 0 {
+                        held_too_long = true;
+                        break;
+                    }
                     let generation = g.generation;
-                    self.inner.space.wait(g);
+                    if limit > 0 {
+                        self.inner
+                            .space
+                            .wait_for(g, std::time::Duration::from_millis(left_ms.min(100)));
+                    } else {
+                        self.inner.space.wait(g);
+                    }
                     if g.generation != generation {
                         match g.index_of(id) {
                             Some(i) => index = i,
@@ -448,6 +477,18 @@ impl Monitor {
                 }
                 if self.inner.closed.load(Ordering::Acquire) {
                     break;
+                }
+                if held_too_long {
+                    // Its consumers go once this event has gone on (`insert`); the event goes
+                    // on without this station now.
+                    let st = &mut g.stations[index];
+                    st.counters.hold_limit_drops += 1;
+                    let name = st.config.name.clone();
+                    let consumers = st.consumers.clone();
+                    g.expel
+                        .extend(consumers.into_iter().map(|c| (c, name.clone())));
+                    p = g.position_of(index) + 1;
+                    continue 'positions;
                 }
                 if g.stations[index].full(pending.len()) {
                     // Released by the stop: this station's consumers miss the event, counted;

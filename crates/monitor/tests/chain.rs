@@ -550,3 +550,37 @@ fn stations_are_bounded_in_bytes_and_in_number() {
         "{err:?}"
     );
 }
+
+/// Issue 50, item 7: a blocking station whose consumer holds its events (alive, never putting
+/// them back) holds the data path for its `hold_limit_ms` at most: then the consumer is dropped,
+/// its events pass on to the next station, the event that waited goes on without this station,
+/// and the run goes on, counted.
+#[test]
+fn a_consumer_that_holds_a_blocking_station_past_its_limit_is_dropped_and_the_run_goes_on() {
+    let m = monitor(vec![
+        StationSection {
+            queue: 3,
+            hold_limit_ms: 200,
+            ..station("held", StationMode::Blocking)
+        },
+        station("after", StationMode::Blocking),
+    ]);
+    let holder = m.attach("held", "holder").unwrap();
+    let after = m.attach("after", "after").unwrap();
+    for id in 1..=3u64 {
+        m.insert(&record(id, 1, 0));
+    }
+    assert_eq!(ids(&holder.get(3, Wait::Poll).unwrap()), vec![1, 2, 3]);
+    // Full, and its consumer never puts back: this insert waits out the limit and returns.
+    m.insert(&record(4, 1, 0));
+    let s = &m.status().stations[0];
+    assert_eq!(s.counters.hold_limit_drops, 1, "{:?}", s.counters);
+    assert!(s.consumers.is_empty(), "the holder was dropped: {s:?}");
+    // Its events went on to the next station, the one that waited too; later ones pass freely.
+    m.insert(&record(5, 1, 0));
+    let mut got = ids(&after.get(100, Wait::Poll).unwrap());
+    got.sort_unstable();
+    assert_eq!(got, vec![1, 2, 3, 4, 5]);
+    // The dropped consumer is told when it next asks.
+    assert!(holder.get(1, Wait::Poll).is_err());
+}
