@@ -1396,3 +1396,191 @@ fn a_cpu_starved_readout_unit_is_named_the_bottleneck() {
 fn a_cpu_starved_builder_is_named_the_bottleneck() {
     cpu_starved_drill("bu", "builders on bu (cpu)");
 }
+
+/// Issue 50, item 6: push mode over four hosts (a front end with every source and readout unit
+/// 0, two builder hosts, a recorder host with the run control); one builder host's agent killed
+/// mid-run. The run ends in error naming the host; the balance over the hosts is exact: what the
+/// lost builder took with it is named once, what the recorder holds is counted from its files,
+/// and the run database counts the events the files hold.
+#[test]
+fn a_builder_host_lost_in_push_mode_leaves_an_exact_balance() {
+    let names = ["fe", "bu1", "bu2", "rec"];
+    let Some((_net, hosts)) = make_net(&names) else {
+        println!("SKIPPED: network namespaces need root and iproute2");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut agents: Vec<Proc> = names
+        .iter()
+        .zip(&hosts)
+        .map(|(n, h)| agent(h, dir.path(), n))
+        .collect();
+    let mut t = format!(
+        "[run]\nduration_s = 600\noutput = \"{}\"\n\
+         [sources]\ncount = 8\nfragment_size = 2048\ntrigger = \"periodic\"\nrate_hz = 1000\n\
+         [control]\nagent_timeout_ms = 2000\n\
+         [security]\nallow = [\"10.78.0.0/24\"]\n\
+         [recorder]\nhost = \"rec\"\nfsync = false\n\
+         [[readout]]\nid = 0\nhost = \"fe\"\n\
+         [[builder]]\nid = 0\nhost = \"bu1\"\n[[builder]]\nid = 1\nhost = \"bu2\"\n\
+         [stop]\nreadout_ms = 2000\nbuilders_ms = 2000\n\
+         [hosts]\n",
+        dir.path().join("control").display()
+    );
+    for (n, h) in names.iter().zip(&hosts) {
+        t += &format!("{n} = \"{}:7300\"\n", h.ip);
+    }
+    let cfg = dir.path().join("push.toml");
+    std::fs::write(&cfg, t).unwrap();
+    let rec = &hosts[3];
+    let ctl = Proc::spawn_piped(
+        Command::new("ip")
+            .args(["netns", "exec", &rec.ns, tessera(), "run"])
+            .arg(&cfg)
+            .args(["--json", "--http", "127.0.0.1:0"])
+            .env("TESSERA_TOKEN", TOKEN),
+    );
+    let file = dir.path().join("control").join("control.addr");
+    assert!(eventually(LIMIT, || std::fs::read_to_string(&file)
+        .is_ok_and(|s| s.trim().parse::<SocketAddr>().is_ok())));
+    let addr: SocketAddr = std::fs::read_to_string(&file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        eventually(LIMIT, || recorded(&rec.ns, addr) >= 2000),
+        "nothing recorded"
+    );
+    agents[2].kill();
+    let o = ctl.finish(LIMIT);
+    let err = String::from_utf8_lossy(&o.stderr);
+    let report: serde_json::Value =
+        serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("no report ({e}): {err}"));
+    assert!(
+        report["hosts_missing"].to_string().contains("host bu2"),
+        "{report}"
+    );
+    let v = Command::new(tessera())
+        .args(["verify", "--json"])
+        .arg(dir.path().join("rec"))
+        .output()
+        .unwrap();
+    let verify: serde_json::Value = serde_json::from_slice(&v.stdout).unwrap();
+    assert!(v.status.success(), "{verify}");
+    assert_eq!(verify["duplicate_event_ids"], 0, "{verify}");
+    let r = &report["recorder"];
+    assert_eq!(r["events_in_files"], verify["events"], "{report}\n{verify}");
+    let b = &report["balance"];
+    assert_eq!(b["holds"], true, "{b}\n{report}");
+    // The run database counts the events the files hold.
+    let run = report["run_number"].as_u64().unwrap().to_string();
+    let db = Command::new(tessera())
+        .args(["runs", "show", &run, "--json", "--data"])
+        .arg(dir.path().join("control"))
+        .output()
+        .unwrap();
+    assert!(
+        db.status.success(),
+        "{}",
+        String::from_utf8_lossy(&db.stderr)
+    );
+    let row: serde_json::Value = serde_json::from_slice(&db.stdout).unwrap();
+    assert_eq!(row["events"], verify["events"], "{row}\n{verify}");
+    assert_eq!(row["recorded_events"], verify["events"], "{row}\n{verify}");
+    println!(
+        "DRILL|push mode over hosts, a builder host's agent killed|-|{}|{}|0|holds (over the hosts)",
+        verify["events"],
+        b["rejected"]
+    );
+    for a in agents.into_iter().filter(|a| a.id() != 0) {
+        a.signal("INT");
+        a.finish(LIMIT);
+    }
+}
+
+/// Issue 50, item 6: the run control killed (SIGKILL) in the middle of a run over two hosts
+/// whose recorder is on the other host's agent. The agents stop their part when it goes
+/// silent; a run control started again on the same directory finds the run it left running and
+/// closes it as crashed with the events its recording host holds, not the nothing its own
+/// directory holds.
+#[test]
+fn a_run_control_killed_mid_run_is_closed_at_its_restart_with_the_recording_hosts_files() {
+    let Some((_net, hosts)) = make_net(&["fe1", "be"]) else {
+        println!("SKIPPED: network namespaces need root and iproute2");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let agents: Vec<Proc> = ["fe1", "be"]
+        .iter()
+        .zip(&hosts)
+        .map(|(n, h)| agent(h, dir.path(), n))
+        .collect();
+    let cfg = comet(dir.path(), &hosts, "");
+    // The run control on the front end, the recorder on `be`: its files are not in the run
+    // control's directory.
+    let fe = &hosts[0];
+    let (mut ctl, addr) = run_control(fe, &cfg, dir.path());
+    wait_state(&fe.ns, addr, "configured");
+    transition(&fe.ns, addr, "start");
+    assert!(eventually(LIMIT, || recorded(&fe.ns, addr) >= 300));
+    ctl.kill();
+    std::fs::remove_file(dir.path().join("control").join("control.addr")).unwrap();
+    // Started again: its configure waits for the agents to have let the dead one go.
+    let mut again = None;
+    assert!(
+        eventually(LIMIT, || {
+            let mut p = Proc::spawn(
+                Command::new("ip")
+                    .args(["netns", "exec", &fe.ns, tessera(), "run"])
+                    .arg(&cfg)
+                    .args(["--control", "--quiet", "--http", "127.0.0.1:0"])
+                    .env("TESSERA_TOKEN", TOKEN),
+            );
+            let file = dir.path().join("control").join("control.addr");
+            let up = eventually(LIMIT, || {
+                p.exited().is_some()
+                    || std::fs::read_to_string(&file)
+                        .is_ok_and(|s| s.trim().parse::<SocketAddr>().is_ok())
+            }) && p.exited().is_none();
+            if up {
+                again = Some(p);
+            }
+            up
+        }),
+        "the run control never came back"
+    );
+    let again = again.unwrap();
+    let db = Command::new(tessera())
+        .args(["runs", "show", "1", "--json", "--data"])
+        .arg(dir.path().join("control"))
+        .output()
+        .unwrap();
+    assert!(
+        db.status.success(),
+        "{}",
+        String::from_utf8_lossy(&db.stderr)
+    );
+    let row: serde_json::Value = serde_json::from_slice(&db.stdout).unwrap();
+    let v = Command::new(tessera())
+        .args(["verify", "--json"])
+        .arg(dir.path().join("be"))
+        .output()
+        .unwrap();
+    let verify: serde_json::Value = serde_json::from_slice(&v.stdout).unwrap();
+    assert!(v.status.success(), "{verify}");
+    assert!(verify["events"].as_u64().unwrap() >= 300, "{verify}");
+    assert_eq!(row["state"], "crashed", "{row}");
+    assert_eq!(row["events"], verify["events"], "{row}\n{verify}");
+    assert_eq!(row["recorded_events"], verify["events"], "{row}\n{verify}");
+    println!(
+        "DRILL|the run control SIGKILLed mid-run over hosts, then restarted|-|{}|0|0|closed as crashed with the recording host's count",
+        verify["events"]
+    );
+    again.signal("INT");
+    again.finish(LIMIT);
+    for a in agents {
+        a.signal("INT");
+        a.finish(LIMIT);
+    }
+}

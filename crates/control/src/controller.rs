@@ -404,7 +404,12 @@ impl Controller {
             .is_some_and(|(p, _)| *p == t.run.output);
         if !held {
             let lock = crate::recovery::lock_output(&t.run.output)?;
-            let closed = crate::recovery::close_crashed(&t.run.output, Some(&db))?;
+            // A run over hosts keeps its files on its recording hosts: the runs a crash left
+            // open are closed once the hosts are configured and can say what they hold (below),
+            // and stay open for the next configure if that fails.
+            let over_hosts = !t.hosts.is_empty();
+            let closed =
+                crate::recovery::close_crashed(&t.run.output, (!over_hosts).then_some(&db))?;
             for r in &closed.recovered_files {
                 eprintln!(
                     "recovered: {} ({} events in {} whole blocks{})",
@@ -439,6 +444,18 @@ impl Controller {
                 )
             })?;
             let cluster = Cluster::configure(&r, &token).context("configuring the hosts")?;
+            // A run a crash left open: closed with the files its recording hosts hold.
+            for run in db.open_runs()? {
+                let (files, recovered) = cluster.run_files(run).with_context(|| {
+                    format!("counting the files of run {run}, left running by a crash, on its recording hosts")
+                })?;
+                let events = crate::recovery::close_crashed_on_hosts(&db, run, &files, &recovered)?;
+                eprintln!(
+                    "run {run} was left running by a crash: closed as crashed ({events} events in {} files on its recording hosts; {} unfinished files finished there)",
+                    files.len(),
+                    recovered.len()
+                );
+            }
             let targets = r
                 .topology
                 .run

@@ -74,6 +74,60 @@ pub fn close_crashed(dir: &Path, db: Option<&RunDb>) -> Result<Closed> {
     Ok(closed)
 }
 
+/// Closes run `run`, crashed, again with the files the recording hosts hold (`files`, their
+/// `.part` files `recovered` there first): a run spread over hosts keeps its files on those
+/// hosts, not in the run control's directory, which [`close_crashed`] read.
+pub fn close_crashed_on_hosts(
+    db: &RunDb,
+    run: u64,
+    files: &[tessera_recorder::FileInfo],
+    recovered: &[String],
+) -> Result<u64> {
+    let rows: Vec<FileRow> = files
+        .iter()
+        .map(|f| FileRow {
+            name: f.file.clone(),
+            size_bytes: f.size_bytes,
+            events: f.events,
+            crc32c: f.file_crc32c.clone(),
+        })
+        .collect();
+    let events: u64 = files.iter().map(|f| f.events).sum();
+    let incomplete: u64 = files.iter().map(|f| f.incomplete_events).sum();
+    let bytes: u64 = files.iter().map(|f| f.record_bytes).sum();
+    let report = serde_json::json!({
+        "crashed": true,
+        "files": rows,
+        "recovered_files_on_hosts": recovered,
+    })
+    .to_string();
+    db.end_run(
+        run,
+        &RunEnd {
+            state: "crashed",
+            stopped_unix_ns: crate::controller::unix_ns(),
+            stop_reason: "crashed: closed at the next start",
+            error: Some(
+                "the run control ended without stopping the run; the recording hosts closed its files",
+            ),
+            events,
+            incomplete,
+            bytes,
+            recorded_events: events,
+            balance_holds: None,
+            rejected: &Default::default(),
+            files: &rows,
+            report_json: &report,
+        },
+    )?;
+    tracing::warn!(
+        run,
+        events,
+        "closed a run left running by a crash, with the files its recording hosts hold"
+    );
+    Ok(events)
+}
+
 /// The finished files of `run` in `dir`, from their sidecars: rows, events, incomplete, bytes.
 fn files_of(dir: &Path, run: u64) -> Result<(Vec<FileRow>, u64, u64, u64)> {
     let prefix = format!("run{run:06}_");

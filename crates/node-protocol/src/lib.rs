@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 /// The protocol revision this build speaks. Peers of another revision refuse each other in
 /// their hellos, naming both.
-pub const PROTOCOL: u32 = 2;
+pub const PROTOCOL: u32 = 3;
 
 /// Largest frame body accepted once the peer is known (a run's report with its file list).
 pub const MAX_FRAME: usize = 64 << 20;
@@ -116,6 +116,13 @@ pub enum Request {
     },
     /// Drop the configuration (and a run still open, aborted): back to idle.
     Reset {},
+    /// The files of run `run` in this host's output directory, for a run the run control
+    /// closes as crashed (it died during the run): each `.part` of the run is finished first, as
+    /// `tessera recover` does. Refused while a run is open here. Answered by `run_files`
+    /// (revision 3).
+    RunFiles {
+        run: u64,
+    },
 }
 
 /// From an agent to the run control.
@@ -151,6 +158,12 @@ pub enum Reply {
     /// The request could not be carried out.
     Error {
         message: String,
+    },
+    /// The files of a run on this host: each one's sidecar (`FileInfo`), and the `.part` files
+    /// finished to make them.
+    RunFiles {
+        files: Vec<serde_json::Value>,
+        recovered: Vec<String>,
     },
     /// The host's part now: `live` (a `Live` document), whether its sources have all ended,
     /// whether its recorder's disk is full, and its new log lines.

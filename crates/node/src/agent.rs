@@ -408,6 +408,7 @@ impl Agent {
             Request::Finish { stop_reason } => self.finish(&stop_reason),
             Request::Report {} => self.report(),
             Request::Why { event_id } => self.why(event_id),
+            Request::RunFiles { run } => self.run_files(run),
             Request::Reset {} => {
                 self.reset();
                 Ok(Reply::Ok {})
@@ -683,6 +684,32 @@ impl Agent {
     fn why(&self, event_id: u64) -> Result<Reply> {
         Ok(Reply::Why {
             answer: serde_json::to_value(self.session()?.why_incomplete(event_id))?,
+        })
+    }
+
+    /// The files of a run the run control closes as crashed, its `.part` files finished first.
+    fn run_files(&self, run: u64) -> Result<Reply> {
+        let part = self
+            .part
+            .as_ref()
+            .ok_or_else(|| anyhow!("this host is not configured"))?;
+        if part.session.is_some() {
+            bail!("a run is open on this host: its files are not closed here");
+        }
+        let (recovered, files) = tessera_verify::recover::close_run(&part.output, run)?;
+        for r in &recovered {
+            tracing::warn!(
+                file = r.file,
+                events = r.events,
+                "finished a file a crashed run left"
+            );
+        }
+        Ok(Reply::RunFiles {
+            files: files
+                .iter()
+                .map(serde_json::to_value)
+                .collect::<Result<_, _>>()?,
+            recovered: recovered.into_iter().map(|r| r.file).collect(),
         })
     }
 }

@@ -247,6 +247,33 @@ impl Cluster {
         })
     }
 
+    /// The files of run `run` on every host that records (each host finishes the run's `.part`
+    /// files first): for a run the run control closes as crashed, whose files are on those
+    /// hosts, not in its own directory. With the `.part` files each host finished.
+    pub fn run_files(&self, run: u64) -> Result<(Vec<tessera_archive::FileInfo>, Vec<String>)> {
+        let (mut files, mut recovered) = (Vec::new(), Vec::new());
+        for r in self.on_every_agent(|a| {
+            if !tessera_run::RoleSet::of_host(&a.host, &self.r).recorder {
+                return Ok(None);
+            }
+            match check(
+                a.call(&Request::RunFiles { run }, self.timeout)?,
+                &format!("host {}", a.host),
+            )? {
+                Reply::RunFiles { files, recovered } => Ok(Some((files, recovered))),
+                other => bail!("host {}: answered {other:?} to run_files", a.host),
+            }
+        }) {
+            if let Some((f, rec)) = r? {
+                for v in f {
+                    files.push(serde_json::from_value(v)?);
+                }
+                recovered.extend(rec);
+            }
+        }
+        Ok((files, recovered))
+    }
+
     /// Tells every agent to drop its configuration (and any run still open).
     pub fn reset(&self) {
         self.closing.store(true, Ordering::Relaxed);

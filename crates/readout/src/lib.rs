@@ -564,6 +564,7 @@ impl ReadoutUnit {
             // Weak: the senders end when the last reader and the sweeper let go of the unit.
             let conn = sender_to_builder(
                 cfg.id,
+                b as u32,
                 link,
                 stream,
                 rx,
@@ -1193,6 +1194,7 @@ pub fn bookkeeping_bytes(links: usize, max_open: usize, request_mode: bool) -> u
 #[allow(clippy::too_many_arguments)]
 fn sender_to_builder(
     id: u32,
+    builder: u32,
     b: String,
     stream: TcpStream,
     rx: Receiver<Vec<SuperFragment>>,
@@ -1226,6 +1228,12 @@ fn sender_to_builder(
             st.super_fragments.fetch_add(o.units, Ordering::Relaxed);
             st.fragments_forwarded
                 .fetch_add(o.fragments, Ordering::Relaxed);
+            if o.fragments > 0 {
+                *st.fragments_forwarded_by_builder
+                    .lock()
+                    .entry(builder)
+                    .or_default() += o.fragments;
+            }
             st.bytes_forwarded.fetch_add(o.bytes, Ordering::Relaxed);
         } else {
             st.builder_lost.fetch_add(o.fragments, Ordering::Relaxed);

@@ -210,6 +210,9 @@ pub struct ReadoutStats {
     pub queued_fragments: AtomicU64,
     /// Fragments dropped because their builder's link failed.
     pub builder_lost: AtomicU64,
+    /// Push mode: fragments forwarded to each builder, by its place in the topology's builder
+    /// list: set against what the recorder took from a builder lost with its host.
+    pub fragments_forwarded_by_builder: Mutex<std::collections::BTreeMap<u32, u64>>,
     pub builder_error: Mutex<Option<String>>,
     pub refused_connections: AtomicU64,
     pub last_refusal: Mutex<Option<String>>,
@@ -306,6 +309,7 @@ impl ReadoutStats {
             pending_events: AtomicU64::new(0),
             queued_fragments: AtomicU64::new(0),
             builder_lost: AtomicU64::new(0),
+            fragments_forwarded_by_builder: Mutex::new(Default::default()),
             builder_error: Mutex::new(None),
             refused_connections: AtomicU64::new(0),
             last_refusal: Mutex::new(None),

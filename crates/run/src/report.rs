@@ -65,14 +65,19 @@ fn lost_with_builders(p: &Parts) -> u64 {
         .sum()
 }
 
-/// Request mode: (builder, fragments a unit answered it, whether that builder reported), per unit
-/// and builder.
+/// (builder, fragments a unit sent it, whether that builder reported), per unit and builder:
+/// the answers of request mode, the super-fragments of push mode.
 fn answered_by_builder(p: &Parts) -> impl Iterator<Item = (u32, u64, bool)> + '_ {
     let reported: std::collections::HashSet<u32> = p.builders.iter().map(|b| b.id as u32).collect();
     p.readout_units
         .iter()
-        .filter_map(|u| u.requests.as_ref())
-        .flat_map(|q| &q.fragments_sent_by_builder)
+        .flat_map(|u| {
+            u.requests
+                .as_ref()
+                .map_or(&u.fragments_forwarded_by_builder, |q| {
+                    &q.fragments_sent_by_builder
+                })
+        })
         .map(move |(&b, &n)| (b, n, reported.contains(&b)))
 }
 
@@ -116,6 +121,8 @@ fn answered_again_by_lost_units(p: &Parts, sent_by_lost_unit: &BTreeMap<u32, u64
 pub struct Cx<'a> {
     pub(crate) secs: f64,
     pub(crate) request_mode: bool,
+    /// The topology's builder IDs, in its order (a readout unit counts by place).
+    pub(crate) builder_ids: Vec<u32>,
     /// The emulated sources of this process, by source ID (their sending side).
     pub(crate) emulated: BTreeMap<u32, &'a tessera_source::SourceStats>,
 }
@@ -175,6 +182,9 @@ pub struct ReadoutReport {
     /// Bytes of its buffer taken and touched before its sources sent (`readout.reserve`).
     #[serde(default)]
     pub reserved_bytes: u64,
+    /// Push mode: fragments forwarded to each builder, by builder ID.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub fragments_forwarded_by_builder: BTreeMap<u32, u64>,
     /// Request mode only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub requests: Option<ReadoutRequestReport>,
@@ -597,6 +607,12 @@ pub(crate) fn readout(u: &tessera_readout::ReadoutUnit, cx: &Cx, p: &mut Parts) 
         refused_connections: st.refused_connections.load(Ordering::Relaxed),
         error: st.builder_error.lock().clone(),
         builder_link_lost: st.builder_lost.load(Ordering::Relaxed),
+        fragments_forwarded_by_builder: st
+            .fragments_forwarded_by_builder
+            .lock()
+            .iter()
+            .map(|(&i, &n)| (cx.builder_ids.get(i as usize).copied().unwrap_or(i), n))
+            .collect(),
         reserved_bytes: st.reserved_bytes.load(Ordering::Relaxed),
         buffered_fragments: st.held_fragments.load(Ordering::Relaxed)
             + st.queued_fragments.load(Ordering::Relaxed)
@@ -804,6 +820,7 @@ impl Report {
         let cx = Cx {
             secs: info.duration_s,
             request_mode: r.topology.run.mode == tessera_config::Mode::Request,
+            builder_ids: r.topology.builders.iter().map(|b| b.id).collect(),
             emulated: run
                 .sources
                 .as_ref()
@@ -958,6 +975,14 @@ impl Report {
             ev_i += b.events_incomplete;
             bytes_built += b.bytes_built;
         }
+        // A builder lost with its host gave no count: the events it built are known only as far
+        // as the recorder took them from it. Its events are then the recorder's (a run over
+        // hosts called 5 008 events built where its files held 9 936).
+        let builders_missing = !info.partial && p.builders.len() < r.topology.builders.len();
+        if let (true, Some(rc)) = (builders_missing, &p.recorder) {
+            ev_c = ev_c.max(rc.events.saturating_sub(rc.incomplete_events));
+            ev_i = ev_i.max(rc.incomplete_events);
+        }
         // With a recorder the balance runs to it: a built fragment counts once the recorder
         // has it, and until then it is buffered (queued at its builder or at the recorder) or
         // named lost at the recorder link. Counting it when built as well counted it twice
@@ -997,19 +1022,24 @@ impl Report {
         // the other side took. Named, as `unread_at_abort` is for the sources' links; after a
         // drained stop they are zero and any difference stays unaccounted. While the run goes
         // on the same differences are data on its way, in the kernel's buffers: still
-        // buffered, not lost. (Request mode: what the units answered, copies included, against
-        // what the builders took; a builder lost with its host is `lost_with_builder_host`.)
+        // buffered, not lost. (What the units sent the builders that reported, copies included,
+        // against what those builders took: a builder lost with its host is accounted apart, by
+        // what the recorder took from it and `lost_with_builder_host`. Set against the builders
+        // that reported, it counted what a lost builder had built and the recorder holds as
+        // lost a second time: `IMBALANCE -39424` with one builder host of two killed.)
         let running = info.stop_reason == "running";
         if (running || !info.drained) && !info.partial {
             let (mut in_flight, mut lost) = (0u64, Vec::new());
-            let forwarded: u64 = if request_mode {
-                answered_by_builder(&p)
-                    .filter(|&(_, _, reported)| reported)
-                    .map(|(_, n, _)| n)
-                    .sum()
-            } else {
-                p.readout_units.iter().map(|u| u.fragments_forwarded).sum()
-            };
+            let forwarded: u64 = answered_by_builder(&p)
+                .filter(|&(_, _, reported)| reported)
+                .map(|(_, n, _)| n)
+                .sum::<u64>()
+                // A push-mode unit that did not count by builder: all of it.
+                + p.readout_units
+                    .iter()
+                    .filter(|u| u.requests.is_none() && u.fragments_forwarded_by_builder.is_empty())
+                    .map(|u| u.fragments_forwarded)
+                    .sum::<u64>();
             let at_builders: u64 = p
                 .builders
                 .iter()
@@ -1039,11 +1069,22 @@ impl Report {
                             .saturating_sub(b.queued_fragments + b.recorder_link_lost)
                     })
                     .sum();
-                let taken = rc.fragments_in_complete
+                // What the recorder took from builders that did not report is theirs, not in
+                // flight from the others.
+                let reported: std::collections::HashSet<u16> =
+                    p.builders.iter().map(|b| b.id).collect();
+                let from_unreported: u64 = rc
+                    .fragments_by_builder
+                    .iter()
+                    .filter(|(b, _)| !reported.contains(b))
+                    .map(|(_, n)| n)
+                    .sum();
+                let taken = (rc.fragments_in_complete
                     + rc.fragments_in_incomplete
                     + rc.queued_fragments
                     + rc.duplicate_fragments
-                    + rc.unrecorded_fragments;
+                    + rc.unrecorded_fragments)
+                    .saturating_sub(from_unreported);
                 lost.push((
                     "in_flight_to_recorder_at_abort",
                     written.saturating_sub(taken),

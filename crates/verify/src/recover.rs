@@ -291,3 +291,37 @@ pub fn adopt_run(dir: &Path, run: u64, keep_ids: usize) -> Result<RunFiles> {
     out.event_ids = ids.into();
     Ok(out)
 }
+
+/// Closes what a crash left of run `run` in `dir`: finishes its `.part` files (every whole block
+/// kept) and returns them and every finished file of the run, from their sidecars, in name order.
+pub fn close_run(dir: &Path, run: u64) -> Result<(Vec<Recovered>, Vec<FileInfo>)> {
+    let prefix = format!("run{run:06}_");
+    let named = |suffix: &str| -> Result<Vec<PathBuf>> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+            .with_context(|| format!("reading {}", dir.display()))?
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.is_file()
+                    && p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(suffix))
+            })
+            .collect();
+        v.sort();
+        Ok(v)
+    };
+    let mut recovered = Vec::new();
+    for p in named(".tsr.part")? {
+        recovered.push(recover_part(&p)?);
+    }
+    let mut files = Vec::new();
+    for p in named(".tsr.json")? {
+        let text = std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?;
+        files.push(
+            serde_json::from_slice::<FileInfo>(&text)
+                .with_context(|| format!("{}: not a file's sidecar", p.display()))?,
+        );
+    }
+    Ok((recovered, files))
+}
