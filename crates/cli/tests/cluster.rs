@@ -691,6 +691,7 @@ fn lost_host(cut: impl FnOnce(&mut [Proc], &[Host])) {
 fn agents_and_run_controls_refuse_wrong_tokens_and_other_revisions() {
     let dir = tempfile::tempdir().unwrap();
     let (agent, port) = loopback_agent(&dir.path().join("node"));
+    // The hello and, when challenged, the proof for `token`; the agent's last answer.
     let hello = |protocol: u32, token: &str| -> proto::Reply {
         let mut s = None;
         assert!(eventually(LIMIT, || {
@@ -702,16 +703,40 @@ fn agents_and_run_controls_refuse_wrong_tokens_and_other_revisions() {
         s.write_all(&proto::encode(&proto::Request::Hello {
             protocol,
             software: "test".into(),
-            token: token.into(),
+            nonce: "c0ffee".into(),
         }))
         .unwrap();
         let mut buf = Vec::new();
-        s.read_to_end(&mut buf).unwrap_or_default();
-        proto::decode_frame::<proto::Reply>(&buf, proto::MAX_HELLO)
-            .unwrap()
-            .unwrap()
-            .0
+        let read_one = |s: &mut TcpStream, buf: &mut Vec<u8>| -> proto::Reply {
+            loop {
+                if let Some((m, n)) =
+                    proto::decode_frame::<proto::Reply>(buf, proto::MAX_HELLO).unwrap()
+                {
+                    buf.drain(..n);
+                    return m;
+                }
+                let mut tmp = [0u8; 4096];
+                let n = s.read(&mut tmp).unwrap();
+                assert!(n > 0, "the agent closed without an answer");
+                buf.extend_from_slice(&tmp[..n]);
+            }
+        };
+        match read_one(&mut s, &mut buf) {
+            proto::Reply::Challenge { nonce } => {
+                s.write_all(&proto::encode(&proto::Request::Proof {
+                    proof: proto::proof(token, proto::RUN_CONTROL_PROOF, &nonce, "c0ffee"),
+                }))
+                .unwrap();
+                read_one(&mut s, &mut buf)
+            }
+            other => other,
+        }
     };
+    // The right token: accepted, and the agent proves it holds it too.
+    match hello(proto::PROTOCOL, TOKEN) {
+        proto::Reply::Hello { proof, .. } => assert_eq!(proof.len(), 64),
+        other => panic!("{other:?}"),
+    }
     match hello(proto::PROTOCOL, "not-the-token") {
         proto::Reply::Refused { reason } => assert!(reason.contains("wrong token"), "{reason}"),
         other => panic!("{other:?}"),
@@ -764,6 +789,7 @@ fn agents_and_run_controls_refuse_wrong_tokens_and_other_revisions() {
             software: "tessera 9.9".into(),
             host: "old".into(),
             metrics: None,
+            proof: String::new(),
         }))
         .unwrap();
     });

@@ -8,6 +8,7 @@
 //! Pure: no I/O, no clocks. The payloads of `status`, `report` and `why` are the run's own
 //! JSON documents (docs/openapi.json: `Live`, `Report`, `WhyIncomplete`), carried as they are.
 
+use hmac::Mac;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -58,11 +59,17 @@ pub struct LogLine {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
-    /// The first message: who speaks, in which revision, with which token.
+    /// The first message: who speaks, in which revision, and a fresh nonce the agent's proof
+    /// covers (the token itself never crosses the connection).
     Hello {
         protocol: u32,
         software: String,
-        token: String,
+        nonce: String,
+    },
+    /// The run control's proof that it holds the token: [`proof`] over
+    /// [`RUN_CONTROL_PROOF`], the agent's challenge nonce, then its own hello's nonce.
+    Proof {
+        proof: String,
     },
     /// Take the roles `[hosts]` places on `host` in this topology: check them (output
     /// directory, memory) and bind their listening sockets. Answered by `configured` or
@@ -129,9 +136,17 @@ pub enum Request {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Reply {
+    /// The agent's answer to a hello of its revision: a fresh nonce for the run control's proof.
+    Challenge {
+        nonce: String,
+    },
     Hello {
         protocol: u32,
         software: String,
+        /// The agent's proof that it holds the token: [`proof`] over [`AGENT_PROOF`], the
+        /// run control's hello nonce, then the challenge nonce.
+        #[serde(default)]
+        proof: String,
         /// The agent's own host name (the system's), for messages.
         host: String,
         /// Where the agent serves its host's `/metrics` (`host:port`), if it does: the run
@@ -244,12 +259,64 @@ pub fn decode_frame<'a, T: Deserialize<'a>>(
     Ok(Some((decode(body)?, 4 + len)))
 }
 
+/// What the run control's proof is taken over, before the nonces: a proof made for one use
+/// cannot be replayed as the other.
+pub const RUN_CONTROL_PROOF: &str = "tessera node protocol 3: run control";
+/// What the agent's proof is taken over, before the nonces.
+pub const AGENT_PROOF: &str = "tessera node protocol 3: agent";
+
+/// HMAC-SHA256 with the shared token as key over `label`, a zero byte, `first`, a zero byte and
+/// `second` (the nonces as their hex text), in lowercase hex: proves the token's possession
+/// without sending it, bound to both nonces, so a captured exchange proves nothing the next
+/// time (the agent's nonce is new on every connection).
+pub fn proof(token: &str, label: &str, first: &str, second: &str) -> String {
+    hex(&mac(token, label, first, second).finalize().into_bytes())
+}
+
+/// Whether `given` is [`proof`] of these, compared in constant time.
+pub fn proof_holds(token: &str, label: &str, first: &str, second: &str, given: &str) -> bool {
+    let Some(bytes) = unhex(given) else {
+        return false;
+    };
+    mac(token, label, first, second)
+        .verify_slice(&bytes)
+        .is_ok()
+}
+
+fn mac(token: &str, label: &str, first: &str, second: &str) -> hmac::Hmac<sha2::Sha256> {
+    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(token.as_bytes())
+        .expect("HMAC takes a key of any length");
+    for part in [
+        label.as_bytes(),
+        b"\0",
+        first.as_bytes(),
+        b"\0",
+        second.as_bytes(),
+    ] {
+        m.update(part);
+    }
+    m
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) || s.len() > 128 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
 /// The test vectors of docs/node-protocol.md: (name, message, frame as hex).
 pub fn vectors() -> Vec<(&'static str, String)> {
     let hello = Request::Hello {
         protocol: PROTOCOL,
         software: "tessera 0.1.0".into(),
-        token: "s3cret".into(),
+        nonce: "c0ffee".into(),
+    };
+    let challenge = Reply::Challenge {
+        nonce: "a9e17".into(),
     };
     let configured = Reply::Configured {
         roles: vec!["readout unit 0".into()],
@@ -260,9 +327,15 @@ pub fn vectors() -> Vec<(&'static str, String)> {
         software: "tessera 0.1.0".into(),
         host: "fe1-pc".into(),
         metrics: Some("10.77.1.2:9300".into()),
+        proof: proof("s3cret", AGENT_PROOF, "c0ffee", "a9e17"),
     };
     vec![
         ("hello", hex(&encode(&hello))),
+        ("challenge", hex(&encode(&challenge))),
+        (
+            "run control proof",
+            proof("s3cret", RUN_CONTROL_PROOF, "a9e17", "c0ffee"),
+        ),
         ("agent hello", hex(&encode(&welcome))),
         ("release", hex(&encode(&Request::Release {}))),
         ("configured", hex(&encode(&configured))),
@@ -319,6 +392,49 @@ mod tests {
         assert!(decode::<Request>(br#"{"type":"launch_missiles"}"#).is_err());
         assert!(decode::<Request>(br#"{"type":"release","extra":1}"#).is_err());
         assert!(decode::<Request>(br#"[1,2]"#).is_err());
+    }
+
+    #[test]
+    fn a_proof_holds_only_for_its_token_its_label_and_its_nonces_in_order() {
+        let p = proof("s3cret", RUN_CONTROL_PROOF, "a9e17", "c0ffee");
+        assert!(proof_holds(
+            "s3cret",
+            RUN_CONTROL_PROOF,
+            "a9e17",
+            "c0ffee",
+            &p
+        ));
+        assert!(!proof_holds(
+            "secret",
+            RUN_CONTROL_PROOF,
+            "a9e17",
+            "c0ffee",
+            &p
+        ));
+        assert!(!proof_holds("s3cret", AGENT_PROOF, "a9e17", "c0ffee", &p));
+        assert!(!proof_holds(
+            "s3cret",
+            RUN_CONTROL_PROOF,
+            "c0ffee",
+            "a9e17",
+            &p
+        ));
+        assert!(!proof_holds(
+            "s3cret",
+            RUN_CONTROL_PROOF,
+            "a9e18",
+            "c0ffee",
+            &p
+        ));
+        for junk in ["", "zz", &p[..63], &"0".repeat(64), &"f".repeat(1000)] {
+            assert!(!proof_holds(
+                "s3cret",
+                RUN_CONTROL_PROOF,
+                "a9e17",
+                "c0ffee",
+                junk
+            ));
+        }
     }
 
     #[test]

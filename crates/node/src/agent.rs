@@ -184,7 +184,9 @@ fn connection(
 ) -> Result<()> {
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let hello: Request = match recv(&mut s, proto::MAX_HELLO) {
+    // Read as a plain object first: a hello of another revision (its members differ) is still
+    // answered with both revisions named.
+    let hello: serde_json::Value = match recv(&mut s, proto::MAX_HELLO) {
         Ok(h) => {
             spoke.store(true, Ordering::Release);
             h
@@ -197,20 +199,6 @@ fn connection(
         }
         Err(e) => return Err(e).context("reading the hello"),
     };
-    let Request::Hello {
-        protocol,
-        software,
-        token,
-    } = hello
-    else {
-        send(
-            &mut s,
-            &Reply::Refused {
-                reason: "the first message must be a hello".into(),
-            },
-        )?;
-        bail!("{peer}: first message not a hello");
-    };
     let me = host_name();
     let refuse = |s: &mut TcpStream, reason: String| -> Result<()> {
         tracing::warn!(%peer, %reason, "run control refused");
@@ -222,17 +210,52 @@ fn connection(
         )?;
         bail!("{reason}")
     };
-    if protocol != proto::PROTOCOL {
+    let is_hello = hello.get("type").and_then(|t| t.as_str()) == Some("hello");
+    let protocol = hello.get("protocol").and_then(|p| p.as_u64());
+    if is_hello && protocol != Some(proto::PROTOCOL as u64) {
+        let software = hello
+            .get("software")
+            .and_then(|p| p.as_str())
+            .unwrap_or("?");
         return refuse(
             &mut s,
             format!(
-                "node protocol revision {protocol} ({software}) at the run control, {} ({}) at the agent on {me}",
+                "node protocol revision {} ({software}) at the run control, {} ({}) at the agent on {me}",
+                protocol.map_or("?".to_string(), |p| p.to_string()),
                 proto::PROTOCOL,
                 crate::software()
             ),
         );
     }
-    if !constant_time_eq(token.as_bytes(), opts.token.as_bytes()) {
+    let Ok(Request::Hello {
+        software,
+        nonce: control_nonce,
+        ..
+    }) = serde_json::from_value::<Request>(hello)
+    else {
+        return refuse(&mut s, "the first message must be a hello".into());
+    };
+    // The run control proves it holds the token over a nonce of this connection: the token
+    // never crosses it, and a captured exchange proves nothing the next time.
+    let agent_nonce = crate::fresh_nonce();
+    send(
+        &mut s,
+        &Reply::Challenge {
+            nonce: agent_nonce.clone(),
+        },
+    )?;
+    let given = match recv::<Request>(&mut s, proto::MAX_HELLO) {
+        Ok(Request::Proof { proof }) => proof,
+        Ok(_) => return refuse(&mut s, "a hello must be followed by its proof".into()),
+        Err(e) => return Err(e).context("reading the proof"),
+    };
+    if !proto::proof_holds(
+        &opts.token,
+        proto::RUN_CONTROL_PROOF,
+        &agent_nonce,
+        &control_nonce,
+        &given,
+    ) {
         return refuse(&mut s, format!("wrong token for the agent on {me}"));
     }
     opts.trust.run_control(peer.ip());
@@ -263,6 +286,12 @@ fn connection(
             software: crate::software(),
             host: me,
             metrics,
+            proof: proto::proof(
+                &opts.token,
+                proto::AGENT_PROOF,
+                &control_nonce,
+                &agent_nonce,
+            ),
         },
     )?;
     opts.published.lock().driven = true;
@@ -303,10 +332,6 @@ fn connection(
     }
     *driver.lock() = None;
     result
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// This host's share of the configured run.
@@ -382,7 +407,7 @@ impl Agent {
 
     fn handle(&mut self, req: Request) -> Reply {
         let result = match req {
-            Request::Hello { .. } => Err(anyhow!("a second hello")),
+            Request::Hello { .. } | Request::Proof { .. } => Err(anyhow!("a second hello")),
             Request::Configure {
                 topology,
                 origin,

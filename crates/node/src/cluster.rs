@@ -430,22 +430,37 @@ fn connect(a: &AgentLink, token: &str, timeout: Duration) -> Result<()> {
     })?;
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(timeout))?;
+    let control_nonce = crate::fresh_nonce();
     send(
         &mut s,
         &Request::Hello {
             protocol: proto::PROTOCOL,
             software: crate::software(),
-            token: token.to_string(),
+            nonce: control_nonce.clone(),
         },
     )?;
-    let reply: Reply = recv(&mut s, proto::MAX_HELLO)
+    let mut reply: Reply = recv(&mut s, proto::MAX_HELLO)
         .with_context(|| format!("{}: no hello from its node agent", a.name()))?;
+    // An agent of this revision challenges; one of another answers its hello at once.
+    let mut agent_nonce = None;
+    if let Reply::Challenge { nonce } = &reply {
+        send(
+            &mut s,
+            &Request::Proof {
+                proof: proto::proof(token, proto::RUN_CONTROL_PROOF, nonce, &control_nonce),
+            },
+        )?;
+        agent_nonce = Some(nonce.clone());
+        reply = recv(&mut s, proto::MAX_HELLO)
+            .with_context(|| format!("{}: no hello from its node agent", a.name()))?;
+    }
     match reply {
         Reply::Hello {
             protocol,
             software,
             host,
             metrics,
+            proof,
         } => {
             if protocol != proto::PROTOCOL {
                 bail!(
@@ -453,6 +468,17 @@ fn connect(a: &AgentLink, token: &str, timeout: Duration) -> Result<()> {
                     a.name(),
                     proto::PROTOCOL,
                     crate::software()
+                );
+            }
+            // The agent proves it holds the token too: a stranger at its address cannot play
+            // it.
+            let holds = agent_nonce.as_deref().is_some_and(|n| {
+                proto::proof_holds(token, proto::AGENT_PROOF, &control_nonce, n, &proof)
+            });
+            if !holds {
+                bail!(
+                    "{}: its node agent did not prove it holds the token (a wrong token there, or not a node agent)",
+                    a.name()
                 );
             }
             tracing::info!(host = %a.host, system = %host, %software, metrics = ?metrics, "node agent connected");

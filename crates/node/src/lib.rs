@@ -16,6 +16,12 @@ pub use agent::{host_name, serve, AgentOptions, Trust};
 pub use cluster::{Cluster, ClusterRun};
 
 /// This build's name and version, said in hellos.
+/// 16 random bytes in hex, new on every call: a hello's or a challenge's nonce.
+pub(crate) fn fresh_nonce() -> String {
+    let b: [u8; 16] = rand::random();
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
 pub fn software() -> String {
     format!("tessera {}", env!("CARGO_PKG_VERSION"))
 }
