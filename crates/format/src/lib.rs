@@ -6,6 +6,7 @@
 //! used by any transport. The normative description is `docs/wire-format.md` and
 //! `docs/file-format.md`; the test vectors in `tests/vectors.rs` pin both.
 
+pub mod auth;
 pub mod bytes;
 pub mod crc;
 pub mod event;

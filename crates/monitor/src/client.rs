@@ -204,6 +204,34 @@ fn answer(s: &mut impl std::io::Read) -> Result<(Message, Bytes), ClientError> {
     }
 }
 
+/// The proof of `token` for this connection: asks the monitor for a challenge and proves the
+/// token over its nonce (docs/monitor-protocol.md §5); the token itself never crosses.
+fn prove(s: &mut TcpStream, token: &str) -> Result<String, ClientError> {
+    write_message(
+        s,
+        &Message::Command {
+            json: br#"{"op":"challenge"}"#.to_vec(),
+        },
+    )?;
+    match answer(s)?.0 {
+        Message::Reply { json } => {
+            let v: serde_json::Value =
+                serde_json::from_slice(&json).map_err(|e| ClientError::Protocol(e.to_string()))?;
+            let nonce = v["nonce"].as_str().ok_or_else(|| {
+                ClientError::Protocol(format!("a challenge without a nonce: {v}"))
+            })?;
+            Ok(tessera_format::auth::proof(
+                token,
+                crate::server::MONITOR_PROOF,
+                nonce,
+                "",
+            ))
+        }
+        Message::Error { code, message } => Err(ClientError::Refused { code, message }),
+        other => Err(ClientError::Protocol(format!("unexpected {other:?}"))),
+    }
+}
+
 /// Sends one JSON command on a fresh connection and returns the monitor's JSON answer
 /// (`status`, `create`, `set`, `remove`; see `docs/monitor-protocol.md`).
 pub fn command(
@@ -213,8 +241,11 @@ pub fn command(
 ) -> Result<serde_json::Value, ClientError> {
     let (mut s, _, _) = connect(addr, timeout)?;
     let mut cmd = cmd.clone();
-    if let (Some(t), Some(o)) = (env_token(), cmd.as_object_mut()) {
-        o.entry("token").or_insert(t.into());
+    if let Some(t) = env_token() {
+        let proof = prove(&mut s, &t)?;
+        if let Some(o) = cmd.as_object_mut() {
+            o.entry("proof").or_insert(proof.into());
+        }
     }
     write_message(
         &mut s,
@@ -268,7 +299,7 @@ impl Consumer {
             "create": self.opts.create,
         });
         if let Some(t) = &self.opts.token {
-            cmd["token"] = t.clone().into();
+            cmd["proof"] = prove(&mut s, t)?.into();
         }
         write_message(
             &mut s,

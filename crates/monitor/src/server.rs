@@ -188,6 +188,8 @@ enum Command {
     // A struct variant: `deny_unknown_fields` refuses `{"op": "status", "x": 1}` as it does
     // for every other command (a unit variant would ignore the extra field).
     Status {},
+    /// A fresh nonce for this connection, over which the commands after it prove the token.
+    Challenge {},
     Create {
         station: StationSection,
     },
@@ -198,6 +200,10 @@ enum Command {
         station: String,
     },
 }
+
+/// What a consumer's proof of the token is taken over, before the connection's nonce
+/// (`tessera_format::auth::proof`; the second nonce is empty).
+pub const MONITOR_PROOF: &str = "tessera monitor protocol 1: consumer";
 
 /// The tokens a command is checked against: every command but `status` (a monitor beyond
 /// loopback), and those that can hold the run (a blocking station, wherever a token is set).
@@ -221,7 +227,7 @@ fn holds_the_run(cmd: &Command, monitor: &Monitor) -> bool {
             .or_else(|| create.as_ref().map(blocking))
             .unwrap_or(false),
         Command::Create { station } | Command::Set { station } => blocking(station),
-        Command::Status {} | Command::Remove { .. } => false,
+        Command::Status {} | Command::Challenge {} | Command::Remove { .. } => false,
     }
 }
 
@@ -290,6 +296,8 @@ fn work(
     woken: &AtomicBool,
 ) -> Option<String> {
     let mut name = String::new();
+    // The nonce of this connection's last challenge: what the token's proofs are taken over.
+    let mut nonce: Option<String> = None;
     // Buffered: a consumer's put and its next get usually arrive together and are taken in
     // one read, and a small message is not two reads (header, then the rest).
     let mut reader = std::io::BufReader::with_capacity(READ_BUFFER, out);
@@ -328,6 +336,7 @@ fn work(
                         all: opts.token.as_deref(),
                         hold: opts.hold_token.as_deref(),
                     },
+                    &mut nonce,
                 );
                 let attached = consumer.lock().and_then(|id| monitor.station_of(id));
                 if opts.sampling_idle_priority
@@ -516,6 +525,7 @@ fn command(
     peer: SocketAddr,
     name: &mut String,
     tokens: Tokens<'_>,
+    nonce: &mut Option<String>,
 ) -> Message {
     let token = tokens.all;
     let mut value: serde_json::Value = match serde_json::from_slice(json) {
@@ -527,17 +537,33 @@ fn command(
             }
         }
     };
+    // The token never crosses the connection: a command proves it over this connection's
+    // nonce (`challenge`), so a captured command proves nothing on another connection.
+    if value.get("token").is_some() {
+        tracing::warn!(%peer, "monitor refused a command carrying the token itself");
+        return Message::Error {
+            code: ErrorCode::Refused,
+            message: "the token is never sent: ask for a challenge and send its proof (docs/monitor-protocol.md §5)".into(),
+        };
+    }
     let given = value
         .as_object_mut()
-        .and_then(|o| o.remove("token"))
+        .and_then(|o| o.remove("proof"))
         .and_then(|t| t.as_str().map(str::to_owned));
+    let proven = |want: &str| -> bool {
+        match (nonce.as_deref(), given.as_deref()) {
+            (Some(n), Some(p)) => tessera_format::auth::proof_holds(want, MONITOR_PROOF, n, "", p),
+            _ => false,
+        }
+    };
     if let Some(want) = token {
-        let reads_only = value.get("op").and_then(|o| o.as_str()) == Some("status");
-        if !reads_only && given.as_deref() != Some(want) {
-            tracing::warn!(%peer, op = ?value.get("op"), "monitor refused a command: token missing or wrong");
+        let op = value.get("op").and_then(|o| o.as_str());
+        let reads_only = matches!(op, Some("status") | Some("challenge"));
+        if !reads_only && !proven(want) {
+            tracing::warn!(%peer, op = ?value.get("op"), "monitor refused a command: no proof of the token, or a wrong one");
             return Message::Error {
                 code: ErrorCode::Refused,
-                message: "this monitor listens beyond loopback: commands other than status need the run control's token (\"token\")".into(),
+                message: "this monitor listens beyond loopback: commands other than status and challenge need a proof of the run control's token (\"proof\", docs/monitor-protocol.md §5)".into(),
             };
         }
     }
@@ -551,11 +577,11 @@ fn command(
         }
     };
     if let Some(want) = tokens.hold {
-        if holds_the_run(&cmd, monitor) && given.as_deref() != Some(want) {
-            tracing::warn!(%peer, "monitor refused a blocking station: token missing or wrong");
+        if holds_the_run(&cmd, monitor) && !proven(want) {
+            tracing::warn!(%peer, "monitor refused a blocking station: no proof of the token, or a wrong one");
             return Message::Error {
                 code: ErrorCode::Refused,
-                message: "a blocking station can hold the run: creating or attaching to one needs the run control's token (\"token\")".into(),
+                message: "a blocking station can hold the run: creating or attaching to one needs a proof of the run control's token (\"proof\", docs/monitor-protocol.md §5)".into(),
             };
         }
     }
@@ -607,6 +633,12 @@ fn command(
         }
         Command::Status {} => {
             Ok(serde_json::to_value(monitor.status()).expect("status serialises"))
+        }
+        Command::Challenge {} => {
+            let b: [u8; 16] = rand::random();
+            let n: String = b.iter().map(|x| format!("{x:02x}")).collect();
+            *nonce = Some(n.clone());
+            Ok(serde_json::json!({ "nonce": n }))
         }
         Command::Create { station } => {
             tracing::info!(%peer, station = %station.name, "monitor station created");

@@ -621,3 +621,79 @@ fn records_replaced_over_tcp_reach_the_next_station_small_or_large() {
     let st = &m.status().stations[0];
     assert_eq!((st.counters.put, st.counters.restored), (4, 0), "{st:?}");
 }
+
+/// Issue 50, item 7: the token never crosses the monitor port. A command that carries it is
+/// refused; a proof taken over one connection's challenge opens that connection only, and the
+/// same proof replayed on another connection (captured, say) is refused.
+#[test]
+fn a_proof_of_the_token_opens_its_connection_only_and_the_token_itself_is_refused() {
+    let m = Monitor::new(&MonitorSection::default()).unwrap();
+    let server = Server::start(
+        TcpListener::bind("127.0.0.1:0").unwrap(),
+        m.clone(),
+        ServerOptions {
+            heartbeat: Duration::from_millis(50),
+            consumer_timeout: Duration::from_millis(5000),
+            sampling_idle_priority: false,
+            token: Some("s3cret".into()),
+            hold_token: None,
+        },
+    )
+    .unwrap();
+    let addr = server.addr.to_string();
+    let ask = |s: &mut TcpStream, json: serde_json::Value| -> Message {
+        write_message(
+            s,
+            &Message::Command {
+                json: serde_json::to_vec(&json).unwrap(),
+            },
+        )
+        .unwrap();
+        loop {
+            let m = read_message(s, 1 << 20).unwrap().message;
+            if !matches!(m, Message::Heartbeat { .. }) {
+                return m;
+            }
+        }
+    };
+    let open = || {
+        let mut s = TcpStream::connect(&addr).unwrap();
+        let _welcome = read_message(&mut s, 1 << 20).unwrap();
+        s
+    };
+    let refused = |m: Message| {
+        matches!(
+            m,
+            Message::Error {
+                code: ErrorCode::Refused,
+                ..
+            }
+        )
+    };
+    // The token itself: refused, whatever it is.
+    let mut s = open();
+    let m = ask(
+        &mut s,
+        serde_json::json!({"op": "attach", "station": "sample", "token": "s3cret"}),
+    );
+    assert!(refused(m));
+    // A proof over this connection's challenge.
+    let mut s = open();
+    let Message::Reply { json } = ask(&mut s, serde_json::json!({"op": "challenge"})) else {
+        panic!("no challenge");
+    };
+    let nonce = serde_json::from_slice::<serde_json::Value>(&json).unwrap()["nonce"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let proof =
+        tessera_format::auth::proof("s3cret", tessera_monitor::server::MONITOR_PROOF, &nonce, "");
+    let attach = serde_json::json!({"op": "attach", "station": "sample", "proof": proof});
+    assert!(matches!(ask(&mut s, attach.clone()), Message::Reply { .. }));
+    // Replayed on another connection, with or without a challenge of its own: refused.
+    let mut t = open();
+    assert!(refused(ask(&mut t, attach.clone())));
+    let mut t = open();
+    let _ = ask(&mut t, serde_json::json!({"op": "challenge"}));
+    assert!(refused(ask(&mut t, attach)));
+}

@@ -8,7 +8,6 @@
 //! Pure: no I/O, no clocks. The payloads of `status`, `report` and `why` are the run's own
 //! JSON documents (docs/openapi.json: `Live`, `Report`, `WhyIncomplete`), carried as they are.
 
-use hmac::Mac;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -265,48 +264,7 @@ pub const RUN_CONTROL_PROOF: &str = "tessera node protocol 3: run control";
 /// What the agent's proof is taken over, before the nonces.
 pub const AGENT_PROOF: &str = "tessera node protocol 3: agent";
 
-/// HMAC-SHA256 with the shared token as key over `label`, a zero byte, `first`, a zero byte and
-/// `second` (the nonces as their hex text), in lowercase hex: proves the token's possession
-/// without sending it, bound to both nonces, so a captured exchange proves nothing the next
-/// time (the agent's nonce is new on every connection).
-pub fn proof(token: &str, label: &str, first: &str, second: &str) -> String {
-    hex(&mac(token, label, first, second).finalize().into_bytes())
-}
-
-/// Whether `given` is [`proof`] of these, compared in constant time.
-pub fn proof_holds(token: &str, label: &str, first: &str, second: &str, given: &str) -> bool {
-    let Some(bytes) = unhex(given) else {
-        return false;
-    };
-    mac(token, label, first, second)
-        .verify_slice(&bytes)
-        .is_ok()
-}
-
-fn mac(token: &str, label: &str, first: &str, second: &str) -> hmac::Hmac<sha2::Sha256> {
-    let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(token.as_bytes())
-        .expect("HMAC takes a key of any length");
-    for part in [
-        label.as_bytes(),
-        b"\0",
-        first.as_bytes(),
-        b"\0",
-        second.as_bytes(),
-    ] {
-        m.update(part);
-    }
-    m
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) || s.len() > 128 {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
-}
+pub use tessera_format::auth::{proof, proof_holds};
 
 /// The test vectors of docs/node-protocol.md: (name, message, frame as hex).
 pub fn vectors() -> Vec<(&'static str, String)> {
@@ -392,49 +350,6 @@ mod tests {
         assert!(decode::<Request>(br#"{"type":"launch_missiles"}"#).is_err());
         assert!(decode::<Request>(br#"{"type":"release","extra":1}"#).is_err());
         assert!(decode::<Request>(br#"[1,2]"#).is_err());
-    }
-
-    #[test]
-    fn a_proof_holds_only_for_its_token_its_label_and_its_nonces_in_order() {
-        let p = proof("s3cret", RUN_CONTROL_PROOF, "a9e17", "c0ffee");
-        assert!(proof_holds(
-            "s3cret",
-            RUN_CONTROL_PROOF,
-            "a9e17",
-            "c0ffee",
-            &p
-        ));
-        assert!(!proof_holds(
-            "secret",
-            RUN_CONTROL_PROOF,
-            "a9e17",
-            "c0ffee",
-            &p
-        ));
-        assert!(!proof_holds("s3cret", AGENT_PROOF, "a9e17", "c0ffee", &p));
-        assert!(!proof_holds(
-            "s3cret",
-            RUN_CONTROL_PROOF,
-            "c0ffee",
-            "a9e17",
-            &p
-        ));
-        assert!(!proof_holds(
-            "s3cret",
-            RUN_CONTROL_PROOF,
-            "a9e18",
-            "c0ffee",
-            &p
-        ));
-        for junk in ["", "zz", &p[..63], &"0".repeat(64), &"f".repeat(1000)] {
-            assert!(!proof_holds(
-                "s3cret",
-                RUN_CONTROL_PROOF,
-                "a9e17",
-                "c0ffee",
-                junk
-            ));
-        }
     }
 
     #[test]
