@@ -96,3 +96,18 @@ pub fn free_bytes(dir: &Path) -> Option<u64> {
     }
     Some((v.f_bavail as u64).saturating_mul(v.f_frsize as u64))
 }
+
+/// What an earlier recorder of a run left in its output directory, for a recorder of the same
+/// run that starts there (it died, or was restarted) and takes it over: its files, the newest
+/// event IDs they hold (oldest first), and their counts.
+#[derive(Clone, Debug, Default)]
+pub struct AdoptedRun {
+    pub files: Vec<FileInfo>,
+    pub event_ids: Vec<u64>,
+    pub events: u64,
+    pub incomplete_events: u64,
+    pub fragments_in_complete: u64,
+    pub fragments_in_incomplete: u64,
+    pub record_bytes: u64,
+    pub file_bytes: u64,
+}

@@ -815,6 +815,76 @@ fn an_event_manager_killed_mid_run_ends_every_role_with_the_reason() {
     assert_verifies(&out);
 }
 
+/// What every role of a request-mode run reported, one of them killed and restarted.
+struct Restarted {
+    src: serde_json::Value,
+    ru: [serde_json::Value; 2],
+    bu: [serde_json::Value; 2],
+    em: serde_json::Value,
+    rec: serde_json::Value,
+    /// What the killed process logged.
+    first: String,
+}
+
+/// Every role of the request-mode run of `cfg` its own process; `victim` (`manager` on
+/// handed-over port 2, or `recorder` on port 3) keeps its listening socket open for its
+/// successor, as under systemd socket activation. Once data is recorded the victim is
+/// SIGKILLed and started again at the same address; the run then goes to its end.
+fn kill_and_restart(ports: &Ports, cfg: &str, out: &Path, victim: &str) -> Restarted {
+    let spawn = |r: &[&str], port: Option<usize>| serve(ports, cfg, r, port);
+    let port = if victim == "manager" { 2 } else { 3 };
+    let successor = || {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+        ports.hand_over(port, &mut cmd);
+        Proc::spawn_piped(
+            cmd.env("TESSERA_HTTP", "127.0.0.1:0")
+                .args(["serve", victim, cfg, "--json", "--quiet"]),
+        )
+    };
+    // Sink first: the recorder, then the manager.
+    let mut rec = Some(if victim == "recorder" {
+        successor()
+    } else {
+        spawn(&["recorder"], Some(3))
+    });
+    let mut em = Some(if victim == "manager" {
+        successor()
+    } else {
+        spawn(&["manager"], Some(2))
+    });
+    let ru = [
+        spawn(&["readout", "--id", "0"], Some(0)),
+        spawn(&["readout", "--id", "1"], Some(1)),
+    ];
+    let bu = [
+        spawn(&["builder", "--id", "0"], None),
+        spawn(&["builder", "--id", "1"], None),
+    ];
+    let src = spawn(&["sources"], None);
+    wait_for_recorded_data(out);
+    let killed = if victim == "recorder" {
+        &mut rec
+    } else {
+        &mut em
+    };
+    let dead = killed.take().unwrap();
+    dead.signal("KILL");
+    let first = String::from_utf8_lossy(&dead.finish(LIMIT).stderr).into_owned();
+    *killed = Some(successor());
+    ports.release(port);
+    let ru = ru.map(report_of);
+    let src = report_of(src);
+    let bu = bu.map(report_of);
+    Restarted {
+        src,
+        ru,
+        bu,
+        em: report_of(em.unwrap()),
+        rec: report_of(rec.unwrap()),
+        first,
+    }
+}
+
 /// Issue 11, item 6, second half: the event manager killed (SIGKILL) in the middle of a
 /// request-mode run and started again at the same address (the listening socket outlives it, as
 /// under systemd socket activation) takes the run over: the readout units announce again what
@@ -837,40 +907,16 @@ fn a_restarted_event_manager_takes_the_run_over_and_nothing_is_lost_or_doubled()
         2,
         "takeover_s = 120\n",
     );
-    let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
-    // The manager's listener stays open here too, for its successor.
-    let manager = || {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
-        ports.hand_over(2, &mut cmd);
-        Proc::spawn_piped(
-            cmd.env("TESSERA_HTTP", "127.0.0.1:0")
-                .args(["serve", "manager", &cfg, "--json", "--quiet"]),
-        )
-    };
-    let rec = spawn(&["recorder"], Some(3));
-    let em = manager();
-    let ru = [
-        spawn(&["readout", "--id", "0"], Some(0)),
-        spawn(&["readout", "--id", "1"], Some(1)),
-    ];
-    let bu = [
-        spawn(&["builder", "--id", "0"], None),
-        spawn(&["builder", "--id", "1"], None),
-    ];
-    let src = spawn(&["sources"], None);
-    wait_for_recorded_data(&out);
-    em.signal("KILL");
-    let first = em.finish(LIMIT);
-    let em = manager();
-    ports.release(2);
-    let ru = ru.map(report_of);
-    let src = report_of(src);
-    let bu = bu.map(report_of);
-    let em = report_of(em);
-    let rec = report_of(rec);
+    let Restarted {
+        src,
+        ru,
+        bu,
+        em,
+        rec,
+        first,
+    } = kill_and_restart(&ports, &cfg, &out, "manager");
     let all = serde_json::json!({
-        "readout": ru, "builders": bu, "manager": em, "recorder": rec,
-        "first manager": String::from_utf8_lossy(&first.stderr),
+        "readout": ru, "builders": bu, "manager": em, "recorder": rec, "first manager": first,
     });
     let b = whole_balance(&cfg, &[&src, &ru[0], &ru[1], &bu[0], &bu[1], &em, &rec]);
     assert!(b.holds, "{b:?}\n{all:#}");
@@ -956,40 +1002,16 @@ fn a_recorder_killed_and_restarted_mid_run_loses_and_doubles_nothing() {
         ),
     )
     .unwrap();
-    let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
-    // The recorder's listener stays open for its successor.
-    let recorder = || {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
-        ports.hand_over(3, &mut cmd);
-        Proc::spawn_piped(
-            cmd.env("TESSERA_HTTP", "127.0.0.1:0")
-                .args(["serve", "recorder", &cfg, "--json", "--quiet"]),
-        )
-    };
-    let rec = recorder();
-    let em = spawn(&["manager"], Some(2));
-    let ru = [
-        spawn(&["readout", "--id", "0"], Some(0)),
-        spawn(&["readout", "--id", "1"], Some(1)),
-    ];
-    let bu = [
-        spawn(&["builder", "--id", "0"], None),
-        spawn(&["builder", "--id", "1"], None),
-    ];
-    let src = spawn(&["sources"], None);
-    wait_for_recorded_data(&out);
-    rec.signal("KILL");
-    let first = rec.finish(LIMIT);
-    let rec = recorder();
-    ports.release(3);
-    let ru = ru.map(report_of);
-    let src = report_of(src);
-    let bu = bu.map(report_of);
-    let em = report_of(em);
-    let rec = report_of(rec);
+    let Restarted {
+        src,
+        ru,
+        bu,
+        em,
+        rec,
+        first,
+    } = kill_and_restart(&ports, &cfg, &out, "recorder");
     let all = serde_json::json!({
-        "readout": ru, "builders": bu, "manager": em, "recorder": rec,
-        "first recorder": String::from_utf8_lossy(&first.stderr),
+        "readout": ru, "builders": bu, "manager": em, "recorder": rec, "first recorder": first,
     });
     let b = whole_balance(&cfg, &[&src, &ru[0], &ru[1], &bu[0], &bu[1], &em, &rec]);
     assert!(b.holds, "{b:?}\n{all:#}");

@@ -47,26 +47,13 @@ pub fn close_crashed(dir: &Path, db: Option<&RunDb>) -> Result<Closed> {
             "crashed": true,
             "files": files,
             "recovered_files": recovered,
-        })
-        .to_string();
-        db.end_run(
+        });
+        end_crashed(
+            db,
             run,
-            &RunEnd {
-                state: "crashed",
-                stopped_unix_ns: crate::controller::unix_ns(),
-                stop_reason: "crashed: closed at the next start",
-                error: Some(
-                    "the process ended without stopping the run; its files were closed by recovery",
-                ),
-                events,
-                incomplete,
-                bytes,
-                recorded_events: events,
-                balance_holds: None,
-                rejected: &Default::default(),
-                files: &files,
-                report_json: &report,
-            },
+            (&files, events, incomplete, bytes),
+            "the process ended without stopping the run; its files were closed by recovery",
+            report,
         )?;
         tracing::warn!(run, events, "closed a run left running by a crash");
         closed.crashed_runs.push((run, events));
@@ -83,15 +70,7 @@ pub fn close_crashed_on_hosts(
     files: &[tessera_recorder::FileInfo],
     recovered: &[String],
 ) -> Result<u64> {
-    let rows: Vec<FileRow> = files
-        .iter()
-        .map(|f| FileRow {
-            name: f.file.clone(),
-            size_bytes: f.size_bytes,
-            events: f.events,
-            crc32c: f.file_crc32c.clone(),
-        })
-        .collect();
+    let rows: Vec<FileRow> = files.iter().map(row).collect();
     let events: u64 = files.iter().map(|f| f.events).sum();
     let incomplete: u64 = files.iter().map(|f| f.incomplete_events).sum();
     let bytes: u64 = files.iter().map(|f| f.record_bytes).sum();
@@ -99,26 +78,13 @@ pub fn close_crashed_on_hosts(
         "crashed": true,
         "files": rows,
         "recovered_files_on_hosts": recovered,
-    })
-    .to_string();
-    db.end_run(
+    });
+    end_crashed(
+        db,
         run,
-        &RunEnd {
-            state: "crashed",
-            stopped_unix_ns: crate::controller::unix_ns(),
-            stop_reason: "crashed: closed at the next start",
-            error: Some(
-                "the run control ended without stopping the run; the recording hosts closed its files",
-            ),
-            events,
-            incomplete,
-            bytes,
-            recorded_events: events,
-            balance_holds: None,
-            rejected: &Default::default(),
-            files: &rows,
-            report_json: &report,
-        },
+        (&rows, events, incomplete, bytes),
+        "the run control ended without stopping the run; the recording hosts closed its files",
+        report,
     )?;
     tracing::warn!(
         run,
@@ -126,6 +92,44 @@ pub fn close_crashed_on_hosts(
         "closed a run left running by a crash, with the files its recording hosts hold"
     );
     Ok(events)
+}
+
+/// Records run `run` as crashed with what its files hold: (rows, events, incomplete, bytes).
+fn end_crashed(
+    db: &RunDb,
+    run: u64,
+    (files, events, incomplete, bytes): (&[FileRow], u64, u64, u64),
+    error: &str,
+    report: serde_json::Value,
+) -> Result<()> {
+    db.end_run(
+        run,
+        &RunEnd {
+            state: "crashed",
+            stopped_unix_ns: crate::controller::unix_ns(),
+            stop_reason: "crashed: closed at the next start",
+            error: Some(error),
+            events,
+            incomplete,
+            bytes,
+            recorded_events: events,
+            balance_holds: None,
+            rejected: &Default::default(),
+            files,
+            report_json: &report.to_string(),
+        },
+    )?;
+    Ok(())
+}
+
+/// A file's row in the run database, from its sidecar.
+fn row(info: &tessera_recorder::FileInfo) -> FileRow {
+    FileRow {
+        name: info.file.clone(),
+        size_bytes: info.size_bytes,
+        events: info.events,
+        crc32c: info.file_crc32c.clone(),
+    }
 }
 
 /// The finished files of `run` in `dir`, from their sidecars: rows, events, incomplete, bytes.
@@ -148,12 +152,7 @@ fn files_of(dir: &Path, run: u64) -> Result<(Vec<FileRow>, u64, u64, u64)> {
         events += info.events;
         incomplete += info.incomplete_events;
         bytes += info.record_bytes;
-        rows.push(FileRow {
-            name: info.file,
-            size_bytes: info.size_bytes,
-            events: info.events,
-            crc32c: info.file_crc32c,
-        });
+        rows.push(row(&info));
     }
     Ok((rows, events, incomplete, bytes))
 }

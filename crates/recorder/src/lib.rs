@@ -52,21 +52,11 @@ pub struct RecorderConfig {
     pub adopted: Adopted,
 }
 
-/// The files an earlier recorder of the same run left (it died, or was restarted), taken over
-/// by this one at its start: their counts are this recorder's from the start, their event IDs
-/// seed its deduplication (a builder sends again what that recorder never acknowledged), and
-/// its own files continue their sequence.
-#[derive(Clone, Debug, Default)]
-pub struct Adopted {
-    pub files: Vec<FileInfo>,
-    pub event_ids: Vec<u64>,
-    pub events: u64,
-    pub incomplete_events: u64,
-    pub fragments_in_complete: u64,
-    pub fragments_in_incomplete: u64,
-    pub record_bytes: u64,
-    pub file_bytes: u64,
-}
+/// The files an earlier recorder of the same run left, taken over by this one at its start:
+/// their counts are this recorder's from the start, their event IDs seed its deduplication (a
+/// builder sends again what that recorder never acknowledged), and its own files continue
+/// their sequence.
+pub use tessera_archive::AdoptedRun as Adopted;
 
 /// The file being written: its name, what its whole blocks hold so far.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]

@@ -214,13 +214,13 @@ impl<'a> Starter<'a> {
                 manifest.display()
             );
         }
-        let f = tessera_verify::recover::adopt_run(
+        let (recovered, adopted) = tessera_verify::recover::adopt_run(
             &self.output,
             self.run_number,
             tessera_recorder::DEDUP_WINDOW,
         )
         .with_context(|| format!("taking over the files of run {}", self.run_number))?;
-        for r in &f.recovered {
+        for r in &recovered {
             tracing::warn!(
                 file = r.file,
                 events = r.events,
@@ -228,16 +228,7 @@ impl<'a> Starter<'a> {
                 "finished an unfinished file an earlier recorder of this run left"
             );
         }
-        Ok(tessera_recorder::Adopted {
-            files: f.files,
-            event_ids: f.event_ids,
-            events: f.events,
-            incomplete_events: f.incomplete_events,
-            fragments_in_complete: f.fragments_in_complete,
-            fragments_in_incomplete: f.fragments_in_incomplete,
-            record_bytes: f.record_bytes,
-            file_bytes: f.file_bytes,
-        })
+        Ok(adopted)
     }
 
     /// Request mode: the event manager, listening before anyone connects to it; and where it

@@ -195,29 +195,15 @@ pub fn recover_part(part: &Path) -> Result<Recovered> {
     })
 }
 
-/// What an earlier recorder of a run left in its output directory, for a recorder of the same
-/// run that starts there (it was restarted): [`adopt_run`].
-#[derive(Clone, Debug, Default)]
-pub struct RunFiles {
-    /// Its `.part` files, finished here.
-    pub recovered: Vec<Recovered>,
-    /// Every finished file of the run, in the order they were started.
-    pub files: Vec<FileInfo>,
-    /// The newest `keep_ids` event IDs in the files, oldest first.
-    pub event_ids: Vec<u64>,
-    pub events: u64,
-    pub incomplete_events: u64,
-    pub fragments_in_complete: u64,
-    pub fragments_in_incomplete: u64,
-    pub record_bytes: u64,
-    pub file_bytes: u64,
-}
-
 /// Takes over what an earlier recorder of `run` left in `dir`: finishes its `.part` files
 /// (every whole block kept, as `tessera recover` does) and reads every file of the run for its
 /// counts and its event IDs (the newest `keep_ids` of them). A file it cannot read is an error:
 /// a recorder must not start next to files it cannot account for.
-pub fn adopt_run(dir: &Path, run: u64, keep_ids: usize) -> Result<RunFiles> {
+pub fn adopt_run(
+    dir: &Path,
+    run: u64,
+    keep_ids: usize,
+) -> Result<(Vec<Recovered>, tessera_archive::AdoptedRun)> {
     let prefix = format!("run{run:06}_");
     let ours = |p: &Path, suffix: &str| {
         p.is_file()
@@ -225,15 +211,16 @@ pub fn adopt_run(dir: &Path, run: u64, keep_ids: usize) -> Result<RunFiles> {
                 .and_then(|n| n.to_str())
                 .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(suffix))
     };
-    let mut out = RunFiles::default();
+    let mut out = tessera_archive::AdoptedRun::default();
+    let mut recovered = Vec::new();
     let Ok(entries) = std::fs::read_dir(dir) else {
-        return Ok(out);
+        return Ok((recovered, out));
     };
     let paths: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
     let mut parts: Vec<&PathBuf> = paths.iter().filter(|p| ours(p, ".tsr.part")).collect();
     parts.sort();
     for p in parts {
-        out.recovered.push(recover_part(p)?);
+        recovered.push(recover_part(p)?);
     }
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("reading {}", dir.display()))?
@@ -289,7 +276,7 @@ pub fn adopt_run(dir: &Path, run: u64, keep_ids: usize) -> Result<RunFiles> {
     infos.sort_by(|a, b| (a.0, &a.1.file).cmp(&(b.0, &b.1.file)));
     out.files = infos.into_iter().map(|(_, i)| i).collect();
     out.event_ids = ids.into();
-    Ok(out)
+    Ok((recovered, out))
 }
 
 /// Closes what a crash left of run `run` in `dir`: finishes its `.part` files (every whole block
