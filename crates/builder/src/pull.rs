@@ -1055,6 +1055,12 @@ impl Unacknowledged {
         (self.link, self.records.iter().cloned().collect())
     }
 
+    /// Whether the recorder has acknowledged anything on the current link, or there was
+    /// nothing to acknowledge: a link opened again is taken once it has.
+    fn link_proven(&self) -> bool {
+        self.settled > 0 || self.records.is_empty()
+    }
+
     /// No link will take them: every record left, and no acknowledgement counts any more.
     fn give_up(&mut self) -> Vec<Kept> {
         self.link += 1;
@@ -1103,11 +1109,24 @@ fn send_to_recorder(
     };
     let mut stream = first;
     let mut why = String::new();
+    // Since the link first broke, until a new one was acknowledged: when the wait ends. A
+    // connection alone proves nothing (a listening socket held open with no recorder behind
+    // it, as under socket activation, takes it into its backlog): the recorder must
+    // acknowledge within the same wait.
+    let mut recovering: Option<Instant> = None;
     loop {
         let (number, resend) = link.unacked.lock().relink();
         let end = match stream.try_clone() {
             Ok(acks) => match link.links.send((number, acks)) {
-                Ok(()) => one_link(p, stream, hello, number, resend, &rx, &link, &mut why),
+                Ok(()) => one_link(
+                    p,
+                    stream,
+                    (hello, number, resend),
+                    &rx,
+                    &link,
+                    &mut recovering,
+                    &mut why,
+                ),
                 Err(_) => LinkEnd::Aborted,
             },
             Err(e) => {
@@ -1120,8 +1139,9 @@ fn send_to_recorder(
             LinkEnd::Broken => {}
         }
         let held = link.unacked.lock().records.len();
-        let deadline = Instant::now() + link.takeover;
-        if !link.takeover.is_zero() && !p.abort.load(Ordering::Relaxed) {
+        let first_break = recovering.is_none();
+        let deadline = *recovering.get_or_insert_with(|| Instant::now() + link.takeover);
+        if first_break && !link.takeover.is_zero() && !p.abort.load(Ordering::Relaxed) {
             tracing::warn!(
                 builder = p.id,
                 reason = %why,
@@ -1130,7 +1150,15 @@ fn send_to_recorder(
                 link.takeover.as_secs()
             );
         }
-        match reconnect(&link.addr, deadline, &p.abort) {
+        let again = if Instant::now() >= deadline && !first_break {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "no recorder acknowledged anything at the address",
+            ))
+        } else {
+            reconnect(&link.addr, deadline, &p.abort)
+        };
+        match again {
             Ok(s) => {
                 st.recorder_relinks.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(
@@ -1172,17 +1200,29 @@ fn send_to_recorder(
 /// Drives one link to the recorder: the hello, what an earlier link left unacknowledged (after
 /// a resend message), then the queue until it closes, then the peer end and the wait for the
 /// last acknowledgement.
-#[allow(clippy::too_many_arguments)]
+/// While `recovering` (a link that broke, until when a new one may take to be acknowledged), a
+/// link that acknowledges nothing by then is broken too; its first acknowledgement ends the
+/// recovery.
 fn one_link(
     p: &Pull,
     stream: TcpStream,
-    hello: PeerHello,
-    number: u64,
-    resend: Vec<Kept>,
+    (hello, number, resend): (PeerHello, u64, Vec<Kept>),
     rx: &crossbeam_channel::Receiver<Vec<Kept>>,
     link: &RecorderLink,
+    recovering: &mut Option<Instant>,
     why: &mut String,
 ) -> LinkEnd {
+    // Whether a recovering link has gone its wait without an acknowledgement.
+    let unproven = |recovering: &mut Option<Instant>| -> bool {
+        let Some(until) = *recovering else {
+            return false;
+        };
+        if link.unacked.lock().link_proven() {
+            *recovering = None;
+            return false;
+        }
+        Instant::now() >= until
+    };
     let mut failed: Option<String> = None;
     let mut on_error = |e: &std::io::Error| {
         failed.get_or_insert_with(|| e.to_string());
@@ -1226,6 +1266,10 @@ fn one_link(
             },
             default(tick) => {}
         }
+        if unproven(recovering) {
+            failed.get_or_insert_with(|| "nothing acknowledged on the link opened again".into());
+            break;
+        }
     }
     if !(closed && w.is_ok()) {
         w.abandon();
@@ -1242,6 +1286,10 @@ fn one_link(
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
                 if p.abort.load(Ordering::Relaxed) {
                     return LinkEnd::Aborted;
+                }
+                if unproven(recovering) {
+                    *why = "nothing acknowledged on the link opened again".into();
+                    return LinkEnd::Broken;
                 }
             }
             Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break,

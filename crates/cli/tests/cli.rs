@@ -1073,6 +1073,19 @@ fn a_recorder_killed_and_restarted_mid_run_loses_and_doubles_nothing() {
 /// every fragment built is in the files or named lost.
 #[test]
 fn a_recorder_killed_and_not_restarted_ends_every_role_with_what_it_held_counted() {
+    recorder_killed_for_good(false);
+}
+
+/// The same with the recorder's listening socket held open after its death (as systemd socket
+/// activation does while the service fails to start again): the builders' connections are
+/// taken into its backlog and nothing acknowledges them; a connection alone is no recorder, and
+/// they end all the same when `recorder.takeover_s` has passed.
+#[test]
+fn a_recorder_killed_behind_a_socket_held_open_ends_every_role_all_the_same() {
+    recorder_killed_for_good(true);
+}
+
+fn recorder_killed_for_good(socket_held: bool) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let ports = Ports::bind(4);
@@ -1097,7 +1110,16 @@ fn a_recorder_killed_and_not_restarted_ends_every_role_with_what_it_held_counted
     )
     .unwrap();
     let spawn = |r: &[&str], port: Option<usize>| serve(&ports, &cfg, r, port);
-    let mut rec = spawn(&["recorder"], Some(3));
+    let mut rec = if socket_held {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+        ports.hand_over(3, &mut cmd);
+        Proc::spawn_piped(
+            cmd.env("TESSERA_HTTP", "127.0.0.1:0")
+                .args(["serve", "recorder", &cfg, "--json", "--quiet"]),
+        )
+    } else {
+        spawn(&["recorder"], Some(3))
+    };
     let em = spawn(&["manager"], Some(2));
     let ru = [
         spawn(&["readout", "--id", "0"], Some(0)),
@@ -1175,9 +1197,11 @@ fn a_recorder_killed_and_not_restarted_ends_every_role_with_what_it_held_counted
     };
     assert!(wrong.is_empty(), "events twice in the files: {wrong:?}");
     println!(
-        "DRILL|request mode, the recorder SIGKILLed and not restarted|-|{}|{lost} named|0|every role ended; {built} built, {in_files} in files",
+        "DRILL|request mode, the recorder SIGKILLed and not restarted{}|-|{}|{lost} named|0|every role ended; {built} built, {in_files} in files",
+        if socket_held { ", its socket held open" } else { "" },
         headers.len()
     );
+    ports.release(3);
 }
 
 /// Issue 11 ("a builder wrongly declared dead fails over like a dead one, never errors the
