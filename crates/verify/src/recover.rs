@@ -204,32 +204,16 @@ pub fn adopt_run(
     run: u64,
     keep_ids: usize,
 ) -> Result<(Vec<Recovered>, tessera_archive::AdoptedRun)> {
-    let prefix = format!("run{run:06}_");
-    let ours = |p: &Path, suffix: &str| {
-        p.is_file()
-            && p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(suffix))
-    };
     let mut out = tessera_archive::AdoptedRun::default();
-    let mut recovered = Vec::new();
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Ok((recovered, out));
-    };
-    let paths: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
-    let mut parts: Vec<&PathBuf> = paths.iter().filter(|p| ours(p, ".tsr.part")).collect();
-    parts.sort();
-    for p in parts {
-        recovered.push(recover_part(p)?);
+    if !dir.is_dir() {
+        return Ok((Vec::new(), out));
     }
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("reading {}", dir.display()))?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| ours(p, ".tsr"))
-        .collect();
-    // By name: a series' files in their order, so the IDs kept are the newest.
-    files.sort();
+    // Its `.part` files finished, and every finished file's sidecar, by file name.
+    let (recovered, sidecars) = close_run(dir, run)?;
+    let sidecars: std::collections::HashMap<String, FileInfo> =
+        sidecars.into_iter().map(|i| (i.file.clone(), i)).collect();
+    // In name order: a series' files in their order, so the IDs kept are the newest.
+    let files = run_paths(dir, run, ".tsr")?;
     let mut ids = std::collections::VecDeque::new();
     let mut infos = Vec::new();
     for f in &files {
@@ -260,16 +244,12 @@ pub fn adopt_run(
             }
         }
         out.file_bytes += std::fs::metadata(f).map(|m| m.len()).unwrap_or(0);
-        let sidecar = PathBuf::from(format!("{}.json", f.display()));
-        match std::fs::read(&sidecar)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<FileInfo>(&b).ok())
-        {
-            Some(info) => infos.push((start, info)),
+        let name = f.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        match sidecars.get(name) {
+            Some(info) => infos.push((start, info.clone())),
             None => anyhow::bail!(
-                "{}: its sidecar {} is missing or unreadable; run `tessera verify` on it",
-                f.display(),
-                sidecar.display()
+                "{}: its sidecar {name}.json is missing or unreadable; run `tessera verify` on it",
+                f.display()
             ),
         }
     }
@@ -282,28 +262,12 @@ pub fn adopt_run(
 /// Closes what a crash left of run `run` in `dir`: finishes its `.part` files (every whole block
 /// kept) and returns them and every finished file of the run, from their sidecars, in name order.
 pub fn close_run(dir: &Path, run: u64) -> Result<(Vec<Recovered>, Vec<FileInfo>)> {
-    let prefix = format!("run{run:06}_");
-    let named = |suffix: &str| -> Result<Vec<PathBuf>> {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-            .with_context(|| format!("reading {}", dir.display()))?
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| {
-                p.is_file()
-                    && p.file_name()
-                        .and_then(|n| n.to_str())
-                        .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(suffix))
-            })
-            .collect();
-        v.sort();
-        Ok(v)
-    };
     let mut recovered = Vec::new();
-    for p in named(".tsr.part")? {
+    for p in run_paths(dir, run, ".tsr.part")? {
         recovered.push(recover_part(&p)?);
     }
     let mut files = Vec::new();
-    for p in named(".tsr.json")? {
+    for p in run_paths(dir, run, ".tsr.json")? {
         let text = std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?;
         files.push(
             serde_json::from_slice::<FileInfo>(&text)
@@ -311,4 +275,22 @@ pub fn close_run(dir: &Path, run: u64) -> Result<(Vec<Recovered>, Vec<FileInfo>)
         );
     }
     Ok((recovered, files))
+}
+
+/// The regular files of run `run` in `dir` whose names end in `suffix`, in name order.
+fn run_paths(dir: &Path, run: u64, suffix: &str) -> Result<Vec<PathBuf>> {
+    let prefix = format!("run{run:06}_");
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.is_file()
+                && p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(suffix))
+        })
+        .collect();
+    v.sort();
+    Ok(v)
 }
