@@ -456,6 +456,35 @@ impl Controller {
                     recovered.len()
                 );
             }
+            // A run that ended with hosts missing: completed with the reports they kept.
+            for g in cluster.gather_kept_reports(&r.topology.run.output)? {
+                let row = db.get(g.run)?.summary;
+                record_end_as(
+                    &db,
+                    g.run,
+                    &g.report,
+                    &row.state,
+                    row.error.as_deref(),
+                    row.stopped_unix_ns.unwrap_or_else(unix_ns),
+                )?;
+                let b = &g.report.balance;
+                eprintln!(
+                    "run {}: the counts of {} gathered from the reports they kept; {}",
+                    g.run,
+                    g.hosts
+                        .iter()
+                        .map(|h| format!("host {h}"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    if b.holds {
+                        "its balance holds".to_string()
+                    } else if !g.report.hosts_missing.is_empty() {
+                        format!("{} host(s) still to report", g.report.hosts_missing.len())
+                    } else {
+                        format!("IMBALANCE: {} unaccounted", b.unaccounted)
+                    }
+                );
+            }
             let targets = r
                 .topology
                 .run
@@ -832,6 +861,19 @@ fn names(t: &[Transition]) -> String {
 
 /// Writes how a run ended into the database.
 fn record_end(db: &RunDb, number: u64, report: &Report, error: Option<&str>) -> Result<()> {
+    let state = if error.is_some() { "error" } else { "stopped" };
+    record_end_as(db, number, report, state, error, unix_ns())
+}
+
+/// Writes a run's end into the database, its state, error and stop time given.
+fn record_end_as(
+    db: &RunDb,
+    number: u64,
+    report: &Report,
+    state: &str,
+    error: Option<&str>,
+    stopped_unix_ns: u64,
+) -> Result<()> {
     let files: Vec<FileRow> = report
         .recorder
         .iter()
@@ -847,15 +889,17 @@ fn record_end(db: &RunDb, number: u64, report: &Report, error: Option<&str>) -> 
     db.end_run(
         number,
         &RunEnd {
-            state: if error.is_some() { "error" } else { "stopped" },
-            stopped_unix_ns: unix_ns(),
+            state,
+            stopped_unix_ns,
             stop_reason: &report.stop_reason,
             error,
             events: report.events_complete + report.events_incomplete,
             incomplete: report.events_incomplete,
             bytes: report.bytes_built,
             recorded_events: report.recorder.as_ref().map_or(0, |r| r.events_in_files),
-            balance_holds: Some(report.balance.holds),
+            // Open, not failed, while a host's counts are still to come.
+            balance_holds: (report.balance.holds || report.hosts_missing.is_empty())
+                .then_some(report.balance.holds),
             rejected: &report.balance.rejected,
             files: &files,
             report_json: &json,

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 /// The protocol revision this build speaks. Peers of another revision refuse each other in
 /// their hellos, naming both.
-pub const PROTOCOL: u32 = 3;
+pub const PROTOCOL: u32 = 4;
 
 /// Largest frame body accepted once the peer is known (a run's report with its file list).
 pub const MAX_FRAME: usize = 64 << 20;
@@ -127,6 +127,12 @@ pub enum Request {
     /// `tessera recover` does. Refused while a run is open here. Answered by `run_files`
     /// (revision 3).
     RunFiles {
+        run: u64,
+    },
+    /// This host's report of run `run` as it kept it when it lost the run control mid-run
+    /// (`run<N>.<host>.report.json`), for a run control gathering the counts it could not get
+    /// at the run's end. Answered by `report` (revision 4).
+    KeptReport {
         run: u64,
     },
 }
@@ -259,7 +265,7 @@ pub fn decode_frame<'a, T: Deserialize<'a>>(
 }
 
 /// What the run control's proof is taken over, before the nonces: a proof made for one use
-/// cannot be replayed as the other.
+/// cannot be replayed as the other. (Fixed labels: they name the revision that brought proofs.)
 pub const RUN_CONTROL_PROOF: &str = "tessera node protocol 3: run control";
 /// What the agent's proof is taken over, before the nonces.
 pub const AGENT_PROOF: &str = "tessera node protocol 3: agent";
@@ -297,6 +303,7 @@ pub fn vectors() -> Vec<(&'static str, String)> {
         ("agent hello", hex(&encode(&welcome))),
         ("release", hex(&encode(&Request::Release {}))),
         ("configured", hex(&encode(&configured))),
+        ("kept_report", hex(&encode(&Request::KeptReport { run: 7 }))),
     ]
 }
 

@@ -166,6 +166,11 @@ pub fn serve(listener: TcpListener, opts: AgentOptions, stop: Arc<AtomicBool>) -
     Ok(())
 }
 
+/// Where an agent keeps its part's report of a run whose run control it lost.
+fn kept_report_name(run: u64, host: &str) -> String {
+    format!("run{run:06}.{host}.report.json")
+}
+
 /// This host's system name (`unknown` when it cannot be read).
 pub fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -314,10 +319,9 @@ fn connection(
             let stop = session.stop(&d);
             match session.finish("run control lost", stop) {
                 Ok(report) => {
-                    let path = part.output.join(format!(
-                        "run{:06}.{}.report.json",
-                        report.run_number, part.host
-                    ));
+                    let path = part
+                        .output
+                        .join(kept_report_name(report.run_number, &part.host));
                     let _ = std::fs::write(&path, serde_json::to_vec_pretty(&report)?);
                     tracing::warn!(file = %path.display(), "this host's report of the run written");
                 }
@@ -434,6 +438,7 @@ impl Agent {
             Request::Report {} => self.report(),
             Request::Why { event_id } => self.why(event_id),
             Request::RunFiles { run } => self.run_files(run),
+            Request::KeptReport { run } => self.kept_report(run),
             Request::Reset {} => {
                 self.reset();
                 Ok(Reply::Ok {})
@@ -710,6 +715,29 @@ impl Agent {
         Ok(Reply::Why {
             answer: serde_json::to_value(self.session()?.why_incomplete(event_id))?,
         })
+    }
+
+    /// This host's report of a run it finished alone, having lost its run control: the name is
+    /// made here from the run number, so a request cannot name another file.
+    fn kept_report(&self, run: u64) -> Result<Reply> {
+        let part = self
+            .part
+            .as_ref()
+            .ok_or_else(|| anyhow!("this host is not configured"))?;
+        if part.session.as_ref().is_some_and(|s| s.run_number() == run) {
+            bail!("run {run} is still open on this host");
+        }
+        let path = part.output.join(kept_report_name(run, &part.host));
+        let text = match std::fs::read(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                bail!("no report of run {run} kept on this host")
+            }
+            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+        };
+        let report: serde_json::Value = serde_json::from_slice(&text)
+            .with_context(|| format!("{} does not parse", path.display()))?;
+        Ok(Reply::Report { report })
     }
 
     /// The files of a run the run control closes as crashed, its `.part` files finished first.

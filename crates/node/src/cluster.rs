@@ -11,6 +11,7 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::path::PathBuf;
@@ -670,20 +671,17 @@ impl ClusterRun {
         }
     }
 
-    fn reports(&self, req: Request) -> (Vec<Report>, Vec<String>) {
+    /// Every host's report; for each host that gave none, its name and why.
+    fn reports(&self, req: Request) -> (Vec<Report>, Vec<(String, String)>) {
         let mut parts = Vec::new();
         let mut missing = Vec::new();
         let replies = self
             .cluster
             .on_every_agent(|a| a.call(&req, self.cluster.timeout));
         for (a, r) in self.cluster.agents.iter().zip(replies) {
-            match r.and_then(|r| check(r, &a.name())) {
-                Ok(Reply::Report { report }) => match serde_json::from_value(report) {
-                    Ok(rep) => parts.push(rep),
-                    Err(e) => missing.push(format!("{}: its report does not parse: {e}", a.name())),
-                },
-                Ok(other) => missing.push(format!("{}: {other:?}", a.name())),
-                Err(e) => missing.push(format!("{e:#}")),
+            match r.and_then(|r| report_of(r, &a.name())) {
+                Ok(rep) => parts.push(rep),
+                Err(e) => missing.push((a.host.clone(), format!("{e:#}"))),
             }
         }
         (parts, missing)
@@ -997,47 +995,56 @@ impl RunSession for ClusterRun {
         let (parts, missing) = self.reports(Request::Finish {
             stop_reason: stop_reason.into(),
         });
-        // The files are on the recorder's host, in its output directory.
-        let files_at = parts
-            .iter()
-            .find(|p| p.recorder.is_some())
-            .map(|p| p.output.clone());
-        let recorder_host = self
-            .cluster
-            .agents
-            .iter()
-            .find(|a| tessera_run::RoleSet::of_host(&a.host, &self.cluster.r).recorder);
-        let mut report =
-            Report::combine(&self.cluster.r, self.info(stop_reason, stop.drained), parts);
-        report.stop = Some(stop);
-        if let (Some(dir), Some(a)) = (files_at, recorder_host) {
-            report.output = format!("{dir} on host {}", a.host);
-        }
-        // A builder host lost in request mode was failed over: its events were built again by
-        // the others and recorded once, but what it had built is lost with it, so the builders'
-        // totals cannot be set against the recorder's.
-        let failed_over: Vec<&AgentLink> = self
-            .cluster
-            .agents
-            .iter()
-            .filter(|a| a.is_lost() && self.failed_over(a))
-            .collect();
-        if !failed_over.is_empty() {
-            report.recorder_shortfall = 0;
-        }
-        report.hosts_missing = missing
-            .into_iter()
-            .map(|m| match failed_over.iter().find(|a| m.starts_with(&a.name())) {
-                Some(_) => format!(
-                    "{m} (failed over: its builders' events were built again by the others and recorded once; its own counts are lost with it)"
-                ),
-                None => m,
-            })
-            .collect();
+        let r = &self.cluster.r;
+        let awaited = Awaited {
+            info: self.info(stop_reason, stop.drained),
+            stop,
+            // A builder host lost in request mode was failed over: its events were built again
+            // by the others and recorded once.
+            failed_over: self
+                .cluster
+                .agents
+                .iter()
+                .filter(|a| a.is_lost() && self.failed_over(a))
+                .map(|a| a.host.clone())
+                .collect(),
+            recorder_host: self
+                .cluster
+                .agents
+                .iter()
+                .find(|a| tessera_run::RoleSet::of_host(&a.host, r).recorder)
+                .map(|a| a.host.clone()),
+            names: self
+                .cluster
+                .agents
+                .iter()
+                .map(|a| (a.host.clone(), a.name()))
+                .collect(),
+            parts,
+            missing,
+            origin: r.origin.clone(),
+            topology: r.text.clone(),
+        };
+        let report = awaited.report(r);
         let path = self
             .output
             .join(format!("run{:06}.manifest.json", self.run_number));
         std::fs::create_dir_all(&self.output).ok();
+        let mut report = report;
+        // Hosts that gave no report keep theirs (an agent that lost its run control finishes
+        // its part alone and writes it down): the next configure that reaches them gathers it.
+        if !awaited.missing.is_empty() {
+            let kept = self.output.join(awaited_name(self.run_number));
+            if let Err(e) = serde_json::to_vec_pretty(&awaited)
+                .map_err(std::io::Error::other)
+                .and_then(|j| tessera_archive::file_write_atomic(&kept, &j))
+            {
+                report.not_kept.push(format!(
+                    "what the hosts reported, to be completed later, {}: {e}",
+                    kept.display()
+                ));
+            }
+        }
         let json = serde_json::to_vec_pretty(&report)?;
         if let Err(e) = tessera_archive::file_write_atomic(&path, &json) {
             tracing::error!(error = %e, path = %path.display(), "cannot write the run's manifest");
@@ -1046,6 +1053,153 @@ impl RunSession for ClusterRun {
                 .push(format!("the manifest {}: {e}", path.display()));
         }
         Ok(report)
+    }
+}
+
+/// A run's end over hosts as the run control saw it: what each host reported and which hosts
+/// gave nothing. Kept as `run<N>.awaited.json` beside the manifest while a host is missing,
+/// so that its report, gathered later, completes the run's report and balance.
+#[derive(Serialize, Deserialize)]
+struct Awaited {
+    info: tessera_run::report::RunInfo,
+    stop: StopReport,
+    failed_over: Vec<String>,
+    recorder_host: Option<String>,
+    /// Each host's name as messages give it (`host fe (10.0.0.1:7300)`).
+    names: BTreeMap<String, String>,
+    parts: Vec<Report>,
+    /// (host, why it gave no report).
+    missing: Vec<(String, String)>,
+    /// The run's topology, as configured: a later configure may be of another.
+    origin: String,
+    topology: String,
+}
+
+fn awaited_name(run: u64) -> String {
+    format!("run{run:06}.awaited.json")
+}
+
+impl Awaited {
+    /// The run's report over every host that reported.
+    fn report(&self, r: &Resolved) -> Report {
+        // The files are on the recorder's host, in its output directory.
+        let files_at = self
+            .parts
+            .iter()
+            .find(|p| p.recorder.is_some())
+            .map(|p| p.output.clone());
+        let mut report = Report::combine(r, self.info.clone(), self.parts.clone());
+        report.stop = Some(self.stop.clone());
+        if let (Some(dir), Some(h)) = (files_at, &self.recorder_host) {
+            report.output = format!("{dir} on host {h}");
+        }
+        // A builder host failed over: what it had built is lost with it, so the builders'
+        // totals cannot be set against the recorder's.
+        if !self.failed_over.is_empty() {
+            report.recorder_shortfall = 0;
+        }
+        report.hosts_missing = self
+            .missing
+            .iter()
+            .map(|(host, m)| {
+                if self.failed_over.contains(host) {
+                    format!(
+                        "{m} (failed over: its builders' events were built again by the others and recorded once; its own counts are lost with it)"
+                    )
+                } else {
+                    m.clone()
+                }
+            })
+            .collect();
+        report
+    }
+}
+
+/// A report from an agent's answer.
+fn report_of(reply: Reply, name: &str) -> Result<Report> {
+    match check(reply, name)? {
+        Reply::Report { report } => serde_json::from_value(report)
+            .map_err(|e| anyhow!("{name}: its report does not parse: {e}")),
+        other => bail!("{name}: {other:?}"),
+    }
+}
+
+/// A run whose report, kept while hosts were missing, was completed with theirs.
+pub struct Gathered {
+    pub run: u64,
+    pub report: Report,
+    /// The hosts whose reports came now.
+    pub hosts: Vec<String>,
+}
+
+impl Cluster {
+    /// Completes the runs of `dir` that ended with hosts missing (their `run<N>.awaited.json`)
+    /// with the reports those hosts kept, for each host this configure reaches: the report
+    /// and balance over every host, the manifest rewritten. A run still missing a host stays
+    /// awaited; one complete is no longer.
+    pub fn gather_kept_reports(&self, dir: &std::path::Path) -> Result<Vec<Gathered>> {
+        let mut done = Vec::new();
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return Ok(done);
+        };
+        let mut runs: Vec<u64> = entries
+            .filter_map(|e| {
+                let name = e.ok()?.file_name().into_string().ok()?;
+                name.strip_prefix("run")?
+                    .strip_suffix(".awaited.json")?
+                    .parse()
+                    .ok()
+            })
+            .collect();
+        runs.sort_unstable();
+        for run in runs {
+            let path = dir.join(awaited_name(run));
+            let mut awaited: Awaited = serde_json::from_slice(
+                &std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?,
+            )
+            .with_context(|| format!("{} does not parse", path.display()))?;
+            let mut hosts = Vec::new();
+            let missing = std::mem::take(&mut awaited.missing);
+            for (host, why) in missing {
+                let got = self
+                    .agents
+                    .iter()
+                    .find(|a| a.host == host && !a.is_lost())
+                    .map(|a| {
+                        a.call(&Request::KeptReport { run }, self.timeout)
+                            .and_then(|r| report_of(r, &a.name()))
+                    });
+                match got {
+                    Some(Ok(rep)) => {
+                        awaited.parts.push(rep);
+                        hosts.push(host);
+                    }
+                    Some(Err(e)) => {
+                        tracing::warn!(run, %host, error = %format!("{e:#}"), "no kept report of the run from its host");
+                        awaited.missing.push((host, why));
+                    }
+                    None => awaited.missing.push((host, why)),
+                }
+            }
+            if hosts.is_empty() {
+                continue;
+            }
+            let r = tessera_config::Topology::parse(&awaited.topology, &awaited.origin)
+                .with_context(|| format!("run {run}: its topology"))?;
+            let report = awaited.report(&r);
+            let manifest = dir.join(format!("run{run:06}.manifest.json"));
+            tessera_archive::file_write_atomic(&manifest, &serde_json::to_vec_pretty(&report)?)
+                .with_context(|| format!("writing {}", manifest.display()))?;
+            if awaited.missing.is_empty() {
+                std::fs::remove_file(&path)
+                    .with_context(|| format!("removing {}", path.display()))?;
+            } else {
+                tessera_archive::file_write_atomic(&path, &serde_json::to_vec_pretty(&awaited)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            done.push(Gathered { run, report, hosts });
+        }
+        Ok(done)
     }
 }
 

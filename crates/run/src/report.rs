@@ -127,7 +127,7 @@ pub struct Cx<'a> {
     pub(crate) emulated: BTreeMap<u32, &'a tessera_source::SourceStats>,
 }
 
-#[derive(Default)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct RunInfo {
     pub run_number: u64,
     pub started_unix_ns: u64,
@@ -1427,7 +1427,7 @@ impl Report {
         } else {
             String::new()
         };
-        let _ = writeln!(s, "  fragments: sent {} = in complete events {} + in incomplete events {} + rejected {} + still buffered {}{beyond}{again}{}", b.sent, b.in_complete_events, b.in_incomplete_events, b.rejected_total, b.still_buffered, if b.holds { "   [balance holds]".to_string() } else { format!("   [IMBALANCE: {} unaccounted]", b.unaccounted) });
+        let _ = writeln!(s, "  fragments: sent {} = in complete events {} + in incomplete events {} + rejected {} + still buffered {}{beyond}{again}{}", b.sent, b.in_complete_events, b.in_incomplete_events, b.rejected_total, b.still_buffered, if b.holds { "   [balance holds]".to_string() } else if !self.hosts_missing.is_empty() { format!("   [balance open: {} unaccounted until {} host(s) report; the next configure that reaches them gathers what they kept]", b.unaccounted, self.hosts_missing.len()) } else { format!("   [IMBALANCE: {} unaccounted]", b.unaccounted) });
         if !b.rejected.is_empty() {
             let list: Vec<String> = b.rejected.iter().map(|(k, v)| format!("{k} {v}")).collect();
             let _ = writeln!(s, "  rejected by reason: {}", list.join(", "));
