@@ -1739,8 +1739,17 @@ fn a_run_control_killed_mid_run_is_closed_at_its_restart_with_the_recording_host
     assert_eq!(row["state"], "crashed", "{row}");
     assert_eq!(row["events"], verify["events"], "{row}\n{verify}");
     assert_eq!(row["recorded_events"], verify["events"], "{row}\n{verify}");
+    // Each host stopped its part alone and kept its report; the restarted run control
+    // gathered them: the crashed run has its balance over every host, not only a file count.
+    assert_eq!(row["balance_holds"], true, "{row}");
+    let whole = &row["report"];
+    assert_eq!(whole["balance"]["holds"], true, "{whole}");
+    assert_eq!(
+        whole["balance"]["sent"], verify["fragments"],
+        "{whole}\n{verify}"
+    );
     println!(
-        "DRILL|the run control SIGKILLed mid-run over hosts, then restarted|-|{}|0|0|closed as crashed with the recording host's count",
+        "DRILL|the run control SIGKILLed mid-run over hosts, then restarted|-|{}|0|0|closed as crashed, every host's kept report gathered: holds",
         verify["events"]
     );
     again.signal("INT");

@@ -450,6 +450,14 @@ impl Controller {
                     format!("counting the files of run {run}, left running by a crash, on its recording hosts")
                 })?;
                 let events = crate::recovery::close_crashed_on_hosts(&db, run, &files, &recovered)?;
+                let row = db.get(run)?;
+                cluster.await_crashed(
+                    &r.topology.run.output,
+                    run,
+                    row.summary.started_unix_ns,
+                    &row.summary.config_origin,
+                    &row.config,
+                )?;
                 eprintln!(
                     "run {run} was left running by a crash: closed as crashed ({events} events in {} files on its recording hosts; {} unfinished files finished there)",
                     files.len(),

@@ -998,7 +998,7 @@ impl RunSession for ClusterRun {
         let r = &self.cluster.r;
         let awaited = Awaited {
             info: self.info(stop_reason, stop.drained),
-            stop,
+            stop: Some(stop),
             // A builder host lost in request mode was failed over: its events were built again
             // by the others and recorded once.
             failed_over: self
@@ -1062,7 +1062,8 @@ impl RunSession for ClusterRun {
 #[derive(Serialize, Deserialize)]
 struct Awaited {
     info: tessera_run::report::RunInfo,
-    stop: StopReport,
+    /// None for a run whose run control died: each host stopped its part alone.
+    stop: Option<StopReport>,
     failed_over: Vec<String>,
     recorder_host: Option<String>,
     /// Each host's name as messages give it (`host fe (10.0.0.1:7300)`).
@@ -1088,8 +1089,13 @@ impl Awaited {
             .iter()
             .find(|p| p.recorder.is_some())
             .map(|p| p.output.clone());
-        let mut report = Report::combine(r, self.info.clone(), self.parts.clone());
-        report.stop = Some(self.stop.clone());
+        let mut info = self.info.clone();
+        if self.stop.is_none() {
+            // No run control saw the end: the run lasted as long as its longest part.
+            info.duration_s = self.parts.iter().map(|p| p.duration_s).fold(0.0, f64::max);
+        }
+        let mut report = Report::combine(r, info, self.parts.clone());
+        report.stop = self.stop.clone();
         if let (Some(dir), Some(h)) = (files_at, &self.recorder_host) {
             report.output = format!("{dir} on host {h}");
         }
@@ -1133,6 +1139,56 @@ pub struct Gathered {
 }
 
 impl Cluster {
+    /// Run `run`, left running by a run control that died, awaits every host's kept report
+    /// (each agent stopped its part alone when its run control went silent and wrote it
+    /// down): the next [`Cluster::gather_kept_reports`] closes it with the balance over them.
+    pub fn await_crashed(
+        &self,
+        dir: &std::path::Path,
+        run: u64,
+        started_unix_ns: u64,
+        origin: &str,
+        topology: &str,
+    ) -> Result<()> {
+        let path = dir.join(awaited_name(run));
+        if path.exists() {
+            return Ok(());
+        }
+        let r = tessera_config::Topology::parse(topology, origin)
+            .with_context(|| format!("run {run}: its topology"))?;
+        let hosts: Vec<String> = r.topology.hosts.keys().cloned().collect();
+        let awaited = Awaited {
+            info: tessera_run::report::RunInfo {
+                run_number: run,
+                started_unix_ns,
+                duration_s: 0.0,
+                stop_reason: "the run control was lost: each host stopped its part alone".into(),
+                drained: false,
+                output: dir.display().to_string(),
+                partial: false,
+            },
+            stop: None,
+            failed_over: Vec::new(),
+            recorder_host: hosts
+                .iter()
+                .find(|h| tessera_run::RoleSet::of_host(h, &r).recorder)
+                .cloned(),
+            names: hosts
+                .iter()
+                .map(|h| (h.clone(), format!("host {h}")))
+                .collect(),
+            parts: Vec::new(),
+            missing: hosts
+                .iter()
+                .map(|h| (h.clone(), format!("host {h}: its run control died mid-run")))
+                .collect(),
+            origin: origin.into(),
+            topology: topology.into(),
+        };
+        tessera_archive::file_write_atomic(&path, &serde_json::to_vec_pretty(&awaited)?)
+            .with_context(|| format!("writing {}", path.display()))
+    }
+
     /// Completes the runs of `dir` that ended with hosts missing (their `run<N>.awaited.json`)
     /// with the reports those hosts kept, for each host this configure reaches: the report
     /// and balance over every host, the manifest rewritten. A run still missing a host stays
