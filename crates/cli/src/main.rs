@@ -128,6 +128,14 @@ enum Cmd {
         /// for Prometheus. Default: not served.
         #[arg(long)]
         metrics: Option<String>,
+        /// This agent's certificate chain (PEM): with --tls-key, it speaks TLS only, and the
+        /// run control trusts it through `security.agents_ca`. The certificate must hold the
+        /// name or address the agent has in `[hosts]`.
+        #[arg(long, requires = "tls_key")]
+        tls_certificate: Option<PathBuf>,
+        /// The private key (PEM) of --tls-certificate.
+        #[arg(long, requires = "tls_certificate")]
+        tls_key: Option<PathBuf>,
     },
     /// Start the node agent of every host of the topology's `[hosts]` that has none running,
     /// over OpenSSH (the token is handed over on the agent's standard input).
@@ -511,7 +519,13 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             token,
             output,
             metrics,
+            tls_certificate,
+            tls_key,
         } => {
+            let tls = match (&tls_certificate, &tls_key) {
+                (Some(c), Some(k)) => Some(tessera_node::tls::server_config(c, k)?),
+                _ => None,
+            };
             // The roles' own checks (a monitor beyond loopback needs the token) read it here.
             std::env::set_var("TESSERA_TOKEN", &token);
             let stop = Arc::new(AtomicBool::new(false));
@@ -550,6 +564,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                     metrics: metrics.as_ref().map(|m| m.addr),
                     published,
                     trust: Default::default(),
+                    tls,
                 },
                 stop,
             )?;

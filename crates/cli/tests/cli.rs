@@ -152,6 +152,15 @@ fn run_verify_dump_from_the_command_line() {
     assert!(o.status.success(), "{text}{}", stderr(&o));
     assert!(text.contains("balance holds"), "{text}");
     assert!(text.contains("499 complete, 1 incomplete"), "{text}");
+    // Issue 50, item 8: the run states its memory bound beside the peak it measured.
+    let memory = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("memory: peak resident "))
+        .unwrap_or_else(|| panic!("no memory line: {text}"));
+    assert!(
+        memory.contains("(this process)") && memory.contains("the configuration bounds"),
+        "{memory}"
+    );
 
     let o = tessera(&["verify", out.to_str().unwrap(), "--json"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));

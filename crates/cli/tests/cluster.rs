@@ -158,12 +158,18 @@ fn agent_with(launcher: &mut Command, host: &Host, dir: &Path, name: &str) -> Pr
 /// An agent on loopback writing under `dir`, and its port. It is handed its listening socket: no
 /// port freed and bound again, where a test beside this one could take it in between.
 fn loopback_agent(dir: &Path) -> (Proc, u16) {
+    loopback_agent_with(dir, &[])
+}
+
+/// [`loopback_agent`] with more arguments.
+fn loopback_agent_with(dir: &Path, args: &[&std::ffi::OsStr]) -> (Proc, u16) {
     let ports = support::Ports::bind(1);
     let port = ports.port(0);
     let mut cmd = Command::new(tessera());
     cmd.args(["node", "--listen", &format!("127.0.0.1:{port}")])
         .arg("--output")
         .arg(dir)
+        .args(args)
         .env("TESSERA_TOKEN", TOKEN);
     ports.hand_over(0, &mut cmd);
     let agent = Proc::spawn(&mut cmd);
@@ -1758,4 +1764,270 @@ fn a_run_control_killed_mid_run_is_closed_at_its_restart_with_the_recording_host
         a.signal("INT");
         a.finish(LIMIT);
     }
+}
+
+/// A certificate authority and, issued by it, a certificate for 127.0.0.1 and `localhost`
+/// (PEM files in `dir`: `ca.pem`, `host.pem`, `host.key`), made with openssl as a site would.
+/// `None` without openssl.
+fn pki(dir: &Path, name: &str) -> Option<(PathBuf, PathBuf, PathBuf)> {
+    let d = dir.join(name);
+    std::fs::create_dir_all(&d).unwrap();
+    let openssl = |args: &[&str]| {
+        Command::new("openssl")
+            .args(args)
+            .current_dir(&d)
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    std::fs::write(
+        d.join("ext.cnf"),
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let ok = openssl(
+        &[
+            &["req", "-x509"][..],
+            &ec,
+            &[
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.pem",
+                "-subj",
+                &format!("/CN={name} CA"),
+                "-days",
+                "2",
+            ],
+        ]
+        .concat(),
+    ) && openssl(
+        &[
+            &["req"][..],
+            &ec,
+            &[
+                "-keyout",
+                "host.key",
+                "-out",
+                "host.csr",
+                "-subj",
+                "/CN=tessera host",
+            ],
+        ]
+        .concat(),
+    ) && openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "host.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "host.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    ]);
+    ok.then(|| (d.join("ca.pem"), d.join("host.pem"), d.join("host.key")))
+}
+
+/// A relay on loopback to `port` that keeps a copy of every byte it carries, both ways: what
+/// anyone on the path would see.
+fn wiretap(port: u16) -> (u16, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let relay = l.local_addr().unwrap().port();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = seen.clone();
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(a) = c else { return };
+            let Ok(b) = TcpStream::connect(("127.0.0.1", port)) else {
+                continue;
+            };
+            for (mut from, mut to) in [(a.try_clone().unwrap(), b.try_clone().unwrap()), (b, a)] {
+                let kept = kept.clone();
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 16384];
+                    while let Ok(n) = from.read(&mut buf) {
+                        if n == 0 || to.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                        kept.lock().unwrap().extend_from_slice(&buf[..n]);
+                    }
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                });
+            }
+        }
+    });
+    (relay, seen)
+}
+
+/// Issue 50, item 7: where certificates are configured, the node protocol and the run control's
+/// HTTP service speak TLS. Over a relay that keeps every byte: a run goes through an agent with
+/// `--tls-certificate` and nothing of the topology crosses in clear; a run control that does
+/// not trust the agent's CA, or speaks in clear, is refused with the reason; the HTTP service
+/// answers HTTPS to a client trusting its CA and nothing in clear. Over loopback.
+#[test]
+fn the_node_protocol_and_the_http_service_speak_tls_where_certificates_are_configured() {
+    let dir = tempfile::tempdir().unwrap();
+    let (Some((ca, cert, key)), Some((other_ca, _, _))) =
+        (pki(dir.path(), "site"), pki(dir.path(), "other"))
+    else {
+        println!("SKIPPED: needs openssl");
+        return;
+    };
+    let node_dir = dir.path().join("node");
+    let (agent, port) = loopback_agent_with(
+        &node_dir,
+        &[
+            "--tls-certificate".as_ref(),
+            cert.as_os_str(),
+            "--tls-key".as_ref(),
+            key.as_os_str(),
+        ],
+    );
+    let (relay, seen) = wiretap(port);
+    let ctl = dir.path().join("control");
+    let config = |security: &str, control: &str| {
+        let cfg = dir.path().join("tls.toml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "[run]\nevents = 300\noutput = \"{}\"\n[control]\n{control}\n[hosts]\nfe1 = \"127.0.0.1:{relay}\"\n\
+                 [security]\n{security}\n\
+                 [sources]\ncount = 2\nhost = \"fe1\"\nfragment_size = 1000\n\
+                 [recorder]\nhost = \"fe1\"\n[[readout]]\nid = 0\nhost = \"fe1\"\n[[builder]]\nid = 0\nhost = \"fe1\"\n",
+                ctl.display()
+            ),
+        )
+        .unwrap();
+        cfg
+    };
+    let run = |cfg: &Path| {
+        Proc::spawn_piped(
+            Command::new(tessera())
+                .args(["run", "--json", "--http", "off"])
+                .arg(cfg)
+                .env("TESSERA_TOKEN", TOKEN),
+        )
+        .finish(LIMIT)
+    };
+    let trusted = format!("agents_ca = \"{}\"", ca.display());
+    // Trusted: the run goes through, and the wire shows none of what it carried.
+    let o = run(&config(&trusted, ""));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(report["balance"]["holds"], true, "{report}");
+    assert_eq!(report["events_complete"], 300, "{report}");
+    // Over hosts the run states its bound and the largest host process's peak (item 8).
+    let m = &report["memory"];
+    assert!(
+        m["bound_bytes"].as_u64().unwrap() > 0 && m["over_hosts"] == true,
+        "{m}"
+    );
+    assert!(m["peak_resident_bytes"].as_u64().unwrap() > 0, "{m}");
+    {
+        let wire = seen.lock().unwrap();
+        assert!(wire.len() > 1000, "{} bytes relayed", wire.len());
+        let clear = |needle: &str| wire.windows(needle.len()).any(|w| w == needle.as_bytes());
+        for needle in ["fragment_size", "\"type\"", "configure", "events_complete"] {
+            assert!(!clear(needle), "{needle:?} crossed the wire in clear");
+        }
+    }
+    // In clear, to an agent that speaks TLS only: refused, saying so.
+    let o = run(&config("", ""));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("speaks TLS only") && err.contains("security.agents_ca"),
+        "{err}"
+    );
+    // Another site's CA: the agent's certificate is not trusted; nothing is configured.
+    let o = run(&config(
+        &format!("agents_ca = \"{}\"", other_ca.display()),
+        "",
+    ));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("over TLS"), "{err}");
+    assert!(
+        err.contains("UnknownIssuer") || err.contains("invalid peer certificate"),
+        "{err}"
+    );
+    // The HTTP service over HTTPS, with the same kind of certificate.
+    let cfg = config(
+        &trusted,
+        &format!(
+            "tls_certificate = \"{}\"\ntls_key = \"{}\"",
+            cert.display(),
+            key.display()
+        ),
+    );
+    let file = ctl.join("control.addr");
+    let _ = std::fs::remove_file(&file);
+    let service = Proc::spawn_piped(
+        Command::new(tessera())
+            .args(["run", "--control", "--quiet", "--http", "127.0.0.1:0"])
+            .arg(&cfg)
+            .env("TESSERA_TOKEN", TOKEN),
+    );
+    assert!(eventually(LIMIT, || std::fs::read_to_string(&file)
+        .is_ok_and(|s| s.trim().parse::<SocketAddr>().is_ok())));
+    let addr: SocketAddr = std::fs::read_to_string(&file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let curl = |url: String, ca: &Path| {
+        Command::new("curl")
+            .args([
+                "-sS",
+                "--max-time",
+                "20",
+                "-o",
+                "-",
+                "-w",
+                "\n%{http_code}",
+                "--cacert",
+            ])
+            .arg(ca)
+            .arg(url)
+            .output()
+            .unwrap()
+    };
+    let o = curl(format!("https://127.0.0.1:{}/api/state", addr.port()), &ca);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(out.ends_with("\n200") && out.contains("\"state\""), "{out}");
+    // In clear, or trusting another CA: no answer.
+    let o = curl(format!("http://127.0.0.1:{}/api/state", addr.port()), &ca);
+    assert!(!String::from_utf8_lossy(&o.stdout).ends_with("\n200"));
+    let o = curl(
+        format!("https://127.0.0.1:{}/api/state", addr.port()),
+        &other_ca,
+    );
+    assert!(
+        !o.status.success(),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    service.signal("INT");
+    assert!(service.finish(LIMIT).status.success());
+    agent.signal("INT");
+    assert!(agent.finish(LIMIT).status.success());
 }

@@ -125,6 +125,11 @@ impl HostEntry {
 pub struct SecuritySection {
     /// Peer networks allowed beyond loopback, e.g. `["10.1.0.0/16", "192.168.5.0/24"]`.
     pub allow: Vec<String>,
+    /// With `[hosts]`: the run control speaks TLS to every node agent and trusts the agents'
+    /// certificates issued by these certificate authorities (a PEM file), and only those.
+    /// Agents then run with `--tls-certificate` and `--tls-key`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agents_ca: Option<PathBuf>,
 }
 
 impl SecuritySection {
@@ -295,6 +300,12 @@ pub struct ControlSection {
     /// service starts.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub host_names: Vec<String>,
+    /// The HTTP service's certificate chain (PEM): with `tls_key`, it serves HTTPS only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_certificate: Option<PathBuf>,
+    /// The private key (PEM) of `tls_certificate`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<PathBuf>,
 }
 
 impl ControlSection {
@@ -317,6 +328,8 @@ impl Default for ControlSection {
             agent_timeout_ms: 5000,
             prometheus_targets: PathBuf::from("prometheus-targets.json"),
             host_names: Vec::new(),
+            tls_certificate: None,
+            tls_key: None,
         }
     }
 }

@@ -13,12 +13,14 @@ use axum::extract::{ConnectInfo, Path, Query, State as AxState};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
+use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use bytes::Bytes;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::controller::{ControlError, Controller};
 use crate::state::Transition;
@@ -131,6 +133,20 @@ pub fn serve(ctl: Controller, listen: &str, token: Option<String>) -> Result<Htt
     if !is_loopback(listen) && token.is_none() {
         bail!("control.listen = {listen} is not a loopback address: set control.token (or TESSERA_TOKEN) so that only holders of the token can change the run's state");
     }
+    let tls = match ctl
+        .resolved()
+        .map(|r| (r.topology.control.clone(), r.origin.clone()))
+    {
+        Some((c, origin)) => match (&c.tls_certificate, &c.tls_key) {
+            (Some(cert), Some(key)) => Some(
+                tessera_node::tls::server_config(cert, key)
+                    .with_context(|| format!("{origin}: control.tls_certificate"))?,
+            ),
+            (None, None) => None,
+            _ => bail!("{origin}: control.tls_certificate and control.tls_key go together: set both, or neither"),
+        },
+        None => None,
+    };
     let std_listener = TcpListener::bind(listen)
         .with_context(|| format!("control: cannot listen on {listen} (another tessera run? use --http ADDR, or --http off)"))?;
     std_listener.set_nonblocking(true)?;
@@ -170,14 +186,17 @@ pub fn serve(ctl: Controller, listen: &str, token: Option<String>) -> Result<Htt
                     }
                 };
                 let router = router(app);
-                let _ = axum::serve(
-                    listener,
-                    router.into_make_service_with_connect_info::<SocketAddr>(),
-                )
-                .with_graceful_shutdown(async {
+                let shutdown = async {
                     let _ = rx.await;
-                })
-                .await;
+                };
+                // (`tap_io` only lends the peer's address to both kinds of listener alike.)
+                match tls {
+                    None => serve_on(listener.tap_io(|_| ()), router, shutdown).await,
+                    Some(config) => {
+                        let tls = TlsListener::new(listener, config);
+                        serve_on(tls.tap_io(|_| ()), router, shutdown).await
+                    }
+                }
             });
         })?;
     Ok(HttpServer {
@@ -185,6 +204,82 @@ pub fn serve(ctl: Controller, listen: &str, token: Option<String>) -> Result<Htt
         shutdown: Some(tx),
         thread: Some(thread),
     })
+}
+
+async fn serve_on<L, F>(
+    listener: axum::serve::TapIo<L, F>,
+    router: Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) where
+    L: axum::serve::Listener<Addr = SocketAddr>,
+    F: FnMut(&mut L::Io) + Send + 'static,
+{
+    let _ = axum::serve(
+        listener,
+        router.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await;
+}
+
+/// HTTPS: connections whose TLS handshake is done, each handshake in its own task (bounded in
+/// time) so that a slow or silent client holds up no one else.
+struct TlsListener {
+    ready: tokio::sync::mpsc::Receiver<(
+        tokio_rustls::server::TlsStream<tokio::net::TcpStream>,
+        SocketAddr,
+    )>,
+    addr: SocketAddr,
+}
+
+impl TlsListener {
+    fn new(tcp: tokio::net::TcpListener, config: Arc<tokio_rustls::rustls::ServerConfig>) -> Self {
+        let addr = tcp.local_addr().expect("a bound listener has an address");
+        let (tx, ready) = tokio::sync::mpsc::channel(64);
+        let acceptor = tokio_rustls::TlsAcceptor::from(config);
+        tokio::spawn(async move {
+            loop {
+                let (s, peer) = match tcp.accept().await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "HTTPS: accepting a connection");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let (acceptor, tx) = (acceptor.clone(), tx.clone());
+                tokio::spawn(async move {
+                    match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(s)).await {
+                        Ok(Ok(tls)) => {
+                            let _ = tx.send((tls, peer)).await;
+                        }
+                        // Plain HTTP to the HTTPS port, a client that does not trust the
+                        // certificate, a scanner: nothing to serve.
+                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "HTTPS: no TLS session"),
+                        Err(_) => tracing::debug!(%peer, "HTTPS: handshake timed out"),
+                    }
+                });
+            }
+        });
+        TlsListener { ready, addr }
+    }
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.ready.recv().await {
+            Some(c) => c,
+            // The accepting task ended: nothing more will come.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        Ok(self.addr)
+    }
 }
 
 fn router(app: Arc<App>) -> Router {

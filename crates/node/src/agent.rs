@@ -22,6 +22,7 @@ use tessera_node_protocol::{self as proto, Deadlines, Reply, Request};
 use tessera_run::{RoleSet, Session, StageReport, StopDeadlines, StopStage};
 
 use crate::link::{recv, send};
+use crate::tls::Stream;
 
 /// Connections served at once (the driving run control's among them).
 const MAX_CONNECTIONS: usize = 16;
@@ -92,6 +93,8 @@ pub struct AgentOptions {
     pub published: crate::metrics::Shared,
     /// Who may connect (the last configure's `security.allow`, the run controls seen).
     pub trust: Trust,
+    /// TLS (`tessera node --tls-certificate --tls-key`): then only TLS.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 /// Serves run controls on `listener` until `stop` is raised. One drives the agent at a time;
@@ -180,15 +183,43 @@ pub fn host_name() -> String {
 
 /// One run control's connection: the hello, then requests answered in order.
 fn connection(
-    mut s: TcpStream,
+    raw: TcpStream,
     peer: SocketAddr,
     opts: &AgentOptions,
     driver: &Mutex<Option<SocketAddr>>,
     stop: &AtomicBool,
     spoke: &AtomicBool,
 ) -> Result<()> {
-    s.set_nodelay(true)?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    raw.set_nodelay(true)?;
+    raw.set_read_timeout(Some(Duration::from_secs(5)))?;
+    // A peer speaking the other way (TLS to an agent in clear, or the reverse) is told so,
+    // rather than left with a closed connection to puzzle over.
+    let Some(opening) = crate::tls::peek_opening(&raw) else {
+        tracing::debug!(%peer, "connection closed before its hello");
+        return Ok(());
+    };
+    match (&opts.tls, crate::tls::opens_tls(&opening)) {
+        (Some(_), false) => {
+            let reason = format!(
+                "the agent on {} speaks TLS only: give the run control its certificate authority (security.agents_ca)",
+                host_name()
+            );
+            tracing::warn!(%peer, %reason, "run control refused");
+            let mut raw = raw;
+            send(
+                &mut raw,
+                &Reply::Refused {
+                    reason: reason.clone(),
+                },
+            )?;
+            bail!("{reason}");
+        }
+        (None, true) => {
+            bail!("a TLS handshake, but this agent has no certificate (tessera node --tls-certificate and --tls-key): closed");
+        }
+        _ => {}
+    }
+    let mut s = Stream::accept(raw, opts.tls.as_ref())?;
     // Read as a plain object first: a hello of another revision (its members differ) is still
     // answered with both revisions named.
     let hello: serde_json::Value = match recv(&mut s, proto::MAX_HELLO) {
@@ -205,7 +236,7 @@ fn connection(
         Err(e) => return Err(e).context("reading the hello"),
     };
     let me = host_name();
-    let refuse = |s: &mut TcpStream, reason: String| -> Result<()> {
+    let refuse = |s: &mut Stream, reason: String| -> Result<()> {
         tracing::warn!(%peer, %reason, "run control refused");
         send(
             s,
@@ -278,7 +309,7 @@ fn connection(
     tracing::info!(%peer, %software, "run control connected");
     // Bound to every interface: reached where the run control reached this agent.
     let metrics = opts.metrics.map(|m| {
-        let ip = match (m.ip().is_unspecified(), s.local_addr()) {
+        let ip = match (m.ip().is_unspecified(), s.tcp().local_addr()) {
             (true, Ok(local)) => local.ip(),
             _ => m.ip(),
         };
@@ -358,14 +389,14 @@ struct Agent {
 }
 
 impl Agent {
-    fn serve(&mut self, s: &mut TcpStream, stop: &AtomicBool) -> Result<()> {
+    fn serve(&mut self, s: &mut Stream, stop: &AtomicBool) -> Result<()> {
         loop {
             // Twice the run control's own limit: it asks five times a second, and it should be
             // the one to see a broken link first and name the host.
             let timeout = self.part.as_ref().map_or(self.opts.control_timeout, |p| {
                 Duration::from_millis(2 * p.r.topology.control.agent_timeout_ms.max(100))
             });
-            s.set_read_timeout(Some(timeout))?;
+            s.tcp().set_read_timeout(Some(timeout))?;
             let req: Request = match recv(s, proto::MAX_FRAME) {
                 Ok(r) => r,
                 Err(e)
@@ -388,18 +419,17 @@ impl Agent {
             // A request that takes long (a stop stage draining) says `working` every second,
             // so the run control can tell a busy agent from a lost one.
             let (tx, rx) = std::sync::mpsc::channel();
-            let writer = s.try_clone()?;
             let reply = std::thread::scope(|scope| {
                 scope.spawn(|| {
                     let r = self.handle(req);
                     let _ = tx.send(r);
                 });
-                let mut w = writer;
+                let w = &mut *s;
                 loop {
                     match rx.recv_timeout(Duration::from_secs(1)) {
                         Ok(r) => return Ok::<Reply, anyhow::Error>(r),
                         Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                            send(&mut w, &Reply::Working {})?
+                            send(w, &Reply::Working {})?
                         }
                         Err(_) => return Err(anyhow!("request handler ended without a reply")),
                     }

@@ -28,12 +28,13 @@ use tessera_run::{
 };
 
 use crate::link::{recv, send};
+use crate::tls::Stream;
 
 /// One host's agent, as the run control holds it.
 struct AgentLink {
     host: String,
     addr: String,
-    conn: Mutex<Option<TcpStream>>,
+    conn: Mutex<Option<Stream>>,
     /// Why it was lost, once it was.
     lost: Mutex<Option<String>>,
     /// When the run starts: 0 for hosts with the recorder or event manager, 1 builders, 2
@@ -63,7 +64,7 @@ impl AgentLink {
             .as_mut()
             .ok_or_else(|| anyhow!("{}: not connected", self.name()))?;
         let result = (|| -> std::io::Result<Reply> {
-            s.set_read_timeout(Some(timeout))?;
+            s.tcp().set_read_timeout(Some(timeout))?;
             send(s, req)?;
             loop {
                 match recv::<Reply>(s, proto::MAX_FRAME)? {
@@ -152,10 +153,18 @@ impl Cluster {
             })
             .collect();
         agents.sort_by_key(|a| a.rank);
+        let tls = match &t.security.agents_ca {
+            Some(ca) => Some(
+                crate::tls::client_config(ca)
+                    .with_context(|| format!("{}: security.agents_ca", r.origin))?,
+            ),
+            None => None,
+        };
+        let tls = tls.as_ref();
         let errors: Vec<String> = std::thread::scope(|scope| {
             let handles: Vec<_> = agents
                 .iter()
-                .map(|a| scope.spawn(move || connect(a, token, timeout).err()))
+                .map(|a| scope.spawn(move || connect(a, token, timeout, tls).err()))
                 .collect();
             handles
                 .into_iter()
@@ -411,14 +420,19 @@ fn dial(
 /// Connects to one agent and exchanges hellos. An agent that refuses the connection is given
 /// `control.agent_timeout_ms` to start listening: the time a silent agent is given before it is
 /// lost.
-fn connect(a: &AgentLink, token: &str, timeout: Duration) -> Result<()> {
+fn connect(
+    a: &AgentLink,
+    token: &str,
+    timeout: Duration,
+    tls: Option<&Arc<rustls::ClientConfig>>,
+) -> Result<()> {
     let addr = a
         .addr
         .to_socket_addrs()
         .with_context(|| format!("{}: not an address", a.name()))?
         .next()
         .ok_or_else(|| anyhow!("{}: no address", a.name()))?;
-    let mut s = dial(addr, timeout, Instant::now() + timeout, |tries| {
+    let raw = dial(addr, timeout, Instant::now() + timeout, |tries| {
         if tries == 1 {
             tracing::info!(host = %a.host, %addr, "its node agent refuses connections (not listening yet?): trying again");
         }
@@ -429,8 +443,27 @@ fn connect(a: &AgentLink, token: &str, timeout: Duration) -> Result<()> {
             a.name()
         )
     })?;
-    s.set_nodelay(true)?;
-    s.set_read_timeout(Some(timeout))?;
+    raw.set_nodelay(true)?;
+    raw.set_read_timeout(Some(timeout))?;
+    // The name the agent's certificate must hold: the host part of its `[hosts]` address.
+    let name = a
+        .addr
+        .rsplit_once(':')
+        .map_or(a.addr.as_str(), |(h, _)| h)
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let mut s = Stream::connect(raw, tls, name).with_context(|| a.name())?;
+    let no_hello = || {
+        format!(
+            "{}: no hello from its node agent{}",
+            a.name(),
+            if tls.is_some() {
+                " (over TLS: does the agent run with --tls-certificate and a certificate for this address, issued by security.agents_ca?)"
+            } else {
+                ""
+            }
+        )
+    };
     let control_nonce = crate::fresh_nonce();
     send(
         &mut s,
@@ -439,9 +472,10 @@ fn connect(a: &AgentLink, token: &str, timeout: Duration) -> Result<()> {
             software: crate::software(),
             nonce: control_nonce.clone(),
         },
-    )?;
-    let mut reply: Reply = recv(&mut s, proto::MAX_HELLO)
-        .with_context(|| format!("{}: no hello from its node agent", a.name()))?;
+    )
+    // Under TLS the handshake happens here: an untrusted certificate is said now.
+    .with_context(no_hello)?;
+    let mut reply: Reply = recv(&mut s, proto::MAX_HELLO).with_context(no_hello)?;
     // An agent of this revision challenges; one of another answers its hello at once.
     let mut agent_nonce = None;
     if let Reply::Challenge { nonce } = &reply {
@@ -452,8 +486,7 @@ fn connect(a: &AgentLink, token: &str, timeout: Duration) -> Result<()> {
             },
         )?;
         agent_nonce = Some(nonce.clone());
-        reply = recv(&mut s, proto::MAX_HELLO)
-            .with_context(|| format!("{}: no hello from its node agent", a.name()))?;
+        reply = recv(&mut s, proto::MAX_HELLO).with_context(no_hello)?;
     }
     match reply {
         Reply::Hello {

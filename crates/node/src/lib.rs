@@ -11,6 +11,7 @@ pub mod launch;
 mod link;
 pub mod logbook;
 pub mod metrics;
+pub mod tls;
 
 pub use agent::{host_name, serve, AgentOptions, Trust};
 pub use cluster::{Cluster, ClusterRun};

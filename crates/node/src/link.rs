@@ -1,17 +1,18 @@
-//! Frames over a blocking TCP stream.
+//! Frames over a blocking stream (TCP, or TLS over TCP).
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
 
 use tessera_node_protocol as proto;
 
-pub(crate) fn send<T: serde::Serialize>(s: &mut TcpStream, msg: &T) -> std::io::Result<()> {
-    s.write_all(&proto::encode(msg))
+pub(crate) fn send<T: serde::Serialize>(s: &mut impl Write, msg: &T) -> std::io::Result<()> {
+    // One write of the whole frame, flushed: under TLS a frame is one record where it fits.
+    s.write_all(&proto::encode(msg))?;
+    s.flush()
 }
 
 /// Reads one frame (its length checked against `max` before the body is read).
 pub(crate) fn recv<T: serde::de::DeserializeOwned>(
-    s: &mut TcpStream,
+    s: &mut impl Read,
     max: usize,
 ) -> std::io::Result<T> {
     let mut h = [0u8; 4];

@@ -456,6 +456,47 @@ pub struct Report {
     /// and why: the run still closes with its summary, which says so (a full disk).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub not_kept: Vec<String>,
+    /// The memory the configuration lets the roles hold, and what the process held at most.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemoryReport>,
+}
+
+/// The run's memory: its bound, stated, and its peak, measured.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct MemoryReport {
+    /// What the configuration lets every role hold at most (buffers, queues, blocks, tables
+    /// of open events, memories of event IDs: `tessera check` prints it per unit). Not in it:
+    /// the program's code, thread stacks and the allocator's slack, a few tens of MiB.
+    pub bound_bytes: u64,
+    /// The most resident memory the process held (Linux `VmHWM`); over hosts, the largest of
+    /// the hosts' processes. 0 where it cannot be read.
+    pub peak_resident_bytes: u64,
+    /// Taken over hosts (the largest of their processes), not in one process.
+    #[serde(default)]
+    pub over_hosts: bool,
+}
+
+impl MemoryReport {
+    /// The bound of `r`'s roles and this process's peak.
+    pub fn now(r: &Resolved) -> MemoryReport {
+        MemoryReport {
+            bound_bytes: crate::check::memory(r).iter().map(|(_, m)| *m).sum(),
+            peak_resident_bytes: peak_resident(),
+            over_hosts: false,
+        }
+    }
+}
+
+/// This process's peak resident memory (Linux: `VmHWM` of /proc/self/status), 0 elsewhere.
+fn peak_resident() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|t| {
+            let line = t.lines().find(|l| l.starts_with("VmHWM:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024)
+        })
+        .unwrap_or(0)
 }
 
 /// The trigger of the emulated sources: every offered trigger is accepted (an event, sent by
@@ -850,6 +891,12 @@ impl Report {
     /// counts come from the host that ran it and its link's from the host of its readout
     /// unit; the balance is computed over the whole, as in one process.
     pub fn combine(r: &Resolved, info: RunInfo, parts: Vec<Report>) -> Report {
+        let peak = parts
+            .iter()
+            .filter_map(|p| p.memory.as_ref())
+            .map(|m| m.peak_resident_bytes)
+            .max()
+            .unwrap_or(0);
         let mut all = Parts {
             trigger: None,
             sources: Vec::new(),
@@ -918,6 +965,11 @@ impl Report {
             .saturating_sub(taken_from_lost_units(&all));
         let mut report = Report::assemble(r, info, all);
         report.monitor = monitor;
+        report.memory = Some(MemoryReport {
+            peak_resident_bytes: peak,
+            over_hosts: true,
+            ..MemoryReport::now(r)
+        });
         report
     }
 
@@ -1152,6 +1204,7 @@ impl Report {
             stop: None,
             bottlenecks: Vec::new(),
             not_kept: Vec::new(),
+            memory: Some(MemoryReport::now(r)),
         }
     }
 
@@ -1431,6 +1484,19 @@ impl Report {
         if !b.rejected.is_empty() {
             let list: Vec<String> = b.rejected.iter().map(|(k, v)| format!("{k} {v}")).collect();
             let _ = writeln!(s, "  rejected by reason: {}", list.join(", "));
+        }
+        if let Some(m) = &self.memory {
+            let _ = writeln!(
+                s,
+                "  memory: peak resident {} ({}); the configuration bounds what the roles hold at {} (buffers, queues, tables; code and thread stacks aside)",
+                human_bytes(m.peak_resident_bytes as f64),
+                if m.over_hosts {
+                    "the largest of the hosts' processes"
+                } else {
+                    "this process"
+                },
+                human_bytes(m.bound_bytes as f64)
+            );
         }
         for src in self.sources.iter().filter(|x| x.error.is_some()) {
             let _ = writeln!(
