@@ -429,6 +429,9 @@ struct Poller {
 }
 
 fn run(poll: Poll, rx: Receiver<Box<dyn Conn>>, load: Arc<AtomicUsize>, waker: Arc<Waker>) {
+    // A poller that waits for a core delays its links' data and heartbeats: that is not the
+    // peers' silence (crate::clock).
+    let _watched = crate::clock::watch_this_thread();
     let mut events = Events::with_capacity(1024);
     let mut p = Poller::new(poll, load, waker);
     loop {

@@ -353,6 +353,9 @@ pub fn start(mut plan: SourcePlan) -> std::io::Result<RunningSources> {
             std::thread::Builder::new()
                 .name(format!("source-drv-{k}"))
                 .spawn(move || {
+                    // Emulated sources starved of a core are late, not silent (the readout
+                    // unit beside them in this process counts its timeouts in runnable time).
+                    let _watched = tessera_net::clock::watch_this_thread();
                     if veto {
                         drive_accepted(&plan, group, &control, k);
                     } else {
