@@ -208,15 +208,18 @@ impl Clock {
         self.last.fetch_max(now, Ordering::AcqRel);
     }
 
-    /// Runnable ns at wall ns `t` (stalls up to then left out; inside one, its start).
+    /// Runnable ns at wall ns `t` (stalls up to then left out; inside one, its start). Walks
+    /// back from the newest stall: `t` is most often a read's start a moment ago, so this
+    /// looks at the few stalls since, not at all that are remembered.
     fn runnable_at(&self, t: u64) -> u64 {
         let s = self.stalls.lock();
-        let mut left_out = s.forgotten_ns;
-        for &(a, b) in &s.recent {
-            if a >= t {
+        // Every stall is added to `stalled` under this lock: it is their sum.
+        let mut left_out = self.stalled.load(Ordering::Acquire);
+        for &(a, b) in s.recent.iter().rev() {
+            if b <= t {
                 break;
             }
-            left_out += b.min(t) - a;
+            left_out -= b - a.max(t);
         }
         t.saturating_sub(left_out)
     }
