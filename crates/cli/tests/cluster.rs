@@ -177,6 +177,22 @@ fn loopback_agent_with(dir: &Path, args: &[&std::ffi::OsStr]) -> (Proc, u16) {
     (agent, port)
 }
 
+/// The run control's HTTP address, once it has written it to `file` (`control.addr`).
+fn control_addr(file: &Path) -> SocketAddr {
+    let mut addr = None;
+    assert!(
+        eventually(LIMIT, || {
+            addr = std::fs::read_to_string(file)
+                .ok()
+                .and_then(|s| s.trim().parse().ok());
+            addr.is_some()
+        }),
+        "no address in {}",
+        file.display()
+    );
+    addr.unwrap()
+}
+
 /// One HTTP call to the run control from inside `ns`: (status, body).
 fn call(ns: &str, addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
     let (method, path) = (method.to_string(), path.to_string());
@@ -972,13 +988,7 @@ fn a_builder_host_lost_in_request_mode_fails_over_and_nothing_is_lost() {
             .env("TESSERA_TOKEN", TOKEN),
     );
     let file = dir.path().join("control").join("control.addr");
-    assert!(eventually(LIMIT, || std::fs::read_to_string(&file)
-        .is_ok_and(|s| s.trim().parse::<SocketAddr>().is_ok())));
-    let addr: SocketAddr = std::fs::read_to_string(&file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let addr = control_addr(&file);
     assert!(
         eventually(LIMIT, || recorded(&evm.ns, addr) >= 3000),
         "nothing recorded"
@@ -1475,13 +1485,7 @@ fn push_over_four_hosts(
             .env("TESSERA_TOKEN", TOKEN),
     );
     let file = dir.path().join("control").join("control.addr");
-    assert!(eventually(LIMIT, || std::fs::read_to_string(&file)
-        .is_ok_and(|s| s.trim().parse::<SocketAddr>().is_ok())));
-    let addr: SocketAddr = std::fs::read_to_string(&file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let addr = control_addr(&file);
     assert!(
         eventually(LIMIT, || recorded(&rec.ns, addr) >= 2000),
         "nothing recorded"
@@ -1620,13 +1624,7 @@ fn the_recorder_host_partitioned_past_the_agent_timeout_leaves_an_exact_balance(
                 .args(["--control", "--quiet", "--http", "127.0.0.1:0"])
                 .env("TESSERA_TOKEN", TOKEN),
         );
-        assert!(eventually(LIMIT, || std::fs::read_to_string(&file)
-            .is_ok_and(|s| s.trim().parse::<SocketAddr>().is_ok())));
-        let addr: SocketAddr = std::fs::read_to_string(&file)
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
+        let addr = control_addr(&file);
         wait_state(&rec.ns, addr, "configured");
         again.signal("INT");
         let o = again.finish(LIMIT);
@@ -1982,13 +1980,7 @@ fn the_node_protocol_and_the_http_service_speak_tls_where_certificates_are_confi
             .arg(&cfg)
             .env("TESSERA_TOKEN", TOKEN),
     );
-    assert!(eventually(LIMIT, || std::fs::read_to_string(&file)
-        .is_ok_and(|s| s.trim().parse::<SocketAddr>().is_ok())));
-    let addr: SocketAddr = std::fs::read_to_string(&file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let addr = control_addr(&file);
     let curl = |url: String, ca: &Path| {
         Command::new("curl")
             .args([

@@ -87,6 +87,18 @@ fn start(t: &tessera_config::Resolved, out: &std::path::Path) -> Session {
     Session::start(t, &opts).unwrap()
 }
 
+/// Waits for the run's own end (its events sent), stops it in stages and finishes it.
+fn to_its_end(s: Session, t: &tessera_config::Resolved) -> tessera_run::report::Report {
+    let stop_reason = loop {
+        if let Some(r) = s.end_reason() {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stop = s.stop(&StopDeadlines::from(&t.topology.stop));
+    s.finish(stop_reason, stop).unwrap()
+}
+
 #[test]
 fn a_run_held_far_past_its_timeouts_loses_nothing() {
     held_far_past_the_timeouts("push", Depth::Shallow);
@@ -319,14 +331,7 @@ fn a_run_paused_past_its_timeouts_builds_every_event_complete() {
         );
     }
     s.resume();
-    let stop_reason = loop {
-        if let Some(r) = s.end_reason() {
-            break r;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let stop = s.stop(&StopDeadlines::from(&t.topology.stop));
-    let rep = s.finish(stop_reason, stop).unwrap();
+    let rep = to_its_end(s, &t);
     assert!(rep.ok(), "{}", rep.summary());
     assert!(rep.balance.holds, "{}", rep.summary());
     assert_eq!(rep.events_complete, events, "{}", rep.summary());
@@ -430,14 +435,7 @@ queue = 4
     );
     // Released: the consumer goes, and the station lets events pass again.
     drop(consumer);
-    let stop_reason = loop {
-        if let Some(r) = s.end_reason() {
-            break r;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let stop = s.stop(&StopDeadlines::from(&t.topology.stop));
-    let rep = s.finish(stop_reason, stop).unwrap();
+    let rep = to_its_end(s, &t);
     drop(busy);
     assert!(rep.ok(), "{}", rep.summary());
     assert_eq!(rep.events_complete, events, "{}", rep.summary());
@@ -481,14 +479,7 @@ fn sixteen_units_and_sixty_builders_on_a_busy_host_build_every_event_complete() 
     let t = Topology::parse(&text, "busy-16x60.toml").unwrap_or_else(|e| panic!("{e}"));
     let busy = BusyHost::load();
     let s = start(&t, dir.path());
-    let stop_reason = loop {
-        if let Some(r) = s.end_reason() {
-            break r;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let stop = s.stop(&StopDeadlines::from(&t.topology.stop));
-    let rep = s.finish(stop_reason, stop).unwrap();
+    let rep = to_its_end(s, &t);
     drop(busy);
     assert!(rep.ok(), "{}", rep.summary());
     assert_eq!(rep.events_incomplete, 0, "{}", rep.summary());
