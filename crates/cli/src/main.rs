@@ -157,6 +157,14 @@ enum Cmd {
         /// The run control's token (better: the environment variable TESSERA_TOKEN).
         #[arg(long, env = "TESSERA_TOKEN", hide_env_values = true)]
         token: String,
+        /// Each agent's certificate on its host, for TLS (`{host}`: the host's name in
+        /// `[hosts]`, e.g. `/etc/tessera/{host}.pem`); the run control then needs
+        /// `security.agents_ca`.
+        #[arg(long, requires = "tls_key")]
+        tls_certificate: Option<String>,
+        /// Each agent's private key on its host (`{host}` as for --tls-certificate).
+        #[arg(long, requires = "tls_certificate")]
+        tls_key: Option<String>,
     },
     /// Check recorded files: checksums, counts, every fragment present or flagged, payloads.
     /// With --db, check a shipper's destination against the run database: every file the
@@ -578,6 +586,8 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             output,
             log,
             token,
+            tls_certificate,
+            tls_key,
         } => {
             let r = tessera_config::Topology::load(&config)?;
             if r.topology.hosts.is_empty() {
@@ -592,6 +602,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
                     log,
                     token,
                     patience: std::time::Duration::from_secs(30),
+                    tls: tls_certificate.zip(tls_key),
                 },
             )?;
             for l in launched {

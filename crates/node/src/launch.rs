@@ -24,6 +24,9 @@ pub struct LaunchOptions {
     pub token: String,
     /// How long an agent may take to answer after its start.
     pub patience: Duration,
+    /// The agents' certificate and key (`--tls-certificate`, `--tls-key`), paths on the hosts;
+    /// `{host}` in them is replaced by each host's name in `[hosts]`.
+    pub tls: Option<(String, String)>,
 }
 
 /// One host's outcome.
@@ -87,6 +90,13 @@ fn start_one(host: &str, e: &tessera_config::HostEntry, o: &LaunchOptions) -> Re
     );
     if let Some(out) = &o.output {
         remote += &format!(" --output {}", sh_quote(out));
+    }
+    if let Some((cert, key)) = &o.tls {
+        remote += &format!(
+            " --tls-certificate {} --tls-key {}",
+            sh_quote(&cert.replace("{host}", host)),
+            sh_quote(&key.replace("{host}", host))
+        );
     }
     remote += &format!(" >{} 2>&1 </dev/null & echo $!", sh_quote(&o.log));
     let mut words = o.ssh.split_whitespace();
