@@ -20,6 +20,7 @@ pub struct RunArgs {
     pub http: Option<String>,
     pub control: bool,
     pub comment: Option<String>,
+    pub sets: Vec<String>,
 }
 
 const WHO: &str = "command line";
@@ -52,6 +53,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             duration_s: a.duration,
             output: a.output.clone(),
             status: Some(status),
+            sets: a.sets.clone(),
         },
         interrupt.clone(),
     );
@@ -74,7 +76,12 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             .with_context(|| format!("writing {}", addr_file.display()))?;
         if !a.quiet && !a.json {
             eprintln!(
-                "control: dashboard and API at http://{} (metrics at /metrics)",
+                "control: dashboard and API at {}://{} (metrics at /metrics)",
+                if t.control.tls_certificate.is_some() {
+                    "https"
+                } else {
+                    "http"
+                },
                 server.addr
             );
         }
@@ -86,8 +93,26 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             eprintln!("tessera: configured {}", resolved.origin);
             eprintln!("run control mode: start, pause, resume and stop from the dashboard or the API; Ctrl-C to leave");
         }
+        // Each run's summary (or report, with --json) as it ends, as a single run prints it.
+        let mut said = ctl.last_report();
+        let say = |said: &mut Option<Arc<tessera_run::report::Report>>| {
+            let now = ctl.last_report();
+            if let Some(r) = &now {
+                if !said.as_ref().is_some_and(|s| Arc::ptr_eq(s, r)) {
+                    if a.json {
+                        if let Ok(j) = serde_json::to_string(&**r) {
+                            println!("{j}");
+                        }
+                    } else {
+                        print!("{}", r.summary());
+                    }
+                }
+            }
+            *said = now;
+        };
         while !quit.load(Ordering::Relaxed) {
             std::thread::sleep(Duration::from_millis(50));
+            say(&mut said);
         }
         // A run still open stops by the interrupt; wait for it to finish its stop.
         let end = ctl.wait_for(
@@ -99,6 +124,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             ],
             None,
         );
+        say(&mut said);
         ctl.close();
         return Ok(if end == State::Error {
             ExitCode::from(1)

@@ -70,6 +70,15 @@ enum Cmd {
         /// The operator's comment for the run, kept in the run database.
         #[arg(long)]
         comment: Option<String>,
+        /// Where consumers reach the monitor (overrides monitor.listen; `127.0.0.1:0` takes a
+        /// free port, written to monitor.addr in the output directory).
+        #[arg(long)]
+        monitor: Option<String>,
+        /// Set any key of the topology, as `KEY=VALUE` (`sources.rate_hz=2000`,
+        /// `builder[1].event_timeout_ms=8000`); repeatable, applied in order, after the file is
+        /// read and before it is checked.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        sets: Vec<String>,
     },
     /// The run database: list runs, show one, set a run's comment.
     Runs {
@@ -479,17 +488,25 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             http,
             control,
             comment,
-        } => control::run(control::RunArgs {
-            config,
-            events,
-            duration,
-            output,
-            json,
-            quiet,
-            http,
-            control,
-            comment,
-        }),
+            monitor,
+            mut sets,
+        } => {
+            if let Some(m) = monitor {
+                sets.push(format!("monitor.listen={m:?}"));
+            }
+            control::run(control::RunArgs {
+                config,
+                events,
+                duration,
+                output,
+                json,
+                quiet,
+                http,
+                control,
+                comment,
+                sets,
+            })
+        }
         Cmd::Runs { cmd, data, json } => control::runs(cmd, &data, json),
         Cmd::Serve {
             role,

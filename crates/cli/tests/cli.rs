@@ -142,6 +142,133 @@ fn run_control_mode_says_configured_until_started() {
     assert!(!said.contains("tessera: running"), "{said}");
 }
 
+/// Issue 51, item 11: `tessera run --set KEY=VALUE` sets any key, `--monitor ADDR` the monitor's
+/// address, and a port another process holds is refused naming the key that sets it.
+#[test]
+fn run_takes_set_and_monitor_and_a_port_clash_names_its_key() {
+    let dir = tempfile::tempdir().unwrap();
+    // A port held by this test, as a second run on one host finds the first one's.
+    let held = Ports::bind(1);
+    let port = held.port(0);
+    let cfg = write(
+        dir.path(),
+        "t.toml",
+        &format!("[run]\nevents = 200\n[sources]\ncount = 2\nfragment_size = 256\n[monitor]\nlisten = \"127.0.0.1:{port}\"\n"),
+    );
+    let out = |n: &str| dir.path().join(n).to_string_lossy().into_owned();
+    let o = tessera(&[
+        "run",
+        &cfg,
+        "--output",
+        &out("a"),
+        "--quiet",
+        "--http",
+        "off",
+    ]);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "monitor.listen: cannot listen on 127.0.0.1:{port}"
+        )) && err.contains("--set monitor.listen=127.0.0.1:0"),
+        "{err}"
+    );
+    // Moved aside, and two more keys set.
+    let o = tessera(&[
+        "run",
+        &cfg,
+        "--output",
+        &out("b"),
+        "--json",
+        "--http",
+        "off",
+        "--monitor",
+        "127.0.0.1:0",
+        "--set",
+        "sources.count=3",
+        "--set",
+        "run.events=300",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(r["sources"].as_array().unwrap().len(), 3, "{r}");
+    assert_eq!(r["events_complete"], 300, "{r}");
+    assert_eq!(r["balance"]["holds"], true, "{r}");
+    let monitor = std::fs::read_to_string(dir.path().join("b").join("monitor.addr")).unwrap();
+    assert_ne!(monitor.trim(), format!("127.0.0.1:{port}"));
+    // A malformed or unknown setting is refused before anything runs, naming itself.
+    let o = tessera(&["run", &cfg, "--output", &out("c"), "--set", "sources.count"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("expected KEY=VALUE"), "{}", stderr(&o));
+    let o = tessera(&[
+        "run",
+        &cfg,
+        "--output",
+        &out("c"),
+        "--set",
+        "sources.no_such_key=1",
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("no_such_key"), "{}", stderr(&o));
+    drop(held);
+}
+
+/// Issue 51, item 11: `tessera run --control` prints each run's summary with its balance as
+/// the run ends, as a single run does.
+#[test]
+fn run_control_mode_prints_each_runs_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let cfg = write(
+        dir.path(),
+        "t.toml",
+        "[run]\nevents = 300\n[sources]\ncount = 2\nfragment_size = 256\n[monitor]\nlisten = \"127.0.0.1:0\"\n",
+    );
+    let stdout = dir.path().join("stdout");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+    cmd.args(["run", &cfg, "--control", "--quiet", "--http", "127.0.0.1:0"])
+        .args(["--output", out.to_str().unwrap()]);
+    let p = Proc::spawn(cmd.stdout(std::fs::File::create(&stdout).unwrap()));
+    let file = out.join("control.addr");
+    let mut addr = None;
+    assert!(support::eventually(LIMIT, || {
+        addr = std::fs::read_to_string(&file)
+            .ok()
+            .and_then(|s| s.trim().parse::<std::net::SocketAddr>().ok());
+        addr.is_some()
+    }));
+    let addr = addr.unwrap();
+    let start = |n: u32| {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        write!(
+            s,
+            "POST /api/transitions/start HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "start {n}: {answer}");
+    };
+    let said = || std::fs::read_to_string(&stdout).unwrap_or_default();
+    start(1);
+    assert!(
+        support::eventually(LIMIT, || said().contains("run 1 ended")),
+        "{}",
+        said()
+    );
+    start(2);
+    assert!(
+        support::eventually(LIMIT, || said().contains("run 2 ended")),
+        "{}",
+        said()
+    );
+    p.signal("INT");
+    assert!(p.finish(LIMIT).status.success());
+    let said = said();
+    assert_eq!(said.matches("[balance holds]").count(), 2, "{said}");
+}
+
 #[test]
 fn run_verify_dump_from_the_command_line() {
     let dir = tempfile::tempdir().unwrap();

@@ -4,6 +4,7 @@
 //! the file, the key and the reason for anything wrong.
 
 pub mod capacity;
+pub mod set;
 mod size;
 
 use serde::{Deserialize, Serialize};
@@ -1530,11 +1531,21 @@ impl Resolved {
 impl Topology {
     /// Reads and checks a topology file.
     pub fn load(path: &Path) -> Result<Resolved, ConfigError> {
+        Self::load_with(path, &[])
+    }
+
+    /// [`Topology::load`] with each `KEY=VALUE` of `sets` set first (`tessera run --set`).
+    pub fn load_with(path: &Path, sets: &[String]) -> Result<Resolved, ConfigError> {
         let file = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
             file: file.clone(),
             key: "-".into(),
             reason: format!("cannot read: {e}"),
+        })?;
+        let text = set::apply(&text, sets).map_err(|reason| ConfigError {
+            file: file.clone(),
+            key: "--set".into(),
+            reason,
         })?;
         let mut r = Self::parse(&text, &file)?;
         // A scenario file is found beside the topology file that names it, and read now, so
@@ -1614,6 +1625,20 @@ impl Topology {
             }
         })?;
         topo.resolve(origin, text.to_string())
+    }
+
+    /// The built-in demo with each `KEY=VALUE` of `sets` set.
+    pub fn demo_with(sets: &[String]) -> Result<Resolved, ConfigError> {
+        let demo = Self::demo();
+        if sets.is_empty() {
+            return Ok(demo);
+        }
+        let text = set::apply(&demo.text, sets).map_err(|reason| ConfigError {
+            file: demo.origin.clone(),
+            key: "--set".into(),
+            reason,
+        })?;
+        Self::parse(&text, &demo.origin)
     }
 
     /// The built-in demo: 8 sources, 2 readout units, 2 builders, 1 recorder, output under ./data.

@@ -35,6 +35,8 @@ pub struct ControlOptions {
     pub duration_s: Option<f64>,
     pub output: Option<PathBuf>,
     pub status: Option<tessera_run::StatusMode>,
+    /// `KEY=VALUE`s set in the topology's text at every configure (`tessera run --set`).
+    pub sets: Vec<String>,
 }
 
 /// A refused or failed transition.
@@ -382,8 +384,8 @@ impl Controller {
     fn configure(&self) -> Result<()> {
         let o = &self.shared.opts;
         let mut r = match &o.config {
-            Some(p) => tessera_config::Topology::load(p)?,
-            None => tessera_config::Topology::demo(),
+            Some(p) => tessera_config::Topology::load_with(p, &o.sets)?,
+            None => tessera_config::Topology::demo_with(&o.sets)?,
         };
         if let Some(out) = &o.output {
             r.topology.run.output = out.clone();

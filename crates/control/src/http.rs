@@ -148,7 +148,7 @@ pub fn serve(ctl: Controller, listen: &str, token: Option<String>) -> Result<Htt
         None => None,
     };
     let std_listener = TcpListener::bind(listen)
-        .with_context(|| format!("control: cannot listen on {listen} (another tessera run? use --http ADDR, or --http off)"))?;
+        .with_context(|| format!("control.listen: cannot listen on {listen} (another run on this host? --http ADDR sets another address, --http off none)"))?;
     std_listener.set_nonblocking(true)?;
     let addr = std_listener.local_addr()?;
     let mut host_names: Vec<String> = ctl

@@ -96,8 +96,12 @@ impl<'a> Starter<'a> {
         if let Some(l) = opts.listeners.lock().remove(key) {
             return Ok(l);
         }
-        let fresh =
-            || TcpListener::bind(addr).with_context(|| format!("{what}: cannot listen on {addr}"));
+        // `what` is the key that sets the address: the error says which one to change.
+        let fresh = || {
+            TcpListener::bind(addr).with_context(|| {
+                format!("{what}: cannot listen on {addr} (another run on this host? set another address: --set {what}=127.0.0.1:0 takes a free port)")
+            })
+        };
         // The one inherited socket is a role's main port, never a builder's further rail.
         if opts.only.is_none() || key == "monitor" || key.matches(':').count() > 1 {
             return fresh();
@@ -143,7 +147,7 @@ impl<'a> Starter<'a> {
             }
             token
         };
-        let l = self.bind("monitor", &t.monitor.listen, "monitor")?;
+        let l = self.bind("monitor", &t.monitor.listen, "monitor.listen")?;
         let server = tessera_monitor::Server::start(
             l,
             m.clone(),
@@ -172,7 +176,7 @@ impl<'a> Starter<'a> {
         if !self.recording() || !self.runs_recorder() {
             return Ok(None);
         }
-        let l = self.bind("recorder", &t.recorder.listen, "recorder")?;
+        let l = self.bind("recorder", &t.recorder.listen, "recorder.listen")?;
         let addr = l.local_addr()?.to_string();
         let adopted = self.adopt_run_files()?;
         let rec = Recorder::start(RecorderConfig {
@@ -238,7 +242,11 @@ impl<'a> Starter<'a> {
         if !(self.request_mode() && self.runs_manager()) {
             return Ok((None, t.event_manager.listen.clone()));
         }
-        let l = self.bind("event_manager", &t.event_manager.listen, "event_manager")?;
+        let l = self.bind(
+            "event_manager",
+            &t.event_manager.listen,
+            "event_manager.listen",
+        )?;
         let addr = l.local_addr()?.to_string();
         let m = &t.event_manager;
         let manager = tessera_manager::EventManager::start(tessera_manager::ManagerConfig {
@@ -281,7 +289,7 @@ impl<'a> Starter<'a> {
             let mut listeners = vec![self.bind(
                 &format!("builder:{}", b.id),
                 &b.listen,
-                &format!("builder[{i}]"),
+                &format!("builder[{i}].listen"),
             )?];
             for (j, rail) in b.rails.iter().enumerate() {
                 listeners.push(self.bind(
@@ -338,7 +346,7 @@ impl<'a> Starter<'a> {
             let l = self.bind(
                 &format!("readout:{}", ru.id),
                 &ru.listen,
-                &format!("readout[{i}]"),
+                &format!("readout[{i}].listen"),
             )?;
             addrs.push(l.local_addr()?.to_string());
             let q = &t.request;

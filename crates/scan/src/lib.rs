@@ -84,74 +84,9 @@ pub fn grid(varies: &[Vary]) -> Result<Vec<Values>> {
     Ok(out)
 }
 
-/// Sets `key` (dotted; `name[i]` picks the i-th of an array of tables, as `readout[0].host`) to
-/// `value`, read as a TOML value (`4000`, `"veto"`, `true`, `[1, 2]`) or else as a string
-/// (`16KiB`, `veto`). Missing tables are made; a missing array entry is an error.
+/// Sets `key` to `value` in a topology document (`tessera_config::set`).
 pub fn set_key(doc: &mut toml_edit::DocumentMut, key: &str, value: &str) -> Result<()> {
-    let segments: Vec<&str> = key.split('.').collect();
-    if segments.iter().any(|s| s.is_empty()) {
-        bail!("{key}: an empty part in the key");
-    }
-    let mut table: &mut toml_edit::Table = doc.as_table_mut();
-    for (i, seg) in segments.iter().enumerate() {
-        let (name, index) = split_index(seg).with_context(|| key.to_string())?;
-        let last = i + 1 == segments.len();
-        match index {
-            Some(k) => {
-                let len = table
-                    .get(name)
-                    .and_then(|it| it.as_array_of_tables())
-                    .map(|a| a.len())
-                    .unwrap_or(0);
-                if k >= len {
-                    bail!("{key}: the configuration has {len} [[{name}]] entries, no [{k}]");
-                }
-                if last {
-                    bail!("{key}: names a whole [[{name}]] entry, not a key");
-                }
-                table = table
-                    .get_mut(name)
-                    .and_then(|it| it.as_array_of_tables_mut())
-                    .and_then(|a| a.get_mut(k))
-                    .expect("checked above");
-            }
-            None if last => {
-                table.insert(name, toml_edit::Item::Value(parse_value(value)));
-            }
-            None => {
-                let item = table
-                    .entry(name)
-                    .or_insert_with(|| toml_edit::Item::Table(toml_edit::Table::new()));
-                if let Some(t) = item.as_inline_table() {
-                    // `sources = { count = 8 }` becomes a plain table, so keys can go in it.
-                    *item = toml_edit::Item::Table(t.clone().into_table());
-                }
-                table = item
-                    .as_table_mut()
-                    .with_context(|| format!("{key}: {name} is a value, not a table"))?;
-            }
-        }
-    }
-    Ok(())
-}
-
-fn split_index(seg: &str) -> Result<(&str, Option<usize>)> {
-    match seg.split_once('[') {
-        None => Ok((seg, None)),
-        Some((name, rest)) => {
-            let k = rest
-                .strip_suffix(']')
-                .and_then(|n| n.parse::<usize>().ok())
-                .with_context(|| format!("{seg:?}: expected name[index]"))?;
-            Ok((name, Some(k)))
-        }
-    }
-}
-
-fn parse_value(value: &str) -> toml_edit::Value {
-    value
-        .parse::<toml_edit::Value>()
-        .unwrap_or_else(|_| toml_edit::Value::from(value))
+    tessera_config::set::set_key(doc, key, value).map_err(|e| anyhow::anyhow!(e))
 }
 
 /// A point's value as a number for a plot axis: a plain number, or a size with its unit
