@@ -808,6 +808,17 @@ pub fn named(stages: &[StageView], hold: &Hold) -> (String, String) {
             let words = c.map(|c| c.words()).unwrap_or_default();
             (format!("{name} ({words})"), format!("{name} (cpu)"))
         }
+        // The last stage, not blocked by its own buffers' measure, but measured waiting on
+        // what comes after it (the disk, a blocking monitor station) most of the interval: that
+        // is what holds it, whatever its host's CPU says (a recorder held by a station on a host
+        // loaded by others was named "recorder (cpu)").
+        Some(i) if i + 2 == order.len() && matches!(hold.cause, "disk" | "monitor") => {
+            let (name, _) = at(order[i + 1]);
+            (
+                format!("{name} ({})", hold.words),
+                format!("{name} ({})", hold.cause),
+            )
+        }
         Some(i) if i + 1 < order.len() => match at(order[i + 1]) {
             (name, Some(c)) if c.bound() => {
                 (format!("{name} ({})", c.words()), format!("{name} (cpu)"))
@@ -877,6 +888,34 @@ mod tests {
 
     fn on(stage: &'static str, host: &str, condition: &'static str, load: f64) -> StageView {
         StageView::new(stage, Some(host.into()), condition, String::new(), load)
+    }
+
+    /// A recorder measured waiting on a blocking monitor station (or on its disk) most of the
+    /// interval is held by that, even when its buffers do not say blocked and its process
+    /// waited for a core (a host loaded by others): not "recorder (cpu)".
+    #[test]
+    fn a_recorder_waiting_on_the_monitor_is_held_by_it_whatever_its_cpu() {
+        let starved = Cpu {
+            used: 0.3,
+            allowance: 2.0,
+            waited: 0.8,
+        };
+        let mut rec = s("recorder", "busy");
+        rec.cpu = Some(starved);
+        let v = [
+            s("sources", "blocked"),
+            s("readout", "blocked"),
+            s("builders", "blocked"),
+            rec,
+        ];
+        let by = |cause: &'static str| Hold {
+            cause,
+            words: format!("held by {cause}"),
+        };
+        assert_eq!(named(&v, &by("monitor")).1, "recorder (monitor)");
+        assert_eq!(named(&v, &by("disk")).1, "recorder (disk)");
+        // Not measured waiting on either: its CPU, as before.
+        assert_eq!(named(&v, &by("unknown")).1, "recorder (cpu)");
     }
 
     #[test]
