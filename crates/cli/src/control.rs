@@ -10,16 +10,45 @@ use std::time::Duration;
 use tessera_control::controller::{ControlOptions, Controller};
 use tessera_control::state::{State, Transition};
 
+/// `tessera run`'s arguments.
+#[derive(clap::Args)]
 pub struct RunArgs {
+    /// Topology file (TOML); see docs/configuration.md.
     pub config: Option<PathBuf>,
+    /// Stop after this many triggers (overrides run.events).
+    #[arg(long)]
     pub events: Option<u64>,
+    /// Stop after this many seconds (overrides run.duration_s).
+    #[arg(long)]
     pub duration: Option<f64>,
+    /// Output directory (overrides run.output).
+    #[arg(long)]
     pub output: Option<PathBuf>,
+    /// Print the run report as JSON on stdout instead of the summary.
+    #[arg(long)]
     pub json: bool,
+    /// No live status line.
+    #[arg(long)]
     pub quiet: bool,
+    /// Address of the HTTP service (dashboard, API, /metrics), or `off` (overrides
+    /// control.listen; the environment variable TESSERA_HTTP does too).
+    #[arg(long)]
     pub http: Option<String>,
+    /// Run control mode: configure, then wait for start/pause/resume/stop from the dashboard
+    /// or the API; stay up across runs until Ctrl-C.
+    #[arg(long)]
     pub control: bool,
+    /// The operator's comment for the run, kept in the run database.
+    #[arg(long)]
     pub comment: Option<String>,
+    /// Where consumers reach the monitor (overrides monitor.listen; `127.0.0.1:0` takes a
+    /// free port, written to monitor.addr in the output directory).
+    #[arg(long)]
+    pub monitor: Option<String>,
+    /// Set any key of the topology, as `KEY=VALUE` (`sources.rate_hz=2000`,
+    /// `builder[1].event_timeout_ms=8000`); repeatable, applied in order, after the file is
+    /// read and before it is checked.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
 }
 

@@ -41,45 +41,7 @@ enum LogFormat {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run a topology (no CONFIG: the built-in demo: 8 sources, 2 readout units, 2 builders).
-    Run {
-        /// Topology file (TOML); see docs/configuration.md.
-        config: Option<PathBuf>,
-        /// Stop after this many triggers (overrides run.events).
-        #[arg(long)]
-        events: Option<u64>,
-        /// Stop after this many seconds (overrides run.duration_s).
-        #[arg(long)]
-        duration: Option<f64>,
-        /// Output directory (overrides run.output).
-        #[arg(long)]
-        output: Option<PathBuf>,
-        /// Print the run report as JSON on stdout instead of the summary.
-        #[arg(long)]
-        json: bool,
-        /// No live status line.
-        #[arg(long)]
-        quiet: bool,
-        /// Address of the HTTP service (dashboard, API, /metrics), or `off` (overrides
-        /// control.listen; the environment variable TESSERA_HTTP does too).
-        #[arg(long)]
-        http: Option<String>,
-        /// Run control mode: configure, then wait for start/pause/resume/stop from the dashboard
-        /// or the API; stay up across runs until Ctrl-C.
-        #[arg(long)]
-        control: bool,
-        /// The operator's comment for the run, kept in the run database.
-        #[arg(long)]
-        comment: Option<String>,
-        /// Where consumers reach the monitor (overrides monitor.listen; `127.0.0.1:0` takes a
-        /// free port, written to monitor.addr in the output directory).
-        #[arg(long)]
-        monitor: Option<String>,
-        /// Set any key of the topology, as `KEY=VALUE` (`sources.rate_hz=2000`,
-        /// `builder[1].event_timeout_ms=8000`); repeatable, applied in order, after the file is
-        /// read and before it is checked.
-        #[arg(long = "set", value_name = "KEY=VALUE")]
-        sets: Vec<String>,
-    },
+    Run(control::RunArgs),
     /// The run database: list runs, show one, set a run's comment.
     Runs {
         #[command(subcommand)]
@@ -478,34 +440,11 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
         }
     }
     match cli.cmd {
-        Cmd::Run {
-            config,
-            events,
-            duration,
-            output,
-            json,
-            quiet,
-            http,
-            control,
-            comment,
-            monitor,
-            mut sets,
-        } => {
-            if let Some(m) = monitor {
-                sets.push(format!("monitor.listen={m:?}"));
+        Cmd::Run(mut a) => {
+            if let Some(m) = a.monitor.take() {
+                a.sets.push(format!("monitor.listen={m:?}"));
             }
-            control::run(control::RunArgs {
-                config,
-                events,
-                duration,
-                output,
-                json,
-                quiet,
-                http,
-                control,
-                comment,
-                sets,
-            })
+            control::run(a)
         }
         Cmd::Runs { cmd, data, json } => control::runs(cmd, &data, json),
         Cmd::Serve {
