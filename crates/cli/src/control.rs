@@ -325,6 +325,32 @@ pub fn runs(cmd: Option<crate::RunsCmd>, data: &Path, json: bool) -> Result<Exit
                     tessera_run::report::human_bytes(s.bytes as f64),
                     s.recorded_events
                 );
+                // The sources named missing in the incomplete events, from every builder's
+                // part of the report: where an operator looks first.
+                let mut missing: std::collections::BTreeMap<u64, u64> = Default::default();
+                for b in r
+                    .report
+                    .as_ref()
+                    .and_then(|x| x["builders"].as_array())
+                    .into_iter()
+                    .flatten()
+                {
+                    for (src, n) in b["missing_by_source"].as_object().into_iter().flatten() {
+                        if let (Ok(src), Some(n)) = (src.parse::<u64>(), n.as_u64()) {
+                            *missing.entry(src).or_default() += n;
+                        }
+                    }
+                }
+                if !missing.is_empty() {
+                    let v: Vec<String> = missing
+                        .iter()
+                        .map(|(src, n)| format!("source {src}: {n}"))
+                        .collect();
+                    println!(
+                        "  missing        {} (incomplete events by missing source)",
+                        v.join(", ")
+                    );
+                }
                 if !r.rejected.is_empty() {
                     let v: Vec<String> =
                         r.rejected.iter().map(|(k, n)| format!("{k} {n}")).collect();

@@ -288,6 +288,14 @@ fn run_verify_dump_from_the_command_line() {
         memory.contains("(this process)") && memory.contains("the configuration bounds"),
         "{memory}"
     );
+    // Issue 51: the run database names the source missing from the incomplete event.
+    let o = tessera(&["runs", "show", "1", "--data", out.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{text}{}", stderr(&o));
+    assert!(
+        text.contains("missing        source 2: 1 (incomplete events by missing source)"),
+        "{text}"
+    );
 
     let o = tessera(&["verify", out.to_str().unwrap(), "--json"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));

@@ -401,6 +401,20 @@ pub fn live_series(e: &mut Enc<'_, '_>, live: &Live) -> std::fmt::Result {
             .collect::<Vec<_>>(),
     )?;
     e.counter(
+        "tessera_builder_missing_source_events",
+        "events each builder built without a source, by source ID (the sources named missing in its incomplete events)",
+        &bus.iter()
+            .flat_map(|b| {
+                b.missing_by_source.iter().map(|(src, n)| {
+                    (
+                        vec![("builder", b.id.to_string()), ("source", src.to_string())],
+                        *n,
+                    )
+                })
+            })
+            .collect::<Vec<_>>(),
+    )?;
+    e.counter(
         "tessera_builder_bytes",
         "bytes of events each builder built",
         &bus.iter()
@@ -596,7 +610,8 @@ mod tests {
     use tessera_run::live::{Live, LiveBuilder, LiveHistogram, LiveRecorder};
 
     /// Every fragment a builder drops is a series by reason, and the recorder's dropped second
-    /// copies one of their own: an operator can alarm on late fragments without the report.
+    /// copies one of their own: an operator can alarm on late fragments without the report. The
+    /// sources named missing in incomplete events are series by source.
     #[test]
     fn dropped_fragments_are_series_by_reason() {
         let mut live = Live::empty(7);
@@ -627,6 +642,7 @@ mod tests {
             ]
             .into_iter()
             .collect(),
+            missing_by_source: [(5, 1602)].into_iter().collect(),
         });
         live.recorder = Some(LiveRecorder {
             second_copy_fragments: 12,
@@ -637,6 +653,7 @@ mod tests {
             r#"tessera_builder_dropped_fragments_total{builder="3",reason="late_at_builder",host="h"} 5"#,
             r#"tessera_builder_dropped_fragments_total{builder="3",reason="recorder_link_lost",host="h"} 2"#,
             r#"tessera_recorder_second_copy_fragments_total{host="h"} 12"#,
+            r#"tessera_builder_missing_source_events_total{builder="3",source="5",host="h"} 1602"#,
         ] {
             assert!(m.contains(want), "{want} not in:\n{m}");
         }

@@ -55,7 +55,7 @@ pub struct LiveReadout {
     pub send_queued: u64,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct LiveHistogram {
     /// (upper bound in seconds, cumulative count); the last bound is +Inf (serialised as null).
     pub buckets: Vec<(Option<f64>, u64)>,
@@ -63,7 +63,7 @@ pub struct LiveHistogram {
     pub count: u64,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct LiveBuilder {
     pub id: u16,
     #[serde(default)]
@@ -98,6 +98,10 @@ pub struct LiveBuilder {
     /// at 0 until its first drop.
     #[serde(default)]
     pub dropped: BTreeMap<String, u64>,
+    /// Events it built without each source, by source ID (the sources named missing in its
+    /// incomplete events): what an operator reads to find the source at fault.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub missing_by_source: BTreeMap<u32, u64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

@@ -373,6 +373,7 @@ impl RunRole for tessera_builder::BuilderUnit {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v.load(Relaxed)))
             .collect(),
+            missing_by_source: s.missing_by_source.lock().clone(),
         });
     }
     fn note(&self, run: &Running) -> Option<String> {
