@@ -85,10 +85,20 @@ def test_metrics_parse_with_a_prometheus_text_parser(control):
     assert code == 200 and v["state"] == "running", v
     wait_events(base, 100)
     time.sleep(1.2)  # two samples: the rates and fractions exist
-    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+    # Prometheus asks for OpenMetrics first, and gets it.
+    req = urllib.request.Request(base + "/metrics", headers={
+        "Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"})
+    with urllib.request.urlopen(req, timeout=30) as r:
         assert r.headers.get_content_type() == "application/openmetrics-text"
         text = r.read().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
+    # A client that names no format gets the text format 0.0.4, which its own parser reads.
+    from prometheus_client.parser import text_string_to_metric_families as text_0_0_4
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        assert r.headers.get_content_type() == "text/plain"
+        plain = {f.name: f for f in text_0_0_4(r.read().decode())}
+    assert plain["tessera_builder_events"].type == "counter"
+    assert "tessera_state" in plain
     assert all(n.startswith("tessera_") for n in families), list(families)
     for name, kind in [
         ("tessera_state", "gauge"),

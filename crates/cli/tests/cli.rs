@@ -263,10 +263,79 @@ fn run_control_mode_prints_each_runs_summary() {
         "{}",
         said()
     );
+    // Issue 51, item 10: `/metrics` asked for without an Accept header is the Prometheus text
+    // format, clean under `promtool check metrics` (CI installs Debian's prometheus for it).
+    let metrics = {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        write!(
+            s,
+            "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        answer
+    };
+    let (head, body) = metrics.split_once("\r\n\r\n").unwrap();
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    // Between runs: the state, and counters that span runs (named `_total` in this format).
+    assert!(
+        body.contains("tessera_state{")
+            && body.contains("# TYPE tessera_alarms_raised_total counter"),
+        "{body}"
+    );
+    match Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+    {
+        Ok(mut c) => {
+            use std::io::Write;
+            // Chunked transfer: the body's chunk sizes are not metrics.
+            let text: String = if head
+                .to_ascii_lowercase()
+                .contains("transfer-encoding: chunked")
+            {
+                dechunk(body)
+            } else {
+                body.to_string()
+            };
+            c.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+            let o = c.wait_with_output().unwrap();
+            assert!(
+                o.status.success() && o.stdout.is_empty() && o.stderr.is_empty(),
+                "promtool: {}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        Err(_) => println!("SKIPPED: promtool check (no promtool: Debian's prometheus package)"),
+    }
     p.signal("INT");
     assert!(p.finish(LIMIT).status.success());
     let said = said();
     assert_eq!(said.matches("[balance holds]").count(), 2, "{said}");
+}
+
+/// An HTTP/1.1 chunked body, joined.
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].trim_start_matches("\r\n");
+    }
+    out
 }
 
 #[test]

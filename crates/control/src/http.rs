@@ -437,17 +437,17 @@ async fn openapi() -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "application/json")], OPENAPI)
 }
 
-async fn metrics(AxState(app): AxState<Arc<App>>) -> Response {
+async fn metrics(AxState(app): AxState<Arc<App>>, headers: HeaderMap) -> Response {
     let ctl = app.ctl.clone();
+    let accept = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     match tokio::task::spawn_blocking(move || crate::metrics::render(&ctl)).await {
-        Ok(text) => (
-            [(
-                header::CONTENT_TYPE,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            )],
-            text,
-        )
-            .into_response(),
+        Ok(text) => {
+            let (content_type, text) = tessera_metrics::negotiate(text, accept.as_deref());
+            ([(header::CONTENT_TYPE, content_type)], text).into_response()
+        }
         Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, e),
     }
 }

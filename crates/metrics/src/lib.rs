@@ -22,6 +22,58 @@ pub fn host_name() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
+/// The content type of OpenMetrics text, what [`render_part`] writes.
+pub const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// The content type of the Prometheus text format 0.0.4.
+pub const TEXT_0_0_4: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// `/metrics` as the client asked for it: OpenMetrics when its `Accept` names it (Prometheus
+/// does, first), else the Prometheus text format 0.0.4 that `curl`, `promtool check metrics`
+/// and older scrapers read. The two differ for counters (OpenMetrics names the family without
+/// `_total`, its samples with it; 0.0.4 names both with it), in `# UNIT` and in the closing
+/// `# EOF`; the samples are the same.
+pub fn negotiate(openmetrics: String, accept: Option<&str>) -> (&'static str, String) {
+    if accept.is_some_and(|a| a.contains("application/openmetrics-text")) {
+        return (OPENMETRICS, openmetrics);
+    }
+    (TEXT_0_0_4, to_text_0_0_4(&openmetrics))
+}
+
+/// OpenMetrics text as the Prometheus text format 0.0.4.
+fn to_text_0_0_4(om: &str) -> String {
+    // Families typed `counter`: their HELP and TYPE lines take the samples' `_total` name.
+    let counters: std::collections::HashSet<&str> = om
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(om.len());
+    for line in om.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        match meta {
+            Some((p, rest)) => {
+                let name = rest.split(' ').next().unwrap_or_default();
+                if counters.contains(name) && !name.ends_with("_total") {
+                    out.push_str(p);
+                    out.push_str(name);
+                    out.push_str("_total");
+                    out.push_str(&rest[name.len()..]);
+                } else {
+                    out.push_str(line);
+                }
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
 pub struct Enc<'a, 'b> {
     pub d: &'a mut DescriptorEncoder<'b>,
     pub hosts: Hosts,
@@ -608,6 +660,29 @@ pub fn render_part(
 #[cfg(test)]
 mod tests {
     use tessera_run::live::{Live, LiveBuilder, LiveHistogram, LiveRecorder};
+
+    /// The text format 0.0.4 names a counter's HELP and TYPE with `_total`, as its samples,
+    /// and has no `# EOF` or `# UNIT`; OpenMetrics is served as it is to a client that asks.
+    #[test]
+    fn the_text_format_is_served_unless_openmetrics_is_asked_for() {
+        let om = "# HELP tessera_state the state\n# TYPE tessera_state gauge\ntessera_state{state=\"running\"} 1\n\
+                  # HELP tessera_builder_events events built\n# TYPE tessera_builder_events counter\n# UNIT tessera_builder_events events\n\
+                  tessera_builder_events_total{outcome=\"complete\"} 5\n# EOF\n";
+        let (ct, text) = super::negotiate(om.to_string(), Some("*/*"));
+        assert_eq!(ct, super::TEXT_0_0_4);
+        assert_eq!(
+            text,
+            "# HELP tessera_state the state\n# TYPE tessera_state gauge\ntessera_state{state=\"running\"} 1\n\
+             # HELP tessera_builder_events_total events built\n# TYPE tessera_builder_events_total counter\n\
+             tessera_builder_events_total{outcome=\"complete\"} 5\n"
+        );
+        assert_eq!(super::negotiate(om.to_string(), None).0, super::TEXT_0_0_4);
+        let prometheus = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+        assert_eq!(
+            super::negotiate(om.to_string(), Some(prometheus)),
+            (super::OPENMETRICS, om.to_string())
+        );
+    }
 
     /// Every fragment a builder drops is a series by reason, and the recorder's dropped second
     /// copies one of their own: an operator can alarm on late fragments without the report. The

@@ -92,17 +92,16 @@ pub fn serve(listener: TcpListener, published: Shared) -> Result<MetricsServer> 
                 };
                 let router = Router::new().route(
                     "/metrics",
-                    get(move || {
-                        let text = render(&published.lock());
-                        async move {
-                            (
-                                [(
-                                    axum::http::header::CONTENT_TYPE,
-                                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                                )],
-                                text,
-                            )
-                        }
+                    get(move |headers: axum::http::HeaderMap| {
+                        let accept = headers
+                            .get(axum::http::header::ACCEPT)
+                            .and_then(|v| v.to_str().ok())
+                            .map(str::to_string);
+                        let (content_type, text) = tessera_metrics::negotiate(
+                            render(&published.lock()),
+                            accept.as_deref(),
+                        );
+                        async move { ([(axum::http::header::CONTENT_TYPE, content_type)], text) }
                     }),
                 );
                 let _ = axum::serve(listener, router)
