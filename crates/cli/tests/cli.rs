@@ -238,17 +238,10 @@ fn run_control_mode_prints_each_runs_summary() {
         addr.is_some()
     }));
     let addr = addr.unwrap();
+    let addr = addr.to_string();
     let start = |n: u32| {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(addr).unwrap();
-        write!(
-            s,
-            "POST /api/transitions/start HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut answer = String::new();
-        s.read_to_string(&mut answer).unwrap();
-        assert!(answer.starts_with("HTTP/1.1 200"), "start {n}: {answer}");
+        let (code, body) = support::http(&addr, "POST", "/api/transitions/start");
+        assert_eq!(code, 200, "start {n}: {}", String::from_utf8_lossy(&body));
     };
     let said = || std::fs::read_to_string(&stdout).unwrap_or_default();
     start(1);
@@ -265,19 +258,9 @@ fn run_control_mode_prints_each_runs_summary() {
     );
     // Issue 51, item 10: `/metrics` asked for without an Accept header is the Prometheus text
     // format, clean under `promtool check metrics` (CI installs Debian's prometheus for it).
-    let metrics = {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(addr).unwrap();
-        write!(
-            s,
-            "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut answer = String::new();
-        s.read_to_string(&mut answer).unwrap();
-        answer
-    };
-    let (head, body) = metrics.split_once("\r\n\r\n").unwrap();
+    let (code, head, body) = support::http_with_head(&addr, "GET", "/metrics");
+    assert_eq!(code, 200);
+    let body = String::from_utf8(body).unwrap();
     assert!(
         head.to_ascii_lowercase()
             .contains("content-type: text/plain; version=0.0.4"),
@@ -298,16 +281,7 @@ fn run_control_mode_prints_each_runs_summary() {
     {
         Ok(mut c) => {
             use std::io::Write;
-            // Chunked transfer: the body's chunk sizes are not metrics.
-            let text: String = if head
-                .to_ascii_lowercase()
-                .contains("transfer-encoding: chunked")
-            {
-                dechunk(body)
-            } else {
-                body.to_string()
-            };
-            c.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+            c.stdin.take().unwrap().write_all(body.as_bytes()).unwrap();
             let o = c.wait_with_output().unwrap();
             assert!(
                 o.status.success() && o.stdout.is_empty() && o.stderr.is_empty(),
@@ -322,20 +296,6 @@ fn run_control_mode_prints_each_runs_summary() {
     assert!(p.finish(LIMIT).status.success());
     let said = said();
     assert_eq!(said.matches("[balance holds]").count(), 2, "{said}");
-}
-
-/// An HTTP/1.1 chunked body, joined.
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 || rest.len() < n {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        body = rest[n..].trim_start_matches("\r\n");
-    }
-    out
 }
 
 #[test]

@@ -177,6 +177,33 @@ fn loopback_agent_with(dir: &Path, args: &[&std::ffi::OsStr]) -> (Proc, u16) {
     (agent, port)
 }
 
+/// A one-shot run over `hosts` (`tessera run --json`) from topology `text`, its `[hosts]` table
+/// added (each of `names` at its host's agent port), its run control on `on`: the topology's
+/// file, the run control and its HTTP address.
+fn run_over_hosts(
+    dir: &Path,
+    name: &str,
+    mut text: String,
+    names: &[&str],
+    hosts: &[Host],
+    on: &Host,
+) -> (PathBuf, Proc, SocketAddr) {
+    for (n, h) in names.iter().zip(hosts) {
+        text += &format!("{n} = \"{}:7300\"\n", h.ip);
+    }
+    let cfg = dir.join(format!("{name}.toml"));
+    std::fs::write(&cfg, text).unwrap();
+    let ctl = Proc::spawn_piped(
+        Command::new("ip")
+            .args(["netns", "exec", &on.ns, tessera(), "run"])
+            .arg(&cfg)
+            .args(["--json", "--http", "127.0.0.1:0"])
+            .env("TESSERA_TOKEN", TOKEN),
+    );
+    let addr = control_addr(&dir.join("control").join("control.addr"));
+    (cfg, ctl, addr)
+}
+
 /// The run control's HTTP address, once it has written it to `file` (`control.addr`).
 fn control_addr(file: &Path) -> SocketAddr {
     let mut addr = None;
@@ -961,7 +988,7 @@ fn a_builder_host_lost_in_request_mode_fails_over_and_nothing_is_lost() {
         .map(|(n, h)| agent(h, dir.path(), n))
         .collect();
     let events = 16_000u64;
-    let mut t = format!(
+    let t = format!(
         "[run]\nmode = \"request\"\nevents = {events}\noutput = \"{}\"\n\
          [sources]\ncount = 8\nfragment_size = 256\ntrigger = \"periodic\"\nrate_hz = 4000\n\
          [control]\nagent_timeout_ms = 2000\n\
@@ -974,21 +1001,8 @@ fn a_builder_host_lost_in_request_mode_fails_over_and_nothing_is_lost() {
          [hosts]\n",
         dir.path().join("control").display()
     );
-    for (n, h) in names.iter().zip(&hosts) {
-        t += &format!("{n} = \"{}:7300\"\n", h.ip);
-    }
-    let cfg = dir.path().join("request.toml");
-    std::fs::write(&cfg, t).unwrap();
     let evm = &hosts[4];
-    let ctl = Proc::spawn_piped(
-        Command::new("ip")
-            .args(["netns", "exec", &evm.ns, tessera(), "run"])
-            .arg(&cfg)
-            .args(["--json", "--http", "127.0.0.1:0"])
-            .env("TESSERA_TOKEN", TOKEN),
-    );
-    let file = dir.path().join("control").join("control.addr");
-    let addr = control_addr(&file);
+    let (_, ctl, addr) = run_over_hosts(dir.path(), "request", t, &names, &hosts, evm);
     assert!(
         eventually(LIMIT, || recorded(&evm.ns, addr) >= 3000),
         "nothing recorded"
@@ -1461,7 +1475,7 @@ fn push_over_four_hosts(
         .zip(&hosts)
         .map(|(n, h)| agent(h, dir.path(), n))
         .collect();
-    let mut t = format!(
+    let t = format!(
         "[run]\noutput = \"{}\"\n{extra}\
          [sources]\ncount = 8\nfragment_size = 2048\ntrigger = \"periodic\"\nrate_hz = 1000\n\
          [security]\nallow = [\"10.78.0.0/24\"]\n\
@@ -1471,21 +1485,8 @@ fn push_over_four_hosts(
          [hosts]\n",
         dir.path().join("control").display()
     );
-    for (n, h) in names.iter().zip(&hosts) {
-        t += &format!("{n} = \"{}:7300\"\n", h.ip);
-    }
-    let cfg = dir.path().join("push.toml");
-    std::fs::write(&cfg, t).unwrap();
     let rec = &hosts[3];
-    let ctl = Proc::spawn_piped(
-        Command::new("ip")
-            .args(["netns", "exec", &rec.ns, tessera(), "run"])
-            .arg(&cfg)
-            .args(["--json", "--http", "127.0.0.1:0"])
-            .env("TESSERA_TOKEN", TOKEN),
-    );
-    let file = dir.path().join("control").join("control.addr");
-    let addr = control_addr(&file);
+    let (cfg, ctl, addr) = run_over_hosts(dir.path(), "push", t, &names, &hosts, rec);
     assert!(
         eventually(LIMIT, || recorded(&rec.ns, addr) >= 2000),
         "nothing recorded"

@@ -193,7 +193,7 @@ pub fn serve(ctl: Controller, listen: &str, token: Option<String>) -> Result<Htt
                 match tls {
                     None => serve_on(listener.tap_io(|_| ()), router, shutdown).await,
                     Some(config) => {
-                        let tls = TlsListener::new(listener, config);
+                        let tls = TlsListener::new(listener, addr, config);
                         serve_on(tls.tap_io(|_| ()), router, shutdown).await
                     }
                 }
@@ -233,8 +233,11 @@ struct TlsListener {
 }
 
 impl TlsListener {
-    fn new(tcp: tokio::net::TcpListener, config: Arc<tokio_rustls::rustls::ServerConfig>) -> Self {
-        let addr = tcp.local_addr().expect("a bound listener has an address");
+    fn new(
+        tcp: tokio::net::TcpListener,
+        addr: SocketAddr,
+        config: Arc<tokio_rustls::rustls::ServerConfig>,
+    ) -> Self {
         let (tx, ready) = tokio::sync::mpsc::channel(64);
         let acceptor = tokio_rustls::TlsAcceptor::from(config);
         tokio::spawn(async move {

@@ -331,6 +331,12 @@ pub fn has_part(dir: &std::path::Path) -> bool {
 
 /// One plain HTTP/1.1 request to `addr`: status and (de-chunked) body.
 pub fn http(addr: &str, method: &str, path: &str) -> (u16, Vec<u8>) {
+    let (status, _, body) = http_with_head(addr, method, path);
+    (status, body)
+}
+
+/// [`http`], with the answer's head (status line and headers) as well.
+pub fn http_with_head(addr: &str, method: &str, path: &str) -> (u16, String, Vec<u8>) {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     write!(
@@ -362,7 +368,7 @@ pub fn http(addr: &str, method: &str, path: &str) -> (u16, Vec<u8>) {
         }
         body = out;
     }
-    (status, body)
+    (status, head, body)
 }
 
 /// The header of every event in the finished files of `out`.
