@@ -21,15 +21,43 @@ function esc(s) {
   return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
 }
 function rows(tbody, html) { tbody.innerHTML = html.join(""); }
-async function getJSON(path) {
-  // Reads that change state (the sampled event attaches a monitor consumer) need the token too.
-  const headers = {};
-  const token = localStorage.getItem("tessera-token");
-  if (token) headers["Authorization"] = "Bearer " + token;
-  const r = await fetch(path, { cache: "no-store", headers });
+// The token a run control over hosts asks for: asked once, kept for this tab only.
+let tokenRequired = false;
+const token = () => sessionStorage.getItem("tessera-token");
+function askToken() {
+  const t = prompt("This run control needs its token to change state (kept for this tab):");
+  if (t) sessionStorage.setItem("tessera-token", t.trim());
+  $("btn-token").hidden = !tokenRequired || !!token();
+}
+$("btn-token").addEventListener("click", askToken);
+function headers(json) {
+  const h = {};
+  if (json) h["Content-Type"] = "application/json";
+  const op = $("operator").value.trim() || localStorage.getItem("tessera-operator") || "dashboard";
+  localStorage.setItem("tessera-operator", op);
+  h["X-Tessera-Operator"] = op;
+  if (token()) h["Authorization"] = "Bearer " + token();
+  return h;
+}
+// Calls that need the token are not made without it: each would be refused and logged.
+const mayChange = () => !tokenRequired || !!token();
+async function getJSON(path, withToken) {
+  const h = {};
+  if (withToken && token()) h["Authorization"] = "Bearer " + token();
+  const r = await fetch(path, { cache: "no-store", headers: h });
   if (!r.ok) { const e = new Error((await r.json().catch(() => ({}))).error || r.statusText); e.status = r.status; throw e; }
   return r.json();
 }
+async function post(path, body) {
+  if (!mayChange()) askToken();
+  const r = await fetch(path, { method: "POST", headers: headers(body != null), body: body == null ? "" : JSON.stringify(body) });
+  const j = await r.json().catch(() => ({}));
+  if (r.status === 401) { sessionStorage.removeItem("tessera-token"); $("btn-token").hidden = false; }
+  if (!r.ok) throw new Error(j.error || r.statusText);
+  return j;
+}
+// Times as the logs give them: UTC, ISO 8601.
+function utc(ns) { return new Date(ns / 1e6).toISOString().slice(0, 19) + "Z"; }
 
 // Plots.
 function plot(el, title, series) {
@@ -49,34 +77,53 @@ const throughputPlot = plot($("plot-throughput"), "MB/s", [
   { label: "built", stroke: "#1e8e3e" },
   { label: "recorded", stroke: "#b58900" },
 ]);
+const deadPlot = plot($("plot-dead"), "dead time and fullest buffer, %", [
+  { label: "dead time", stroke: "#c5221f" },
+  { label: "fullest buffer", stroke: "#3b5bdb" },
+]);
+// History across runs: time in UTC on the x axis, one series per headline figure.
+const historyPlot = new uPlot({
+  title: "history", width: Math.max(300, $("plot-history").parentElement.clientWidth - 30), height: 200,
+  scales: { x: { time: true }, pct: { range: [0, 100] } },
+  tzDate: (ts) => uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"),
+  axes: [{ values: (u, splits) => splits.map((v) => new Date(v * 1e3).toISOString().slice(11, 19)) }, { size: 70, label: "events/s" }, { scale: "pct", side: 1, label: "%", grid: { show: false } }],
+  series: [{ label: "UTC" },
+    { label: "events/s", stroke: "#3b5bdb" },
+    { label: "incomplete/s", stroke: "#b58900" },
+    { label: "dead time %", stroke: "#c5221f", scale: "pct" },
+    { label: "fullest buffer %", stroke: "#1e8e3e", scale: "pct" }],
+}, [[], [], [], [], []], $("plot-history"));
+let historyRuns = [];
+async function refreshHistory() {
+  const span = $("history-span").value;
+  let q = span;
+  if (span.startsWith("runs=")) {
+    const n = Number(span.slice(5));
+    if (!historyRuns.length) return;
+    const last = historyRuns[0].number;
+    q = `first_run=${Math.max(0, last - n + 1)}&last_run=${last}`;
+  }
+  try {
+    const h = await getJSON("/api/history?" + q + "&limit=20000");
+    historyPlot.setData([h.map((p) => p.unix_ns / 1e9), h.map((p) => p.events_per_s), h.map((p) => p.incomplete_per_s),
+      h.map((p) => 100 * p.dead_time_fraction), h.map((p) => 100 * p.buffer_fraction)]);
+    $("plot-history").dataset.points = h.length;
+  } catch (e) { /* no run database yet */ }
+}
+$("history-span").addEventListener("change", refreshHistory);
 
 // Transitions.
-for (const b of document.querySelectorAll("#buttons button")) {
+for (const b of document.querySelectorAll("#buttons button[data-t]")) {
   b.addEventListener("click", async () => {
     const t = b.dataset.t;
     $("message").textContent = t + "…";
-    const headers = { "Content-Type": "application/json" };
-    const op = $("operator").value.trim() || localStorage.getItem("tessera-operator") || "dashboard";
-    localStorage.setItem("tessera-operator", op);
-    headers["X-Tessera-Operator"] = op;
-    const token = localStorage.getItem("tessera-token");
-    if (token) headers["Authorization"] = "Bearer " + token;
-    const body = (t === "start" || t === "stop") && $("comment").value ? JSON.stringify({ comment: $("comment").value }) : "";
+    const body = (t === "start" || t === "stop") && $("comment").value ? { comment: $("comment").value } : null;
     try {
-      const r = await fetch("/api/transitions/" + t, { method: "POST", headers, body });
-      const j = await r.json();
-      if (!r.ok) {
-        if (r.status === 401) {
-          const tok = prompt("This control needs its token to change state:");
-          if (tok) localStorage.setItem("tessera-token", tok);
-        }
-        $("message").textContent = j.error || r.statusText;
-      } else {
-        $("message").textContent = "";
-        if (t === "start") $("comment").value = "";
-      }
+      await post("/api/transitions/" + t, body);
+      $("message").textContent = "";
+      if (t === "start" || t === "stop") $("comment").value = "";
     } catch (e) {
-      $("message").textContent = String(e);
+      $("message").textContent = e.message;
     }
     refresh();
     refreshRuns();
@@ -106,7 +153,7 @@ function showState(s) {
   el.className = "state " + s.state;
   $("run-number").textContent = s.run_number ?? "–";
   $("busy").textContent = s.busy ? s.busy + " under way…" : (s.error ? "error: " + s.error : "");
-  for (const b of document.querySelectorAll("#buttons button")) {
+  for (const b of document.querySelectorAll("#buttons button[data-t]")) {
     b.disabled = !!s.busy || !s.allowed.includes(b.dataset.t);
   }
   rows($("components").tBodies[0], s.components.map((c) =>
@@ -125,18 +172,41 @@ function unreachable(why) {
   const el = $("state");
   el.textContent = "unreachable";
   el.className = "state unreachable";
-  for (const b of document.querySelectorAll("#buttons button")) b.disabled = true;
+  for (const b of document.querySelectorAll("#buttons button[data-t]")) b.disabled = true;
   $("busy").textContent = "";
   $("message").textContent = "no answer from tessera (" + why + "): what is shown is from before";
   $("message").className = "alarm";
   document.body.classList.add("stale");
 }
-// Alarms raised now, errors first; nothing shown when there are none.
+// Alarms raised now: those no one has seen to first (errors first), then the acknowledged and
+// silenced, dimmed. Each can be acknowledged or silenced for an hour, with the operator's name.
 function showAlarms(list) {
-  const a = [...list].sort((x, y) => (x.level === y.level ? 0 : x.level === "error" ? -1 : 1));
-  $("alarms").innerHTML = a.map((x) =>
-    `<div class="alarm-${esc(x.level)}" data-alarm="${esc(x.alarm)}"><b>${esc(x.level === "error" ? "ALARM" : "alarm")}</b> ${esc(x.subject)}: ${esc(x.message)}</div>`).join("");
+  const rank = (x) => (x.acknowledged_by || x.silenced_by ? 2 : 0) + (x.level === "error" ? 0 : 1);
+  const a = [...list].sort((x, y) => rank(x) - rank(y));
+  const html = a.map((x) => {
+    const seen = x.acknowledged_by ? ` <span class="label">acknowledged by ${esc(x.acknowledged_by.split(" from ")[0])}</span>` : "";
+    const quiet = x.silenced_by ? ` <span class="label">silenced by ${esc(x.silenced_by.split(" from ")[0])} until ${utc(x.silenced_until_unix_ns)}</span>` : "";
+    const folded = x.folded && x.folded.length ? `<details><summary>${x.folded.length} consequences</summary>${x.folded.map((f) => "<div>" + esc(f) + "</div>").join("")}</details>` : "";
+    const buttons = (x.acknowledged_by ? "" : `<button class="ack">acknowledge</button>`) + (x.silenced_by ? `<button class="unsilence">unsilence</button>` : `<button class="silence">silence 1 h</button>`);
+    return `<div class="alarm-${esc(x.level)}${x.acknowledged_by || x.silenced_by ? " seen" : ""}" data-alarm="${esc(x.alarm)}" data-subject="${esc(x.subject)}"><b>${esc(x.level === "error" ? "ALARM" : "alarm")}</b> ${esc(x.subject)}: ${esc(x.message)}${seen}${quiet} ${buttons}${folded}</div>`;
+  }).join("");
+  // Redrawn only when it changed: a button under the operator's pointer stays where it is.
+  if ($("alarms").dataset.html !== html) {
+    $("alarms").innerHTML = html;
+    $("alarms").dataset.html = html;
+  }
 }
+$("alarms").addEventListener("click", async (ev) => {
+  const b = ev.target.closest("button");
+  if (!b) return;
+  const d = b.closest("[data-alarm]").dataset;
+  const body = { alarm: d.alarm, subject: d.subject };
+  try {
+    if (b.classList.contains("ack")) await post("/api/alarms/acknowledge", body);
+    else await post("/api/alarms/silence", { ...body, seconds: b.classList.contains("silence") ? 3600 : 0 });
+  } catch (e) { $("message").textContent = e.message; }
+  refresh();
+});
 const RUNNING = ["running", "paused"];
 async function refresh() {
   let v;
@@ -146,6 +216,8 @@ async function refresh() {
     $("message").textContent = "";
     $("message").className = "";
   }
+  tokenRequired = !!v.token_required;
+  $("btn-token").hidden = !tokenRequired || !!token();
   showState(v.state);
   showAlarms(v.alarms || []);
   showShipping(v.shipper);
@@ -153,6 +225,15 @@ async function refresh() {
   const h = v.history.slice(-HISTORY);
   ratePlot.setData([h.map((p) => p.t), h.map((p) => p.events_per_s), h.map((p) => p.incomplete_per_s)]);
   throughputPlot.setData([h.map((p) => p.t), h.map((p) => p.built_bytes_per_s / 1e6), h.map((p) => p.recorded_bytes_per_s / 1e6)]);
+  deadPlot.setData([h.map((p) => p.t), h.map((p) => 100 * p.dead_time_fraction), h.map((p) => 100 * p.buffer_fraction)]);
+  // Dead time by the rule of the status line, /metrics and the report.
+  const d = v.dead_time;
+  $("dead-time").textContent = taking && d && d.interval_fraction != null ? (100 * d.interval_fraction).toFixed(1) + "%" : "0.0%";
+  $("dead-time").className = taking && d && d.interval_fraction > 0.05 ? "blocked" : "";
+  $("dead-time-run").textContent = d ? "run " + (100 * d.run_fraction).toFixed(1) + "%" : "";
+  // After a stop the last run's totals stay on screen.
+  const lr = v.last_run;
+  $("last-run").innerHTML = !taking && lr ? `<span class="label">last run</span> <b>${lr.run_number}</b>: ${lr.events} events (${lr.events_incomplete} incomplete) in ${lr.duration_s.toFixed(1)} s, ${lr.events_per_s.toFixed(0)} events/s, ${bytes(lr.built_bytes_per_s)}/s, ${lr.rejected} rejected fragments, dead time ${(100 * lr.dead_time_fraction).toFixed(1)}%, balance ${lr.balance_holds ? "holds" : '<span class="blocked">broken</span>'} (${esc(lr.stop_reason)})` : "";
   // Rates are of a run taking data; after it, they are zero, not the last value seen.
   const last = taking && h.length ? h[h.length - 1] : null;
   $("events-rate").textContent = last ? human(last.events_per_s, "") : "0";
@@ -241,13 +322,14 @@ function showCurrentFile(f) {
 async function refreshRuns() {
   try {
     const runs = await getJSON("/api/runs?limit=20");
+    historyRuns = runs;
     rows($("runs").tBodies[0], runs.map((r) => {
       if (liveTotals && liveTotals.run === r.number && !r.stopped_unix_ns) {
         r = { ...r, events: liveTotals.events, incomplete: liveTotals.incomplete, bytes: liveTotals.bytes };
       }
       const dur = r.stopped_unix_ns ? ((r.stopped_unix_ns - r.started_unix_ns) / 1e9).toFixed(1) + " s" : "running";
       const bal = r.balance_holds == null ? "–" : (r.balance_holds ? "holds" : '<span class="blocked">broken</span>');
-      return `<tr data-run="${r.number}"><td>${r.number}</td><td class="${r.state === "error" ? "failed" : ""}">${esc(r.state)}</td><td>${new Date(r.started_unix_ns / 1e6).toLocaleString()}</td><td>${dur}</td><td>${r.events}</td><td>${r.incomplete}</td><td>${bytes(r.bytes)}</td><td>${bal}</td><td>${esc(r.stop_reason ?? "")}${r.error ? " — " + esc(r.error) : ""}</td><td>${esc(r.comment)}</td></tr>`;
+      return `<tr data-run="${r.number}"><td>${r.number}</td><td class="${r.state === "error" ? "failed" : ""}">${esc(r.state)}</td><td>${utc(r.started_unix_ns)}</td><td>${dur}</td><td>${r.events}</td><td>${r.incomplete}</td><td>${bytes(r.bytes)}</td><td>${bal}</td><td>${esc(r.stop_reason ?? "")}${r.error ? " — " + esc(r.error) : ""}</td><td>${esc(r.comment)}</td></tr>`;
     }));
   } catch (e) { /* not configured yet */ }
   try {
@@ -260,9 +342,35 @@ async function refreshRuns() {
   } catch (e) { /* no run yet */ }
 }
 
-async function refreshSample() {
+// The notes of the open run, or of the last one.
+async function refreshNotes() {
+  const n = lastRun ?? (historyRuns[0] && historyRuns[0].number);
+  if (n == null) return;
   try {
-    const s = await getJSON("/api/sample");
+    const r = await getJSON("/api/runs/" + n);
+    $("notes-run").textContent = "run " + n;
+    $("notes").dataset.run = n;
+    rows($("notes").tBodies[0], r.notes.map((x) =>
+      `<tr><td>${utc(x.unix_ns)}</td><td>${esc(x.who.split(" from ")[0])}</td><td class="label">${esc(x.kind)}</td><td>${esc(x.text)}</td></tr>`));
+  } catch (e) { /* no such run yet */ }
+}
+$("note-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const text = $("note-text").value.trim();
+  const n = $("notes").dataset.run;
+  if (!text || !n) return;
+  try {
+    await post("/api/runs/" + n + "/notes", { text });
+    $("note-text").value = "";
+  } catch (e) { $("message").textContent = e.message; }
+  refreshNotes();
+});
+
+async function refreshSample() {
+  // The sampled event attaches a monitor consumer: a call that needs the token where one is set.
+  if (!mayChange()) return;
+  try {
+    const s = await getJSON("/api/sample", true);
     $("sample").textContent = `run ${s.run_number} event ${s.event_id} trigger ${s.trigger_type} builder ${s.builder_id} fragments ${s.fragment_count} size ${s.record_size}` +
       (s.flags.length ? " [" + s.flags.join(",") + "]" : "") + (s.missing.length ? " missing " + s.missing.join(",") : "") +
       "\n\n" + s.text + "\n\nrecord:\n" + s.hex.join("\n");
@@ -279,15 +387,23 @@ async function refreshLog() {
     for (const x of l.lines) {
       const tr = document.createElement("tr");
       tr.className = x.level === "ERROR" ? "failed" : (x.level === "WARN" ? "blocked" : "");
-      tr.innerHTML = `<td>${new Date(x.unix_ns / 1e6).toLocaleTimeString()}</td><td>${esc(x.host || "run control")}</td><td>${esc(x.role)}</td><td>${esc(x.level)}</td><td>${esc(x.message)}</td>`;
+      tr.innerHTML = `<td>${utc(x.unix_ns)}</td><td>${esc(x.host || "run control")}</td><td>${esc(x.role)}</td><td>${esc(x.level)}</td><td>${esc(x.message)}</td>`;
       tb.prepend(tr);
     }
     while (tb.rows.length > 200) tb.deleteRow(tb.rows.length - 1);
   } catch (e) { /* server away: the state box says so */ }
 }
 
-refresh(); refreshRuns(); refreshSample(); refreshLog();
+// The first look says whether a token is needed: asked for once, before any call needing it.
+refresh().then(() => {
+  if (tokenRequired && !token()) askToken();
+  refreshSample();
+  setInterval(refreshSample, 2000);
+});
+refreshRuns().then(() => { refreshHistory(); refreshNotes(); });
+refreshLog();
+setInterval(refreshHistory, 5000);
+setInterval(refreshNotes, 3000);
 setInterval(refreshLog, 2000);
 setInterval(refresh, 1000);
 setInterval(refreshRuns, 3000);
-setInterval(refreshSample, 2000);

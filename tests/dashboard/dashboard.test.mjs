@@ -90,9 +90,28 @@ try {
   assert.ok(await page.evaluate(() => { const e = document.getElementById("sample"); return e.scrollWidth <= e.clientWidth; }), "sampled event cut off");
   // The plots have data.
   await until("plotted points", () => page.evaluate(() => document.querySelectorAll("#plot-rate canvas").length > 0));
+  // Dead time is a headline figure, over the interval and the run.
+  assert.match(await page.textContent("#dead-time"), /^\d+\.\d%$/);
+  await until("the run's dead time", async () => /^run \d+\.\d%$/.test(await page.textContent("#dead-time-run")));
+  // A note while the run goes on, beside the start's comment.
+  await until("the start comment among the notes", async () => (await page.textContent("#notes")).includes("dashboard test"));
+  await page.fill("#note-text", "crate 3 reset");
+  await page.click("#note-form button");
+  await until("the note", async () => (await page.textContent("#notes")).includes("crate 3 reset"));
+  // Times as the logs give them: UTC, ISO 8601.
+  await until("log lines", async () => (await page.locator("#log tbody tr").count()) > 0);
+  assert.match(await page.locator("#log tbody tr td").first().textContent(), /^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$/);
 
+  await page.fill("#comment", "end of test fill");
   await page.click("#btn-stop");
   await until("the stopped state", async () => (await page.textContent("#state")) === "stopped");
+  // The last run's totals stay on screen, and its history is kept (plotted over runs).
+  await until("the last run's totals", async () => /^last run 1: \d+ events/.test(await page.textContent("#last-run")));
+  assert.match(await page.textContent("#last-run"), /balance holds/);
+  await until("history points", async () => Number(await page.getAttribute("#plot-history", "data-points")) > 0, 30000);
+  const notes = (await (await fetch(`http://${addr}/api/runs/1`)).json()).notes;
+  assert.deepEqual(notes.map((n) => [n.kind, n.text]), [["start", "dashboard test"], ["note", "crate 3 reset"], ["stop", "end of test fill"]]);
+  assert.ok(notes.every((n) => n.who.startsWith("playwright from 127.0.0.1")), JSON.stringify(notes));
   const row = page.locator('#runs tbody tr[data-run="1"]');
   await until("run 1 in the run list", async () => (await row.count()) === 1);
   const cells = await row.locator("td").allTextContents();

@@ -245,7 +245,10 @@ pub fn runs(cmd: Option<crate::RunsCmd>, data: &Path, json: bool) -> Result<Exit
     }
     let cmd = cmd.unwrap_or(crate::RunsCmd::List { limit: 20 });
     // Reading needs no write: `runs list` and `runs show` answer on a full disk.
-    let db = if matches!(cmd, crate::RunsCmd::Comment { .. }) {
+    let db = if matches!(
+        cmd,
+        crate::RunsCmd::Comment { .. } | crate::RunsCmd::Note { .. }
+    ) {
         tessera_rundb::RunDb::open(&path)?
     } else {
         tessera_rundb::RunDb::open_read_only(&path)?
@@ -318,6 +321,28 @@ pub fn runs(cmd: Option<crate::RunsCmd>, data: &Path, json: bool) -> Result<Exit
                     println!("  error          {e}");
                 }
                 println!("  comment        {}", s.comment);
+                for n in &r.notes {
+                    println!(
+                        "  note           {} {} ({}): {}",
+                        utc(n.unix_ns),
+                        n.who,
+                        n.kind,
+                        n.text
+                    );
+                }
+                for a in &r.alarm_actions {
+                    println!(
+                        "  alarm action   {} {} {} {} {}{}",
+                        utc(a.unix_ns),
+                        a.who,
+                        a.action,
+                        a.alarm,
+                        a.subject,
+                        a.until_unix_ns
+                            .map(|u| format!(" until {}", utc(u)))
+                            .unwrap_or_default()
+                    );
+                }
                 println!(
                     "  events         {} ({} incomplete), {} built, {} recorded in files",
                     s.events,
@@ -395,6 +420,25 @@ pub fn runs(cmd: Option<crate::RunsCmd>, data: &Path, json: bool) -> Result<Exit
                 }
                 println!("  (the full configuration and log: tessera runs show {number} --json)");
             }
+        }
+        crate::RunsCmd::Note {
+            number,
+            text,
+            operator,
+        } => {
+            let who = operator
+                .or_else(|| std::env::var("USER").ok())
+                .unwrap_or_else(|| "unknown".into());
+            db.add_note(
+                number,
+                &tessera_rundb::NoteRow {
+                    unix_ns: tessera_control::controller::unix_ns(),
+                    who: who.clone(),
+                    kind: "note".into(),
+                    text,
+                },
+            )?;
+            println!("note added to run {number} by {who}");
         }
         crate::RunsCmd::Comment { number, text } => {
             db.set_comment(number, &text)?;

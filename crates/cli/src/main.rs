@@ -269,8 +269,17 @@ enum RunsCmd {
     },
     /// Everything about one run: configuration, counts, rejections, files and checksums, actions.
     Show { number: u64 },
-    /// Set a run's comment.
+    /// Set a run's comment (its title in the run list).
     Comment { number: u64, text: String },
+    /// Add a note to a run (kept with the time and who wrote it, beside its start and stop
+    /// comments).
+    Note {
+        number: u64,
+        text: String,
+        /// Who writes it (default: $USER).
+        #[arg(long)]
+        operator: Option<String>,
+    },
 }
 
 fn main() -> ExitCode {

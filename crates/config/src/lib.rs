@@ -211,6 +211,11 @@ pub struct AlarmsSection {
     pub incomplete_fraction: f64,
     /// A readout unit's, builder's or the recorder's buffer fuller than this fraction.
     pub buffer_fraction: f64,
+    /// Dead time above this fraction over a sampling interval.
+    pub dead_time_fraction: f64,
+    /// An alarm clears only once its condition has been gone this long, in seconds, so that a
+    /// condition on the edge raises one alarm, not one per interval.
+    pub clear_s: f64,
 }
 
 impl Default for AlarmsSection {
@@ -220,6 +225,8 @@ impl Default for AlarmsSection {
             no_events_s: 10.0,
             incomplete_fraction: 0.05,
             buffer_fraction: 0.95,
+            dead_time_fraction: 0.05,
+            clear_s: 5.0,
         }
     }
 }
@@ -2339,6 +2346,8 @@ impl Topology {
             ("alarms.no_events_s", a.no_events_s, f64::MAX),
             ("alarms.incomplete_fraction", a.incomplete_fraction, 1.0),
             ("alarms.buffer_fraction", a.buffer_fraction, 1.0),
+            ("alarms.dead_time_fraction", a.dead_time_fraction, 1.0),
+            ("alarms.clear_s", a.clear_s, f64::MAX),
         ] {
             if !(v.is_finite() && (0.0..=max).contains(&v)) {
                 return Err(err(

@@ -298,10 +298,12 @@ impl Controller {
         tracing::info!(who, transition = %t, from = %from, "transition requested");
         let result = match t {
             Transition::Configure => self.configure(),
-            Transition::Start => self.start(comment.unwrap_or("")),
+            Transition::Start => self.start(comment.unwrap_or(""), who),
             Transition::Pause => self.with_session(|s| s.pause()),
             Transition::Resume => self.with_session(|s| s.resume()),
-            Transition::Stop => self.stop_run("stopped by operator", comment).map(|_| ()),
+            Transition::Stop => self
+                .stop_run("stopped by operator", comment.map(|c| (c, who)))
+                .map(|_| ()),
             Transition::Reset => {
                 let cluster = {
                     let mut c = self.shared.ctl.lock();
@@ -518,7 +520,7 @@ impl Controller {
         Ok(())
     }
 
-    fn start(&self, comment: &str) -> Result<()> {
+    fn start(&self, comment: &str, who: &str) -> Result<()> {
         let (r, db) = {
             let c = self.shared.ctl.lock();
             (
@@ -549,6 +551,7 @@ impl Controller {
                 config: &config,
                 started_unix_ns: started,
                 comment,
+                who,
             },
         )?;
         tessera_recorder::file_write_atomic(&last_file, format!("{number}\n").as_bytes())
@@ -606,7 +609,8 @@ impl Controller {
     }
 
     /// Stops the open run in stages and records it. Returns the report.
-    fn stop_run(&self, reason: &str, comment: Option<&str>) -> Result<Arc<Report>> {
+    /// `comment` is the stop's comment and who gave it, kept among the run's notes.
+    fn stop_run(&self, reason: &str, comment: Option<(&str, &str)>) -> Result<Arc<Report>> {
         let (session, db, r) = {
             let c = self.shared.ctl.lock();
             (
@@ -691,8 +695,14 @@ impl Controller {
             if let Err(e) = db.add_log(number, &lines) {
                 tracing::error!(error = %e, "cannot keep the run's message log");
             }
-            if let Some(c) = comment.filter(|c| !c.is_empty()) {
-                if let Err(e) = db.set_comment(number, c) {
+            if let Some((text, who)) = comment.filter(|c| !c.0.is_empty()) {
+                let note = tessera_rundb::NoteRow {
+                    unix_ns: unix_ns(),
+                    who: who.into(),
+                    kind: "stop".into(),
+                    text: text.into(),
+                };
+                if let Err(e) = db.add_note(number, &note) {
                     tracing::error!(error = %e, "cannot keep the stop's comment");
                 }
             }
@@ -708,6 +718,7 @@ impl Controller {
     fn watch(&self) {
         let t0 = Instant::now();
         let mut last_sample = Instant::now() - Duration::from_secs(60);
+        let mut history = crate::history::HistoryWriter::default();
         while !self.shared.closing.load(Ordering::Relaxed) {
             std::thread::sleep(Duration::from_millis(10));
             let (state, busy, session, cluster, interval, alarms_cfg, run) = {
@@ -741,6 +752,12 @@ impl Controller {
                     }
                     None => (None, None),
                 };
+                if let Some(db) = self.db() {
+                    if let (true, Some(run), Some(p)) = (taking_data, run, &point) {
+                        history.add(run, unix_ns(), p);
+                    }
+                    history.flush(&db, unix_ns(), !taking_data);
+                }
                 let lost = cluster.as_ref().map(|c| c.lost_hosts()).unwrap_or_default();
                 self.shared.alarms.lock().evaluate(
                     &Look {

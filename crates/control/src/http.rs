@@ -299,9 +299,13 @@ fn router(app: Arc<App>) -> Router {
         .route("/api/runs", get(runs))
         .route("/api/runs/{number}", get(run))
         .route("/api/runs/{number}/comment", put(comment))
+        .route("/api/runs/{number}/notes", post(add_note))
+        .route("/api/history", get(history))
         .route("/api/actions", get(actions))
         .route("/api/log", get(log))
         .route("/api/alarms", get(alarms))
+        .route("/api/alarms/acknowledge", post(acknowledge_alarm))
+        .route("/api/alarms/silence", post(silence_alarm))
         .route("/api/prometheus/targets", get(prometheus_targets))
         .route("/api/events/{event_id}/why", get(why))
         .route("/api/sample", get(sample))
@@ -545,6 +549,7 @@ async fn topology(AxState(app): AxState<Arc<App>>) -> Response {
 
 async fn live(AxState(app): AxState<Arc<App>>) -> Response {
     let ctl = app.ctl.clone();
+    let token_required = app.token.is_some();
     let r = tokio::task::spawn_blocking(move || {
         let live = ctl.session().map(|s| s.live());
         let alarms: Vec<_> = ctl.shared.alarms.lock().active().cloned().collect();
@@ -554,13 +559,40 @@ async fn live(AxState(app): AxState<Arc<App>>) -> Response {
             .and_then(|l| l.shipper.clone())
             .or_else(|| ctl.shipper().map(|s| s.status()));
         let s = ctl.shared.sampler.lock();
+        // Dead time by the one rule of the status line, `/metrics` and the report.
+        let dead_time = live.as_ref().map(|l| {
+            serde_json::json!({
+                "run_fraction": l.dead_time_fraction(),
+                "interval_fraction": s.rates.as_ref().map(|r| r.dead_time_fraction),
+                "per_source_interval": s.rates.as_ref().map(|r| &r.per_source_dead_fraction),
+            })
+        });
+        // The last run's totals stay on screen after it stops.
+        let last_run = ctl.last_report().map(|r| {
+            serde_json::json!({
+                "run_number": r.run_number,
+                "duration_s": r.duration_s,
+                "events": r.events_complete + r.events_incomplete,
+                "events_incomplete": r.events_incomplete,
+                "bytes_built": r.bytes_built,
+                "events_per_s": r.events_per_s,
+                "built_bytes_per_s": r.built_bytes_per_s,
+                "dead_time_fraction": r.dead_time_fraction,
+                "rejected": r.balance.rejected_total,
+                "balance_holds": r.balance.holds,
+                "stop_reason": r.stop_reason,
+            })
+        });
         serde_json::json!({
             "state": ctl.view(),
             "live": live,
             "shipper": shipper,
             "rates": s.rates,
             "history": s.history,
+            "dead_time": dead_time,
+            "last_run": last_run,
             "alarms": alarms,
+            "token_required": token_required,
         })
     })
     .await;
@@ -626,6 +658,184 @@ async fn prometheus_targets(AxState(app): AxState<Arc<App>>) -> Response {
 
 async fn alarms(AxState(app): AxState<Arc<App>>) -> Response {
     Json(app.ctl.shared.alarms.lock().view()).into_response()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NoteBody {
+    text: String,
+}
+
+/// Adds a note to a run: kept with the time and who wrote it.
+async fn add_note(
+    AxState(app): AxState<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    Path(number): Path<u64>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let who = match who(&app, peer, &headers)
+        .and_then(|w| json_body(peer, &headers, &body).map(|()| w))
+    {
+        Ok(w) => w,
+        Err(r) => return *r,
+    };
+    let body: NoteBody = match serde_json::from_slice(&body) {
+        Ok(b) => b,
+        Err(e) => return err(StatusCode::BAD_REQUEST, format!("body: {e}")),
+    };
+    if body.text.is_empty() {
+        return err(StatusCode::BAD_REQUEST, "an empty note");
+    }
+    if let Err(e) = comment_ok(&body.text) {
+        return err(StatusCode::BAD_REQUEST, e);
+    }
+    let Some(db) = app.ctl.db() else {
+        return err(StatusCode::NOT_FOUND, "not configured: no run database yet");
+    };
+    let note = tessera_rundb::NoteRow {
+        unix_ns: crate::controller::unix_ns(),
+        who,
+        kind: "note".into(),
+        text: body.text,
+    };
+    match db.add_note(number, &note) {
+        Ok(()) => {
+            tracing::info!(who = note.who, run = number, "note: {}", note.text);
+            (StatusCode::CREATED, Json(note)).into_response()
+        }
+        Err(e @ tessera_rundb::DbError::NoRun(_)) => err(StatusCode::NOT_FOUND, e),
+        Err(e @ tessera_rundb::DbError::TooManyNotes(_)) => err(StatusCode::CONFLICT, e),
+        Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, e),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HistoryQuery {
+    /// Runs from this one.
+    first_run: Option<u64>,
+    /// Runs up to this one.
+    last_run: Option<u64>,
+    /// The last this many seconds (default: every point of the runs asked for).
+    last_s: Option<u64>,
+    /// At most this many points, the newest (default 4000, at most 100 000).
+    limit: Option<usize>,
+}
+
+/// The headline series kept across runs (1 s for the last hour, coarser beyond).
+async fn history(AxState(app): AxState<Arc<App>>, Query(q): Query<HistoryQuery>) -> Response {
+    let runs = match (q.first_run, q.last_run) {
+        (None, None) => None,
+        (a, b) => Some((a.unwrap_or(0), b.unwrap_or(u64::MAX))),
+    };
+    let since = q.last_s.map_or(0, |s| {
+        crate::controller::unix_ns().saturating_sub(s.saturating_mul(1_000_000_000))
+    });
+    let limit = q.limit.unwrap_or(4000).min(100_000);
+    db_call(&app, |db| db.history(runs, since, u64::MAX, limit))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AlarmBody {
+    alarm: String,
+    subject: String,
+    /// A silence: for how long, in whole seconds (0 ends one); JSON may write it `60.0`.
+    seconds: Option<f64>,
+}
+
+async fn acknowledge_alarm(
+    AxState(app): AxState<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    alarm_action(&app, peer, &headers, &body, "acknowledge")
+}
+
+async fn silence_alarm(
+    AxState(app): AxState<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    alarm_action(&app, peer, &headers, &body, "silence")
+}
+
+/// An operator's call on an alarm, kept in the run database with who made it.
+fn alarm_action(
+    app: &App,
+    peer: SocketAddr,
+    headers: &HeaderMap,
+    body: &[u8],
+    action: &str,
+) -> Response {
+    let who = match who(app, peer, headers).and_then(|w| json_body(peer, headers, body).map(|()| w))
+    {
+        Ok(w) => w,
+        Err(r) => return *r,
+    };
+    let b: AlarmBody = match serde_json::from_slice(body) {
+        Ok(b) => b,
+        Err(e) => return err(StatusCode::BAD_REQUEST, format!("body: {e}")),
+    };
+    let now = crate::controller::unix_ns();
+    let (result, until, action) = {
+        let mut alarms = app.ctl.shared.alarms.lock();
+        if action == "acknowledge" {
+            (
+                alarms
+                    .acknowledge(&b.alarm, &b.subject, &who, now)
+                    .map(|a| serde_json::to_value(a).unwrap_or_default()),
+                None,
+                "acknowledge",
+            )
+        } else {
+            let seconds = match b.seconds {
+                Some(x)
+                    if x.is_finite() && x >= 0.0 && x.fract() == 0.0 && x <= u64::MAX as f64 =>
+                {
+                    x as u64
+                }
+                Some(x) => {
+                    return err(
+                        StatusCode::BAD_REQUEST,
+                        format!("seconds: {x} is not a whole number of seconds"),
+                    )
+                }
+                None => return err(StatusCode::BAD_REQUEST, "a silence needs `seconds`"),
+            };
+            let r = alarms.silence(&b.alarm, &b.subject, &who, seconds, now);
+            let until = r.as_ref().ok().copied().flatten();
+            (
+                r.map(|u| serde_json::json!({ "until_unix_ns": u })),
+                until,
+                if seconds == 0 { "unsilence" } else { "silence" },
+            )
+        }
+    };
+    match result {
+        Ok(v) => {
+            if let Some(db) = app.ctl.db() {
+                let row = tessera_rundb::AlarmActionRow {
+                    unix_ns: now,
+                    who,
+                    action: action.into(),
+                    alarm: b.alarm,
+                    subject: b.subject,
+                    until_unix_ns: until,
+                    run: app.ctl.view().run_number,
+                };
+                if let Err(e) = db.log_alarm_action(&row) {
+                    tracing::error!(error = %e, "cannot keep an alarm action in the run database");
+                }
+            }
+            Json(v).into_response()
+        }
+        Err(e @ crate::alarms::AlarmActionError::NotRaised { .. }) => err(StatusCode::NOT_FOUND, e),
+        Err(e) => err(StatusCode::BAD_REQUEST, e),
+    }
 }
 
 #[derive(Deserialize)]

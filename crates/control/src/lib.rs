@@ -1,5 +1,6 @@
 pub mod alarms;
 pub mod controller;
+pub mod history;
 pub mod http;
 pub mod metrics;
 pub mod recovery;

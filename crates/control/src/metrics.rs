@@ -130,12 +130,17 @@ impl Collector for Snapshot {
         if let Some(rt) = &self.rates {
             let ru = |id: u32| l1("readout_unit", id);
             let bu = |id: u16| l1("builder", id);
+            e.gauge(
+                "tessera_dead_time_fraction",
+                "dead time over the last interval: with a veto the fraction of triggers vetoed, else the most-held emulated source's time held by back-pressure",
+                &[(vec![], rt.dead_time_fraction)],
+            )?;
+            e.gauge(
+                "tessera_run_dead_time_fraction",
+                "dead time over the open run so far, by the rule of tessera_dead_time_fraction (the run report's dead_time_fraction)",
+                &[(vec![], live.dead_time_fraction())],
+            )?;
             if self.live.as_ref().is_some_and(|l| l.trigger.is_some()) {
-                e.gauge(
-                    "tessera_trigger_dead_time_fraction",
-                    "fraction of the triggers offered in the last interval that were vetoed",
-                    &[(vec![], rt.dead_time_fraction)],
-                )?;
                 e.counter(
                     "tessera_trigger_vetoed_by_bottleneck",
                     "triggers vetoed in the open run, by the bottleneck named when they were (the stage that held the system BUSY)",

@@ -41,6 +41,10 @@ pub struct Point {
     pub recorded_bytes_per_s: f64,
     pub incomplete_per_s: f64,
     pub rejected_per_s: f64,
+    /// Over the interval, by [`tessera_run::live::dead_time_fraction`].
+    pub dead_time_fraction: f64,
+    /// The fullest buffer's occupancy (readout units, builders, recorder), 0..1.
+    pub buffer_fraction: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -195,7 +199,10 @@ impl Sampler {
                 .sum()
         };
         let rec_bytes = |l: &Live| l.recorder.as_ref().map_or(0, |r| r.file_bytes);
+        let r = rates(live, &then, dt);
         self.history.push_back(Point {
+            dead_time_fraction: r.dead_time_fraction,
+            buffer_fraction: buffer_fraction(live),
             t: live.elapsed_s,
             events_per_s: per_s(events(live), events(&then), dt),
             built_bytes_per_s: per_s(
@@ -214,7 +221,6 @@ impl Sampler {
         while self.history.len() > HISTORY {
             self.history.pop_front();
         }
-        let r = rates(live, &then, dt);
         if taking_data && !then.paused {
             *self.named.entry(r.bottleneck_key.clone()).or_default() += dt;
         }
@@ -254,6 +260,25 @@ impl Sampler {
         out.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
         out
     }
+}
+
+/// The fullest buffer's occupancy, 0..1: readout units, builders and the recorder.
+pub fn buffer_fraction(live: &Live) -> f64 {
+    live.readout_units
+        .iter()
+        .map(|u| occ(u.buffer_used, u.buffer_limit))
+        .chain(
+            live.builders
+                .iter()
+                .map(|b| occ(b.buffer_used, b.buffer_limit)),
+        )
+        .chain(
+            live.recorder
+                .iter()
+                .map(|r| occ(r.buffer_used, r.buffer_limit)),
+        )
+        .fold(0.0, f64::max)
+        .min(1.0)
 }
 
 fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
@@ -477,23 +502,27 @@ fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
         );
         stages.push(l.view("recorder", rec.host.clone()));
     }
-    let (trigger_offered_per_s, trigger_accepted_per_s, dead_time_fraction) =
+    let (trigger_offered_per_s, trigger_accepted_per_s, offered, vetoed) =
         match (&live.trigger, &then.trigger) {
             (Some(a), Some(b)) => {
                 let offered = a.offered.saturating_sub(b.offered);
-                let vetoed = a.vetoed.saturating_sub(b.vetoed);
                 (
                     offered as f64 / dt,
                     a.accepted.saturating_sub(b.accepted) as f64 / dt,
-                    if offered > 0 {
-                        vetoed as f64 / offered as f64
-                    } else {
-                        0.0
-                    },
+                    offered,
+                    a.vetoed.saturating_sub(b.vetoed),
                 )
             }
-            _ => (0.0, 0.0, 0.0),
+            _ => (0.0, 0.0, 0, 0),
         };
+    let veto = live
+        .trigger
+        .as_ref()
+        .is_some_and(|t| t.policy == "veto")
+        .then_some((offered, vetoed));
+    let vetoed_fraction = tessera_run::live::dead_time_fraction(veto, []);
+    let dead_time_fraction =
+        tessera_run::live::dead_time_fraction(veto, per_source_dead_fraction.iter().map(|x| x.1));
     let cpu = cpu_per_host(live, then, dt);
     for s in &mut stages {
         // The sources' view is grouped by the readout unit's host, not by where they run.
@@ -502,7 +531,7 @@ fn rates(live: &Live, then: &Live, dt: f64) -> Rates {
         }
     }
     let hold = after_last(live, then, dt, &cpu);
-    let (bottleneck, bottleneck_key) = vetoed_unblocked(named(&stages, &hold), dead_time_fraction);
+    let (bottleneck, bottleneck_key) = vetoed_unblocked(named(&stages, &hold), vetoed_fraction);
     // What the bottleneck was read from, for whoever asks why it was named (TESSERA_LOG=debug).
     tracing::debug!(
         target: "tessera::stages",

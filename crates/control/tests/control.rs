@@ -323,19 +323,26 @@ abort_grace_ms = 1000
     let s = c.session().unwrap();
     let stuck = s.monitor().unwrap().attach("hold", "stuck").unwrap();
     let raised = |kind: &str| c.alarms().active.iter().any(|a| a.alarm == kind);
+    // The blocked stages are the bottleneck's consequences: folded into its one alarm, which
+    // names what holds them (the recorder, waiting on the monitor's blocking station).
     assert!(
         eventually(Duration::from_secs(60), || raised("no_events")
-            && raised("stage_blocked")),
+            && raised("bottleneck")),
         "{:?}",
         c.alarms()
     );
+    let v = c.alarms();
+    let b = v.active.iter().find(|a| a.alarm == "bottleneck").unwrap();
+    assert!(b.message.starts_with("bottleneck recorder"), "{b:?}");
+    assert!(b.folded.iter().any(|f| f.contains("blocked for")), "{b:?}");
+    assert!(!raised("stage_blocked"), "{v:?}");
     let m = tessera_control::metrics::render(&c);
     assert!(
         m.contains(r#"tessera_alarm_active{alarm="no_events",subject="run""#),
         "{m}"
     );
     assert!(
-        m.contains(r#"tessera_alarms_raised_total{alarm="stage_blocked""#),
+        m.contains(r#"tessera_alarms_raised_total{alarm="bottleneck""#),
         "{m}"
     );
     // What waits in the kernel's queues between the readout unit and the builder.

@@ -32,7 +32,7 @@ pub struct LiveSource {
     pub bytes_after_end: u64,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct LiveReadout {
     pub id: u32,
     /// The host it runs on (`[hosts]`; none in a run in one process).
@@ -475,4 +475,56 @@ fn join(v: &[u32]) -> String {
         .map(|s| s.to_string())
         .collect::<Vec<_>>()
         .join(",")
+}
+
+/// Dead time as one figure for the whole system. With a veto (`veto` = triggers offered and
+/// vetoed), the fraction of triggers lost because a front-end was BUSY: what dead time means
+/// for a triggered system (a source held while its derandomizer absorbs the wait loses nothing).
+/// Without one (queued or unpaced triggers: none is lost, they are sent late), the fraction of
+/// the time the most-held emulated source spent held by back-pressure, unable to send: the
+/// front-end that would raise BUSY. The one rule the status line, the dashboard, `/metrics` and
+/// the run report use, over an interval or over the run.
+pub fn dead_time_fraction(veto: Option<(u64, u64)>, held: impl IntoIterator<Item = f64>) -> f64 {
+    match veto {
+        Some((offered, vetoed)) if offered > 0 => vetoed.min(offered) as f64 / offered as f64,
+        Some(_) => 0.0,
+        None => held
+            .into_iter()
+            .filter(|f| f.is_finite())
+            .fold(0.0, f64::max)
+            .clamp(0.0, 1.0),
+    }
+}
+
+impl Live {
+    /// The run's dead time so far ([`dead_time_fraction`] over the whole run).
+    pub fn dead_time_fraction(&self) -> f64 {
+        let secs = self.elapsed_s;
+        dead_time_fraction(
+            self.trigger
+                .as_ref()
+                .filter(|t| t.policy == "veto")
+                .map(|t| (t.offered, t.vetoed)),
+            self.sources.iter().filter_map(|s| {
+                let h = s.held_ns? as f64 / 1e9;
+                (secs > 0.0).then(|| h / secs)
+            }),
+        )
+    }
+}
+
+#[cfg(test)]
+mod dead_time_tests {
+    use super::dead_time_fraction;
+
+    #[test]
+    fn dead_time_is_the_vetoed_fraction_with_a_veto_else_the_most_held_source() {
+        assert_eq!(dead_time_fraction(Some((0, 0)), [0.5]), 0.0);
+        assert_eq!(dead_time_fraction(Some((100, 25)), [0.9]), 0.25);
+        assert_eq!(dead_time_fraction(Some((10, 20)), []), 1.0);
+        // Queued triggers: none lost, the sources held 90% of the time by full buffers.
+        assert_eq!(dead_time_fraction(None, [0.3, 0.9, 0.5]), 0.9);
+        assert_eq!(dead_time_fraction(None, [f64::NAN, 2.0]), 1.0);
+        assert_eq!(dead_time_fraction(None, []), 0.0);
+    }
 }

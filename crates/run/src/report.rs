@@ -424,6 +424,10 @@ pub struct Report {
     /// sources).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trigger: Option<TriggerReport>,
+    /// The run's dead time: with a veto the triggers vetoed, else the most-held source's time
+    /// held by back-pressure ([`crate::live::dead_time_fraction`]).
+    #[serde(default)]
+    pub dead_time_fraction: f64,
     pub sources: Vec<SourceReport>,
     pub readout_units: Vec<ReadoutReport>,
     pub builders: Vec<BuilderReport>,
@@ -1178,6 +1182,13 @@ impl Report {
             } else {
                 0.0
             },
+            dead_time_fraction: crate::live::dead_time_fraction(
+                p.trigger
+                    .as_ref()
+                    .filter(|t| t.policy == "veto")
+                    .map(|t| (t.offered, t.vetoed)),
+                p.sources.iter().map(|s| s.held_fraction),
+            ),
             trigger: p.trigger,
             sources: p.sources,
             readout_units: p.readout_units,
@@ -1266,6 +1277,19 @@ impl Report {
             self.events_per_s,
             human_bytes(self.built_bytes_per_s)
         );
+        if self.trigger.is_some() || self.sources.iter().any(|x| x.held_fraction > 0.0) {
+            let _ = writeln!(
+                s,
+                "  dead time {:.1}%{}",
+                100.0 * self.dead_time_fraction,
+                match &self.trigger {
+                    Some(t) if t.policy == "veto" => {
+                        format!(" ({} of {} triggers vetoed)", t.vetoed, t.offered)
+                    }
+                    _ => " (the most-held source's time held by back-pressure; triggers queued, none lost)".to_string(),
+                }
+            );
+        }
         let missing: BTreeMap<u32, u64> = self
             .builders
             .iter()

@@ -17,6 +17,8 @@ pub struct Status {
     last_busy: u64,
     last_offered: u64,
     last_vetoed: u64,
+    /// Each emulated source's time held by back-pressure at the last line, nanoseconds.
+    last_held: Vec<u64>,
     dirty: bool,
     /// The shipper's backlog goes on the line.
     pub shipper: Option<std::sync::Arc<tessera_shipper::ShipperService>>,
@@ -34,6 +36,7 @@ impl Status {
             last_busy: 0,
             last_offered: 0,
             last_vetoed: 0,
+            last_held: Vec::new(),
             dirty: false,
             shipper: None,
         }
@@ -138,23 +141,56 @@ impl Status {
             pct(ru_used, ru_lim),
             pct(bu_used, bu_lim),
         );
-        // The trigger: offered against accepted, and the dead time of the interval.
+        // Dead time over the interval and the run, by the rule the dashboard, `/metrics` and
+        // the report use: the larger of the triggers vetoed and the most-held source's time.
         let line = match &r.sources {
-            Some(src) if src.trigger.policy == "veto" => {
+            Some(src) => {
                 let t = &src.trigger;
                 let offered = t.offered.load(Ordering::Relaxed);
                 let vetoed = t.vetoed.load(Ordering::Relaxed);
-                let (o, v) = (
-                    offered - self.last_offered.min(offered),
-                    vetoed - self.last_vetoed.min(vetoed),
+                let held: Vec<u64> = src
+                    .stats
+                    .iter()
+                    .map(|x| x.held_ns.load(Ordering::Relaxed))
+                    .collect();
+                let secs = elapsed.as_secs_f64();
+                let veto = t.policy == "veto";
+                let interval = crate::live::dead_time_fraction(
+                    veto.then(|| {
+                        (
+                            offered - self.last_offered.min(offered),
+                            vetoed - self.last_vetoed.min(vetoed),
+                        )
+                    }),
+                    held.iter().enumerate().map(|(i, h)| {
+                        let then = self.last_held.get(i).copied().unwrap_or(0);
+                        h.saturating_sub(then) as f64 / 1e9 / dt
+                    }),
                 );
+                let run = crate::live::dead_time_fraction(
+                    veto.then_some((offered, vetoed)),
+                    held.iter()
+                        .filter(|_| secs > 0.0)
+                        .map(|h| *h as f64 / 1e9 / secs),
+                );
+                let o = offered - self.last_offered.min(offered);
                 self.last_offered = offered;
                 self.last_vetoed = vetoed;
-                format!(
-                    "{line}  trigger {:.0}/s offered, dead {:.0}% (vetoed {vetoed})",
-                    o as f64 / dt,
-                    pct(v, o)
-                )
+                self.last_held = held;
+                if veto {
+                    format!(
+                        "{line}  trigger {:.0}/s offered, dead {:.0}% (run {:.1}%, vetoed {vetoed})",
+                        o as f64 / dt,
+                        100.0 * interval,
+                        100.0 * run,
+                    )
+                } else {
+                    format!(
+                        "{line}  dead {:.0}% (run {:.1}%)",
+                        100.0 * interval,
+                        100.0 * run
+                    )
+                }
             }
             _ => line,
         };

@@ -15,7 +15,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 /// The schema this code writes and reads.
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
@@ -34,6 +34,8 @@ pub enum DbError {
     /// A comment longer than [`MAX_COMMENT`].
     #[error("comment of {0} bytes: at most {MAX_COMMENT}")]
     CommentTooLong(usize),
+    #[error("run {0} has {MAX_NOTES} notes already: no more are kept")]
+    TooManyNotes(u64),
 }
 
 /// Longest comment kept on a run, in bytes: comments go into the database and into one log line.
@@ -117,6 +119,40 @@ CREATE TABLE IF NOT EXISTS deleted_files (
     unix_ns         INTEGER NOT NULL,
     reason          TEXT NOT NULL           -- retention, or free space
 );
+-- Schema 4: the run's notes (an Elog in small), what operators did to alarms, and the headline
+-- series of every run at a bounded resolution.
+CREATE TABLE IF NOT EXISTS notes (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    run         INTEGER NOT NULL REFERENCES runs(number),
+    unix_ns     INTEGER NOT NULL,
+    who         TEXT NOT NULL,
+    kind        TEXT NOT NULL,          -- start, stop, note
+    text        TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS notes_by_run ON notes (run);
+CREATE TABLE IF NOT EXISTS alarm_actions (
+    id              INTEGER PRIMARY KEY AUTOINCREMENT,
+    unix_ns         INTEGER NOT NULL,
+    who             TEXT NOT NULL,
+    action          TEXT NOT NULL,      -- acknowledge, silence, unsilence
+    alarm           TEXT NOT NULL,
+    subject         TEXT NOT NULL,
+    until_unix_ns   INTEGER,            -- silence: until when
+    run             INTEGER
+);
+CREATE TABLE IF NOT EXISTS history (
+    run                 INTEGER NOT NULL,
+    unix_ns             INTEGER NOT NULL,   -- start of the span the point stands for
+    span_s              REAL NOT NULL,      -- 1, then coarser as points age
+    events_per_s        REAL NOT NULL,
+    built_bytes_per_s   REAL NOT NULL,
+    recorded_bytes_per_s REAL NOT NULL,
+    incomplete_per_s    REAL NOT NULL,
+    rejected_per_s      REAL NOT NULL,
+    dead_time_fraction  REAL NOT NULL,
+    buffer_fraction     REAL NOT NULL,      -- the fullest buffer's occupancy
+    PRIMARY KEY (run, unix_ns)
+);
 ";
 
 /// The shipper's state of one file at one destination.
@@ -146,6 +182,56 @@ pub struct LogRow {
     pub level: String,
     pub message: String,
 }
+
+/// One entry of a run's notes: the comment it was started or stopped with, or a note an
+/// operator added while or after it ran.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct NoteRow {
+    pub unix_ns: u64,
+    pub who: String,
+    /// `start`, `stop` or `note`.
+    pub kind: String,
+    pub text: String,
+}
+
+/// What an operator did to an alarm.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct AlarmActionRow {
+    pub unix_ns: u64,
+    pub who: String,
+    /// `acknowledge`, `silence` or `unsilence`.
+    pub action: String,
+    pub alarm: String,
+    pub subject: String,
+    /// A silence: until when.
+    pub until_unix_ns: Option<u64>,
+    pub run: Option<u64>,
+}
+
+/// One point of a run's headline series, standing for `span_s` seconds from `unix_ns`.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct HistoryPoint {
+    pub run: u64,
+    pub unix_ns: u64,
+    pub span_s: f64,
+    pub events_per_s: f64,
+    pub built_bytes_per_s: f64,
+    pub recorded_bytes_per_s: f64,
+    pub incomplete_per_s: f64,
+    pub rejected_per_s: f64,
+    pub dead_time_fraction: f64,
+    /// The fullest buffer's occupancy (the largest over the span).
+    pub buffer_fraction: f64,
+}
+
+/// How the history is kept: points younger than the first age at their own resolution (1 s),
+/// then averaged into buckets of the given width as they age; older than
+/// [`HISTORY_KEPT_DAYS`] they are deleted. A year of running is about 60 000 rows.
+pub const HISTORY_TIERS: [(u64, u64); 2] = [(3_600, 60), (86_400, 600)];
+/// Days of history kept.
+pub const HISTORY_KEPT_DAYS: u64 = 400;
+/// Notes kept per run.
+pub const MAX_NOTES: usize = 1000;
 
 /// The run database, shared by the threads of one process.
 pub struct RunDb {
@@ -207,6 +293,10 @@ pub struct RunRecord {
     pub report: Option<serde_json::Value>,
     /// What every role and host said during the run (INFO and above), oldest first.
     pub log: Vec<LogRow>,
+    /// The run's notes, oldest first: its start and stop comments among them.
+    pub notes: Vec<NoteRow>,
+    /// What operators did to the run's alarms, oldest first.
+    pub alarm_actions: Vec<AlarmActionRow>,
 }
 
 /// What a run is started with.
@@ -215,7 +305,10 @@ pub struct RunStart<'a> {
     pub config_sha256: &'a str,
     pub config: &'a str,
     pub started_unix_ns: u64,
+    /// Kept as the run's title and as its first note.
     pub comment: &'a str,
+    /// Who started it.
+    pub who: &'a str,
 }
 
 /// What a run ended with.
@@ -352,6 +445,13 @@ impl RunDb {
             ],
         )
         .map_err(|e| self.err(e))?;
+        if !s.comment.is_empty() {
+            tx.execute(
+                "INSERT INTO notes (run, unix_ns, who, kind, text) VALUES (?1, ?2, ?3, 'start', ?4)",
+                params![number as i64, s.started_unix_ns as i64, s.who, s.comment],
+            )
+            .map_err(|e| self.err(e))?;
+        }
         tx.commit().map_err(|e| self.err(e))?;
         Ok(number)
     }
@@ -648,7 +748,35 @@ impl RunDb {
             .map_err(|e| self.err(e))?
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| self.err(e))?;
+        let mut st = c
+            .prepare("SELECT unix_ns, who, kind, text FROM notes WHERE run = ?1 ORDER BY id")
+            .map_err(|e| self.err(e))?;
+        let notes = st
+            .query_map([number as i64], |r| {
+                Ok(NoteRow {
+                    unix_ns: r.get::<_, i64>(0)? as u64,
+                    who: r.get(1)?,
+                    kind: r.get(2)?,
+                    text: r.get(3)?,
+                })
+            })
+            .map_err(|e| self.err(e))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.err(e))?;
+        let mut st = c
+            .prepare(
+                "SELECT unix_ns, who, action, alarm, subject, until_unix_ns, run FROM alarm_actions
+                 WHERE run = ?1 ORDER BY id",
+            )
+            .map_err(|e| self.err(e))?;
+        let alarm_actions = st
+            .query_map([number as i64], alarm_action_row)
+            .map_err(|e| self.err(e))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.err(e))?;
         Ok(RunRecord {
+            notes,
+            alarm_actions,
             log,
             summary,
             config_sha256,
@@ -660,6 +788,246 @@ impl RunDb {
             // absent rather than failing the whole record.
             report: report.and_then(|s| serde_json::from_str(&s).ok()),
         })
+    }
+
+    /// Adds an entry to a run's notes (at most [`MAX_NOTES`] per run). A stop's comment also
+    /// becomes the run's title when it was started without one.
+    pub fn add_note(&self, run: u64, n: &NoteRow) -> Result<(), DbError> {
+        check_comment(&n.text)?;
+        let mut c = self.conn();
+        let tx = c.transaction().map_err(|e| self.err(e))?;
+        let exists: Option<i64> = tx
+            .query_row(
+                "SELECT number FROM runs WHERE number = ?1",
+                [run as i64],
+                |r| r.get(0),
+            )
+            .optional()
+            .map_err(|e| self.err(e))?;
+        if exists.is_none() {
+            return Err(DbError::NoRun(run));
+        }
+        let count: i64 = tx
+            .query_row(
+                "SELECT COUNT(*) FROM notes WHERE run = ?1",
+                [run as i64],
+                |r| r.get(0),
+            )
+            .map_err(|e| self.err(e))?;
+        if count as usize >= MAX_NOTES {
+            return Err(DbError::TooManyNotes(run));
+        }
+        tx.execute(
+            "INSERT INTO notes (run, unix_ns, who, kind, text) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![run as i64, n.unix_ns as i64, n.who, n.kind, n.text],
+        )
+        .map_err(|e| self.err(e))?;
+        if n.kind == "stop" {
+            // A run started without a comment is listed by its stop's.
+            tx.execute(
+                "UPDATE runs SET comment = ?2 WHERE number = ?1 AND comment = ''",
+                params![run as i64, n.text],
+            )
+            .map_err(|e| self.err(e))?;
+        }
+        tx.commit().map_err(|e| self.err(e))
+    }
+
+    /// Keeps what an operator did to an alarm.
+    pub fn log_alarm_action(&self, a: &AlarmActionRow) -> Result<(), DbError> {
+        self.conn()
+            .execute(
+                "INSERT INTO alarm_actions (unix_ns, who, action, alarm, subject, until_unix_ns, run)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                params![
+                    a.unix_ns as i64,
+                    a.who,
+                    a.action,
+                    a.alarm,
+                    a.subject,
+                    a.until_unix_ns.map(|v| v as i64),
+                    a.run.map(|v| v as i64)
+                ],
+            )
+            .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    /// The most recent alarm actions, newest first.
+    pub fn alarm_actions(&self, limit: usize) -> Result<Vec<AlarmActionRow>, DbError> {
+        let c = self.conn();
+        let mut st = c
+            .prepare(
+                "SELECT unix_ns, who, action, alarm, subject, until_unix_ns, run FROM alarm_actions
+                 ORDER BY id DESC LIMIT ?1",
+            )
+            .map_err(|e| self.err(e))?;
+        let rows = st
+            .query_map([limit as i64], alarm_action_row)
+            .map_err(|e| self.err(e))?;
+        rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
+    }
+
+    /// Adds points to the history, then averages what has aged into coarser buckets
+    /// ([`HISTORY_TIERS`]) and deletes what is older than [`HISTORY_KEPT_DAYS`], `now_unix_ns`
+    /// being the present.
+    pub fn add_history(&self, points: &[HistoryPoint], now_unix_ns: u64) -> Result<(), DbError> {
+        let mut c = self.conn();
+        let tx = c.transaction().map_err(|e| self.err(e))?;
+        {
+            let mut st = tx
+                .prepare(
+                    "INSERT OR REPLACE INTO history (run, unix_ns, span_s, events_per_s,
+                     built_bytes_per_s, recorded_bytes_per_s, incomplete_per_s, rejected_per_s,
+                     dead_time_fraction, buffer_fraction)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+                )
+                .map_err(|e| self.err(e))?;
+            for p in points {
+                st.execute(params![
+                    p.run as i64,
+                    p.unix_ns as i64,
+                    p.span_s,
+                    p.events_per_s,
+                    p.built_bytes_per_s,
+                    p.recorded_bytes_per_s,
+                    p.incomplete_per_s,
+                    p.rejected_per_s,
+                    p.dead_time_fraction,
+                    p.buffer_fraction
+                ])
+                .map_err(|e| self.err(e))?;
+            }
+        }
+        for (age_s, width_s) in HISTORY_TIERS {
+            let width = width_s * 1_000_000_000;
+            // Whole buckets only, so that a bucket is averaged once.
+            let cut = now_unix_ns.saturating_sub(age_s * 1_000_000_000) / width * width;
+            let merged: Vec<HistoryPoint> = {
+                let mut st = tx
+                    .prepare(
+                        "SELECT run, (unix_ns / ?2) * ?2, SUM(span_s),
+                         SUM(events_per_s * span_s), SUM(built_bytes_per_s * span_s),
+                         SUM(recorded_bytes_per_s * span_s), SUM(incomplete_per_s * span_s),
+                         SUM(rejected_per_s * span_s), SUM(dead_time_fraction * span_s),
+                         MAX(buffer_fraction)
+                         FROM history WHERE unix_ns < ?1 AND span_s < ?3
+                         GROUP BY run, unix_ns / ?2",
+                    )
+                    .map_err(|e| self.err(e))?;
+                let rows = st
+                    .query_map(params![cut as i64, width as i64, width_s as f64], |r| {
+                        let w: f64 = r.get(2)?;
+                        let avg = |i: usize| -> rusqlite::Result<f64> {
+                            Ok(if w > 0.0 {
+                                r.get::<_, f64>(i)? / w
+                            } else {
+                                0.0
+                            })
+                        };
+                        Ok(HistoryPoint {
+                            run: r.get::<_, i64>(0)? as u64,
+                            unix_ns: r.get::<_, i64>(1)? as u64,
+                            span_s: width_s as f64,
+                            events_per_s: avg(3)?,
+                            built_bytes_per_s: avg(4)?,
+                            recorded_bytes_per_s: avg(5)?,
+                            incomplete_per_s: avg(6)?,
+                            rejected_per_s: avg(7)?,
+                            dead_time_fraction: avg(8)?,
+                            buffer_fraction: r.get(9)?,
+                        })
+                    })
+                    .map_err(|e| self.err(e))?;
+                rows.collect::<Result<_, _>>().map_err(|e| self.err(e))?
+            };
+            if merged.is_empty() {
+                continue;
+            }
+            tx.execute(
+                "DELETE FROM history WHERE unix_ns < ?1 AND span_s < ?2",
+                params![cut as i64, width_s as f64],
+            )
+            .map_err(|e| self.err(e))?;
+            let mut st = tx
+                .prepare(
+                    "INSERT OR REPLACE INTO history (run, unix_ns, span_s, events_per_s,
+                     built_bytes_per_s, recorded_bytes_per_s, incomplete_per_s, rejected_per_s,
+                     dead_time_fraction, buffer_fraction)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+                )
+                .map_err(|e| self.err(e))?;
+            for p in merged {
+                st.execute(params![
+                    p.run as i64,
+                    p.unix_ns as i64,
+                    p.span_s,
+                    p.events_per_s,
+                    p.built_bytes_per_s,
+                    p.recorded_bytes_per_s,
+                    p.incomplete_per_s,
+                    p.rejected_per_s,
+                    p.dead_time_fraction,
+                    p.buffer_fraction
+                ])
+                .map_err(|e| self.err(e))?;
+            }
+        }
+        tx.execute(
+            "DELETE FROM history WHERE unix_ns < ?1",
+            [now_unix_ns.saturating_sub(HISTORY_KEPT_DAYS * 86_400 * 1_000_000_000) as i64],
+        )
+        .map_err(|e| self.err(e))?;
+        tx.commit().map_err(|e| self.err(e))
+    }
+
+    /// The history of runs `first..=last` (every run when `None`) between two times, oldest
+    /// first, at most `limit` points (the newest of them).
+    pub fn history(
+        &self,
+        runs: Option<(u64, u64)>,
+        since_unix_ns: u64,
+        until_unix_ns: u64,
+        limit: usize,
+    ) -> Result<Vec<HistoryPoint>, DbError> {
+        let (first, last) = runs.unwrap_or((0, i64::MAX as u64));
+        let c = self.conn();
+        let mut st = c
+            .prepare(
+                "SELECT run, unix_ns, span_s, events_per_s, built_bytes_per_s,
+                 recorded_bytes_per_s, incomplete_per_s, rejected_per_s, dead_time_fraction,
+                 buffer_fraction FROM (
+                   SELECT * FROM history WHERE run BETWEEN ?1 AND ?2 AND unix_ns BETWEEN ?3 AND ?4
+                   ORDER BY unix_ns DESC LIMIT ?5
+                 ) ORDER BY unix_ns",
+            )
+            .map_err(|e| self.err(e))?;
+        let rows = st
+            .query_map(
+                params![
+                    first as i64,
+                    last.min(i64::MAX as u64) as i64,
+                    since_unix_ns.min(i64::MAX as u64) as i64,
+                    until_unix_ns.min(i64::MAX as u64) as i64,
+                    limit as i64
+                ],
+                |r| {
+                    Ok(HistoryPoint {
+                        run: r.get::<_, i64>(0)? as u64,
+                        unix_ns: r.get::<_, i64>(1)? as u64,
+                        span_s: r.get(2)?,
+                        events_per_s: r.get(3)?,
+                        built_bytes_per_s: r.get(4)?,
+                        recorded_bytes_per_s: r.get(5)?,
+                        incomplete_per_s: r.get(6)?,
+                        rejected_per_s: r.get(7)?,
+                        dead_time_fraction: r.get(8)?,
+                        buffer_fraction: r.get(9)?,
+                    })
+                },
+            )
+            .map_err(|e| self.err(e))?;
+        rows.collect::<Result<Vec<_>, _>>().map_err(|e| self.err(e))
     }
 
     /// The most recent actions, newest first (all runs, and those outside any run).
@@ -695,6 +1063,18 @@ fn summary_row(r: &rusqlite::Row) -> rusqlite::Result<RunSummary> {
         recorded_events: r.get::<_, i64>(10)? as u64,
         balance_holds: r.get(11)?,
         config_origin: r.get(12)?,
+    })
+}
+
+fn alarm_action_row(r: &rusqlite::Row) -> rusqlite::Result<AlarmActionRow> {
+    Ok(AlarmActionRow {
+        unix_ns: r.get::<_, i64>(0)? as u64,
+        who: r.get(1)?,
+        action: r.get(2)?,
+        alarm: r.get(3)?,
+        subject: r.get(4)?,
+        until_unix_ns: r.get::<_, Option<i64>>(5)?.map(|v| v as u64),
+        run: r.get::<_, Option<i64>>(6)?.map(|v| v as u64),
     })
 }
 
