@@ -2150,3 +2150,147 @@ fn bench_lowrate_measures_cpu_per_fragment_at_1_khz_and_at_saturation() {
         assert!(r["whole_run_ratio"].as_f64().unwrap() > 0.0, "{r}");
     }
 }
+
+/// Issue 51, item 10: the shipped Prometheus files work on a real run. A drill (source 3 skips
+/// every fifth event) raises the incomplete-events alarm; a real Prometheus (Debian's package)
+/// scrapes the run control with `deploy/prometheus/tessera.rules.yml` and fires `TesseraAlarm`
+/// for it; and every series the Grafana dashboard and the rules ask for is in `/metrics`.
+#[test]
+fn prometheus_scrapes_a_run_and_fires_an_alert_on_a_drill() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let rules = root.join("deploy/prometheus/tessera.rules.yml");
+    let grafana = std::fs::read_to_string(root.join("deploy/grafana/tessera.json")).unwrap();
+    let have = |b: &str| {
+        Command::new(b)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if !have("prometheus") {
+        // CI installs it (.ci/run): there a missing Prometheus is a failure, not a skip.
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "no prometheus: Debian's prometheus package"
+        );
+        println!("SKIPPED: no prometheus (Debian's prometheus package)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let cfg = write(
+        dir.path(),
+        "t.toml",
+        "[sources]\ncount = 4\nfragment_size = 1024\ntrigger = \"periodic\"\nrate_hz = 500\n\
+         [control]\nsample_interval_ms = 200\n\
+         [[inject]]\nsource = 3\nkind = \"skip\"\nevery = 5\n",
+    );
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+    cmd.args(["run", &cfg, "--control", "--quiet", "--http", "127.0.0.1:0"])
+        .args(["--output", out.to_str().unwrap()]);
+    let p = Proc::spawn(cmd.stdout(std::process::Stdio::null()));
+    let file = out.join("control.addr");
+    let mut addr = None;
+    assert!(support::eventually(LIMIT, || {
+        addr = std::fs::read_to_string(&file)
+            .ok()
+            .and_then(|s| s.trim().parse::<std::net::SocketAddr>().ok());
+        addr.is_some()
+    }));
+    let addr = addr.unwrap().to_string();
+    let (code, body) = support::http(&addr, "POST", "/api/transitions/start");
+    assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
+    let alarm_raised = || {
+        let (_, b) = support::http(&addr, "GET", "/api/alarms");
+        String::from_utf8_lossy(&b).contains("\"alarm\":\"incomplete_fraction\"")
+    };
+    assert!(
+        support::eventually(LIMIT, alarm_raised),
+        "no incomplete-events alarm"
+    );
+
+    // Every series the Grafana dashboard and the alert rules name is one the run control serves.
+    let (_, m) = support::http(&addr, "GET", "/metrics");
+    let m = String::from_utf8(m).unwrap();
+    let rules_text = std::fs::read_to_string(&rules).unwrap();
+    let mut names = std::collections::BTreeSet::new();
+    for text in [&grafana, &rules_text] {
+        let mut rest = text.as_str();
+        while let Some(i) = rest.find("tessera_") {
+            let name: String = rest[i..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            rest = &rest[i + name.len()..];
+            names.insert(name);
+        }
+    }
+    names.remove("tessera_builder_missing_source_events_total"); // named in a description too
+    assert!(names.len() > 15, "{names:?}");
+    for n in &names {
+        let series = n.strip_suffix("_bucket").unwrap_or(n);
+        assert!(
+            m.contains(&format!("\n{series}")),
+            "{n} (in deploy/) is not in /metrics"
+        );
+    }
+    assert!(m.contains("\ntessera_builder_missing_source_events_total{"));
+
+    // A real Prometheus with the shipped rules fires TesseraAlarm for the drill's alarm.
+    let mut port = support::HeldPort::new();
+    let prom_cfg = dir.path().join("prometheus.yml");
+    std::fs::write(
+        &prom_cfg,
+        format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nrule_files:\n  - {}\n\
+             scrape_configs:\n  - job_name: tessera-run-control\n    static_configs:\n      - targets: [\"{addr}\"]\n",
+            rules.canonicalize().unwrap().display()
+        ),
+    )
+    .unwrap();
+    port.release();
+    let prom_addr = format!("127.0.0.1:{}", port.port);
+    let mut prom = Proc::spawn(
+        Command::new("prometheus")
+            .arg(format!("--config.file={}", prom_cfg.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("tsdb").display()
+            ))
+            .arg(format!("--web.listen-address={prom_addr}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("prometheus.log")).unwrap()),
+    );
+    let mut alerts = String::new();
+    let fired = support::eventually(std::time::Duration::from_secs(90), || {
+        if prom.exited().is_some() {
+            return true;
+        }
+        let Ok(mut s) = std::net::TcpStream::connect(&prom_addr) else {
+            return false;
+        };
+        use std::io::{Read, Write};
+        let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(5)));
+        let _ = write!(
+            s,
+            "GET /api/v1/alerts HTTP/1.1\r\nHost: {prom_addr}\r\nConnection: close\r\n\r\n"
+        );
+        alerts.clear();
+        let _ = s.read_to_string(&mut alerts);
+        alerts.contains("\"alertname\":\"TesseraAlarm\"")
+            && alerts.contains("\"alarm\":\"incomplete_fraction\"")
+            && alerts.contains("\"state\":\"firing\"")
+    });
+    let log = std::fs::read_to_string(dir.path().join("prometheus.log")).unwrap_or_default();
+    assert!(
+        prom.exited().is_none(),
+        "prometheus exited: {}",
+        &log[log.len().saturating_sub(3000)..]
+    );
+    assert!(fired, "TesseraAlarm not firing: {alerts}");
+    prom.signal("TERM");
+    let _ = prom.finish(LIMIT);
+    let (code, _) = support::http(&addr, "POST", "/api/transitions/stop");
+    assert_eq!(code, 200);
+    p.signal("INT");
+    assert!(p.finish(LIMIT).status.success());
+}
