@@ -81,6 +81,119 @@ const deadPlot = plot($("plot-dead"), "dead time and fullest buffer, %", [
   { label: "dead time", stroke: "#c5221f" },
   { label: "fullest buffer", stroke: "#3b5bdb" },
 ]);
+// Each buffer's occupancy over the run: one series per buffer, made again when the set of
+// buffers changes (a new topology).
+let bufferPlot = null;
+let bufferNames = "";
+function showBuffers(h) {
+  const names = h.length ? h[h.length - 1].buffers.map((b) => b[0]) : [];
+  if (!bufferPlot || names.join("|") !== bufferNames) {
+    bufferNames = names.join("|");
+    if (bufferPlot) bufferPlot.destroy();
+    const colors = ["#3b5bdb", "#1e8e3e", "#b58900", "#c5221f", "#7048e8", "#0b7285", "#e8590c", "#5c940d"];
+    bufferPlot = plot($("plot-buffers"), "each buffer's occupancy, %", names.map((n, i) => ({ label: n, stroke: colors[i % colors.length] })));
+  }
+  bufferPlot.setData([h.map((p) => p.t), ...names.map((n, i) => h.map((p) => (p.buffers[i] ? 100 * p.buffers[i][1] : null)))]);
+}
+
+// Histograms: the recorder fills them from every event; the page draws one at a time.
+const bars = uPlot.paths.bars({ size: [0.9, 60] });
+function barPlot(el, title, xfmt) {
+  return new uPlot({
+    title, width: Math.max(300, el.parentElement.clientWidth / 2 - 30), height: 220,
+    scales: { x: { time: false } },
+    axes: [{ values: (u, v) => v.map(xfmt) }, { size: 70 }],
+    series: [{ label: "bin", value: (u, v) => (v == null ? "--" : xfmt(v)) }, { label: "count", stroke: "#3b5bdb", fill: "#3b5bdb55", paths: bars, points: { show: false } }],
+  }, [[], []], el);
+}
+let histPlot = null;
+let histKind = null;
+let meansPlot = null;
+let lastTriggers = null;
+const log2Label = (unit) => (i) => {
+  if (i == null || i < 0) return "";
+  const v = i === 0 ? 0 : 2 ** (i - 1);
+  return unit === "ns" ? (v >= 1e9 ? (v / 1e9).toFixed(1) + " s" : v >= 1e6 ? (v / 1e6).toFixed(1) + " ms" : v >= 1e3 ? (v / 1e3).toFixed(0) + " µs" : v + " ns") : bytes(v);
+};
+// A histogram as bars: log2 bins by index (labelled by their lower bound), linear by centre.
+function histData(h) {
+  if (!h) return [[], []];
+  let first = h.bins.findIndex((n) => n > 0);
+  let last = h.bins.length - 1 - [...h.bins].reverse().findIndex((n) => n > 0);
+  if (first < 0) { first = 0; last = h.bins.length - 1; }
+  const xs = [], ys = [];
+  for (let i = first; i <= last; i++) {
+    xs.push(h.scale === "log2" ? i : h.lo + (h.hi - h.lo) * (i + 0.5) / h.bins.length);
+    ys.push(h.bins[i]);
+  }
+  return [xs, ys];
+}
+async function refreshHistograms() {
+  let r;
+  try { r = await getJSON("/api/histograms"); } catch (e) { return; }
+  const rec = r.recorder;
+  $("hist-run").textContent = `run ${r.run_number}${r.running ? " (so far)" : ""}`;
+  const pick = $("hist-pick");
+  const options = [];
+  if (rec) {
+    options.push(["event", "event size"], ["triggers", "time between triggers"]);
+    for (const s of Object.keys(rec.fragment_size)) options.push(["frag:" + s, "fragment size, source " + s]);
+    for (const s of Object.keys(rec.payload_word)) options.push(["word:" + s, "payload word, source " + s]);
+  }
+  for (const b of r.build_latency || []) options.push(["lat:" + b.builder, "build latency, builder " + b.builder]);
+  const want = options.map((o) => o[0]).join("|");
+  if (pick.dataset.options !== want) {
+    const keep = pick.value;
+    pick.innerHTML = options.map(([v, t]) => `<option value="${esc(v)}">${esc(t)}</option>`).join("");
+    pick.dataset.options = want;
+    if (options.some((o) => o[0] === keep)) pick.value = keep;
+  }
+  const k = pick.value;
+  let h = null, fmt = (v) => String(v), kind = k.split(":")[0];
+  if (!rec && kind !== "lat") { $("plot-hist").dataset.count = 0; return; }
+  if (k === "event") { h = rec.event_size; fmt = log2Label("bytes"); }
+  else if (k === "triggers") { h = rec.time_between_triggers; fmt = log2Label("ns"); }
+  else if (kind === "frag") { h = rec.fragment_size[k.slice(5)]; fmt = log2Label("bytes"); }
+  else if (kind === "word") { h = rec.payload_word[k.slice(5)]; fmt = (v) => (v == null ? "" : Number(v).toFixed(0)); }
+  if (kind === "lat") {
+    // The builder's latency histogram: cumulative Prometheus buckets, as /metrics gives them.
+    const b = (r.build_latency || []).find((x) => "lat:" + x.builder === k);
+    if (b) {
+      let prev = 0;
+      const xs = [], ys = [];
+      b.latency.buckets.forEach(([le, cum], i) => { xs.push(i); ys.push(cum - prev); prev = cum; });
+      const les = b.latency.buckets.map(([le]) => le);
+      fmt = (i) => (les[i] == null ? "+Inf" : "≤" + (les[i] * 1e3).toFixed(1) + " ms");
+      if (histKind !== k) { if (histPlot) histPlot.destroy(); histPlot = barPlot($("plot-hist"), "build latency", fmt); histKind = k; }
+      histPlot.setData([xs, ys]);
+      $("hist-stats").textContent = `${b.latency.count} events, mean ${(1e3 * b.latency.sum_s / Math.max(1, b.latency.count)).toFixed(2)} ms`;
+      $("plot-hist").dataset.count = b.latency.count;
+    }
+  } else if (h) {
+    if (histKind !== k) { if (histPlot) histPlot.destroy(); histPlot = barPlot($("plot-hist"), pick.options[pick.selectedIndex].text + " (" + h.unit + ")", fmt); histKind = k; }
+    histPlot.setData(histData(h));
+    const mean = h.count ? h.sum / h.count : 0;
+    $("hist-stats").textContent = `${h.count} entries, mean ${h.unit === "bytes" ? bytes(mean) : h.unit === "ns" ? (mean / 1e6).toFixed(3) + " ms" : mean.toFixed(1)}` +
+      (h.under || h.over ? `, ${h.under} under and ${h.over} over the range` : "");
+    $("plot-hist").dataset.count = h.count;
+  }
+  // The data-quality view: the payload word's mean per source, as bars.
+  if (rec) {
+    const srcs = Object.keys(rec.payload_word).map(Number);
+    if (!meansPlot) meansPlot = barPlot($("plot-means"), "payload word, mean per source", (v) => (v == null ? "" : String(v)));
+    meansPlot.setData([srcs, srcs.map((s) => { const w = rec.payload_word[s]; return w.count ? w.sum / w.count : null; })]);
+    $("plot-means").dataset.sources = srcs.length;
+    // Events by trigger type, with the rate since the last look.
+    const now = Date.now();
+    rows($("trigger-types").tBodies[0], Object.entries(rec.trigger_types).map(([t, n]) => {
+      const rate = lastTriggers && lastTriggers.run === r.run_number && r.running ? ((n - (lastTriggers.counts[t] || 0)) / ((now - lastTriggers.t) / 1e3)).toFixed(0) : "–";
+      return `<tr><td>${esc(t)}</td><td>${n}</td><td>${rate}</td></tr>`;
+    }));
+    lastTriggers = { run: r.run_number, t: now, counts: rec.trigger_types };
+  }
+}
+$("hist-pick").addEventListener("change", refreshHistograms);
+
 // History across runs: time in UTC on the x axis, one series per headline figure.
 const historyPlot = new uPlot({
   title: "history", width: Math.max(300, $("plot-history").parentElement.clientWidth - 30), height: 200,
@@ -157,10 +270,43 @@ function showState(s) {
     b.disabled = !!s.busy || !s.allowed.includes(b.dataset.t);
   }
   rows($("components").tBodies[0], s.components.map((c) =>
-    `<tr><td>${esc(c.name)}</td><td>${esc(c.host ?? "")}</td><td class="${esc(c.state)}">${esc(c.state)}</td><td>${esc(c.detail)}</td></tr>`));
+    `<tr><td>${esc(c.name)}</td><td>${esc(c.host ?? "")}</td><td class="${esc(c.state)}">${esc(c.state)}</td><td>${esc(linksOf(c.name))}</td><td>${esc(c.detail)}</td></tr>`));
   const ls = s.last_stop;
   $("last-stop").innerHTML = ls ? "<h2>Last stop</h2>" + ls.stages.map((x) =>
     `<div class="${x.finished ? "busy" : "blocked"}">${esc(x.stage)}: ${x.finished ? "done" : "deadline passed"} in ${x.elapsed_ms} ms (deadline ${x.deadline_ms} ms)${x.left ? " — " + esc(x.left) : ""}</div>`).join("") : "";
+}
+
+// Each component's links, from the live view: a readout unit's sources connected, a builder's
+// and the recorder's links open.
+let liveNow = null;
+function linksOf(name) {
+  const l = liveNow;
+  if (!l) return "";
+  let m = name.match(/^readout unit (\d+)/);
+  if (m) {
+    const src = l.sources.filter((x) => x.readout_unit === Number(m[1]));
+    return `${src.filter((x) => x.link_state === "connected").length}/${src.length} sources connected`;
+  }
+  m = name.match(/^builder (\d+)/);
+  if (m) {
+    const b = l.builders.find((x) => x.id === Number(m[1]));
+    return b ? `${b.links} links` : "";
+  }
+  if (name.startsWith("recorder") && l.recorder) return `${l.recorder.links} builder links`;
+  return "";
+}
+// Each process (the run's, or each host's agent): CPU over the last look, memory, uptime.
+let lastHosts = null;
+function showProcesses(hosts) {
+  const now = Date.now();
+  rows($("processes").tBodies[0], hosts.map((h) => {
+    const key = h.host || "this process";
+    const prev = lastHosts && lastHosts.t < now && lastHosts.cpu[key];
+    const cpu = prev != null ? (h.cpu_ns - prev) / 1e6 / (now - lastHosts.t) : null;
+    const up = h.uptime_s >= 3600 ? (h.uptime_s / 3600).toFixed(1) + " h" : h.uptime_s >= 60 ? (h.uptime_s / 60).toFixed(1) + " min" : h.uptime_s.toFixed(0) + " s";
+    return `<tr><td>${esc(key)}</td><td>${h.pid || ""}</td><td>${cpu == null ? "–" : (100 * cpu).toFixed(0) + "% of " + h.cpu_allowance.toFixed(1) + " cores"}</td><td>${bytes(h.rss_bytes || 0)}</td><td>${up}</td></tr>`;
+  }));
+  lastHosts = { t: now, cpu: Object.fromEntries(hosts.map((h) => [h.host || "this process", h.cpu_ns])) };
 }
 
 let lastRun = null;
@@ -217,6 +363,8 @@ async function refresh() {
     $("message").className = "";
   }
   tokenRequired = !!v.token_required;
+  liveNow = v.live;
+  if (v.live && v.live.hosts) showProcesses(v.live.hosts);
   $("btn-token").hidden = !tokenRequired || !!token();
   showState(v.state);
   showAlarms(v.alarms || []);
@@ -226,6 +374,7 @@ async function refresh() {
   ratePlot.setData([h.map((p) => p.t), h.map((p) => p.events_per_s), h.map((p) => p.incomplete_per_s)]);
   throughputPlot.setData([h.map((p) => p.t), h.map((p) => p.built_bytes_per_s / 1e6), h.map((p) => p.recorded_bytes_per_s / 1e6)]);
   deadPlot.setData([h.map((p) => p.t), h.map((p) => 100 * p.dead_time_fraction), h.map((p) => 100 * p.buffer_fraction)]);
+  showBuffers(h);
   // Dead time by the rule of the status line, /metrics and the report.
   const d = v.dead_time;
   $("dead-time").textContent = taking && d && d.interval_fraction != null ? (100 * d.interval_fraction).toFixed(1) + "%" : "0.0%";
@@ -354,6 +503,43 @@ async function refreshNotes() {
       `<tr><td>${utc(x.unix_ns)}</td><td>${esc(x.who.split(" from ")[0])}</td><td class="label">${esc(x.kind)}</td><td>${esc(x.text)}</td></tr>`));
   } catch (e) { /* no such run yet */ }
 }
+// The run's configuration (secrets redacted, as the run database keeps it) and what changed
+// since the run before: a line diff.
+function lineDiff(a, b) {
+  const n = a.length, m = b.length;
+  if (n * m > 4e6) return ["(too long to compare here: tessera runs show --json has both)"];
+  const L = Array.from({ length: n + 1 }, () => new Uint32Array(m + 1));
+  for (let i = n - 1; i >= 0; i--) for (let j = m - 1; j >= 0; j--) L[i][j] = a[i] === b[j] ? L[i + 1][j + 1] + 1 : Math.max(L[i + 1][j], L[i][j + 1]);
+  const out = [];
+  let i = 0, j = 0;
+  while (i < n || j < m) {
+    if (i < n && j < m && a[i] === b[j]) { i++; j++; }
+    else if (j < m && (i === n || L[i][j + 1] >= L[i + 1][j])) out.push("+ " + b[j++]);
+    else out.push("- " + a[i++]);
+  }
+  return out;
+}
+let configShown = null;
+async function refreshConfig() {
+  const n = lastRun ?? (historyRuns[0] && historyRuns[0].number);
+  if (n == null || configShown === n) return;
+  try {
+    const r = await getJSON("/api/runs/" + n);
+    $("config-run").textContent = `run ${n}, ${r.config_origin}, sha256 ${r.config_sha256.slice(0, 12)}…`;
+    $("config").textContent = r.config;
+    let diff = "no run before it";
+    const prev = historyRuns.find((x) => x.number < n);
+    if (prev) {
+      const p = await getJSON("/api/runs/" + prev.number);
+      const d = lineDiff(p.config.split("\n"), r.config.split("\n"));
+      diff = d.length ? `changes since run ${prev.number}:\n` + d.join("\n") : `the same as run ${prev.number}`;
+    }
+    $("config-diff").textContent = diff;
+    $("config-diff-summary").textContent = "the topology of the run · " + diff.split("\n")[0];
+    configShown = n;
+  } catch (e) { /* no such run yet */ }
+}
+
 $("note-form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
   const text = $("note-text").value.trim();
@@ -366,11 +552,44 @@ $("note-form").addEventListener("submit", async (ev) => {
   refreshNotes();
 });
 
+// The sampled event: its header fields, and each fragment's payload plotted as words of the
+// configured type (one series per source), made again when the set of sources changes.
+let samplePlot = null;
+let sampleSources = "";
+function showSample(s) {
+  const row = (k, v) => `<tr><td class="label">${esc(k)}</td><td>${v}</td></tr>`;
+  rows($("sample-head").tBodies[0], [
+    row("run, event", `${s.run_number}, ${s.event_id}`),
+    row("trigger type", s.trigger_type),
+    row("trigger time", (s.timestamp / 1e9).toFixed(6) + " s"),
+    row("builder", s.builder_id),
+    row("fragments, size", `${s.fragment_count}, ${bytes(s.record_size)}`),
+    row("flags", s.flags.length ? `<span class="blocked">${s.flags.map(esc).join(", ")}</span>` : "none"),
+    row("missing sources", s.missing.length ? `<span class="blocked">${s.missing.join(", ")}</span>` : "none"),
+  ]);
+  const frags = s.fragments || [];
+  const names = frags.map((f) => String(f.source)).join("|");
+  if (!samplePlot || names !== sampleSources) {
+    sampleSources = names;
+    if (samplePlot) samplePlot.destroy();
+    const colors = ["#3b5bdb", "#1e8e3e", "#b58900", "#c5221f", "#7048e8", "#0b7285", "#e8590c", "#5c940d"];
+    samplePlot = new uPlot({
+      title: "payload as " + s.word_type + " words, per source", width: Math.max(300, $("plot-sample").parentElement.clientWidth - 30), height: 200,
+      scales: { x: { time: false } }, axes: [{ label: "word" }, { size: 60 }],
+      series: [{ label: "word" }, ...frags.map((f, i) => ({ label: "source " + f.source, stroke: colors[i % colors.length], points: { show: false } }))],
+    }, [[], ...frags.map(() => [])], $("plot-sample"));
+  }
+  const n = Math.max(0, ...frags.map((f) => f.words.length));
+  samplePlot.setData([[...Array(n).keys()], ...frags.map((f) => f.words.length ? f.words : [null])]);
+  $("plot-sample").dataset.sources = frags.length;
+}
+
 async function refreshSample() {
   // The sampled event attaches a monitor consumer: a call that needs the token where one is set.
   if (!mayChange()) return;
   try {
     const s = await getJSON("/api/sample", true);
+    showSample(s);
     $("sample").textContent = `run ${s.run_number} event ${s.event_id} trigger ${s.trigger_type} builder ${s.builder_id} fragments ${s.fragment_count} size ${s.record_size}` +
       (s.flags.length ? " [" + s.flags.join(",") + "]" : "") + (s.missing.length ? " missing " + s.missing.join(",") : "") +
       "\n\n" + s.text + "\n\nrecord:\n" + s.hex.join("\n");
@@ -395,15 +614,18 @@ async function refreshLog() {
 }
 
 // The first look says whether a token is needed: asked for once, before any call needing it.
-refresh().then(() => {
+refresh().finally(() => {
   if (tokenRequired && !token()) askToken();
   refreshSample();
   setInterval(refreshSample, 2000);
 });
 refreshRuns().then(() => { refreshHistory(); refreshNotes(); });
 refreshLog();
+refreshHistograms();
+setInterval(refreshHistograms, 2000);
 setInterval(refreshHistory, 5000);
 setInterval(refreshNotes, 3000);
+setInterval(refreshConfig, 3000);
 setInterval(refreshLog, 2000);
 setInterval(refresh, 1000);
 setInterval(refreshRuns, 3000);

@@ -75,7 +75,8 @@ try {
   await until("the trigger line", async () => /^trigger \(veto\): \d+\/s offered, \d+\/s accepted, dead time [\d.]+%; run: \d+ offered/.test(await page.textContent("#trigger")));
   await until("readout buffers", async () => (await page.locator("#ru-buffers .bar").count()) === 2);
   await until("alignment rows", async () => (await page.locator("#alignment tbody tr").count()) === 8);
-  await until("a sampled event", async () => (await page.textContent("#sample")).startsWith("run 1 event"));
+  await until("a sampled event", async () => (await page.textContent("#sample")).startsWith("run 1 event") || errors.length > 0);
+  assert.deepEqual(errors, [], "errors in the page");
   // The file being written is listed while the run goes on, and the run's row counts live.
   await until("the file being written", async () => (await page.locator("#files tbody tr.writing").count()) === 1);
   assert.match(await page.textContent("#files tbody tr.writing td"), /\.tsr\.part \(being written\)$/);
@@ -86,10 +87,31 @@ try {
   // The bottleneck is red only when it names one.
   const bn = await page.evaluate(() => [document.getElementById("bottleneck").textContent, document.getElementById("bottleneck").className]);
   assert.equal(bn[1].includes("named"), !bn[0].startsWith("bottleneck: none"), "bottleneck " + bn);
+  // The sampled event's header fields, and every source's payload plotted as words.
+  assert.match(await page.textContent("#sample-head"), /run, event1, \d+/);
+  assert.match(await page.textContent("#sample-head"), /missing sourcesnone/);
+  await until("the payload plot", async () => (await page.getAttribute("#plot-sample", "data-sources")) === "8");
+  await page.click("#sample-head + div + details summary");
   // The sampled event's hex fits its box: nothing cut off on the right.
   assert.ok(await page.evaluate(() => { const e = document.getElementById("sample"); return e.scrollWidth <= e.clientWidth; }), "sampled event cut off");
   // The plots have data.
   await until("plotted points", () => page.evaluate(() => document.querySelectorAll("#plot-rate canvas").length > 0));
+  // The programs view: each component's links, the process's CPU, memory and uptime.
+  await until("links per component", async () => (await page.textContent("#components")).includes("4/4 sources connected"));
+  await until("the process's CPU", async () => /this process\d+\d+% of [\d.]+ cores[\d.]+ (MB|GB)/.test(await page.textContent("#processes")));
+  // Histograms filled from the data path: every source's fragment sizes and payload word, the
+  // payload word's mean per source, events by trigger type.
+  await until("a histogram with entries", async () => Number(await page.getAttribute("#plot-hist", "data-count")) > 0);
+  const picks = await page.locator("#hist-pick option").allTextContents();
+  for (const want of ["event size", "time between triggers", "fragment size, source 7", "payload word, source 0", "build latency, builder 1"]) {
+    assert.ok(picks.includes(want), want + " not among " + picks);
+  }
+  await page.selectOption("#hist-pick", { label: "payload word, source 3" });
+  await until("source 3's payload word", async () => (await page.textContent("#plot-hist")).includes("payload word, source 3"));
+  assert.equal(await page.getAttribute("#plot-means", "data-sources"), "8");
+  await until("events by trigger type", async () => (await page.locator("#trigger-types tbody tr").count()) > 0);
+  // Each buffer's occupancy over time: one series per readout unit, builder and the recorder.
+  await until("the buffer plot", async () => (await page.textContent("#plot-buffers")).includes("RU 1"));
   // Dead time is a headline figure, over the interval and the run.
   assert.match(await page.textContent("#dead-time"), /^\d+\.\d%$/);
   await until("the run's dead time", async () => /^run \d+\.\d%$/.test(await page.textContent("#dead-time-run")));
@@ -149,6 +171,9 @@ try {
   // Back to running for the picture: a dashboard with moving plots.
   await page.click("#btn-start");
   await until("run 2 running", async () => (await page.textContent("#run-number")) === "2");
+  // The configuration view: run 2's topology, the same as run 1's.
+  await until("run 2's configuration", async () => (await page.textContent("#config-diff")) === "the same as run 1");
+  assert.match(await page.textContent("#config"), /\[sources\]/);
   await sleep(4000);
   await page.screenshot({ path: shot, fullPage: true });
   await page.click("#btn-stop");

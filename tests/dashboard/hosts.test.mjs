@@ -107,6 +107,11 @@ be = "${agents.be.addr}"
     const h = await hostsOf("components", 1);
     return ["fe1", "fe2", "be"].every((x) => h.has(x));
   });
+  // The programs view: every host's process, with its CPU, memory and uptime.
+  await until("every host's process", async () => {
+    const h = await hostsOf("processes", 0);
+    return ["fe1", "fe2", "be"].every((x) => h.has(x));
+  });
   // Each stage's condition per host; the bottleneck line names one or says none.
   await until("stages per host", async () => {
     const h = await hostsOf("stages", 1);

@@ -117,6 +117,9 @@ pub enum Mode {
     Build,
     /// … → recorder writing uncompressed files.
     Record,
+    /// The same with the recorder's histograms (`[histograms]`) off: their cost is the ratio
+    /// of the two points of one run.
+    RecordNoHistograms,
     /// … → recorder writing lz4 files (byte-shuffled ADC samples).
     RecordLz4,
 }
@@ -126,6 +129,7 @@ impl Mode {
         match self {
             Mode::Build => "build",
             Mode::Record => "build+record",
+            Mode::RecordNoHistograms => "build+record-hist",
             Mode::RecordLz4 => "build+record+lz4",
         }
     }
@@ -405,6 +409,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         sizes[sizes.len() / 2]
     };
     plan.push((Mode::Record, rec_size, sources[0], None));
+    plan.push((Mode::RecordNoHistograms, rec_size, sources[0], None));
     plan.push((Mode::RecordLz4, rec_size, sources[0], None));
     if !a.json {
         eprintln!(
@@ -491,6 +496,7 @@ fn bench_topology_with(
         Compression::None
     };
     t.recorder.max_file_size = ByteSize(4 << 30);
+    t.histograms.enabled = mode != Mode::RecordNoHistograms;
     let text = toml_text(&t);
     Ok(t.resolve("<bench>", text)?)
 }

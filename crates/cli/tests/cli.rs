@@ -411,10 +411,14 @@ fn bench_prints_one_json_object_per_point() {
     let o = small_bench(&[]);
     assert!(o.status.success(), "{}", stderr(&o));
     let points = json_lines(&o);
-    // One building point, then building with recording and with lz4 recording.
-    assert_eq!(points.len(), 3);
+    // One building point, then building with recording (the histograms on, then off: their
+    // cost), and with lz4 recording.
+    assert_eq!(points.len(), 4);
     let modes: Vec<&str> = points.iter().map(|p| p["mode"].as_str().unwrap()).collect();
-    assert_eq!(modes, ["build", "record", "record_lz4"]);
+    assert_eq!(
+        modes,
+        ["build", "record", "record_no_histograms", "record_lz4"]
+    );
     for p in &points {
         for key in [
             "fragment_size",
@@ -450,6 +454,7 @@ fn bench_sweeps_the_events_per_builder_block() {
             ("build", 1),
             ("build", 4),
             ("record", 16),
+            ("record_no_histograms", 16),
             ("record_lz4", 16)
         ]
     );
@@ -2293,4 +2298,100 @@ fn prometheus_scrapes_a_run_and_fires_an_alert_on_a_drill() {
     assert_eq!(code, 200);
     p.signal("INT");
     assert!(p.finish(LIMIT).status.success());
+}
+
+/// Issue 51, item 1: the histograms kept with a run agree with its files: every recorded event
+/// counted once in the event sizes, every fragment in its source's sizes, and the payload word's
+/// mean per source as read back from the files.
+#[test]
+fn the_histograms_kept_with_a_run_agree_with_its_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("data");
+    let cfg = write(
+        dir.path(),
+        "h.toml",
+        "[run]\nevents = 3000\n[sources]\ncount = 4\nfragment_size = 300\nsize_spread = 200\n\
+         trigger_types = 3\n[histograms]\npayload_offset = 6\npayload_type = \"u16\"\n\
+         payload_bins = 16\n",
+    );
+    let o = tessera(&["run", &cfg, "--output", out.to_str().unwrap(), "--quiet"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = tessera(&[
+        "runs",
+        "show",
+        "1",
+        "--json",
+        "--data",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rec: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let h = &rec["report"]["recorder"]["histograms"];
+    assert!(h.is_object(), "no histograms in the run's report: {rec}");
+    let sum = |v: &serde_json::Value| -> u64 {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .sum()
+    };
+    // What the files hold, read through the archive's reader (not the recorder's code).
+    let (mut events, mut bytes) = (0u64, 0u64);
+    let mut by_type: std::collections::BTreeMap<u16, u64> = Default::default();
+    let mut frags: std::collections::BTreeMap<u32, (u64, u64, u64, f64)> = Default::default();
+    for f in std::fs::read_dir(&out).unwrap().flatten() {
+        if !f.file_name().to_string_lossy().ends_with(".tsr") {
+            continue;
+        }
+        let mut rd = tessera_verify::FileReader::open(&f.path()).unwrap();
+        while let Some((_, raw)) = rd.next_block().unwrap() {
+            for e in tessera_verify::events_in(raw) {
+                let e = e.unwrap();
+                events += 1;
+                bytes += e.bytes.len() as u64;
+                *by_type.entry(e.header.trigger_type).or_default() += 1;
+                let body = e.body();
+                for p in e.fragments() {
+                    let p = p.unwrap();
+                    let payload = &body[p.payload_range()];
+                    let x = frags.entry(p.header.source_id).or_default();
+                    x.0 += 1;
+                    x.1 += payload.len() as u64;
+                    if payload.len() >= 8 {
+                        x.2 += 1;
+                        x.3 += u16::from_le_bytes([payload[6], payload[7]]) as f64;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(events, 3000);
+    assert_eq!(h["event_size"]["count"], events);
+    assert_eq!(sum(&h["event_size"]["bins"]), events);
+    assert_eq!(h["event_size"]["sum"].as_f64().unwrap(), bytes as f64);
+    let types: std::collections::BTreeMap<u16, u64> =
+        serde_json::from_value(h["trigger_types"].clone()).unwrap();
+    assert_eq!(types, by_type);
+    assert!(by_type.len() > 1, "{by_type:?}");
+    // Consecutive event IDs 0..2999, all recorded: 2999 pairs of triggers.
+    assert_eq!(h["time_between_triggers"]["count"], 2999);
+    assert_eq!(frags.len(), 4);
+    for (src, (n, payload_bytes, words, word_sum)) in &frags {
+        let fs = &h["fragment_size"][src.to_string()];
+        assert_eq!(fs["count"], *n, "source {src}");
+        assert_eq!(sum(&fs["bins"]), *n);
+        assert_eq!(fs["sum"].as_f64().unwrap(), *payload_bytes as f64);
+        let w = &h["payload_word"][src.to_string()];
+        assert_eq!(w["count"], *words, "source {src}");
+        assert_eq!(w["bins"].as_array().unwrap().len(), 16);
+        let mean = w["sum"].as_f64().unwrap() / w["count"].as_f64().unwrap();
+        assert!(
+            (mean - word_sum / *words as f64).abs() < 1e-6,
+            "source {src}"
+        );
+    }
+    assert_eq!(
+        h["payload_too_short"],
+        frags.values().map(|x| x.0 - x.2).sum::<u64>()
+    );
 }

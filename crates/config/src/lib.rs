@@ -56,6 +56,8 @@ pub struct Topology {
     pub control: ControlSection,
     /// `[alarms]`: when the run control raises an alarm while a run takes data.
     pub alarms: AlarmsSection,
+    /// `[histograms]`: what the recorder histograms for the dashboard and the run report.
+    pub histograms: HistogramsSection,
     /// `[security]`: who may connect to the data and monitor ports.
     pub security: SecuritySection,
     /// `[shipper]`: copies finished files to permanent storage (none without `to`).
@@ -194,6 +196,77 @@ impl Default for StopSection {
             abort_grace_ms: 3_000,
             max_ms: 0,
         }
+    }
+}
+
+/// `[histograms]`: the recorder fills, for every event it takes, histograms of event size,
+/// fragment size per source, time between consecutive triggers and one payload word per source
+/// (a data-quality view), and counts by trigger type. Bounded memory (fixed bins, at most
+/// [`MAX_HISTOGRAM_SOURCES`] sources); reset per run, kept in its report.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct HistogramsSection {
+    /// Off: nothing is filled (the data path's cost is measured against this).
+    pub enabled: bool,
+    /// The payload word histogrammed per source: its byte offset in the payload ...
+    pub payload_offset: u32,
+    /// ... its type: `u8`, `u16`, `u32`, `i16`, `i32` or `f32`, little-endian ...
+    pub payload_type: PayloadWord,
+    /// ... and the range and number of the histogram's bins (values outside are counted
+    /// under and over).
+    pub payload_min: f64,
+    pub payload_max: f64,
+    pub payload_bins: u32,
+}
+
+/// Sources histogrammed one by one; past this many, a run's further sources are counted, not
+/// kept.
+pub const MAX_HISTOGRAM_SOURCES: usize = 4096;
+
+impl Default for HistogramsSection {
+    fn default() -> Self {
+        HistogramsSection {
+            enabled: true,
+            payload_offset: 0,
+            payload_type: PayloadWord::U16,
+            payload_min: 0.0,
+            payload_max: 65536.0,
+            payload_bins: 64,
+        }
+    }
+}
+
+/// The type of the payload word a data-quality histogram reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PayloadWord {
+    U8,
+    U16,
+    U32,
+    I16,
+    I32,
+    F32,
+}
+
+impl PayloadWord {
+    pub fn size(self) -> usize {
+        match self {
+            PayloadWord::U8 => 1,
+            PayloadWord::U16 | PayloadWord::I16 => 2,
+            PayloadWord::U32 | PayloadWord::I32 | PayloadWord::F32 => 4,
+        }
+    }
+
+    /// The word at the start of `b` (little-endian), if `b` holds one.
+    pub fn read(self, b: &[u8]) -> Option<f64> {
+        Some(match self {
+            PayloadWord::U8 => f64::from(*b.first()?),
+            PayloadWord::U16 => f64::from(u16::from_le_bytes(b.get(..2)?.try_into().ok()?)),
+            PayloadWord::I16 => f64::from(i16::from_le_bytes(b.get(..2)?.try_into().ok()?)),
+            PayloadWord::U32 => f64::from(u32::from_le_bytes(b.get(..4)?.try_into().ok()?)),
+            PayloadWord::I32 => f64::from(i32::from_le_bytes(b.get(..4)?.try_into().ok()?)),
+            PayloadWord::F32 => f64::from(f32::from_le_bytes(b.get(..4)?.try_into().ok()?)),
+        })
     }
 }
 
@@ -2339,6 +2412,25 @@ impl Topology {
                     ),
                 ));
             }
+        }
+        let h = &self.histograms;
+        if !(h.payload_min.is_finite()
+            && h.payload_max.is_finite()
+            && h.payload_min < h.payload_max)
+        {
+            return Err(err(
+                "histograms.payload_max",
+                format!(
+                    "the range {} to {} is empty: payload_max must be above payload_min",
+                    h.payload_min, h.payload_max
+                ),
+            ));
+        }
+        if !(1..=4096).contains(&h.payload_bins) {
+            return Err(err(
+                "histograms.payload_bins",
+                format!("{} bins: from 1 to 4096", h.payload_bins),
+            ));
         }
         let a = &self.alarms;
         for (key, v, max) in [

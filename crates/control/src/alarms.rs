@@ -656,6 +656,7 @@ mod tests {
             rejected_per_s: 0.0,
             dead_time_fraction: 0.0,
             buffer_fraction: 0.0,
+            buffers: vec![],
         }
     }
 

@@ -118,6 +118,7 @@ mod tests {
             rejected_per_s: 0.0,
             dead_time_fraction: 0.5,
             buffer_fraction: buffer,
+            buffers: vec![],
         }
     }
 

@@ -301,6 +301,7 @@ fn router(app: Arc<App>) -> Router {
         .route("/api/runs/{number}/comment", put(comment))
         .route("/api/runs/{number}/notes", post(add_note))
         .route("/api/history", get(history))
+        .route("/api/histograms", get(histograms))
         .route("/api/actions", get(actions))
         .route("/api/log", get(log))
         .route("/api/alarms", get(alarms))
@@ -551,7 +552,11 @@ async fn live(AxState(app): AxState<Arc<App>>) -> Response {
     let ctl = app.ctl.clone();
     let token_required = app.token.is_some();
     let r = tokio::task::spawn_blocking(move || {
-        let live = ctl.session().map(|s| s.live());
+        let mut live = ctl.session().map(|s| s.live());
+        // The histograms have their own call: the live view stays small at every poll.
+        if let Some(r) = live.as_mut().and_then(|l| l.recorder.as_mut()) {
+            r.histograms = None;
+        }
         let alarms: Vec<_> = ctl.shared.alarms.lock().active().cloned().collect();
         // Between runs too: files drain after the run that wrote them.
         let shipper = live
@@ -734,6 +739,61 @@ async fn history(AxState(app): AxState<Arc<App>>, Query(q): Query<HistoryQuery>)
     });
     let limit = q.limit.unwrap_or(4000).min(100_000);
     db_call(&app, |db| db.history(runs, since, u64::MAX, limit))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HistogramsQuery {
+    /// A finished run's, from the run database (default: the open run's, or the last run's).
+    run: Option<u64>,
+}
+
+/// The recorder's histograms (event size, fragment size and payload word per source, time
+/// between triggers, events by trigger type) and each builder's build latency: the open run's
+/// so far, the last run's after it stops, or those kept with run `run`.
+async fn histograms(AxState(app): AxState<Arc<App>>, Query(q): Query<HistogramsQuery>) -> Response {
+    let ctl = app.ctl.clone();
+    let r = tokio::task::spawn_blocking(move || -> Result<serde_json::Value, Box<Response>> {
+        let report = |rep: &serde_json::Value| {
+            serde_json::json!({
+                "run_number": rep["run_number"],
+                "running": false,
+                "recorder": rep["recorder"]["histograms"],
+                "build_latency": serde_json::Value::Null,
+            })
+        };
+        if let Some(n) = q.run {
+            let Some(db) = ctl.db() else {
+                return Err(Box::new(err(StatusCode::NOT_FOUND, "no run database yet")));
+            };
+            return match db.get(n) {
+                Ok(r) => Ok(report(&r.report.unwrap_or_default())),
+                Err(e @ tessera_rundb::DbError::NoRun(_)) => {
+                    Err(Box::new(err(StatusCode::NOT_FOUND, e)))
+                }
+                Err(e) => Err(Box::new(err(StatusCode::INTERNAL_SERVER_ERROR, e))),
+            };
+        }
+        if let Some(s) = ctl.session() {
+            let l = s.live();
+            return Ok(serde_json::json!({
+                "run_number": l.run_number,
+                "running": true,
+                "recorder": l.recorder.as_ref().and_then(|r| r.histograms.as_ref()),
+                "build_latency": l.builders.iter().map(|b| serde_json::json!({"builder": b.id, "latency": b.latency})).collect::<Vec<_>>(),
+            }));
+        }
+        match ctl.last_report() {
+            Some(r) => Ok(report(&serde_json::to_value(&*r).unwrap_or_default())),
+            None => Err(Box::new(err(StatusCode::NOT_FOUND, "no run yet"))),
+        }
+    })
+    .await;
+    match r {
+        Ok(Ok(v)) => Json(v).into_response(),
+        Ok(Err(e)) => *e,
+        Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, e),
+    }
 }
 
 #[derive(Deserialize)]
@@ -935,6 +995,53 @@ struct Sample {
     text: String,
     /// The record's first bytes, hex, 16 per line.
     hex: Vec<String>,
+    /// The trigger time (ns since the run started for emulated sources).
+    timestamp: u64,
+    /// What each fragment's payload is read as (`[histograms] payload_type`).
+    word_type: tessera_config::PayloadWord,
+    /// Each fragment (the first 256), with its payload as words (the first 1 024), for the
+    /// dashboard's plot.
+    fragments: Vec<SampleFragment>,
+}
+
+#[derive(Clone, Serialize)]
+struct SampleFragment {
+    source: u32,
+    status: u16,
+    payload_size: u32,
+    words: Vec<f64>,
+}
+
+/// Fragments and words a sampled event shows: enough to see a pulse, bounded per call.
+const SAMPLE_FRAGMENTS: usize = 256;
+const SAMPLE_WORDS: usize = 1024;
+
+fn sample_fragments(
+    rec: &[u8],
+    h: &tessera_format::event::EventRecordHeader,
+    word: tessera_config::PayloadWord,
+) -> Vec<SampleFragment> {
+    let Some(body) = rec.get(h.header_size()..(h.record_size as usize).min(rec.len())) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for f in tessera_format::link::Fragments::new(body).take(SAMPLE_FRAGMENTS) {
+        let Ok(f) = f else { break };
+        let Some(p) = body.get(f.payload_range()) else {
+            break;
+        };
+        out.push(SampleFragment {
+            source: f.header.source_id,
+            status: f.header.status,
+            payload_size: f.header.payload_size,
+            words: p
+                .chunks_exact(word.size())
+                .take(SAMPLE_WORDS)
+                .filter_map(|w| word.read(w))
+                .collect(),
+        });
+    }
+    out
 }
 
 /// Reading the sample attaches a monitor consumer the first time: a state change, so it is
@@ -1055,7 +1162,16 @@ fn take_sample(app: &App) -> Result<Option<Sample>, String> {
                     .join(" ")
             })
             .collect();
+        let word = app
+            .ctl
+            .resolved()
+            .map_or(tessera_config::PayloadWord::U16, |r| {
+                r.topology.histograms.payload_type
+            });
         tap.last = Some(Sample {
+            timestamp: h.timestamp,
+            word_type: word,
+            fragments: sample_fragments(bytes, &h, word),
             run_number: run,
             seq: *seq,
             event_id: h.event_id,

@@ -45,6 +45,9 @@ pub struct Point {
     pub dead_time_fraction: f64,
     /// The fullest buffer's occupancy (readout units, builders, recorder), 0..1.
     pub buffer_fraction: f64,
+    /// Each buffer's occupancy, 0..1: `RU 0`, `BU 1`, `recorder` (with ` on HOST` over
+    /// hosts). As many as the topology has buffers.
+    pub buffers: Vec<(String, f64)>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -203,6 +206,7 @@ impl Sampler {
         self.history.push_back(Point {
             dead_time_fraction: r.dead_time_fraction,
             buffer_fraction: buffer_fraction(live),
+            buffers: buffers(live),
             t: live.elapsed_s,
             events_per_s: per_s(events(live), events(&then), dt),
             built_bytes_per_s: per_s(
@@ -260,6 +264,32 @@ impl Sampler {
         out.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
         out
     }
+}
+
+/// Each buffer's occupancy, 0..1, named as the dashboard names it.
+pub fn buffers(live: &Live) -> Vec<(String, f64)> {
+    let on = |h: &Option<String>| h.as_ref().map(|h| format!(" on {h}")).unwrap_or_default();
+    live.readout_units
+        .iter()
+        .map(|u| {
+            (
+                format!("RU {}{}", u.id, on(&u.host)),
+                occ(u.buffer_used, u.buffer_limit),
+            )
+        })
+        .chain(live.builders.iter().map(|b| {
+            (
+                format!("BU {}{}", b.id, on(&b.host)),
+                occ(b.buffer_used, b.buffer_limit),
+            )
+        }))
+        .chain(live.recorder.iter().map(|r| {
+            (
+                format!("recorder{}", on(&r.host)),
+                occ(r.buffer_used, r.buffer_limit),
+            )
+        }))
+        .collect()
 }
 
 /// The fullest buffer's occupancy, 0..1: readout units, builders and the recorder.

@@ -203,6 +203,32 @@ impl Enc<'_, '_> {
     }
 }
 
+/// A log2 histogram of integers (bin `i` holds `[2^(i-1), 2^i - 1]`) as Prometheus buckets
+/// (`le` inclusive), values scaled by `scale` (ns to seconds).
+fn log2_as_live(h: &tessera_run::live::Histogram, scale: f64) -> LiveHistogram {
+    let mut cum = 0;
+    let mut buckets: Vec<(Option<f64>, u64)> = h
+        .bins
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            cum += n;
+            let le = if i == 0 {
+                0.0
+            } else {
+                (2f64.powi(i as i32) - 1.0) * scale
+            };
+            (Some(le), cum)
+        })
+        .collect();
+    buckets.push((None, h.count));
+    LiveHistogram {
+        buckets,
+        sum_s: h.sum * scale,
+        count: h.count,
+    }
+}
+
 pub fn l1(k: &'static str, v: impl ToString) -> Labels {
     vec![(k, v.to_string())]
 }
@@ -513,6 +539,45 @@ pub fn live_series(e: &mut Enc<'_, '_>, live: &Live) -> std::fmt::Result {
             .map(|b| (bu(b.id), &b.latency))
             .collect::<Vec<_>>(),
     )?;
+
+    // The recorder's histograms: event size and time between triggers as Prometheus
+    // histograms; per source only the means (one series each, not one per bin and source).
+    if let Some(h) = live.recorder.as_ref().and_then(|r| r.histograms.as_ref()) {
+        e.histogram(
+            "tessera_event_size_bytes",
+            "record bytes of each event the recorder took",
+            &[(vec![], &log2_as_live(&h.event_size, 1.0))],
+        )?;
+        e.histogram(
+            "tessera_time_between_triggers_seconds",
+            "time between the triggers of consecutive event IDs (their timestamps)",
+            &[(vec![], &log2_as_live(&h.time_between_triggers, 1e-9))],
+        )?;
+        e.gauge(
+            "tessera_fragment_size_mean_bytes",
+            "mean payload bytes of each source's fragments this run",
+            &h.fragment_size
+                .iter()
+                .filter_map(|(s, x)| Some((l1("source", s), x.mean()?)))
+                .collect::<Vec<_>>(),
+        )?;
+        e.gauge(
+            "tessera_payload_word_mean",
+            "mean of the configured payload word ([histograms]) of each source's fragments this run",
+            &h.payload_word
+                .iter()
+                .filter_map(|(s, x)| Some((l1("source", s), x.mean()?)))
+                .collect::<Vec<_>>(),
+        )?;
+        e.counter(
+            "tessera_recorded_events_by_trigger_type",
+            "events the recorder took, by trigger type",
+            &h.trigger_types
+                .iter()
+                .map(|(t, n)| (l1("trigger_type", t), *n))
+                .collect::<Vec<_>>(),
+        )?;
+    }
 
     // Recorder.
     if let Some(r) = &live.recorder {

@@ -9,6 +9,7 @@
 //! So a file under its final name is always complete.
 
 mod file;
+pub mod histograms;
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 use parking_lot::Mutex;
@@ -50,6 +51,8 @@ pub struct RecorderConfig {
     pub takeover: Duration,
     /// What an earlier recorder of this run left in the output directory, taken over.
     pub adopted: Adopted,
+    /// What to histogram of every event taken (`[histograms]`).
+    pub histograms: tessera_config::HistogramsSection,
 }
 
 /// The files an earlier recorder of the same run left, taken over by this one at its start:
@@ -134,6 +137,9 @@ pub struct RecorderStats {
     /// Fragments taken from each builder's link (first and second copies): set against what
     /// the readout units sent a builder lost with its host (the report of a run over hosts).
     pub fragments_by_builder: Mutex<std::collections::BTreeMap<u16, u64>>,
+    /// The run's histograms (`[histograms]`; `None` when turned off), filled from every event
+    /// taken, before it is written.
+    pub histograms: Mutex<Option<histograms::Filler>>,
 }
 
 impl RecorderStats {
@@ -335,6 +341,9 @@ pub struct Recorder {
 impl Recorder {
     pub fn start(cfg: RecorderConfig) -> std::io::Result<Recorder> {
         let stats = Arc::new(RecorderStats::default());
+        if cfg.histograms.enabled {
+            *stats.histograms.lock() = Some(histograms::Filler::new(&cfg.histograms));
+        }
         let a = &cfg.adopted;
         if !a.files.is_empty() {
             let st = &stats;
@@ -914,6 +923,9 @@ fn write_loop(
             }
             if rebuilt {
                 st.rebuilt_events.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Some(f) = st.histograms.lock().as_mut() {
+                f.add(&rec);
             }
             if let Some(m) = monitor {
                 // Returns at once unless a blocking station is full: then the recorder waits, as

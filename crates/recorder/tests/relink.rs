@@ -69,6 +69,7 @@ fn start(dir: &std::path::Path, adopted: Adopted) -> (Recorder, String) {
         monitor: None,
         takeover: Duration::from_secs(60),
         adopted,
+        histograms: Default::default(),
     })
     .unwrap();
     (rec, addr)

@@ -8,6 +8,9 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use crate::Session;
 
+/// The recorder's histograms, as the live view and the report carry them.
+pub use tessera_recorder::histograms::{Histogram, Histograms};
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LiveSource {
     pub id: u32,
@@ -137,6 +140,10 @@ pub struct LiveRecorder {
     pub disk_full: bool,
     /// The file being written now (`.part`), with the events and bytes of its whole blocks.
     pub current_file: Option<tessera_recorder::CurrentFile>,
+    /// The run's histograms so far (`[histograms]`): served at `/api/histograms`, left out of
+    /// `/api/live`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub histograms: Option<tessera_recorder::histograms::Histograms>,
 }
 
 pub use tessera_shipper::ShipperStatus;
@@ -186,6 +193,15 @@ pub struct LiveHost {
     pub cpu_wait_ns: u64,
     /// Cores it may use now (CPUs, or its control group's quota).
     pub cpu_allowance: f64,
+    /// Resident memory of the process now (`VmRSS`), bytes.
+    #[serde(default)]
+    pub rss_bytes: u64,
+    /// Seconds since the process started (an agent outlives its runs).
+    #[serde(default)]
+    pub uptime_s: f64,
+    /// The process ID, for whoever looks at the host itself.
+    #[serde(default)]
+    pub pid: u32,
 }
 
 impl LiveHost {
@@ -196,8 +212,43 @@ impl LiveHost {
             cpu_ns: tessera_net::role::process_cpu_ns(),
             cpu_wait_ns: tessera_net::role::process_cpu_wait_ns(),
             cpu_allowance: tessera_net::role::cpu_allowance(),
+            rss_bytes: process_rss_bytes().unwrap_or(0),
+            uptime_s: process_uptime_s().unwrap_or(0.0),
+            pid: std::process::id(),
         }
     }
+}
+
+/// `VmRSS` of this process (Linux `/proc/self/status`).
+fn process_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
+
+/// Seconds since this process started: its start in clock ticks after boot
+/// (`/proc/self/stat`, field 22) against the time since boot (`/proc/uptime`).
+fn process_uptime_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name (field 2) may hold spaces: fields are counted after its ')'.
+    let after = &stat[stat.rfind(')')? + 1..];
+    let start_ticks: f64 = after.split_whitespace().nth(19)?.parse().ok()?;
+    // SAFETY: sysconf reads a constant of the system; no memory is passed.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let boot_s: f64 = std::fs::read_to_string("/proc/uptime")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    (hz > 0).then(|| (boot_s - start_ticks / hz as f64).max(0.0))
 }
 
 impl Live {
@@ -516,6 +567,15 @@ impl Live {
 #[cfg(test)]
 mod dead_time_tests {
     use super::dead_time_fraction;
+
+    #[test]
+    fn this_process_has_resident_memory_and_an_age() {
+        let h = super::LiveHost::here(None);
+        assert!(h.rss_bytes > 1 << 20, "{}", h.rss_bytes);
+        assert!(super::process_uptime_s().is_some());
+        assert!(h.uptime_s < 86_400.0, "{}", h.uptime_s);
+        assert_eq!(h.pid, std::process::id());
+    }
 
     #[test]
     fn dead_time_is_the_vetoed_fraction_with_a_veto_else_the_most_held_source() {

@@ -310,6 +310,9 @@ pub struct BuilderReport {
 pub struct RecorderReport {
     /// Events the recorder received.
     pub events: u64,
+    /// The run's histograms (`[histograms]`), kept with the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub histograms: Option<tessera_recorder::histograms::Histograms>,
     /// Events in files that were finished (trailer, fsync, final name): on disk for good.
     pub events_in_files: u64,
     pub incomplete_events: u64,
@@ -808,6 +811,7 @@ pub(crate) fn recorder(rec: &tessera_recorder::Recorder, p: &mut Parts) {
             .saturating_sub(ui),
     );
     p.recorder = Some(RecorderReport {
+        histograms: st.histograms.lock().as_ref().map(|f| f.h.clone()),
         events: st.events.load(Ordering::Relaxed),
         incomplete_events: st.incomplete_events.load(Ordering::Relaxed),
         fragments: fc + fi,

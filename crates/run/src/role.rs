@@ -462,6 +462,7 @@ impl RunRole for tessera_recorder::Recorder {
             disk_free: s.disk_free.load(Relaxed),
             disk_low: s.disk_low.load(Relaxed),
             disk_full: s.disk_full.load(Relaxed),
+            histograms: s.histograms.lock().as_ref().map(|f| f.h.clone()),
         });
     }
 }

@@ -198,6 +198,7 @@ impl<'a> Starter<'a> {
             monitor: monitor.cloned(),
             takeover: Duration::from_secs(t.recorder.takeover_s),
             adopted,
+            histograms: t.histograms.clone(),
         })?;
         Ok(Some((rec, addr)))
     }
