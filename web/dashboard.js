@@ -368,6 +368,7 @@ async function refresh() {
   $("btn-token").hidden = !tokenRequired || !!token();
   showState(v.state);
   showAlarms(v.alarms || []);
+  showFaults(v.faults);
   showShipping(v.shipper);
   const taking = RUNNING.includes(v.state.state);
   const h = v.history.slice(-HISTORY);
@@ -538,6 +539,29 @@ async function refreshConfig() {
     $("config-diff-summary").textContent = "the topology of the run · " + diff.split("\n")[0];
     configShown = n;
   } catch (e) { /* no such run yet */ }
+}
+
+// Fault rehearsal: from the page as from `tessera fault`, through the same API.
+$("fault-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  const target = $("fault-target").value;
+  const body = { target, kind: $("fault-kind").value, seconds: Number($("fault-seconds").value) };
+  if (target === "source") body.id = Number($("fault-id").value);
+  if ($("fault-value").value !== "") body.value = Number($("fault-value").value);
+  try {
+    const r = await post("/api/faults", body);
+    $("fault-result").textContent = r.result.replace(/^ok: /, "");
+    $("fault-result").className = "";
+  } catch (e) {
+    $("fault-result").textContent = "refused: " + e.message;
+    $("fault-result").className = "blocked";
+  }
+  refresh();
+});
+function showFaults(list) {
+  const html = (list || []).map((f) =>
+    `<div class="fault">FAULT REHEARSAL ${esc(f.result.replace(/^ok: /, ""))} <span class="label">by ${esc(f.who.split(" from ")[0])}, until ${utc(f.until_unix_ns)}</span></div>`).join("");
+  if ($("faults").dataset.html !== html) { $("faults").innerHTML = html; $("faults").dataset.html = html; }
 }
 
 $("note-form").addEventListener("submit", async (ev) => {

@@ -112,6 +112,19 @@ try {
   await until("events by trigger type", async () => (await page.locator("#trigger-types tbody tr").count()) > 0);
   // Each buffer's occupancy over time: one series per readout unit, builder and the recorder.
   await until("the buffer plot", async () => (await page.textContent("#plot-buffers")).includes("RU 1"));
+  // A fault rehearsed from the page: refused with the reason where it cannot be done, shown
+  // while it lasts, and its consequence named (source 5 missing from incomplete events).
+  await page.selectOption("#fault-target", "source");
+  await page.fill("#fault-id", "42");
+  await page.selectOption("#fault-kind", "skip");
+  await page.click("#fault-form button");
+  await until("the refusal", async () => (await page.textContent("#fault-result")).startsWith("refused: source 42 is not an emulated source"));
+  await page.fill("#fault-id", "5");
+  await page.fill("#fault-seconds", "2");
+  await page.click("#fault-form button");
+  await until("the fault shown", async () => (await page.textContent("#faults")).includes("FAULT REHEARSAL source 5: skip on every event for 2 s"));
+  await until("events built without source 5", async () => Number(await page.textContent("#incomplete-total")) > 0);
+  await until("the fault over", async () => (await page.textContent("#faults")) === "", 30000);
   // Dead time is a headline figure, over the interval and the run.
   assert.match(await page.textContent("#dead-time"), /^\d+\.\d%$/);
   await until("the run's dead time", async () => /^run \d+\.\d%$/.test(await page.textContent("#dead-time-run")));

@@ -330,6 +330,15 @@ pub fn runs(cmd: Option<crate::RunsCmd>, data: &Path, json: bool) -> Result<Exit
                         n.text
                     );
                 }
+                for f in &r.faults {
+                    println!(
+                        "  fault          {} {} {}: {}",
+                        utc(f.unix_ns),
+                        f.who,
+                        f.fault,
+                        f.result
+                    );
+                }
                 for a in &r.alarm_actions {
                     println!(
                         "  alarm action   {} {} {} {} {}{}",

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 mod control;
+mod fault;
 mod ship;
 
 #[derive(Parser)]
@@ -258,6 +259,9 @@ enum Cmd {
     /// Ship finished files to permanent storage and verify every copy; or show the backlog.
     #[command(subcommand)]
     Ship(ship::ShipCmd),
+    /// Rehearse a fault in a running run (time-boxed, kept with who asked): a source's
+    /// corruption, skip, delay or disconnect, a slow recorder disk.
+    Fault(fault::FaultArgs),
 }
 
 #[derive(Subcommand)]
@@ -816,6 +820,7 @@ fn real_main(cli: Cli) -> Result<ExitCode> {
             tessera_monitor::console::run(&args)?;
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Fault(a) => fault::run(a).map(|()| ExitCode::SUCCESS),
         Cmd::Ship(cmd) => {
             let stop = Arc::new(AtomicBool::new(false));
             let s = stop.clone();

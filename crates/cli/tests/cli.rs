@@ -2395,3 +2395,130 @@ fn the_histograms_kept_with_a_run_agree_with_its_files() {
         frags.values().map(|x| x.0 - x.2).sum::<u64>()
     );
 }
+
+/// Issue 51, item 5: a fault rehearsed from the command line while a run goes on: checked,
+/// refused with the reason where it cannot be done, time-boxed, counted by the data path under
+/// its name, and kept in the run database with who asked.
+#[test]
+fn a_fault_rehearsed_from_the_command_line_is_time_boxed_counted_and_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let cfg = write(
+        dir.path(),
+        "t.toml",
+        "[sources]\ncount = 4\nfragment_size = 512\ntrigger = \"periodic\"\nrate_hz = 400\n",
+    );
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+    cmd.args(["run", &cfg, "--control", "--quiet", "--http", "127.0.0.1:0"])
+        .args(["--output", out.to_str().unwrap()]);
+    let p = Proc::spawn(cmd.stdout(std::process::Stdio::null()));
+    assert!(support::eventually(LIMIT, || out
+        .join("control.addr")
+        .exists()));
+    let data = out.to_str().unwrap();
+    let fault = |args: &[&str]| {
+        let mut a = vec!["fault", "--data", data, "--operator", "rehearsal"];
+        a.extend_from_slice(args);
+        tessera(&a)
+    };
+    // No run taking data: refused, and said why.
+    let o = fault(&["source", "3", "skip", "--for", "2"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("a fault is injected into a run taking data"),
+        "{}",
+        stderr(&o)
+    );
+    let addr = std::fs::read_to_string(out.join("control.addr")).unwrap();
+    let (code, _) = support::http(addr.trim(), "POST", "/api/transitions/start");
+    assert_eq!(code, 200);
+    // Malformed or unsurvivable: refused before anything happens.
+    for (args, why) in [
+        (vec!["source", "9", "skip"], "not an emulated source"),
+        (vec!["source", "3", "melt"], "not \"melt\""),
+        (vec!["recorder", "throttle", "1 kB"], "at least 100 000 B/s"),
+        (
+            vec!["source", "3", "skip", "--for", "601"],
+            "not from 1 to 600",
+        ),
+    ] {
+        let o = fault(&args);
+        assert!(!o.status.success(), "{args:?}");
+        assert!(stderr(&o).contains(why), "{args:?}: {}", stderr(&o));
+    }
+    // Source 3 skips every event for 2 s: those events are built without it.
+    let o = fault(&["source", "3", "skip", "--for", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("source 3: skip on every event for 2 s"),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let o = fault(&["list"]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("rehearsal"));
+    let o = fault(&["recorder", "throttle", "2 MB", "--for", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Time-boxed: once it is over, events are whole again. Wait for the count of events missing
+    // source 3 to stop growing while events still are built.
+    let missing = || -> (u64, u64) {
+        let (_, b) = support::http(addr.trim(), "GET", "/api/live");
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        let b = v["live"]["builders"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let m = b
+            .iter()
+            .map(|x| x["missing_by_source"]["3"].as_u64().unwrap_or(0))
+            .sum();
+        let e = b
+            .iter()
+            .map(|x| x["events_complete"].as_u64().unwrap())
+            .sum();
+        (m, e)
+    };
+    assert!(support::eventually(LIMIT, || missing().0 > 0));
+    let mut last = missing();
+    assert!(
+        support::eventually(LIMIT, || {
+            let now = missing();
+            let settled = now.0 == last.0 && now.1 > last.1 + 400;
+            if now.0 != last.0 {
+                last = now;
+            }
+            settled
+        }),
+        "events still missing source 3 after the fault's time: {:?}",
+        missing()
+    );
+    let (code, _) = support::http(addr.trim(), "POST", "/api/transitions/stop");
+    assert_eq!(code, 200);
+    p.signal("INT");
+    assert!(p.finish(LIMIT).status.success());
+    let o = tessera(&["runs", "show", "1", "--json", "--data", data]);
+    let rec: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let faults = rec["faults"].as_array().unwrap();
+    let results: Vec<&str> = faults
+        .iter()
+        .map(|f| f["result"].as_str().unwrap())
+        .collect();
+    assert_eq!(faults.len(), 6, "{results:?}");
+    assert!(faults.iter().all(|f| f["who"]
+        .as_str()
+        .unwrap()
+        .starts_with("rehearsal (tessera fault) from 127.0.0.1")));
+    assert_eq!(results.iter().filter(|r| r.starts_with("ok: ")).count(), 2);
+    let report = &rec["report"];
+    assert_eq!(report["balance"]["holds"], true, "{report}");
+    let missing3: u64 = report["builders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["missing_by_source"]["3"].as_u64().unwrap_or(0))
+        .sum();
+    assert!(missing3 > 0, "{report}");
+    assert!(
+        report["recorder"]["throttled_s"].as_f64().unwrap() > 0.0,
+        "{report}"
+    );
+}

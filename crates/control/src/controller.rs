@@ -60,6 +60,10 @@ pub enum ControlError {
     /// The request itself is refused before anything happens (a comment too long).
     #[error("{0}")]
     BadRequest(String),
+    /// A well-formed request this run cannot take (a fault into a run not taking data, or
+    /// into a source it does not have).
+    #[error("{0}")]
+    Conflict(String),
 }
 
 /// The state as the API shows it.
@@ -107,6 +111,8 @@ pub(crate) struct Shared {
     pub interrupt: Arc<AtomicBool>,
     pub sampler: Mutex<Sampler>,
     pub alarms: Mutex<Alarms>,
+    /// Fault rehearsals under way (until their time is up).
+    faults: Mutex<Vec<tessera_rundb::FaultRow>>,
     closing: AtomicBool,
 }
 
@@ -146,6 +152,7 @@ impl Controller {
             interrupt,
             sampler: Mutex::new(Sampler::default()),
             alarms: Mutex::new(Alarms::default()),
+            faults: Mutex::new(Vec::new()),
             closing: AtomicBool::new(false),
         });
         let c = Controller { shared };
@@ -227,6 +234,69 @@ impl Controller {
             .cluster
             .as_ref()
             .map_or(serde_json::json!([]), |c| c.prometheus_targets())
+    }
+
+    /// Injects an operator's fault into the running run, time-boxed; kept in the run database
+    /// and the log with who asked, done or refused. Refused (before anything happens) when no
+    /// run takes data, when the fault is malformed, or where the run could not survive it.
+    pub fn fault(
+        &self,
+        who: &str,
+        f: &tessera_run::fault::Fault,
+    ) -> Result<tessera_rundb::FaultRow, ControlError> {
+        let (state, busy, session, db, run) = {
+            let c = self.shared.ctl.lock();
+            (
+                c.state,
+                c.busy,
+                c.session.clone(),
+                c.db.clone(),
+                c.run_number,
+            )
+        };
+        let now = unix_ns();
+        let result = match (f.check(), state, busy, session) {
+            (Err(e), ..) => Err(ControlError::BadRequest(e)),
+            (Ok(_), State::Running, None, Some(s)) => s.fault(f).map_err(ControlError::Conflict),
+            _ => Err(ControlError::Conflict(format!(
+                "a fault is injected into a run taking data; the system is {}",
+                state.name()
+            ))),
+        };
+        let row = tessera_rundb::FaultRow {
+            run,
+            unix_ns: now,
+            who: who.into(),
+            fault: serde_json::to_string(f).unwrap_or_default(),
+            until_unix_ns: now.saturating_add(f.seconds.saturating_mul(1_000_000_000)),
+            result: match &result {
+                Ok(what) => format!("ok: {what}"),
+                Err(e) => e.to_string(),
+            },
+        };
+        match &result {
+            Ok(what) => tracing::warn!(who, run, "fault injected by {who}: {what}"),
+            Err(e) => tracing::info!(who, run, "fault refused: {e}"),
+        }
+        if let Some(db) = db {
+            if let Err(e) = db.log_fault(&row) {
+                tracing::error!(error = %e, "cannot keep a fault in the run database");
+            }
+        }
+        if result.is_ok() {
+            let mut active = self.shared.faults.lock();
+            active.retain(|x| x.until_unix_ns > now);
+            active.push(row.clone());
+        }
+        result.map(|_| row)
+    }
+
+    /// The faults under way now.
+    pub fn faults(&self) -> Vec<tessera_rundb::FaultRow> {
+        let now = unix_ns();
+        let mut active = self.shared.faults.lock();
+        active.retain(|x| x.until_unix_ns > now);
+        active.clone()
     }
 
     /// The alarms raised now and the last cleared.
@@ -707,6 +777,8 @@ impl Controller {
                 }
             }
         }
+        // Faults end with the run they were injected into.
+        self.shared.faults.lock().clear();
         let mut c = self.shared.ctl.lock();
         c.last_stop = Some(stop);
         c.last_report = Some(report.clone());

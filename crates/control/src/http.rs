@@ -302,6 +302,7 @@ fn router(app: Arc<App>) -> Router {
         .route("/api/runs/{number}/notes", post(add_note))
         .route("/api/history", get(history))
         .route("/api/histograms", get(histograms))
+        .route("/api/faults", get(faults).post(inject_fault))
         .route("/api/actions", get(actions))
         .route("/api/log", get(log))
         .route("/api/alarms", get(alarms))
@@ -597,6 +598,7 @@ async fn live(AxState(app): AxState<Arc<App>>) -> Response {
             "dead_time": dead_time,
             "last_run": last_run,
             "alarms": alarms,
+            "faults": ctl.faults(),
             "token_required": token_required,
         })
     })
@@ -792,6 +794,37 @@ async fn histograms(AxState(app): AxState<Arc<App>>, Query(q): Query<HistogramsQ
     match r {
         Ok(Ok(v)) => Json(v).into_response(),
         Ok(Err(e)) => *e,
+        Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, e),
+    }
+}
+
+/// The fault rehearsals under way.
+async fn faults(AxState(app): AxState<Arc<App>>) -> Response {
+    Json(serde_json::json!({ "active": app.ctl.faults() })).into_response()
+}
+
+/// Injects a fault into the running run (docs/run-control.md, "Fault rehearsal").
+async fn inject_fault(
+    AxState(app): AxState<Arc<App>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let who = match who(&app, peer, &headers)
+        .and_then(|w| json_body(peer, &headers, &body).map(|()| w))
+    {
+        Ok(w) => w,
+        Err(r) => return *r,
+    };
+    let f: tessera_run::fault::Fault = match serde_json::from_slice(&body) {
+        Ok(f) => f,
+        Err(e) => return err(StatusCode::BAD_REQUEST, format!("body: {e}")),
+    };
+    let ctl = app.ctl.clone();
+    match tokio::task::spawn_blocking(move || ctl.fault(&who, &f)).await {
+        Ok(Ok(row)) => Json(row).into_response(),
+        Ok(Err(e @ ControlError::Conflict(_))) => err(StatusCode::CONFLICT, e),
+        Ok(Err(e)) => err(StatusCode::BAD_REQUEST, e),
         Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, e),
     }
 }

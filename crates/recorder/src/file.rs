@@ -483,6 +483,7 @@ struct Disk {
     written: u64,
     throttle_t0: Option<Instant>,
     throttle_bytes: u64,
+    throttle_rate: u64,
 }
 
 impl Disk {
@@ -504,6 +505,7 @@ impl Disk {
             written: 0,
             throttle_t0: None,
             throttle_bytes: 0,
+            throttle_rate: 0,
         }
     }
 
@@ -858,7 +860,23 @@ impl Disk {
     /// Sleeps as needed so that the average write rate stays under the throttle.
     fn throttle(&mut self, n: u64) {
         self.watch_disk();
-        let rate = self.s.section.throttle.0;
+        let rate = {
+            let mut f = self.st.throttle_fault.lock();
+            match *f {
+                Some((rate, until)) if Instant::now() < until => rate,
+                Some(_) => {
+                    *f = None;
+                    self.s.section.throttle.0
+                }
+                None => self.s.section.throttle.0,
+            }
+        };
+        if rate != self.throttle_rate {
+            // The average is kept from when this rate began.
+            self.throttle_rate = rate;
+            self.throttle_t0 = None;
+            self.throttle_bytes = 0;
+        }
         if rate == 0 {
             return;
         }

@@ -82,6 +82,9 @@ pub struct RecorderStats {
     pub queued_fragments: AtomicU64,
     /// Nanoseconds the writer slept to honour the throttle.
     pub throttled_ns: AtomicU64,
+    /// An operator's rehearsal of a slow disk: the write rate (bytes/s) and until when, in
+    /// place of `recorder.throttle` while it lasts.
+    pub throttle_fault: Mutex<Option<(u64, Instant)>>,
     /// Nanoseconds the writer spent in write and fsync calls.
     pub write_ns: AtomicU64,
     /// Time spent offering events to the monitor (waits at full blocking stations), a wait

@@ -12,6 +12,7 @@
 //! states; [`run`] drives one from start to end (`tessera serve`, tests, benchmarks).
 
 pub mod check;
+pub mod fault;
 pub mod live;
 pub mod report;
 pub mod role;
@@ -621,6 +622,52 @@ impl Session {
     }
 
     /// Redraws the status line if its interval has passed.
+    /// Injects an operator's fault into this process's roles (see [`fault`]).
+    pub fn fault(&self, f: &fault::Fault) -> std::result::Result<String, String> {
+        let checked = f.check()?;
+        let d = f.duration();
+        match checked {
+            fault::Checked::Source(id, sf) => {
+                let Some(src) = self.running.sources.as_ref() else {
+                    return Err("this run has no emulated sources here".into());
+                };
+                let Some(st) = src.stats.iter().find(|s| s.id == id) else {
+                    return Err(format!(
+                        "source {id} is not an emulated source of this run (external sources are the front-ends' own)"
+                    ));
+                };
+                if st.disconnected.load(Ordering::Relaxed) {
+                    return Err(format!("source {id} is disconnected already"));
+                }
+                st.set_fault(sf, d);
+                Ok(match sf {
+                    tessera_source::SourceFault::Delay(x) => format!(
+                        "source {id}: each fragment {} ms late for {} s",
+                        x.as_millis(),
+                        f.seconds
+                    ),
+                    tessera_source::SourceFault::Inject(tessera_config::InjectKind::Disconnect) => {
+                        format!("source {id}: disconnected at its next trigger (for good)")
+                    }
+                    tessera_source::SourceFault::Inject(_) => {
+                        format!("source {id}: {} on every event for {} s", f.kind, f.seconds)
+                    }
+                })
+            }
+            fault::Checked::RecorderThrottle(rate) => {
+                let Some(rec) = self.running.recorder.as_ref() else {
+                    return Err("this run has no recorder here".into());
+                };
+                *rec.stats.throttle_fault.lock() = Some((rate, std::time::Instant::now() + d));
+                Ok(format!(
+                    "recorder: writes held to {} for {} s",
+                    report::human_bytes(rate as f64) + "/s",
+                    f.seconds
+                ))
+            }
+        }
+    }
+
     pub fn tick_status(&self, phase: &str) {
         self.status
             .lock()
@@ -1105,11 +1152,17 @@ pub trait RunSession: Send + Sync {
     fn why_incomplete(&self, event_id: u64) -> live::WhyIncomplete;
     /// Ends the run after the stop: its report, the manifest written.
     fn finish(self: Box<Self>, stop_reason: &str, stop: StopReport) -> Result<Report>;
+    /// Injects an operator's fault ([`fault::Fault`]), time-boxed; what it did, in words, or
+    /// why it was refused.
+    fn fault(&self, f: &fault::Fault) -> std::result::Result<String, String>;
 }
 
 impl RunSession for Session {
     fn run_number(&self) -> u64 {
         Session::run_number(self)
+    }
+    fn fault(&self, f: &fault::Fault) -> std::result::Result<String, String> {
+        Session::fault(self, f)
     }
     fn monitor(&self) -> Option<&tessera_monitor::Monitor> {
         Session::monitor(self)

@@ -140,6 +140,15 @@ CREATE TABLE IF NOT EXISTS alarm_actions (
     until_unix_ns   INTEGER,            -- silence: until when
     run             INTEGER
 );
+CREATE TABLE IF NOT EXISTS faults (
+    id              INTEGER PRIMARY KEY AUTOINCREMENT,
+    run             INTEGER,
+    unix_ns         INTEGER NOT NULL,
+    who             TEXT NOT NULL,
+    fault           TEXT NOT NULL,      -- what was asked, JSON
+    until_unix_ns   INTEGER NOT NULL,
+    result          TEXT NOT NULL       -- what it did, or why it was refused
+);
 CREATE TABLE IF NOT EXISTS history (
     run                 INTEGER NOT NULL,
     unix_ns             INTEGER NOT NULL,   -- start of the span the point stands for
@@ -206,6 +215,19 @@ pub struct AlarmActionRow {
     /// A silence: until when.
     pub until_unix_ns: Option<u64>,
     pub run: Option<u64>,
+}
+
+/// An operator's fault rehearsal, done or refused.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct FaultRow {
+    pub run: Option<u64>,
+    pub unix_ns: u64,
+    pub who: String,
+    /// What was asked (JSON of `tessera_run::fault::Fault`).
+    pub fault: String,
+    pub until_unix_ns: u64,
+    /// `ok: ...` with what it did, or why it was refused.
+    pub result: String,
 }
 
 /// One point of a run's headline series, standing for `span_s` seconds from `unix_ns`.
@@ -297,6 +319,8 @@ pub struct RunRecord {
     pub notes: Vec<NoteRow>,
     /// What operators did to the run's alarms, oldest first.
     pub alarm_actions: Vec<AlarmActionRow>,
+    /// The fault rehearsals asked for during the run, done or refused, oldest first.
+    pub faults: Vec<FaultRow>,
 }
 
 /// What a run is started with.
@@ -774,7 +798,28 @@ impl RunDb {
             .map_err(|e| self.err(e))?
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| self.err(e))?;
+        let mut st = c
+            .prepare(
+                "SELECT run, unix_ns, who, fault, until_unix_ns, result FROM faults
+                 WHERE run = ?1 ORDER BY id",
+            )
+            .map_err(|e| self.err(e))?;
+        let faults = st
+            .query_map([number as i64], |r| {
+                Ok(FaultRow {
+                    run: r.get::<_, Option<i64>>(0)?.map(|v| v as u64),
+                    unix_ns: r.get::<_, i64>(1)? as u64,
+                    who: r.get(2)?,
+                    fault: r.get(3)?,
+                    until_unix_ns: r.get::<_, i64>(4)? as u64,
+                    result: r.get(5)?,
+                })
+            })
+            .map_err(|e| self.err(e))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.err(e))?;
         Ok(RunRecord {
+            faults,
             notes,
             alarm_actions,
             log,
@@ -847,6 +892,25 @@ impl RunDb {
                     a.subject,
                     a.until_unix_ns.map(|v| v as i64),
                     a.run.map(|v| v as i64)
+                ],
+            )
+            .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    /// Keeps a fault rehearsal (done or refused).
+    pub fn log_fault(&self, f: &FaultRow) -> Result<(), DbError> {
+        self.conn()
+            .execute(
+                "INSERT INTO faults (run, unix_ns, who, fault, until_unix_ns, result)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                params![
+                    f.run.map(|v| v as i64),
+                    f.unix_ns as i64,
+                    f.who,
+                    f.fault,
+                    f.until_unix_ns as i64,
+                    f.result
                 ],
             )
             .map_err(|e| self.err(e))?;

@@ -40,6 +40,45 @@ pub struct SourceStats {
     /// Set when the connection closed early (injected, or the peer went away).
     pub disconnected: AtomicBool,
     pub error: Mutex<Option<String>>,
+    /// An operator's fault rehearsal on this source, until its time is up (`fault_on` says
+    /// whether to look, so that a source without one pays one relaxed load per trigger).
+    fault: Mutex<Option<(SourceFault, Instant)>>,
+    fault_on: AtomicBool,
+}
+
+/// A fault an operator injects into an emulated source while the run goes on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SourceFault {
+    /// One of `[[inject]]`'s kinds on every event while it lasts (`disconnect`: once; the
+    /// source stays disconnected).
+    Inject(tessera_config::InjectKind),
+    /// Each trigger's fragment sent this much later: the driver thread waits (and with it the
+    /// other sources it drives, `sources.threads`).
+    Delay(Duration),
+}
+
+impl SourceStats {
+    /// Injects `f` for `duration` from now (replacing any under way).
+    pub fn set_fault(&self, f: SourceFault, duration: Duration) {
+        *self.fault.lock() = Some((f, Instant::now() + duration));
+        self.fault_on.store(true, Ordering::Release);
+    }
+
+    /// The fault under way, if any (one whose time is up is forgotten here).
+    pub fn fault(&self) -> Option<SourceFault> {
+        if !self.fault_on.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut g = self.fault.lock();
+        match *g {
+            Some((f, until)) if Instant::now() < until => Some(f),
+            _ => {
+                *g = None;
+                self.fault_on.store(false, Ordering::Release);
+                None
+            }
+        }
+    }
 }
 
 /// What a group of emulated sources needs to run.
@@ -682,11 +721,22 @@ fn finish_links(plan: &SourcePlan, links: &mut [Link]) {
 
 /// Appends the fragment(s) of one trigger to the link's buffer, applying its injections.
 fn emit(plan: &SourcePlan, link: &mut Link, ev: u64, t: u64) {
-    let kind = link
-        .injections
-        .iter()
-        .find(|i| i.applies(ev))
-        .map(|i| i.kind);
+    let kind = match link.stats.fault() {
+        Some(SourceFault::Inject(k)) => Some(k),
+        Some(SourceFault::Delay(d)) => {
+            // What is encoded goes out first; this trigger's fragment waits.
+            flush(link);
+            std::thread::sleep(d);
+            None
+        }
+        None => None,
+    };
+    let kind = kind.or_else(|| {
+        link.injections
+            .iter()
+            .find(|i| i.applies(ev))
+            .map(|i| i.kind)
+    });
     match kind {
         Some(InjectKind::Disconnect) => {
             // Whatever was encoded before this trigger still goes out, then the link drops
