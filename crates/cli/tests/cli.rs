@@ -215,6 +215,24 @@ fn run_takes_set_and_monitor_and_a_port_clash_names_its_key() {
 
 /// Issue 51, item 11: `tessera run --control` prints each run's summary with its balance as
 /// the run ends, as a single run does.
+/// `tessera run CFG --control` with its HTTP service on a free port, writing into `out`: the
+/// process and the service's address, once it listens.
+fn run_control(cfg: &str, out: &Path, stdout: std::process::Stdio) -> (Proc, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
+    cmd.args(["run", cfg, "--control", "--quiet", "--http", "127.0.0.1:0"])
+        .args(["--output", out.to_str().unwrap()]);
+    let p = Proc::spawn(cmd.stdout(stdout));
+    let file = out.join("control.addr");
+    let mut addr = None;
+    assert!(support::eventually(LIMIT, || {
+        addr = std::fs::read_to_string(&file)
+            .ok()
+            .and_then(|s| s.trim().parse::<std::net::SocketAddr>().ok());
+        addr.is_some()
+    }));
+    (p, addr.unwrap().to_string())
+}
+
 #[test]
 fn run_control_mode_prints_each_runs_summary() {
     let dir = tempfile::tempdir().unwrap();
@@ -225,20 +243,7 @@ fn run_control_mode_prints_each_runs_summary() {
         "[run]\nevents = 300\n[sources]\ncount = 2\nfragment_size = 256\n[monitor]\nlisten = \"127.0.0.1:0\"\n",
     );
     let stdout = dir.path().join("stdout");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
-    cmd.args(["run", &cfg, "--control", "--quiet", "--http", "127.0.0.1:0"])
-        .args(["--output", out.to_str().unwrap()]);
-    let p = Proc::spawn(cmd.stdout(std::fs::File::create(&stdout).unwrap()));
-    let file = out.join("control.addr");
-    let mut addr = None;
-    assert!(support::eventually(LIMIT, || {
-        addr = std::fs::read_to_string(&file)
-            .ok()
-            .and_then(|s| s.trim().parse::<std::net::SocketAddr>().ok());
-        addr.is_some()
-    }));
-    let addr = addr.unwrap();
-    let addr = addr.to_string();
+    let (p, addr) = run_control(&cfg, &out, std::fs::File::create(&stdout).unwrap().into());
     let start = |n: u32| {
         let (code, body) = support::http(&addr, "POST", "/api/transitions/start");
         assert_eq!(code, 200, "start {n}: {}", String::from_utf8_lossy(&body));
@@ -2189,19 +2194,7 @@ fn prometheus_scrapes_a_run_and_fires_an_alert_on_a_drill() {
          [control]\nsample_interval_ms = 200\n\
          [[inject]]\nsource = 3\nkind = \"skip\"\nevery = 5\n",
     );
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
-    cmd.args(["run", &cfg, "--control", "--quiet", "--http", "127.0.0.1:0"])
-        .args(["--output", out.to_str().unwrap()]);
-    let p = Proc::spawn(cmd.stdout(std::process::Stdio::null()));
-    let file = out.join("control.addr");
-    let mut addr = None;
-    assert!(support::eventually(LIMIT, || {
-        addr = std::fs::read_to_string(&file)
-            .ok()
-            .and_then(|s| s.trim().parse::<std::net::SocketAddr>().ok());
-        addr.is_some()
-    }));
-    let addr = addr.unwrap().to_string();
+    let (p, addr) = run_control(&cfg, &out, std::process::Stdio::null());
     let (code, body) = support::http(&addr, "POST", "/api/transitions/start");
     assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
     let alarm_raised = || {
@@ -2408,13 +2401,7 @@ fn a_fault_rehearsed_from_the_command_line_is_time_boxed_counted_and_kept() {
         "t.toml",
         "[sources]\ncount = 4\nfragment_size = 512\ntrigger = \"periodic\"\nrate_hz = 400\n",
     );
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tessera"));
-    cmd.args(["run", &cfg, "--control", "--quiet", "--http", "127.0.0.1:0"])
-        .args(["--output", out.to_str().unwrap()]);
-    let p = Proc::spawn(cmd.stdout(std::process::Stdio::null()));
-    assert!(support::eventually(LIMIT, || out
-        .join("control.addr")
-        .exists()));
+    let (p, addr) = run_control(&cfg, &out, std::process::Stdio::null());
     let data = out.to_str().unwrap();
     let fault = |args: &[&str]| {
         let mut a = vec!["fault", "--data", data, "--operator", "rehearsal"];
@@ -2429,8 +2416,7 @@ fn a_fault_rehearsed_from_the_command_line_is_time_boxed_counted_and_kept() {
         "{}",
         stderr(&o)
     );
-    let addr = std::fs::read_to_string(out.join("control.addr")).unwrap();
-    let (code, _) = support::http(addr.trim(), "POST", "/api/transitions/start");
+    let (code, _) = support::http(&addr, "POST", "/api/transitions/start");
     assert_eq!(code, 200);
     // Malformed or unsurvivable: refused before anything happens.
     for (args, why) in [
@@ -2461,7 +2447,7 @@ fn a_fault_rehearsed_from_the_command_line_is_time_boxed_counted_and_kept() {
     // Time-boxed: once it is over, events are whole again. Wait for the count of events missing
     // source 3 to stop growing while events still are built.
     let missing = || -> (u64, u64) {
-        let (_, b) = support::http(addr.trim(), "GET", "/api/live");
+        let (_, b) = support::http(&addr, "GET", "/api/live");
         let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
         let b = v["live"]["builders"]
             .as_array()
@@ -2491,7 +2477,7 @@ fn a_fault_rehearsed_from_the_command_line_is_time_boxed_counted_and_kept() {
         "events still missing source 3 after the fault's time: {:?}",
         missing()
     );
-    let (code, _) = support::http(addr.trim(), "POST", "/api/transitions/stop");
+    let (code, _) = support::http(&addr, "POST", "/api/transitions/stop");
     assert_eq!(code, 200);
     p.signal("INT");
     assert!(p.finish(LIMIT).status.success());

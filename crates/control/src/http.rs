@@ -429,6 +429,20 @@ fn json_body(peer: SocketAddr, headers: &HeaderMap, body: &[u8]) -> Result<(), B
     }
 }
 
+/// A state-changing call's JSON body, once the caller is let in: who asked and what.
+fn guarded<T: serde::de::DeserializeOwned>(
+    app: &App,
+    peer: SocketAddr,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<(String, T), Box<Response>> {
+    let who = who(app, peer, headers)?;
+    json_body(peer, headers, body)?;
+    let t = serde_json::from_slice(body)
+        .map_err(|e| Box::new(err(StatusCode::BAD_REQUEST, format!("body: {e}"))))?;
+    Ok((who, t))
+}
+
 /// Comments are bounded: they go into the run database and into one log line.
 fn comment_ok(c: &str) -> Result<(), String> {
     if c.len() > MAX_COMMENT {
@@ -681,15 +695,9 @@ async fn add_note(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let who = match who(&app, peer, &headers)
-        .and_then(|w| json_body(peer, &headers, &body).map(|()| w))
-    {
-        Ok(w) => w,
+    let (who, body): (String, NoteBody) = match guarded(&app, peer, &headers, &body) {
+        Ok(x) => x,
         Err(r) => return *r,
-    };
-    let body: NoteBody = match serde_json::from_slice(&body) {
-        Ok(b) => b,
-        Err(e) => return err(StatusCode::BAD_REQUEST, format!("body: {e}")),
     };
     if body.text.is_empty() {
         return err(StatusCode::BAD_REQUEST, "an empty note");
@@ -810,15 +818,9 @@ async fn inject_fault(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let who = match who(&app, peer, &headers)
-        .and_then(|w| json_body(peer, &headers, &body).map(|()| w))
-    {
-        Ok(w) => w,
+    let (who, f): (String, tessera_run::fault::Fault) = match guarded(&app, peer, &headers, &body) {
+        Ok(x) => x,
         Err(r) => return *r,
-    };
-    let f: tessera_run::fault::Fault = match serde_json::from_slice(&body) {
-        Ok(f) => f,
-        Err(e) => return err(StatusCode::BAD_REQUEST, format!("body: {e}")),
     };
     let ctl = app.ctl.clone();
     match tokio::task::spawn_blocking(move || ctl.fault(&who, &f)).await {
@@ -864,14 +866,9 @@ fn alarm_action(
     body: &[u8],
     action: &str,
 ) -> Response {
-    let who = match who(app, peer, headers).and_then(|w| json_body(peer, headers, body).map(|()| w))
-    {
-        Ok(w) => w,
+    let (who, b): (String, AlarmBody) = match guarded(app, peer, headers, body) {
+        Ok(x) => x,
         Err(r) => return *r,
-    };
-    let b: AlarmBody = match serde_json::from_slice(body) {
-        Ok(b) => b,
-        Err(e) => return err(StatusCode::BAD_REQUEST, format!("body: {e}")),
     };
     let now = crate::controller::unix_ns();
     let (result, until, action) = {
@@ -965,15 +962,9 @@ async fn comment(
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let who = match who(&app, peer, &headers)
-        .and_then(|w| json_body(peer, &headers, &body).map(|()| w))
-    {
-        Ok(w) => w,
+    let (who, body): (String, CommentBody) = match guarded(&app, peer, &headers, &body) {
+        Ok(x) => x,
         Err(r) => return *r,
-    };
-    let body: CommentBody = match serde_json::from_slice(&body) {
-        Ok(b) => b,
-        Err(e) => return err(StatusCode::BAD_REQUEST, format!("body: {e}")),
     };
     if let Err(e) = comment_ok(&body.comment) {
         return err(StatusCode::BAD_REQUEST, e);

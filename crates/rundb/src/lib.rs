@@ -938,31 +938,7 @@ impl RunDb {
     pub fn add_history(&self, points: &[HistoryPoint], now_unix_ns: u64) -> Result<(), DbError> {
         let mut c = self.conn();
         let tx = c.transaction().map_err(|e| self.err(e))?;
-        {
-            let mut st = tx
-                .prepare(
-                    "INSERT OR REPLACE INTO history (run, unix_ns, span_s, events_per_s,
-                     built_bytes_per_s, recorded_bytes_per_s, incomplete_per_s, rejected_per_s,
-                     dead_time_fraction, buffer_fraction)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
-                )
-                .map_err(|e| self.err(e))?;
-            for p in points {
-                st.execute(params![
-                    p.run as i64,
-                    p.unix_ns as i64,
-                    p.span_s,
-                    p.events_per_s,
-                    p.built_bytes_per_s,
-                    p.recorded_bytes_per_s,
-                    p.incomplete_per_s,
-                    p.rejected_per_s,
-                    p.dead_time_fraction,
-                    p.buffer_fraction
-                ])
-                .map_err(|e| self.err(e))?;
-            }
-        }
+        insert_history(&tx, points).map_err(|e| self.err(e))?;
         for (age_s, width_s) in HISTORY_TIERS {
             let width = width_s * 1_000_000_000;
             // Whole buckets only, so that a bucket is averaged once.
@@ -1013,29 +989,7 @@ impl RunDb {
                 params![cut as i64, width_s as f64],
             )
             .map_err(|e| self.err(e))?;
-            let mut st = tx
-                .prepare(
-                    "INSERT OR REPLACE INTO history (run, unix_ns, span_s, events_per_s,
-                     built_bytes_per_s, recorded_bytes_per_s, incomplete_per_s, rejected_per_s,
-                     dead_time_fraction, buffer_fraction)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
-                )
-                .map_err(|e| self.err(e))?;
-            for p in merged {
-                st.execute(params![
-                    p.run as i64,
-                    p.unix_ns as i64,
-                    p.span_s,
-                    p.events_per_s,
-                    p.built_bytes_per_s,
-                    p.recorded_bytes_per_s,
-                    p.incomplete_per_s,
-                    p.rejected_per_s,
-                    p.dead_time_fraction,
-                    p.buffer_fraction
-                ])
-                .map_err(|e| self.err(e))?;
-            }
+            insert_history(&tx, &merged).map_err(|e| self.err(e))?;
         }
         tx.execute(
             "DELETE FROM history WHERE unix_ns < ?1",
@@ -1128,6 +1082,30 @@ fn summary_row(r: &rusqlite::Row) -> rusqlite::Result<RunSummary> {
         balance_holds: r.get(11)?,
         config_origin: r.get(12)?,
     })
+}
+
+fn insert_history(tx: &rusqlite::Transaction, points: &[HistoryPoint]) -> rusqlite::Result<()> {
+    let mut st = tx.prepare(
+        "INSERT OR REPLACE INTO history (run, unix_ns, span_s, events_per_s,
+         built_bytes_per_s, recorded_bytes_per_s, incomplete_per_s, rejected_per_s,
+         dead_time_fraction, buffer_fraction)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+    )?;
+    for p in points {
+        st.execute(params![
+            p.run as i64,
+            p.unix_ns as i64,
+            p.span_s,
+            p.events_per_s,
+            p.built_bytes_per_s,
+            p.recorded_bytes_per_s,
+            p.incomplete_per_s,
+            p.rejected_per_s,
+            p.dead_time_fraction,
+            p.buffer_fraction
+        ])?;
+    }
+    Ok(())
 }
 
 fn alarm_action_row(r: &rusqlite::Row) -> rusqlite::Result<AlarmActionRow> {
