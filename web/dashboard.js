@@ -189,7 +189,11 @@ async function refreshHistograms() {
       const rate = lastTriggers && lastTriggers.run === r.run_number && r.running ? ((n - (lastTriggers.counts[t] || 0)) / ((now - lastTriggers.t) / 1e3)).toFixed(0) : "–";
       return `<tr><td>${esc(t)}</td><td>${n}</td><td>${rate}</td></tr>`;
     }));
-    lastTriggers = { run: r.run_number, t: now, counts: rec.trigger_types };
+    rows($("streams").tBodies[0], Object.entries(rec.streams || {}).map(([name, n]) => {
+      const rate = lastTriggers && lastTriggers.run === r.run_number && r.running ? ((n - ((lastTriggers.streams || {})[name] || 0)) / ((now - lastTriggers.t) / 1e3)).toFixed(0) : "–";
+      return `<tr><td>${esc(name)}</td><td>${n}</td><td>${rate}</td></tr>`;
+    }));
+    lastTriggers = { run: r.run_number, t: now, counts: rec.trigger_types, streams: rec.streams };
   }
 }
 $("hist-pick").addEventListener("change", refreshHistograms);

@@ -110,6 +110,7 @@ try {
   await until("source 3's payload word", async () => (await page.textContent("#plot-hist")).includes("payload word, source 3"));
   assert.equal(await page.getAttribute("#plot-means", "data-sources"), "8");
   await until("events by trigger type", async () => (await page.locator("#trigger-types tbody tr").count()) > 0);
+  await until("events by stream", async () => (await page.textContent("#streams tbody")).startsWith("main"));
   // Each buffer's occupancy over time: one series per readout unit, builder and the recorder.
   await until("the buffer plot", async () => (await page.textContent("#plot-buffers")).includes("RU 1"));
   // A fault rehearsed from the page: refused with the reason where it cannot be done, shown

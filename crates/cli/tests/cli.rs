@@ -2304,8 +2304,8 @@ fn the_histograms_kept_with_a_run_agree_with_its_files() {
         dir.path(),
         "h.toml",
         "[run]\nevents = 3000\n[sources]\ncount = 4\nfragment_size = 300\nsize_spread = 200\n\
-         trigger_types = 3\n[histograms]\npayload_offset = 6\npayload_type = \"u16\"\n\
-         payload_bins = 16\n",
+         trigger_types = 3\n[recorder]\nstreams = { calibration = [2] }\n\
+         [histograms]\npayload_offset = 6\npayload_type = \"u16\"\npayload_bins = 16\n",
     );
     let o = tessera(&["run", &cfg, "--output", out.to_str().unwrap(), "--quiet"]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -2331,16 +2331,25 @@ fn the_histograms_kept_with_a_run_agree_with_its_files() {
     // What the files hold, read through the archive's reader (not the recorder's code).
     let (mut events, mut bytes) = (0u64, 0u64);
     let mut by_type: std::collections::BTreeMap<u16, u64> = Default::default();
+    let mut by_stream: std::collections::BTreeMap<String, u64> = Default::default();
     let mut frags: std::collections::BTreeMap<u32, (u64, u64, u64, f64)> = Default::default();
     for f in std::fs::read_dir(&out).unwrap().flatten() {
         if !f.file_name().to_string_lossy().ends_with(".tsr") {
             continue;
         }
+        // The stream is in the file's name: run000001_calibration_0001.tsr, run000001_0001.tsr.
+        let name = f.file_name().to_string_lossy().to_string();
+        let stream = if name.contains("_calibration_") {
+            "calibration"
+        } else {
+            "main"
+        };
         let mut rd = tessera_verify::FileReader::open(&f.path()).unwrap();
         while let Some((_, raw)) = rd.next_block().unwrap() {
             for e in tessera_verify::events_in(raw) {
                 let e = e.unwrap();
                 events += 1;
+                *by_stream.entry(stream.to_string()).or_default() += 1;
                 bytes += e.bytes.len() as u64;
                 *by_type.entry(e.header.trigger_type).or_default() += 1;
                 let body = e.body();
@@ -2366,6 +2375,10 @@ fn the_histograms_kept_with_a_run_agree_with_its_files() {
         serde_json::from_value(h["trigger_types"].clone()).unwrap();
     assert_eq!(types, by_type);
     assert!(by_type.len() > 1, "{by_type:?}");
+    let streams: std::collections::BTreeMap<String, u64> =
+        serde_json::from_value(h["streams"].clone()).unwrap();
+    assert_eq!(streams, by_stream);
+    assert_eq!(streams.len(), 2, "{streams:?}");
     // Consecutive event IDs 0..2999, all recorded: 2999 pairs of triggers.
     assert_eq!(h["time_between_triggers"]["count"], 2999);
     assert_eq!(frags.len(), 4);

@@ -570,6 +570,14 @@ pub fn live_series(e: &mut Enc<'_, '_>, live: &Live) -> std::fmt::Result {
                 .collect::<Vec<_>>(),
         )?;
         e.counter(
+            "tessera_recorded_events_by_stream",
+            "events the recorder took, by the stream written to (recorder.streams; main for the rest)",
+            &h.streams
+                .iter()
+                .map(|(t, n)| (l1("stream", t), *n))
+                .collect::<Vec<_>>(),
+        )?;
+        e.counter(
             "tessera_recorded_events_by_trigger_type",
             "events the recorder took, by trigger type",
             &h.trigger_types

@@ -120,6 +120,10 @@ pub struct Histograms {
     /// Events by trigger type (the first 256 types; the rest under `other_trigger_types`).
     pub trigger_types: BTreeMap<u16, u64>,
     pub other_trigger_types: u64,
+    /// Events by the stream they are written to (`recorder.streams`, by trigger type; `main`
+    /// for the rest).
+    #[serde(default)]
+    pub streams: BTreeMap<String, u64>,
     /// Fragments of sources beyond the first 4096, counted here and not histogrammed.
     pub sources_not_kept: u64,
     /// Fragments too short for the payload word.
@@ -131,13 +135,20 @@ pub struct Histograms {
 pub struct Filler {
     pub cfg: HistogramsSection,
     pub h: Histograms,
+    /// The stream of each trigger type named in `recorder.streams`.
+    stream_of: BTreeMap<u16, String>,
     /// (event ID, trigger timestamp) by event ID modulo the window.
     triggers: Vec<(u64, u64)>,
 }
 
 impl Filler {
-    pub fn new(cfg: &HistogramsSection) -> Filler {
+    /// `streams`: `recorder.streams` (stream name by trigger types).
+    pub fn new(cfg: &HistogramsSection, streams: &BTreeMap<String, Vec<u16>>) -> Filler {
         Filler {
+            stream_of: streams
+                .iter()
+                .flat_map(|(name, types)| types.iter().map(move |t| (*t, name.clone())))
+                .collect(),
             cfg: cfg.clone(),
             h: Histograms {
                 event_size: Histogram::log2("bytes"),
@@ -164,6 +175,16 @@ impl Filler {
             *types.entry(h.trigger_type).or_default() += 1;
         } else {
             self.h.other_trigger_types += 1;
+        }
+        let stream = self
+            .stream_of
+            .get(&h.trigger_type)
+            .map_or("main", |s| s.as_str());
+        match self.h.streams.get_mut(stream) {
+            Some(n) => *n += 1,
+            None => {
+                self.h.streams.insert(stream.to_string(), 1);
+            }
         }
         self.pair_triggers(h.event_id, h.timestamp);
         let word = self.cfg.payload_type;
@@ -276,13 +297,16 @@ mod tests {
 
     #[test]
     fn sizes_words_triggers_and_pairs_out_of_order_are_counted_once() {
-        let mut f = Filler::new(&HistogramsSection {
-            payload_offset: 2,
-            payload_bins: 4,
-            payload_min: 0.0,
-            payload_max: 400.0,
-            ..Default::default()
-        });
+        let mut f = Filler::new(
+            &HistogramsSection {
+                payload_offset: 2,
+                payload_bins: 4,
+                payload_min: 0.0,
+                payload_max: 400.0,
+                ..Default::default()
+            },
+            &BTreeMap::from([("calibration".to_string(), vec![2])]),
+        );
         // Events 2, 0, 1 (two builders interleave), 1 000 ns apart, then event 9 alone.
         let word = |v: u16| {
             let mut p = vec![0xAA, 0xBB];
@@ -301,6 +325,10 @@ mod tests {
         let h = &f.h;
         assert_eq!(h.event_size.count, 4);
         assert_eq!(h.trigger_types, BTreeMap::from([(1, 3), (2, 1)]));
+        assert_eq!(
+            h.streams,
+            BTreeMap::from([("calibration".to_string(), 1), ("main".to_string(), 3)])
+        );
         assert_eq!(h.time_between_triggers.count, 2, "0-1 and 1-2, once each");
         assert_eq!(h.time_between_triggers.sum, 2000.0);
         assert_eq!(h.time_between_triggers.bins[Histogram::log2_bin(1000)], 2);
@@ -319,7 +347,7 @@ mod tests {
 
     #[test]
     fn a_record_that_does_not_parse_is_skipped_not_trusted() {
-        let mut f = Filler::new(&HistogramsSection::default());
+        let mut f = Filler::new(&HistogramsSection::default(), &BTreeMap::new());
         let mut rec = record(1, 0, 0, &[(0, vec![1, 2, 3, 4])]);
         f.add(&rec[..10]);
         // A fragment claiming more payload than the record holds ends the walk.

@@ -345,7 +345,10 @@ impl Recorder {
     pub fn start(cfg: RecorderConfig) -> std::io::Result<Recorder> {
         let stats = Arc::new(RecorderStats::default());
         if cfg.histograms.enabled {
-            *stats.histograms.lock() = Some(histograms::Filler::new(&cfg.histograms));
+            *stats.histograms.lock() = Some(histograms::Filler::new(
+                &cfg.histograms,
+                &cfg.settings.streams,
+            ));
         }
         let a = &cfg.adopted;
         if !a.files.is_empty() {
