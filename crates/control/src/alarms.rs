@@ -156,7 +156,13 @@ pub enum AlarmActionError {
     UnknownKind(String),
     #[error("a silence of {0} s: from 1 s to 7 days")]
     BadSilence(u64),
+    /// A silence may name an alarm not raised yet, so their number is bounded.
+    #[error("{MAX_SILENCES} silences are in force already: end one first")]
+    TooManySilences,
 }
+
+/// Silences in force at once.
+pub const MAX_SILENCES: usize = 1000;
 
 /// The longest silence, seconds.
 pub const MAX_SILENCE_S: u64 = 7 * 86_400;
@@ -269,6 +275,9 @@ impl Alarms {
         }
         if seconds > MAX_SILENCE_S {
             return Err(AlarmActionError::BadSilence(seconds));
+        }
+        if !self.silences.contains_key(&key) && self.silences.len() >= MAX_SILENCES {
+            return Err(AlarmActionError::TooManySilences);
         }
         let until = unix_ns.saturating_add(seconds * 1_000_000_000);
         if let Some(a) = self.active.get_mut(&key) {
@@ -995,5 +1004,17 @@ mod tests {
         assert!(!v.active[0].unattended());
         a.evaluate(&look(12.0, None, Some(&quiet)), &cfg);
         assert!(a.view().active[0].unattended(), "the silence ended");
+        // Silences of subjects never raised are bounded.
+        for i in 0..MAX_SILENCES {
+            a.silence("buffer_full", &format!("s{i}"), "x", 60, 13_000_000_000)
+                .unwrap();
+        }
+        assert_eq!(
+            a.silence("buffer_full", "one more", "x", 60, 13_000_000_000),
+            Err(AlarmActionError::TooManySilences)
+        );
+        assert!(a
+            .silence("buffer_full", "s7", "x", 0, 13_000_000_000)
+            .is_ok());
     }
 }

@@ -122,6 +122,9 @@ pub struct Controller {
     pub(crate) shared: Arc<Shared>,
 }
 
+/// Fault rehearsals listed as under way at once.
+const MAX_ACTIVE_FAULTS: usize = 1000;
+
 pub fn unix_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -286,6 +289,11 @@ impl Controller {
         if result.is_ok() {
             let mut active = self.shared.faults.lock();
             active.retain(|x| x.until_unix_ns > now);
+            // A source holds one fault at a time (a new one replaces it); the list shown is
+            // bounded all the same, the oldest going first.
+            if active.len() >= MAX_ACTIVE_FAULTS {
+                active.remove(0);
+            }
             active.push(row.clone());
         }
         result.map(|_| row)
