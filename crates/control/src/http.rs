@@ -924,6 +924,7 @@ fn alarm_action(
             Json(v).into_response()
         }
         Err(e @ crate::alarms::AlarmActionError::NotRaised { .. }) => err(StatusCode::NOT_FOUND, e),
+        Err(e @ crate::alarms::AlarmActionError::TooManySilences) => err(StatusCode::CONFLICT, e),
         Err(e) => err(StatusCode::BAD_REQUEST, e),
     }
 }
